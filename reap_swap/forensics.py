@@ -1,0 +1,163 @@
+"""Router statistics turned into answers: how much routed traffic hit experts that were not resident.
+
+Workers only count (per layer and expert: routed selections and routed gate weight). This module
+merges their reports without double counting, compares them with a keep-set, and remembers per
+request what was observed and what was asked for, within a fixed memory bound.
+
+One worker's raw report (what ``worker.reap_read_stats`` returns)::
+
+    {"rank": int, "tp_rank": int, "tp_size": int, "dp_rank": int,
+     "layers": {"<layer>": {"counts": [E ints], "weights": [E floats]}}}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from reap_swap.lru import DEFAULT_MAX_ENTRIES, LRUDict
+
+LayerStats = dict[int, dict[str, list]]  # layer -> {"counts": [E ints], "weights": [E floats]}
+
+
+def _same(a: Mapping, b: Mapping) -> bool:
+    if len(a["weights"]) != len(b["weights"]):
+        return False
+    return list(a["counts"]) == list(b["counts"]) and all(
+        math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9) for x, y in zip(a["weights"], b["weights"], strict=True))
+
+
+def _add_into(total: dict[str, list], stats: Mapping, where: str) -> None:
+    if len(stats["counts"]) != len(total["counts"]) or len(stats["weights"]) != len(total["weights"]):
+        raise ValueError(f"{where}: {len(stats['counts'])} experts, expected {len(total['counts'])}")
+    total["counts"] = [a + b for a, b in zip(total["counts"], stats["counts"])]
+    total["weights"] = [a + b for a, b in zip(total["weights"], stats["weights"])]
+
+
+def _copy(stats: Mapping) -> dict[str, list]:
+    return {"counts": [int(c) for c in stats["counts"]], "weights": [float(w) for w in stats["weights"]]}
+
+
+def aggregate_workers(reports: Sequence[Mapping]) -> dict[int, dict]:
+    """layer -> {"counts", "weights", "tp_disagreement"} over all workers.
+
+    Tensor-parallel ranks route the same tokens identically, so summing them would multiply
+    every count by tp_size: take the lowest tp rank (normally 0) of each data-parallel group, sum
+    over groups, and list in ``tp_disagreement`` every (dp_rank, tp_rank) whose counts differ
+    from its group's reference (a bug worth seeing, never silently averaged away).
+    """
+    groups: dict[int, list[Mapping]] = {}
+    for report in reports:
+        groups.setdefault(int(report.get("dp_rank", 0)), []).append(report)
+
+    out: dict[int, dict] = {}
+    for dp_rank, members in sorted(groups.items()):
+        members = sorted(members, key=lambda r: int(r.get("tp_rank", 0)))
+        reference = {int(k): v for k, v in members[0].get("layers", {}).items()}
+        for layer, stats in reference.items():
+            if layer not in out:
+                out[layer] = {**_copy(stats), "tp_disagreement": []}
+            else:
+                _add_into(out[layer], stats, f"layer {layer}, dp_rank {dp_rank}")
+        for other in members[1:]:
+            layers = {int(k): v for k, v in other.get("layers", {}).items()}
+            for layer in sorted(set(layers) | set(reference)):
+                if layer in layers and layer in reference and _same(reference[layer], layers[layer]):
+                    continue
+                if layer not in out:  # only this non-reference rank saw the layer: count nothing
+                    width = len(layers[layer]["counts"])
+                    out[layer] = {"counts": [0] * width, "weights": [0.0] * width, "tp_disagreement": []}
+                out[layer]["tp_disagreement"].append({"dp_rank": dp_rank, "tp_rank": int(other.get("tp_rank", 0))})
+    return dict(sorted(out.items()))
+
+
+def summarize_router_misses(layer_stats: Mapping[Any, Mapping], keep: Mapping[int, frozenset[int]]) -> dict:
+    """Per layer and in total: routed selections and mass, and the part that hit non-resident experts.
+
+    A layer absent from ``keep`` is not managed by the plan (all its experts resident): no misses.
+    """
+    layers: dict[str, dict] = {}
+    totals = {"observed_selections": 0, "missed_selections": 0, "observed_mass": 0.0, "inactive_mass": 0.0,
+              "inactive_experts": 0}
+    for key, stats in sorted(layer_stats.items(), key=lambda kv: int(kv[0])):
+        layer = int(key)
+        counts, weights = list(stats["counts"]), list(stats["weights"])
+        resident = keep.get(layer)
+        outside = [] if resident is None else [e for e in range(len(counts)) if e not in resident]
+        observed, missed = int(sum(counts)), int(sum(counts[e] for e in outside))
+        mass, inactive_mass = float(sum(weights)), float(sum(weights[e] for e in outside))
+        inactive = [e for e in outside if counts[e] > 0]
+        layers[str(layer)] = {
+            "observed_selections": observed,
+            "missed_selections": missed,
+            "observed_mass": mass,
+            "inactive_mass": inactive_mass,
+            "inactive_experts": inactive,
+            "miss_ratio": missed / observed if observed else 0.0,
+            "inactive_mass_ratio": inactive_mass / mass if mass else 0.0,
+        }
+        for name in ("observed_selections", "missed_selections", "observed_mass", "inactive_mass"):
+            totals[name] += layers[str(layer)][name]
+        totals["inactive_experts"] += len(inactive)
+    totals["miss_ratio"] = totals["missed_selections"] / totals["observed_selections"] if totals["observed_selections"] else 0.0
+    totals["inactive_mass_ratio"] = totals["inactive_mass"] / totals["observed_mass"] if totals["observed_mass"] else 0.0
+    return {"layers": layers, "totals": totals}
+
+
+class StatsLedger:
+    """Accumulated router statistics per request id, bounded to the most recent ``max_entries``.
+
+    ``open`` starts a request (keeping what it already has, so a decode refresh of the same request
+    continues its total); ``close_into`` credits a counter read to a request.
+    """
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES):
+        self._entries: LRUDict[str, LayerStats] = LRUDict(max_entries)
+
+    def open(self, request_id: str) -> None:
+        self._entries[request_id] = self._entries.get(request_id, {})
+
+    def close_into(self, request_id: str, layer_stats: Mapping[Any, Mapping]) -> None:
+        entry = self._entries.get(request_id, {})
+        for key, stats in layer_stats.items():
+            layer = int(key)
+            if layer in entry:
+                _add_into(entry[layer], stats, f"request {request_id!r}, layer {layer}")
+            else:
+                entry[layer] = _copy(stats)
+        self._entries[request_id] = entry
+
+    def get(self, request_id: str) -> LayerStats | None:
+        entry = self._entries.get(request_id)
+        return None if entry is None else {layer: _copy(stats) for layer, stats in entry.items()}
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class ForensicsLog:
+    """Per request: the last swap payload, refresh count, plan identity and whatever else the
+    server wants to show at GET /forensics/{request_id}; bounded like every per-request map."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES):
+        self._entries: LRUDict[str, dict[str, Any]] = LRUDict(max_entries)
+
+    def update(self, request_id: str, **fields: Any) -> dict[str, Any]:
+        """Merge ``fields`` (e.g. last_swap=..., refresh_count=..., plan_identity=...) into the record."""
+        record = {**self._entries.get(request_id, {"request_id": request_id}), **fields}
+        self._entries[request_id] = record
+        return dict(record)
+
+    def get(self, request_id: str) -> dict[str, Any] | None:
+        record = self._entries.get(request_id)
+        return None if record is None else dict(record)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
