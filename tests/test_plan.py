@@ -124,7 +124,7 @@ def test_misspelled_key_is_refused_naming_offender_and_expected_keys(strict30, w
     [issue] = [i for i in report.errors if i.path == offender]
     assert f"unknown key {wrong!r}" in issue.message
     assert f"did you mean {right!r}" in issue.message
-    assert f"expected keys: " in issue.message and right in issue.message.split("expected keys: ")[1]
+    assert "expected keys: " in issue.message and right in issue.message.split("expected keys: ")[1]
 
 
 def _at(doc, where):

@@ -1,6 +1,5 @@
 """`reap-swap validate`: exit codes, error paths and summary on the shared strict30 plan."""
 
-import copy
 import shutil
 import subprocess
 import sys
