@@ -10,7 +10,6 @@ Adding a subcommand (e.g. ``observe``): write a module that defines
     def run(args: argparse.Namespace) -> int: ...    # the process exit code
 
 Its module docstring becomes the subcommand's ``--help`` text. Then add one line to ``COMMANDS``:
-``"observe": ("reap_swap.observe", "run a corpus through vLLM and record routing")``.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ from reap_swap import __version__
 
 # name -> (module, one-line help). Keep alphabetical; one line per subcommand.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "evaluate": ("reap_swap.commands.evaluate", "coverage of a plan on held-out observations (core, slices, oracles)"),
+    "plan": ("reap_swap.commands.plan", "build a plan from observation files (ours or REAP's) within a budget"),
     "validate": ("reap_swap.commands.validate", "check a plan file: schema, semantics, optionally a model's shape"),
 }
 

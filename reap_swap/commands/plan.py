@@ -1,0 +1,89 @@
+"""Build a plan from observation files (ours from ``reap-swap observe`` or REAP's observations_*.pt).
+
+The budget is a share of all expert bytes (--budget-ratio) or GiB (--budget-gib); --core-fraction
+of it goes to the always-resident core, split across layers by marginal hit gain, the rest to
+per-request specialist slices. The plan is validated against the model before it is written; the
+same inputs and flags always give the same bytes (inputs are recorded by SHA-256 in
+scorerArtifacts). See reap_swap/planner.py for the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from reap_swap.model_shape import ModelShapeError, read_model_shape
+from reap_swap.plan import validate_plan_document
+from reap_swap.planner import PlannerConfig, PlannerError, build_plan, plan_bytes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--observations", nargs="+", required=True, metavar="FILE.pt",
+                        help="observation files (torch.save {layer_idx: {field: tensor}}); merged")
+    parser.add_argument("--model", required=True, metavar="PATH",
+                        help="model folder or config.json (layers, experts, expert bytes)")
+    parser.add_argument("--model-name", help="the plan's 'model' field (default: --model as given)")
+    budget = parser.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-ratio", type=float, help="resident experts as a share of all expert bytes")
+    budget.add_argument("--budget-gib", type=float, help="resident experts in GiB")
+    parser.add_argument("--core-fraction", type=float, default=0.75, help="share of the budget for the core")
+    parser.add_argument("--signal", choices=["frequency", "router_mass", "reap"], default="frequency",
+                        help="per-expert value: routed frequency (default), routed gate mass, or REAP "
+                             "saliency (a baseline)")
+    parser.add_argument("--layer-allocation", choices=["greedy", "uniform"], default="greedy",
+                        help="core split across layers: by marginal hit gain (default) or equal counts")
+    parser.add_argument("--slice-size", type=int, help="experts per slice (default: derived from the budget)")
+    parser.add_argument("--slices-per-request", type=int, default=2,
+                        help="slices a request may add per layer; sets the default slice size")
+    parser.add_argument("--candidate-pool-multiplier", type=float, default=1.25)
+    parser.add_argument("--no-reap-guard", dest="reap_guard", action="store_false",
+                        help="do not protect high-REAP-saliency experts")
+    parser.add_argument("--reap-guard-multiple", type=float, default=2.0)
+    parser.add_argument("--reap-guard-max-fraction", type=float, default=0.1)
+    parser.add_argument("--no-super-experts", dest="super_experts", action="store_false",
+                        help="do not force max_activations outliers into the core")
+    parser.add_argument("--super-expert-quantile", type=float, default=99.5)
+    parser.add_argument("--max-refreshes-per-request", type=int, default=1)
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="torch.load with weights_only=False (trusted files only)")
+    parser.add_argument("--out", required=True, type=Path, metavar="plan.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from reap_swap.observations import ObservationError, load_many  # imports torch
+
+    try:
+        config = PlannerConfig(
+            budget_ratio=args.budget_ratio, budget_gib=args.budget_gib, core_fraction=args.core_fraction,
+            signal=args.signal, layer_allocation=args.layer_allocation, slice_size=args.slice_size,
+            slices_per_request=args.slices_per_request,
+            candidate_pool_multiplier=args.candidate_pool_multiplier, reap_guard=args.reap_guard,
+            reap_guard_multiple=args.reap_guard_multiple, reap_guard_max_fraction=args.reap_guard_max_fraction,
+            super_experts=args.super_experts, super_expert_quantile=args.super_expert_quantile,
+            max_refreshes_per_request=args.max_refreshes_per_request)
+        shape = read_model_shape(args.model)
+        observations = load_many(args.observations, allow_pickle=args.allow_pickle)
+        doc = build_plan(observations, shape, config, args.model_name or args.model)
+    except ValidationError as exc:
+        print(f"error: bad planner parameters:\n{exc}", file=sys.stderr)
+        return 2
+    except (ModelShapeError, ObservationError, PlannerError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    report = validate_plan_document(doc, shape)
+    if not report.ok:  # a planner bug: say so, write nothing
+        print("error: the planner produced an invalid plan (a bug); not written:", file=sys.stderr)
+        print(report.format_text(), file=sys.stderr)
+        return 3
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(plan_bytes(doc))
+    s, b = doc["summary"], doc["budget"]
+    print(f"wrote {args.out}: {s['layerCount']} layers, {s['totalCoreExperts']} core experts, "
+          f"{s['totalSlices']} slices; budget {b['swappable_expert_budget_bytes']:,} bytes "
+          f"(core {b['core_budget_bytes']:,}); identity {report.summary['identity'][:16]}")
+    for note in doc["scorerArtifacts"]["notes"]:
+        print(f"note: {note}")
+    return 0
