@@ -1,0 +1,389 @@
+"""The CUDA residency engine: per-expert HBM residency for vLLM's unquantized Triton MoE layers.
+
+Design (measured alternatives in research.md): every supported MoE layer's `w13_weight` and
+`w2_weight` are re-homed into one CUDA virtual-address range per layer, one *unit* per expert
+(w13 rows then w2 rows, padded to the 2 MiB mapping granularity). Each unit is backed by a pinned
+host allocation (the master copy) or by an HBM slot from a pool reserved at load time. The
+parameters become strided views of that range, so vLLM's unchanged Triton kernel reads resident
+experts from HBM and the rest over PCIe in one launch, with bit-identical results, and a swap
+only remaps units: addresses never change, so captured CUDA graphs stay valid.
+
+Lifecycle in a worker process:
+1. `attach_after_load(layer)` runs right after vLLM's `process_weights_after_loading` of each
+   RoutedExperts (installed by `install_post_load_hook`, called from ReapRoutedExperts). The first
+   call reserves the HBM slot pool (the plan's budget) — before vLLM profiles memory, so the KV
+   cache is sized with the pool accounted for. Each layer is converted and its core experts made
+   resident. Unsupported layers are refused with a logged reason and keep vLLM's stock path.
+2. `CudaResidency(...).apply(keep)` (worker RPC, between engine steps) swaps: evict, copy, publish.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .slot_table import PoolCapacityError, SlotTable  # noqa: F401  (re-exported for the worker)
+from .swap import apply_swap
+from . import vmm
+
+logger = logging.getLogger("reap_swap.residency")
+
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+MAX_PADDING_OVERHEAD = 0.5  # refuse layers whose expert units would waste more than this
+
+
+@dataclass
+class LayerEntry:
+    index: int
+    name: str
+    num_experts: int
+    unit_bytes: int
+    expert_bytes: int
+    rng: vmm.MixedRange
+    range_bytes: torch.Tensor  # uint8 view over the whole range (copy source)
+
+
+@dataclass
+class EngineState:
+    """Process-global: one per worker process (one GPU)."""
+
+    device: int
+    plan: Any | None
+    budget_bytes: int
+    granularity: int
+    layers: dict[int, LayerEntry] = field(default_factory=dict)
+    pool: vmm.DeviceSlotPool | None = None
+    table: SlotTable | None = None
+    copy_stream: torch.cuda.Stream | None = None
+    swaps: int = 0
+    bytes_copied_total: int = 0
+    load_seconds: float = 0.0
+
+
+_STATE: EngineState | None = None
+_CONFIG: dict[str, Any] = {}
+
+
+def configure(plan: Any, budget_bytes: int | None = None) -> None:
+    """Give the engine its plan before the model loads (called from the worker process)."""
+    _CONFIG["plan"] = plan
+    _CONFIG["budget_bytes"] = budget_bytes
+
+
+def _configured_plan() -> tuple[Any | None, int | None]:
+    if "plan" not in _CONFIG and os.environ.get("REAP_PLAN_FILE"):
+        from ..plan import load_plan
+
+        _CONFIG["plan"] = load_plan(os.environ["REAP_PLAN_FILE"])
+    return _CONFIG.get("plan"), _CONFIG.get("budget_bytes")
+
+
+def state() -> EngineState | None:
+    return _STATE
+
+
+# ------------------------------------------------------------------------------------------------
+# Load time
+# ------------------------------------------------------------------------------------------------
+def install_post_load_hook(layer: torch.nn.Module) -> None:
+    """Run `attach_after_load(layer)` right after vLLM processes this layer's loaded weights.
+
+    The loader calls `layer.quant_method.process_weights_after_loading(layer)` once per layer in
+    every supported vLLM version; we wrap that bound method on this layer's own quant method (no
+    class is patched).
+    """
+    quant_method = layer.quant_method
+    original = quant_method.process_weights_after_loading
+
+    def process_then_attach(module: torch.nn.Module) -> None:
+        original(module)
+        attach_after_load(module)
+
+    quant_method.process_weights_after_loading = process_then_attach
+
+
+def _refusal(layer: torch.nn.Module) -> str | None:
+    qm = getattr(layer, "quant_method", None)
+    if type(qm).__name__ != "UnquantizedFusedMoEMethod":
+        return f"quantized or custom MoE method {type(qm).__name__} (scales are not pooled)"
+    backend = getattr(qm, "unquantized_backend", None)
+    if backend is None or getattr(backend, "name", str(backend)) != "TRITON":
+        return f"MoE backend {backend} is not vLLM's Triton kernel (use --moe-backend triton)"
+    if getattr(qm, "is_monolithic", False):
+        return "monolithic MoE kernel routes inside the kernel"
+    if getattr(layer, "expert_map", None) is not None:
+        return "expert parallelism (expert_map set) is not supported"
+    if getattr(layer, "w13_bias", None) is not None or getattr(layer, "w2_bias", None) is not None:
+        return "expert biases are not pooled"
+    w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
+    if w13 is None or w2 is None or w13.dim() != 3 or w2.dim() != 3:
+        return "w13_weight / w2_weight missing or not 3-D"
+    if w13.device.type != "cuda":
+        return f"weights on {w13.device}, not CUDA"
+    if w13.dtype not in (torch.bfloat16, torch.float16) or w2.dtype != w13.dtype:
+        return f"dtype {w13.dtype} not supported (bf16/fp16 only)"
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        return "last dimension not contiguous"
+    return None
+
+
+def _layer_index(layer: torch.nn.Module) -> int | None:
+    match = _LAYER_RE.search(getattr(layer, "layer_name", "") + ".")
+    return int(match.group(1)) if match else None
+
+
+def _state_for(layer: torch.nn.Module) -> EngineState:
+    global _STATE
+    if _STATE is None:
+        device = layer.w13_weight.device.index or torch.cuda.current_device()
+        granularity = vmm.ensure_available(device)
+        plan, budget = _configured_plan()
+        _STATE = EngineState(device=device, plan=plan, budget_bytes=0, granularity=granularity)
+        _STATE.copy_stream = torch.cuda.Stream(device=device)
+        if plan is not None:
+            _STATE.budget_bytes = int(budget if budget is not None else plan.swappable_budget_bytes)
+    return _STATE
+
+
+def _ensure_pool(st: EngineState, unit_bytes: int) -> None:
+    if st.pool is not None:
+        return
+    per_expert = int(st.plan.per_expert_bytes) if st.plan is not None else unit_bytes
+    num_slots = st.budget_bytes // max(per_expert, 1)
+    t0 = time.perf_counter()
+    st.pool = vmm.DeviceSlotPool.create(num_slots, unit_bytes, st.device)
+    st.table = SlotTable(num_slots)
+    logger.info(
+        "reap-swap: reserved HBM pool of %d expert slots (%.2f GiB, unit %.2f MiB) in %.2fs",
+        num_slots, st.pool.nbytes / 2**30, unit_bytes / 2**20, time.perf_counter() - t0,
+    )
+
+
+def unit_bytes_for(w13: torch.Tensor, w2: torch.Tensor, granularity: int) -> tuple[int, int]:
+    """(expert bytes, mapping-unit bytes): one expert's w13 and w2 rows, padded to the granularity."""
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    return expert_bytes, -(-expert_bytes // granularity) * granularity
+
+
+def rehome(
+    w13: torch.Tensor, w2: torch.Tensor, unit_bytes: int, device: int
+) -> tuple[vmm.MixedRange, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copy [E, ...] expert weights into a new host-backed mixed range; return it and the views.
+
+    Unit e holds w13[e] then w2[e]; the views keep the kernel's layout (last dim contiguous) with
+    an expert stride of one unit.
+    """
+    num_experts, elem = w13.shape[0], w13.element_size()
+    rng = vmm.MixedRange.create_host_backed(num_experts, unit_bytes, device)
+    range_bytes = rng.as_bytes()
+    flat = range_bytes.view(w13.dtype)
+    unit_elems = unit_bytes // elem
+    new_w13 = flat.as_strided(tuple(w13.shape), (unit_elems, w13.shape[2], 1), 0)
+    new_w2 = flat.as_strided(tuple(w2.shape), (unit_elems, w2.shape[2], 1), w13[0].numel())
+    new_w13.copy_(w13)
+    new_w2.copy_(w2)
+    torch.cuda.synchronize(device)
+    return rng, range_bytes, new_w13, new_w2
+
+
+_REFUSED: dict[str, str] = {}  # layer name -> reason (kept even when no engine state exists)
+_REFUSED_ON_HBM: dict[int, bool] = {}  # refused layer index -> its experts sit in HBM (not UVA)
+
+
+def _refuse(layer: torch.nn.Module, index: int | None, reason: str) -> None:
+    """Leave this layer on vLLM's stock path, loudly: each refusal names its reason."""
+    name = getattr(layer, "layer_name", "?")
+    _REFUSED[name] = reason
+    if index is not None:
+        _REFUSED_ON_HBM[index] = not getattr(layer.w13_weight, "_vllm_is_uva_offloaded", False)
+    logger.warning("reap-swap: layer %s keeps vLLM's stock expert path: %s", name, reason)
+
+
+def _check_layer(layer: torch.nn.Module, index: int | None) -> tuple[EngineState | None, str | None]:
+    reason = _refusal(layer)
+    if reason is None and index is None:
+        reason = f"cannot read the layer index from {getattr(layer, 'layer_name', '?')!r}"
+    if reason is not None:
+        return None, reason
+    try:
+        st = _state_for(layer)
+    except vmm.VmmUnavailable as exc:
+        return None, f"CUDA virtual memory unavailable: {exc}"
+    if st.plan is not None and index not in st.plan.layers:
+        return None, f"layer {index} is not in the plan"
+    expert_bytes, unit_bytes = unit_bytes_for(layer.w13_weight, layer.w2_weight, st.granularity)
+    if unit_bytes > expert_bytes * (1 + MAX_PADDING_OVERHEAD):
+        return None, (
+            f"expert of {expert_bytes} B pads to a {unit_bytes} B mapping unit "
+            f"(> {MAX_PADDING_OVERHEAD:.0%} overhead)"
+        )
+    if st.pool is not None and st.pool.unit_bytes != unit_bytes:
+        return None, "expert unit size differs from the first layer's (mixed shapes not pooled)"
+    return st, None
+
+
+def attach_after_load(layer: torch.nn.Module) -> None:
+    """Re-home one loaded MoE layer into a mixed range, then make its core experts resident."""
+    index = _layer_index(layer)
+    st, reason = _check_layer(layer, index)
+    if reason is not None:
+        _refuse(layer, index, reason)
+        return
+    t0 = time.perf_counter()
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    name, num_experts = layer.layer_name, w13.shape[0]
+    expert_bytes, unit_bytes = unit_bytes_for(w13, w2, st.granularity)
+    _ensure_pool(st, unit_bytes)
+    rng, range_bytes, new_w13, new_w2 = rehome(w13.data, w2.data, unit_bytes, st.device)
+    layer.w13_weight.data = new_w13
+    layer.w2_weight.data = new_w2
+    layer._reap_vmm = True
+    st.layers[index] = LayerEntry(index, name, num_experts, unit_bytes, expert_bytes, rng, range_bytes)
+
+    if st.plan is not None:
+        core = {index: sorted(st.plan.layers[index].core)}
+        current = {l: set(v) for l, v in st.table.resident().items()}
+        current[index] = set(core[index])
+        swap_state(st, current)
+    torch.cuda.empty_cache()
+    st.load_seconds += time.perf_counter() - t0
+    logger.info(
+        "reap-swap: layer %d re-homed (%d experts, unit %.2f MiB, %d resident) in %.2fs",
+        index, num_experts, unit_bytes / 2**20,
+        len(st.table.resident().get(index, ())), time.perf_counter() - t0,
+    )
+
+
+def standalone_state(
+    layers: Mapping[int, tuple[torch.Tensor, torch.Tensor]], num_slots: int, device: int = 0
+) -> tuple[EngineState, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """An engine over plain [E, ...] weight tensors, outside vLLM (GPU tests and benchmarks).
+
+    Returns the state and, per layer, the (w13, w2) views that a kernel should read.
+    """
+    st = EngineState(device=device, plan=None, budget_bytes=0, granularity=vmm.ensure_available(device))
+    st.copy_stream = torch.cuda.Stream(device=device)
+    views = {}
+    for index, (w13, w2) in layers.items():
+        expert_bytes, unit_bytes = unit_bytes_for(w13, w2, st.granularity)
+        if st.pool is None:
+            st.pool = vmm.DeviceSlotPool.create(num_slots, unit_bytes, device)
+            st.table = SlotTable(num_slots)
+        rng, range_bytes, v13, v2 = rehome(w13, w2, unit_bytes, device)
+        st.layers[index] = LayerEntry(index, f"layer{index}", w13.shape[0], unit_bytes, expert_bytes, rng, range_bytes)
+        views[index] = (v13, v2)
+    return st, views
+
+
+def swap_state(st: EngineState, target: Mapping[int, Any]):
+    """apply_swap over an engine state (what CudaResidency.apply does, minus the bookkeeping)."""
+    return apply_swap(st.table, _Store(st), target)
+
+
+# ------------------------------------------------------------------------------------------------
+# Swap time
+# ------------------------------------------------------------------------------------------------
+class _Store:
+    """swap.ExpertStore over the VMM ranges and the slot pool."""
+
+    def __init__(self, st: EngineState) -> None:
+        self.st = st
+        # only the payload moves: the unit's padding to the mapping granularity is never read
+        self.bytes_per_expert = next(iter(st.layers.values())).expert_bytes if st.layers else 0
+        self._staging = st.pool.staging_bytes() if st.pool and st.pool.num_slots else None
+
+    def quiesce(self) -> None:
+        torch.cuda.synchronize(self.st.device)
+
+    def map_host(self, layer: int, expert: int) -> None:
+        self.st.layers[layer].rng.map_host(expert)
+
+    def start_copy(self, layer: int, expert: int, slot: int) -> Any:
+        entry, ub, n = self.st.layers[layer], self.st.pool.unit_bytes, self.bytes_per_expert
+        with torch.cuda.stream(self.st.copy_stream):
+            self._staging[slot * ub:slot * ub + n].copy_(
+                entry.range_bytes[expert * ub:expert * ub + n], non_blocking=True
+            )
+            event = torch.cuda.Event()
+            event.record(self.st.copy_stream)
+        return event
+
+    def wait_copy(self, token: Any) -> None:
+        token.synchronize()
+
+    def map_slot(self, layer: int, expert: int, slot: int) -> None:
+        self.st.layers[layer].rng.map_device(expert, self.st.pool.handles[slot])
+
+
+class CudaResidency:
+    """The worker's residency backend on CUDA (see worker.make_residency_backend)."""
+
+    mode = "cuda"
+
+    def __init__(self, worker: Any = None, plan: Any = None, settings: Any = None) -> None:
+        if _STATE is None or not _STATE.layers:
+            reasons = "; ".join(f"{k}: {v}" for k, v in _REFUSED.items())
+            raise RuntimeError(
+                "no MoE layer was re-homed at load time" + (f" ({reasons})" if reasons else "")
+            )
+        self.st = _STATE
+
+    def capacity_bytes(self) -> int:
+        plan = self.st.plan
+        per_expert = int(plan.per_expert_bytes) if plan is not None else self.st.pool.unit_bytes
+        return self.st.table.num_slots * per_expert
+
+    def apply(self, keep: Mapping[int, Any]) -> dict:
+        """Make exactly `keep` (core included) resident on the re-homed layers."""
+        target = {int(l): sorted(int(e) for e in v) for l, v in keep.items() if int(l) in self.st.layers}
+        ignored = sorted(int(l) for l in keep if int(l) not in self.st.layers)
+        t0 = time.perf_counter()
+        result = swap_state(self.st, target)  # PoolCapacityError: nothing moved
+        seconds = time.perf_counter() - t0
+        self.st.swaps += 1
+        self.st.bytes_copied_total += result.bytes_copied
+        return {
+            "mode": self.mode,
+            "bytes_copied": result.bytes_copied,
+            "seconds": seconds,
+            "gbps": (result.bytes_copied / seconds / 1e9) if seconds > 0 else 0.0,
+            "phases": result.phases,
+            "evicted": len(result.plan.evict),
+            "admitted": len(result.plan.admit),
+            "reused": result.plan.reused,
+            "ignored_layers": ignored,
+            "note": "experts remapped between pinned host memory and HBM slots (CUDA VMM)",
+        }
+
+    def resident(self) -> dict[int, frozenset[int]]:
+        out = {l: frozenset() for l in self.st.layers}
+        out.update(self.st.table.resident())
+        for index, on_hbm in _REFUSED_ON_HBM.items():
+            if index not in out:
+                num = self.st.plan.layers[index].num_experts if self.st.plan and index in self.st.plan.layers else 0
+                out[index] = frozenset(range(num)) if on_hbm else frozenset()
+        return out
+
+    def status(self) -> dict:
+        st = self.st
+        return {
+            "mode": self.mode,
+            "device": st.device,
+            "layers_rehomed": sorted(st.layers),
+            "refused_layers": dict(_REFUSED),
+            "pool_slots": st.table.num_slots,
+            "pool_slots_used": st.table.used,
+            "pool_hbm_bytes": st.pool.nbytes,
+            "unit_bytes": st.pool.unit_bytes,
+            "capacity_bytes": self.capacity_bytes(),
+            "swaps": st.swaps,
+            "bytes_copied_total": st.bytes_copied_total,
+            "load_seconds": st.load_seconds,
+        }

@@ -1,0 +1,94 @@
+"""ReapRoutedExperts: vLLM's RoutedExperts plus routed-selection counters, via register_oot.
+
+Why register_oot and not a hook: `RoutedExperts` is a PluggableLayer, so an out-of-tree class
+registered under its name is what the model builds -- in every worker, before weights load and
+before torch.compile / CUDA-graph capture, so the counting ops become part of what is compiled
+and replayed. A capture function installed after startup counts nothing in compiled mode.
+
+`register()` runs at import of reap_swap.worker (the --worker-extension-cls module), which vLLM
+imports in every worker process before building the model.
+
+Counting happens in `forward_modular`, where the router's (topk_weights, topk_ids) arrive
+(physical ids; identical to logical ids unless EPLB is on). Monolithic kernels (e.g. FlashInfer
+TRTLLM on some GPUs) route inside the kernel: those layers cannot be counted and say so in status.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from reap_swap import compat
+from reap_swap.residency import counters
+from reap_swap.settings import ADDITIONAL_CONFIG_KEY
+
+log = logging.getLogger("reap_swap.experts")
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+RoutedExperts = compat.routed_experts_class()
+
+
+def layer_index_from_name(layer_name: str) -> int | None:
+    """'model.layers.3.mlp.experts' -> 3 (the decoder layer; the plan's layer_N)."""
+    m = _LAYER_RE.search(layer_name)
+    return int(m.group(1)) if m else None
+
+
+def _coactivation_enabled() -> bool:
+    cfg = compat.current_vllm_config()
+    extra = getattr(cfg, "additional_config", None) or {}
+    reap = extra.get(ADDITIONAL_CONFIG_KEY, {}) if isinstance(extra, dict) else {}
+    return bool(reap.get("coactivation", False))
+
+
+class ReapRoutedExperts(RoutedExperts):
+    """Counts every routed selection into fixed buffers, then runs the stock experts."""
+
+    def __init__(self, layer_name: str, *args, **kwargs):
+        super().__init__(layer_name, *args, **kwargs)
+        self.reap_layer_index = layer_index_from_name(layer_name)
+        counters.register_counters(self, int(self.global_num_experts), _coactivation_enabled())
+        # A residency engine may set this (before compile/capture) to take over the expert
+        # computation: an object with forward_modular(layer, x, topk_weights, topk_ids, ...).
+        self.reap_residency = None
+
+    def forward_modular(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        shared_experts=None, shared_experts_input: torch.Tensor | None = None):
+        counters.record(self, topk_ids, topk_weights)
+        if self.reap_residency is not None:
+            return self.reap_residency.forward_modular(
+                self, x=x, topk_weights=topk_weights, topk_ids=topk_ids,
+                shared_experts=shared_experts, shared_experts_input=shared_experts_input)
+        return super().forward_modular(x=x, topk_weights=topk_weights, topk_ids=topk_ids,
+                                       shared_experts=shared_experts,
+                                       shared_experts_input=shared_experts_input)
+
+    @property
+    def reap_countable(self) -> bool:
+        """False when the kernel routes internally (forward_modular is never called)."""
+        return not bool(getattr(self.quant_method, "is_monolithic", False))
+
+
+def register() -> None:
+    """Make vLLM build ReapRoutedExperts wherever it would build RoutedExperts (idempotent)."""
+    registry = compat.oot_registry()
+    current = registry.get(RoutedExperts.__name__)
+    if current is ReapRoutedExperts:
+        return
+    if current is not None:
+        raise RuntimeError(
+            f"reap-swap cannot count router selections: {current.__module__}.{current.__qualname__} "
+            f"is already registered as the out-of-tree RoutedExperts; two replacements cannot both apply")
+    RoutedExperts.register_oot(ReapRoutedExperts)
+    log.debug("registered ReapRoutedExperts as the out-of-tree RoutedExperts")
+
+
+def find_layers(model: torch.nn.Module) -> dict[int, ReapRoutedExperts]:
+    """Plan layer index -> this worker's ReapRoutedExperts module."""
+    out: dict[int, ReapRoutedExperts] = {}
+    for module in model.modules():
+        if isinstance(module, ReapRoutedExperts) and module.reap_layer_index is not None:
+            out[module.reap_layer_index] = module
+    return dict(sorted(out.items()))

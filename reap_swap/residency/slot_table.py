@@ -1,0 +1,104 @@
+"""Which expert occupies which HBM slot: the bookkeeping of a swap, with no GPU in it.
+
+The CUDA engine owns a fixed pool of HBM slots, reserved at startup so that vLLM sizes the KV cache
+with the pool already accounted for. A swap is planned here first (evictions, then admissions into
+the slots the evictions freed), checked against the pool's capacity before anything moves, and
+committed step by step as the engine carries each step out, so that the table always says what
+the device really holds, also after a failure half-way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+class PoolCapacityError(ValueError):
+    """The requested resident set needs more HBM slots than the pool has."""
+
+    def __init__(self, needed: int, capacity: int) -> None:
+        self.needed = needed
+        self.capacity = capacity
+        self.overflow = needed - capacity
+        super().__init__(
+            f"resident set needs {needed} expert slots but the HBM pool has {capacity} "
+            f"(overflow {self.overflow} experts)"
+        )
+
+
+@dataclass(frozen=True)
+class SlotStep:
+    layer: int
+    expert: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class SwapPlan:
+    """Evictions first (they free slots), then admissions into free slots; reused stay put."""
+
+    evict: tuple[SlotStep, ...]
+    admit: tuple[SlotStep, ...]
+    reused: int
+
+    @property
+    def is_noop(self) -> bool:
+        return not self.evict and not self.admit
+
+
+@dataclass
+class SlotTable:
+    num_slots: int
+    _where: dict[tuple[int, int], int] = field(default_factory=dict)
+    _free: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 0:
+            raise ValueError("num_slots must be >= 0")
+        # lowest slot first, so the layout is deterministic
+        self._free = sorted(set(range(self.num_slots)) - set(self._where.values()), reverse=True)
+
+    # -- queries -------------------------------------------------------------------------------
+    def slot_of(self, layer: int, expert: int) -> int | None:
+        return self._where.get((layer, expert))
+
+    def resident(self) -> dict[int, frozenset[int]]:
+        out: dict[int, set[int]] = {}
+        for layer, expert in self._where:
+            out.setdefault(layer, set()).add(expert)
+        return {layer: frozenset(experts) for layer, experts in sorted(out.items())}
+
+    @property
+    def used(self) -> int:
+        return len(self._where)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    # -- planning ------------------------------------------------------------------------------
+    def plan(self, target: Mapping[int, Iterable[int]]) -> SwapPlan:
+        """Plan the move to `target` (layers absent from `target` keep nothing resident)."""
+        wanted = {(int(layer), int(e)) for layer, experts in target.items() for e in experts}
+        if len(wanted) > self.num_slots:
+            raise PoolCapacityError(len(wanted), self.num_slots)
+        current = set(self._where)
+        evict = tuple(SlotStep(layer, e, self._where[(layer, e)]) for layer, e in sorted(current - wanted))
+        free_after = sorted([s.slot for s in evict] + self._free)
+        admit_keys = sorted(wanted - current)
+        admit = tuple(SlotStep(layer, e, free_after[i]) for i, (layer, e) in enumerate(admit_keys))
+        return SwapPlan(evict=evict, admit=admit, reused=len(current & wanted))
+
+    # -- commits (one per step actually carried out) -------------------------------------------
+    def commit_evict(self, step: SlotStep) -> None:
+        slot = self._where.pop((step.layer, step.expert))
+        if slot != step.slot:
+            raise AssertionError(f"slot table out of sync: {step} held slot {slot}")
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+    def commit_admit(self, step: SlotStep) -> None:
+        if (step.layer, step.expert) in self._where:
+            raise AssertionError(f"expert already resident: {step}")
+        self._free.remove(step.slot)
+        self._where[(step.layer, step.expert)] = step.slot

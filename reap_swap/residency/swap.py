@@ -1,0 +1,118 @@
+"""Carry out a planned swap against an expert store, and undo it if a step fails.
+
+The order is the issue's contract: validate (capacity) before anything moves; release the evicted
+experts first, so HBM use never exceeds the pool; copy the admitted experts host->device; publish
+each one (remap) once its copy has landed. The host copy is the master, so an eviction copies
+nothing. Every expert is at every moment backed by either its host master or a slot holding the
+same bytes, so a forward pass that runs after a failure still reads correct weights; the table is
+committed step by step, so it says what the device really holds. On a failure the swap is rolled
+back to the previous resident set (re-copying what the failed swap overwrote), and the error is
+re-raised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .slot_table import SlotTable, SwapPlan
+
+
+class ExpertStore(Protocol):
+    """The data path: where an expert's bytes live and how they move (CUDA VMM, or a test fake)."""
+
+    bytes_per_expert: int
+
+    def quiesce(self) -> None:
+        """Wait until no kernel can be reading the ranges about to be remapped."""
+
+    def map_host(self, layer: int, expert: int) -> None:
+        """Back the expert by its host master again (evict: nothing is copied)."""
+
+    def start_copy(self, layer: int, expert: int, slot: int) -> Any:
+        """Start copying the expert's host master into HBM slot `slot`; return a waitable token."""
+
+    def wait_copy(self, token: Any) -> None:
+        """Block until the copy behind `token` has landed."""
+
+    def map_slot(self, layer: int, expert: int, slot: int) -> None:
+        """Back the expert by HBM slot `slot` (publish: kernels now read it from HBM)."""
+
+
+class SwapFailed(RuntimeError):
+    """A swap step failed; `rolled_back` says whether the previous resident set was restored."""
+
+    def __init__(self, message: str, rolled_back: bool, resident: dict[int, frozenset[int]]):
+        super().__init__(message)
+        self.rolled_back = rolled_back
+        self.resident = resident
+
+
+@dataclass
+class SwapResult:
+    plan: SwapPlan
+    bytes_copied: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+
+def _execute(table: SlotTable, store: ExpertStore, plan: SwapPlan) -> SwapResult:
+    result = SwapResult(plan=plan)
+    t0 = time.perf_counter()
+    store.quiesce()  # no kernel may read a range while it is remapped
+    t1 = time.perf_counter()
+    # Copies into slots that are free now can start at once; they overlap the eviction remaps
+    # and the admission remaps of experts whose copies have already landed. A slot freed by an
+    # eviction is written only after that eviction, so a failure never leaves a stale mapping.
+    free_now = set(range(table.num_slots)) - {table.slot_of(s.layer, s.expert) for s in plan.evict}
+    tokens = {s: store.start_copy(s.layer, s.expert, s.slot) for s in plan.admit if s.slot in free_now}
+    t2 = time.perf_counter()
+    for step in plan.evict:
+        store.map_host(step.layer, step.expert)
+        table.commit_evict(step)
+    t3 = time.perf_counter()
+    for step in plan.admit:
+        if step not in tokens:
+            tokens[step] = store.start_copy(step.layer, step.expert, step.slot)
+    for step in plan.admit:
+        store.wait_copy(tokens[step])
+        store.map_slot(step.layer, step.expert, step.slot)
+        table.commit_admit(step)
+        result.bytes_copied += store.bytes_per_expert
+    t4 = time.perf_counter()
+    result.phases = {
+        "quiesce": t1 - t0,
+        "copy_issue": t2 - t1,
+        "evict": t3 - t2,
+        "admit": t4 - t3,
+    }
+    return result
+
+
+def apply_swap(
+    table: SlotTable, store: ExpertStore, target: Mapping[int, Iterable[int]]
+) -> SwapResult:
+    """Move the store to `target`; raises PoolCapacityError before anything moves, SwapFailed after."""
+    plan = table.plan(target)  # capacity check: nothing has moved yet
+    if plan.is_noop:
+        return SwapResult(plan=plan)
+    previous = table.resident()
+    try:
+        return _execute(table, store, plan)
+    except Exception as exc:  # roll back to the previous set, then report
+        try:
+            _execute(table, store, table.plan(previous))
+            rolled_back = True
+        except Exception:  # the table still says what the device holds
+            rolled_back = False
+        raise SwapFailed(
+            f"swap failed ({type(exc).__name__}: {exc}); "
+            + ("previous resident set restored" if rolled_back else "rollback failed too"),
+            rolled_back=rolled_back,
+            resident=table.resident(),
+        ) from exc

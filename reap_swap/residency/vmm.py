@@ -1,0 +1,221 @@
+"""CUDA virtual memory: one address range whose pieces are backed by HBM or by pinned host memory.
+
+Why: vLLM's MoE kernels read an expert's weights at `base + expert * stride`. If that range is a
+CUDA virtual-address reservation, each expert's piece ("unit") can be mapped to a host-located
+allocation (read over PCIe, like UVA) or to a device allocation (HBM), and a swap remaps pieces
+without changing any address, so the unchanged kernel gives bit-identical results and captured
+CUDA graphs stay valid. Measured on the H200 in shared/notes/cuda-vmm.md.
+
+Only the driver API is used (cuda-python's `cuda.bindings.driver`); everything is synchronous and
+called between engine steps. Nothing here knows about vLLM or experts beyond "units".
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+try:  # cuda-python >= 12.6 layout first, then the older `cuda.cuda` module
+    from cuda.bindings import driver as _drv
+except ImportError:  # pragma: no cover - depends on the installed cuda-python
+    try:
+        from cuda import cuda as _drv  # type: ignore[no-redef]
+    except ImportError:
+        _drv = None
+
+
+class VmmUnavailable(RuntimeError):
+    """The CUDA driver API or virtual memory management is not usable here."""
+
+
+def _check(result: tuple) -> Any:
+    err, *rest = result
+    if int(err) != 0:
+        name = _drv.cuGetErrorName(err)[1] if _drv is not None else err
+        raise RuntimeError(f"CUDA driver error {int(err)} ({name!r})")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def _prop(location: str, device: int) -> Any:
+    prop = _drv.CUmemAllocationProp()
+    prop.type = _drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    if location == "device":
+        prop.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+    else:
+        prop.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+        prop.location.id = 0
+    return prop
+
+
+def ensure_available(device: int) -> int:
+    """Return the mapping granularity (bytes) or raise VmmUnavailable naming the reason."""
+    if _drv is None:
+        raise VmmUnavailable("cuda-python (cuda.bindings.driver) is not installed")
+    if not torch.cuda.is_available():
+        raise VmmUnavailable("CUDA is not available")
+    torch.cuda.init()
+    _check(_drv.cuInit(0))
+    attrs = _drv.CUdevice_attribute
+    for attr in (
+        attrs.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+        attrs.CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+    ):
+        if not _check(_drv.cuDeviceGetAttribute(attr, device)):
+            raise VmmUnavailable(f"device {device} lacks {attr.name}")
+    option = _drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    return max(
+        int(_check(_drv.cuMemGetAllocationGranularity(_prop(loc, device), option)))
+        for loc in ("device", "host")
+    )
+
+
+class _ArrayInterface:
+    """Lets torch wrap a raw device address without owning it."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def _access_desc(device: int) -> Any:
+    desc = _drv.CUmemAccessDesc()
+    desc.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = device
+    desc.flags = _drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
+@dataclass
+class MixedRange:
+    """`num_units` pieces of `unit_bytes` each, every piece backed by host or by a device handle."""
+
+    num_units: int
+    unit_bytes: int
+    device: int
+    base: int = 0
+    host_handles: list[Any] = field(default_factory=list)
+    backing: list[Any] = field(default_factory=list)  # None = host, else the device handle mapped
+
+    @classmethod
+    def create_host_backed(cls, num_units: int, unit_bytes: int, device: int) -> "MixedRange":
+        rng = cls(num_units, unit_bytes, device)
+        size = num_units * unit_bytes
+        rng.base = int(_check(_drv.cuMemAddressReserve(size, 0, 0, 0)))
+        prop = _prop("host", device)
+        try:
+            for unit in range(num_units):
+                handle = _check(_drv.cuMemCreate(unit_bytes, prop, 0))
+                rng.host_handles.append(handle)
+                _check(_drv.cuMemMap(rng.base + unit * unit_bytes, unit_bytes, 0, handle, 0))
+                rng.backing.append(None)
+            _check(_drv.cuMemSetAccess(rng.base, size, [_access_desc(device)], 1))
+        except Exception:
+            rng.release()
+            raise
+        return rng
+
+    def as_bytes(self) -> torch.Tensor:
+        """A uint8 CUDA tensor over the whole range (the caller views/strides it)."""
+        nbytes = self.num_units * self.unit_bytes
+        return torch.as_tensor(_ArrayInterface(self.base, nbytes), device=f"cuda:{self.device}")
+
+    def unit_address(self, unit: int) -> int:
+        return self.base + unit * self.unit_bytes
+
+    def _remap(self, unit: int, handle: Any) -> None:
+        addr = self.unit_address(unit)
+        _check(_drv.cuMemUnmap(addr, self.unit_bytes))
+        _check(_drv.cuMemMap(addr, self.unit_bytes, 0, handle, 0))
+        _check(_drv.cuMemSetAccess(addr, self.unit_bytes, [_access_desc(self.device)], 1))
+
+    def map_device(self, unit: int, handle: Any) -> None:
+        """Back `unit` by a device allocation that already holds the unit's bytes."""
+        self._remap(unit, handle)
+        self.backing[unit] = handle
+
+    def map_host(self, unit: int) -> None:
+        """Back `unit` by its host master again; the device allocation is left to the caller."""
+        if self.backing[unit] is None:
+            return
+        self._remap(unit, self.host_handles[unit])
+        self.backing[unit] = None
+
+    def release(self) -> None:
+        size = self.num_units * self.unit_bytes
+        for unit, handle in enumerate(self.host_handles):
+            try:
+                _drv.cuMemUnmap(self.unit_address(unit), self.unit_bytes)
+            finally:
+                _drv.cuMemRelease(handle)
+        if self.base:
+            _drv.cuMemAddressFree(self.base, size)
+        self.host_handles.clear()
+        self.backing.clear()
+        self.base = 0
+
+
+@dataclass
+class DeviceSlotPool:
+    """A fixed set of HBM allocations, each also mapped at a staging address to copy into.
+
+    Reserved once at startup (the HBM budget), never freed while serving: a swap only changes
+    which weight-range unit each slot is mapped at, so HBM use never exceeds the pool.
+    """
+
+    num_slots: int
+    unit_bytes: int
+    device: int
+    staging_base: int = 0
+    handles: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, num_slots: int, unit_bytes: int, device: int) -> "DeviceSlotPool":
+        pool = cls(num_slots, unit_bytes, device)
+        if num_slots == 0:
+            return pool
+        size = num_slots * unit_bytes
+        pool.staging_base = int(_check(_drv.cuMemAddressReserve(size, 0, 0, 0)))
+        prop = _prop("device", device)
+        try:
+            for slot in range(num_slots):
+                handle = _check(_drv.cuMemCreate(unit_bytes, prop, 0))
+                pool.handles.append(handle)
+                _check(_drv.cuMemMap(pool.staging_base + slot * unit_bytes, unit_bytes, 0, handle, 0))
+            _check(_drv.cuMemSetAccess(pool.staging_base, size, [_access_desc(device)], 1))
+        except Exception:
+            pool.release()
+            raise
+        return pool
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.unit_bytes
+
+    def staging_bytes(self) -> torch.Tensor:
+        return torch.as_tensor(
+            _ArrayInterface(self.staging_base, max(self.nbytes, 1)), device=f"cuda:{self.device}"
+        )
+
+    def release(self) -> None:
+        for slot, handle in enumerate(self.handles):
+            try:
+                _drv.cuMemUnmap(self.staging_base + slot * self.unit_bytes, self.unit_bytes)
+            finally:
+                _drv.cuMemRelease(handle)
+        if self.staging_base:
+            _drv.cuMemAddressFree(self.staging_base, self.nbytes)
+        self.handles.clear()
+        self.staging_base = 0

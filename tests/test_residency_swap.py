@@ -1,0 +1,138 @@
+"""The swap bookkeeping and its failure handling, against a fake expert store (no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reap_swap.residency.slot_table import PoolCapacityError, SlotTable
+from reap_swap.residency.swap import SwapFailed, apply_swap
+
+LAYERS, EXPERTS = 3, 8
+
+
+class FakeStore:
+    """Host masters, HBM slots and a per-expert mapping, like the VMM store, in Python objects."""
+
+    bytes_per_expert = 100
+
+    def __init__(self, num_slots: int, fail_at_map: int | None = None):
+        self.master = {(l, e): f"w{l}.{e}" for l in range(LAYERS) for e in range(EXPERTS)}
+        self.slots: list[str | None] = [None] * num_slots
+        self.mapping: dict[tuple[int, int], int | None] = {k: None for k in self.master}
+        self.events: list[tuple] = []
+        self.fail_at_map = fail_at_map
+        self.maps = 0
+
+    def quiesce(self):
+        self.events.append(("quiesce",))
+
+    def map_host(self, layer, expert):
+        self.events.append(("evict", layer, expert))
+        self.mapping[(layer, expert)] = None
+
+    def start_copy(self, layer, expert, slot):
+        # a slot that some expert is still mapped to must never be overwritten
+        assert slot not in self.mapping.values(), f"copy into slot {slot} that is still mapped"
+        self.slots[slot] = self.master[(layer, expert)]
+        self.events.append(("copy", layer, expert, slot))
+        return (layer, expert, slot)
+
+    def wait_copy(self, token):
+        pass
+
+    def map_slot(self, layer, expert, slot):
+        self.maps += 1
+        if self.fail_at_map is not None and self.maps == self.fail_at_map:
+            raise RuntimeError("injected remap failure")
+        assert self.slots[slot] == self.master[(layer, expert)]
+        self.mapping[(layer, expert)] = slot
+
+    def read(self, layer, expert):
+        slot = self.mapping[(layer, expert)]
+        return self.master[(layer, expert)] if slot is None else self.slots[slot]
+
+    def device_resident(self):
+        out: dict[int, set] = {}
+        for (l, e), slot in self.mapping.items():
+            if slot is not None:
+                out.setdefault(l, set()).add(e)
+        return {l: frozenset(v) for l, v in out.items()}
+
+
+def _check_consistent(table: SlotTable, store: FakeStore):
+    assert table.resident() == store.device_resident()
+    for key in store.master:
+        assert store.read(*key) == store.master[key]
+
+
+targets = st.dictionaries(
+    st.integers(0, LAYERS - 1), st.frozensets(st.integers(0, EXPERTS - 1), max_size=EXPERTS), max_size=LAYERS
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 12), st.lists(targets, min_size=1, max_size=6))
+def test_swaps_keep_table_and_store_consistent(num_slots, sequence):
+    table, store = SlotTable(num_slots), FakeStore(num_slots)
+    for target in sequence:
+        wanted = sum(len(v) for v in target.values())
+        before = table.resident()
+        if wanted > num_slots:
+            with pytest.raises(PoolCapacityError) as err:
+                apply_swap(table, store, target)
+            assert err.value.overflow == wanted - num_slots
+            assert table.resident() == before  # nothing moved
+        else:
+            result = apply_swap(table, store, target)
+            assert table.resident() == {l: frozenset(v) for l, v in target.items() if v}
+            assert result.bytes_copied == len(result.plan.admit) * store.bytes_per_expert
+            assert table.used <= num_slots
+        _check_consistent(table, store)
+
+
+def test_evictions_happen_before_copies_into_their_slots():
+    table, store = SlotTable(2), FakeStore(2)
+    apply_swap(table, store, {0: {0, 1}})
+    store.events.clear()
+    apply_swap(table, store, {0: {1}, 1: {5}})  # evict 0.0, admit 1.5 into its slot
+    kinds = [e[0] for e in store.events]
+    assert kinds.index("evict") < kinds.index("copy")
+    assert table.resident() == {0: frozenset({1}), 1: frozenset({5})}
+
+
+def test_noop_swap_moves_nothing():
+    table, store = SlotTable(4), FakeStore(4)
+    apply_swap(table, store, {0: {1, 2}})
+    store.events.clear()
+    result = apply_swap(table, store, {0: {2, 1}})
+    assert result.plan.is_noop and result.bytes_copied == 0 and store.events == []
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_failure_mid_swap_restores_previous_set(fail_at):
+    table, store = SlotTable(4), FakeStore(4)
+    apply_swap(table, store, {0: {0, 1}, 1: {2}})
+    before = table.resident()
+    store.fail_at_map = store.maps + fail_at
+    with pytest.raises(SwapFailed) as err:
+        apply_swap(table, store, {0: {3}, 1: {4, 5}, 2: {6}})
+    assert err.value.rolled_back
+    assert table.resident() == before == err.value.resident
+    _check_consistent(table, store)
+
+
+def test_failed_rollback_still_reports_reality():
+    table, store = SlotTable(4), FakeStore(4)
+    apply_swap(table, store, {0: {0, 1}})
+
+    def always_fail(*_):
+        raise RuntimeError("device gone")
+
+    store.map_slot = always_fail
+    with pytest.raises(SwapFailed) as err:
+        apply_swap(table, store, {0: {2, 3}})
+    assert not err.value.rolled_back
+    assert err.value.resident == table.resident() == store.device_resident()
+    _check_consistent(table, store)
