@@ -72,17 +72,37 @@ _CONFIG: dict[str, Any] = {}
 
 
 def configure(plan: Any, budget_bytes: int | None = None) -> None:
-    """Give the engine its plan before the model loads (called from the worker process)."""
+    """Give the engine its plan and HBM budget before the model loads (worker process)."""
     _CONFIG["plan"] = plan
     _CONFIG["budget_bytes"] = budget_bytes
 
 
-def _configured_plan() -> tuple[Any | None, int | None]:
-    if "plan" not in _CONFIG and os.environ.get("REAP_PLAN_FILE"):
-        from ..plan import load_plan
+def _configure_from_vllm() -> None:
+    """Read the plan named in additional_config["reap_swap"] (set by the launcher), once."""
+    if "plan" in _CONFIG:
+        return
+    from .. import compat
+    from ..plan import load_plan
+    from ..settings import ADDITIONAL_CONFIG_KEY, Settings
 
-        _CONFIG["plan"] = load_plan(os.environ["REAP_PLAN_FILE"])
+    extra = getattr(compat.current_vllm_config(), "additional_config", None) or {}
+    cfg = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, Mapping) else None
+    if cfg and cfg.get("plan_file"):
+        configure(load_plan(str(Settings.from_worker_config(cfg).plan_file)), cfg.get("budget_bytes"))
+    elif os.environ.get("REAP_PLAN_FILE"):
+        configure(load_plan(os.environ["REAP_PLAN_FILE"]))
+    else:
+        configure(None)
+
+
+def _configured_plan() -> tuple[Any | None, int | None]:
     return _CONFIG.get("plan"), _CONFIG.get("budget_bytes")
+
+
+def prepare(layer: torch.nn.Module) -> None:
+    """Called from ReapRoutedExperts.__init__ on CUDA (model construction, config is current)."""
+    _configure_from_vllm()
+    install_post_load_hook(layer)
 
 
 def state() -> EngineState | None:
@@ -340,10 +360,15 @@ class CudaResidency:
         per_expert = int(plan.per_expert_bytes) if plan is not None else self.st.pool.unit_bytes
         return self.st.table.num_slots * per_expert
 
-    def apply(self, keep: Mapping[int, Any]) -> dict:
+    def apply(self, keep: Mapping[int, Any], *, dry_run: bool = False) -> dict:
         """Make exactly `keep` (core included) resident on the re-homed layers."""
         target = {int(l): sorted(int(e) for e in v) for l, v in keep.items() if int(l) in self.st.layers}
         ignored = sorted(int(l) for l in keep if int(l) not in self.st.layers)
+        if dry_run:  # capacity check only (raises PoolCapacityError); nothing moves
+            plan = self.st.table.plan(target)
+            return {"mode": self.mode, "bytes_copied": 0, "seconds": 0.0, "phases": {},
+                    "evicted": len(plan.evict), "admitted": len(plan.admit), "reused": plan.reused,
+                    "ignored_layers": ignored, "note": "dry run: nothing moved"}
         t0 = time.perf_counter()
         result = swap_state(self.st, target)  # PoolCapacityError: nothing moved
         seconds = time.perf_counter() - t0

@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""End-to-end check of reap-swap on a GPU against stock vLLM (one server at a time).
+
+Arms (each: start server, greedy completions of fixed prompts, decode tok/s, stop):
+  stock-gpu      stock vLLM, every expert in HBM
+  stock-uva      stock vLLM, --cpu-offload-gb = half the expert bytes (layer-granular)
+  reap-core      python -m reap_swap.server with a plan whose core is --core-fraction of the
+                 experts; then swaps to larger resident sets (all in the same server), with greedy
+                 text, tok/s, router hit rate and swap timings at each
+  reap-empty     the same with an empty core (nothing resident)
+Greedy texts are compared with stock-gpu. Results go to OUT/gpu_e2e.json (+ server logs).
+
+Usage (on the device, after installing the kit):
+  python3 scripts/gpu_e2e.py --model /tmp/model --out $OUT [--arms stock-gpu,reap-core,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PROMPTS = [
+    "The history of the printing press",
+    "def quicksort(items):",
+    "Explain how a transformer model",
+    "In a small village by the sea,",
+    "The capital of France is",
+    "SELECT name, count(*) FROM",
+    "Photosynthesis converts light into",
+    "Once upon a time there was a",
+]
+COMMON = ["--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", "2048",
+          "--max-num-seqs", "8", "--gpu-memory-utilization", "0.35", "--moe-backend", "triton"]
+
+
+def log(*a):
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+def make_plan(model: Path, core_fraction: float, slice_size: int, out: Path) -> dict:
+    """A plan for a random model: core = the first experts of each layer, slices over the rest."""
+    cfg = json.loads((model / "config.json").read_text())
+    layers, experts = cfg["num_hidden_layers"], cfg["num_experts"]
+    per_expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2
+    n_core = int(experts * core_fraction)
+    per_layer = {}
+    for l in range(layers):
+        rest = list(range(n_core, experts))
+        slices = [
+            {"sliceId": f"layer_{l}_slice_{i:02d}", "experts": rest[j:j + slice_size],
+             "byteCost": len(rest[j:j + slice_size]) * per_expert}
+            for i, j in enumerate(range(0, len(rest), slice_size))
+        ]
+        per_layer[f"layer_{l}"] = {"rawLayerKey": str(l), "numExperts": experts,
+                                   "coreExperts": list(range(n_core)),
+                                   "coreByteCost": n_core * per_expert, "sliceCatalog": slices}
+    total = layers * experts * per_expert
+    plan = {"mode": "dynamic_core_specialist", "model": str(model),
+            "budget": {"per_expert_bytes": per_expert, "swappable_expert_budget_bytes": total,
+                       "core_budget_bytes": layers * n_core * per_expert,
+                       "specialist_budget_bytes": total - layers * n_core * per_expert,
+                       "max_refreshes_per_request": 4},
+            "perLayer": per_layer}
+    out.write_text(json.dumps(plan))
+    return plan
+
+
+class Server:
+    def __init__(self, name: str, argv: list[str], outdir: Path, env: dict | None = None, port=8100):
+        self.name, self.argv, self.outdir, self.port = name, argv, outdir, port
+        self.env = {**os.environ, **(env or {})}
+        self.proc = None
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self):
+        logf = open(self.outdir / f"{self.name}.server.log", "w")
+        t0 = time.time()
+        self.proc = subprocess.Popen(self.argv + ["--port", str(self.port)], stdout=logf,
+                                     stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        while time.time() - t0 < 420:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name}: server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.startup_s = time.time() - t0
+                    log(f"{self.name}: healthy after {self.startup_s:.0f}s")
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        raise RuntimeError(f"{self.name}: not healthy after 420s")
+
+    def __exit__(self, *exc):
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        subprocess.run("pkill -9 -f 'vllm|reap_swap.server' || true", shell=True)
+        time.sleep(3)
+
+
+def greedy(url: str, max_tokens=48) -> list[dict]:
+    out = []
+    for p in PROMPTS:
+        r = httpx.post(url + "/v1/completions", json={
+            "model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": 1}, timeout=120)
+        r.raise_for_status()
+        ch = r.json()["choices"][0]
+        out.append({"text": ch["text"], "tokens": ch["logprobs"]["tokens"],
+                    "logprobs": ch["logprobs"]["token_logprobs"]})
+    return out
+
+
+async def _stream_one(client, url, prompt, n):
+    t_first = t_last = None
+    count = 0
+    async with client.stream("POST", url + "/v1/completions", json={
+            "model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True}, timeout=300) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            t_first = t_first or now
+            t_last = now
+            count += 1
+    return count, t_first, t_last
+
+
+def decode_speed(url: str, batch: int, n=256, repeats=3) -> dict:
+    async def run():
+        async with httpx.AsyncClient() as client:
+            await _stream_one(client, url, "warm up", 16)
+            rates = []
+            for rep in range(repeats):
+                res = await asyncio.gather(*[_stream_one(client, url, PROMPTS[(rep + i) % len(PROMPTS)], n)
+                                             for i in range(batch)])
+                toks = sum(c - 1 for c, _, _ in res)
+                span = max(t for _, _, t in res) - min(t for _, t, _ in res)
+                rates.append(toks / span)
+            rates.sort()
+            return {"median": rates[len(rates) // 2], "min": rates[0], "max": rates[-1]}
+    return asyncio.run(run())
+
+
+def compare(ref: list[dict], got: list[dict]) -> dict:
+    same = [a["tokens"] == b["tokens"] for a, b in zip(ref, got)]
+    first_div = []
+    for a, b in zip(ref, got):
+        d = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
+        first_div.append(d)
+    return {"identical": sum(same), "of": len(same), "first_divergence": first_div}
+
+
+def reap_measure(srv: Server, label: str, active_set: dict | None, res: dict, ref) -> None:
+    entry = {}
+    if active_set is not None:
+        r = httpx.post(srv.url + "/swap_active_set", json={
+            "request_id": f"swap-{label}", "phase": "prefill", "active_set": active_set}, timeout=300)
+        entry["swap_status"] = r.status_code
+        entry["swap"] = r.json()
+        log(label, "swap", r.status_code, {k: entry["swap"].get(k) for k in ("bytes_copied", "timing", "signature")})
+    else:
+        httpx.post(srv.url + "/warm_active_set", json={
+            "request_id": f"swap-{label}", "phase": "prefill", "active_set": {},
+            "reset_router_stats": True}, timeout=300)
+    entry["greedy"] = greedy(srv.url)
+    entry["vs_stock_gpu"] = compare(ref, entry["greedy"]) if ref else None
+    entry["decode_1"] = decode_speed(srv.url, 1)
+    entry["decode_8"] = decode_speed(srv.url, 8, n=128)
+    entry["router_misses"] = httpx.get(srv.url + f"/router_misses/swap-{label}", timeout=60).json()
+    entry["status"] = httpx.get(srv.url + "/reap/status", timeout=60).json()
+    log(label, "decode", entry["decode_1"], entry["decode_8"], "vs stock", entry["vs_stock_gpu"])
+    res[label] = entry
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="/tmp/model")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--arms", default="stock-gpu,reap-core,reap-empty,stock-uva")
+    ap.add_argument("--core-fraction", type=float, default=0.25)
+    ap.add_argument("--eager", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    model = Path(args.model)
+    results_path = out / "gpu_e2e.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+
+    def save():
+        results_path.write_text(json.dumps(results, indent=1))
+
+    cfg = json.loads((model / "config.json").read_text())
+    expert_gib = cfg["num_hidden_layers"] * cfg["num_experts"] * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2 / 2**30
+    common = COMMON + (["--enforce-eager"] if args.eager else [])
+    vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)] + common
+    reap = [sys.executable, "-m", "reap_swap.server", str(model)] + common
+    uva_load = ["--offload-backend", "uva", "--cpu-offload-gb", f"{expert_gib + 0.5:.2f}",
+                "--cpu-offload-params", "w13_weight", "w2_weight"]
+    ref = results.get("stock-gpu", {}).get("greedy")
+    for arm in args.arms.split(","):
+        log("arm", arm)
+        try:
+            if arm == "stock-gpu":
+                with Server(arm, vllm, out) as srv:
+                    results[arm] = {"startup_s": srv.startup_s, "greedy": greedy(srv.url),
+                                    "decode_1": decode_speed(srv.url, 1), "decode_8": decode_speed(srv.url, 8, n=128)}
+                    ref = results[arm]["greedy"]
+                    log(arm, results[arm]["decode_1"], results[arm]["decode_8"])
+            elif arm == "stock-uva":
+                half = ["--offload-backend", "uva", "--cpu-offload-gb", f"{expert_gib / 2:.3f}",
+                        "--cpu-offload-params", "w13_weight", "w2_weight"]
+                with Server(arm, vllm + half, out) as srv:
+                    g = greedy(srv.url)
+                    results[arm] = {"startup_s": srv.startup_s, "greedy": g,
+                                    "vs_stock_gpu": compare(ref, g) if ref else None,
+                                    "decode_1": decode_speed(srv.url, 1), "decode_8": decode_speed(srv.url, 8, n=128)}
+                    log(arm, results[arm]["decode_1"], results[arm]["decode_8"])
+            elif arm in ("reap-core", "reap-empty"):
+                frac = args.core_fraction if arm == "reap-core" else 0.0
+                plan_path = out / f"plan-{arm}.json"
+                make_plan(model, frac, 8, plan_path)
+                res = results.setdefault(arm, {})
+                with Server(arm, reap + uva_load + ["--reap-plan", str(plan_path)], out) as srv:
+                    res["startup_s"] = srv.startup_s
+                    reap_measure(srv, "start", None, res, ref)
+                    if arm == "reap-core":
+                        n_core = int(cfg["num_experts"] * frac)
+                        experts = cfg["num_experts"]
+                        for pct in (50, 100, 50, 25):
+                            k = experts * pct // 100
+                            aset = {f"layer_{l}": list(range(n_core, max(n_core, k)))
+                                    for l in range(cfg["num_hidden_layers"])}
+                            reap_measure(srv, f"swap{pct}_{len(res)}", aset, res, ref)
+                            save()
+            save()
+        except Exception as exc:  # keep going with the next arm
+            log(arm, "FAILED", repr(exc))
+            results[arm] = {"error": repr(exc)}
+            save()
+    save()
+
+
+if __name__ == "__main__":
+    main()
