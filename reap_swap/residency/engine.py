@@ -317,7 +317,6 @@ class _Store:
         self.st = st
         # only the payload moves: the unit's padding to the mapping granularity is never read
         self.bytes_per_expert = next(iter(st.layers.values())).expert_bytes if st.layers else 0
-        self._staging = st.pool.staging_bytes() if st.pool and st.pool.num_slots else None
 
     def quiesce(self) -> None:
         torch.cuda.synchronize(self.st.device)
@@ -326,13 +325,12 @@ class _Store:
         self.st.layers[layer].rng.map_host(expert)
 
     def start_copy(self, layer: int, expert: int, slot: int) -> Any:
-        entry, ub, n = self.st.layers[layer], self.st.pool.unit_bytes, self.bytes_per_expert
-        with torch.cuda.stream(self.st.copy_stream):
-            self._staging[slot * ub:slot * ub + n].copy_(
-                entry.range_bytes[expert * ub:expert * ub + n], non_blocking=True
-            )
-            event = torch.cuda.Event()
-            event.record(self.st.copy_stream)
+        pool, stream = self.st.pool, self.st.copy_stream
+        src = self.st.layers[layer].rng.unit_address(expert)
+        vmm.copy_async(pool.staging_base + slot * pool.unit_bytes, src, self.bytes_per_expert,
+                       stream.cuda_stream)
+        event = torch.cuda.Event()
+        event.record(stream)
         return event
 
     def wait_copy(self, token: Any) -> None:

@@ -98,6 +98,11 @@ def _access_desc(device: int) -> Any:
     return desc
 
 
+def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Stream-ordered copy between two device-visible addresses (host- or HBM-backed)."""
+    _check(_drv.cuMemcpyDtoDAsync(dst, src, nbytes, stream))
+
+
 @dataclass
 class MixedRange:
     """`num_units` pieces of `unit_bytes` each, every piece backed by host or by a device handle."""
@@ -203,11 +208,6 @@ class DeviceSlotPool:
     @property
     def nbytes(self) -> int:
         return self.num_slots * self.unit_bytes
-
-    def staging_bytes(self) -> torch.Tensor:
-        return torch.as_tensor(
-            _ArrayInterface(self.staging_base, max(self.nbytes, 1)), device=f"cuda:{self.device}"
-        )
 
     def release(self) -> None:
         for slot, handle in enumerate(self.handles):
