@@ -15,16 +15,16 @@ TRTLLM on some GPUs) route inside the kernel: those layers cannot be counted and
 
 from __future__ import annotations
 
-import logging
 import re
 
 import torch
 
 from reap_swap import compat
+from reap_swap.logs import get_logger
 from reap_swap.residency import counters
 from reap_swap.settings import ADDITIONAL_CONFIG_KEY
 
-log = logging.getLogger("reap_swap.experts")
+log = get_logger("reap_swap.experts")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 RoutedExperts = compat.routed_experts_class()
@@ -36,11 +36,28 @@ def layer_index_from_name(layer_name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _coactivation_enabled() -> bool:
-    cfg = compat.current_vllm_config()
-    extra = getattr(cfg, "additional_config", None) or {}
-    reap = extra.get(ADDITIONAL_CONFIG_KEY, {}) if isinstance(extra, dict) else {}
-    return bool(reap.get("coactivation", False))
+def _reap_config() -> dict:
+    """additional_config["reap_swap"] of the model being built ({} outside the launcher)."""
+    extra = getattr(compat.current_vllm_config(), "additional_config", None) or {}
+    cfg = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _prepare_cuda_engine(layer: torch.nn.Module, cfg: dict) -> None:
+    """On CUDA, let the residency engine hook this layer's post-load step (before profiling)."""
+    if cfg.get("masks_only") or cfg.get("residency", "auto") == "accounting":
+        return
+    if compat.platform_name() != "cuda":
+        return
+    try:
+        from reap_swap.residency import engine
+    except Exception as exc:  # noqa: BLE001
+        if cfg.get("residency") == "cuda":
+            raise
+        log.error("reap-swap: CUDA residency engine not importable (%s: %s); experts stay where vLLM "
+                  "puts them and swaps will be accounting-only", type(exc).__name__, exc)
+        return
+    engine.prepare(layer)
 
 
 class ReapRoutedExperts(RoutedExperts):
@@ -49,18 +66,13 @@ class ReapRoutedExperts(RoutedExperts):
     def __init__(self, layer_name: str, *args, **kwargs):
         super().__init__(layer_name, *args, **kwargs)
         self.reap_layer_index = layer_index_from_name(layer_name)
-        counters.register_counters(self, int(self.global_num_experts), _coactivation_enabled())
-        # A residency engine may set this (before compile/capture) to take over the expert
-        # computation: an object with forward_modular(layer, x, topk_weights, topk_ids, ...).
-        self.reap_residency = None
+        cfg = _reap_config()
+        counters.register_counters(self, int(self.global_num_experts), bool(cfg.get("coactivation")))
+        _prepare_cuda_engine(self, cfg)
 
     def forward_modular(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         shared_experts=None, shared_experts_input: torch.Tensor | None = None):
         counters.record(self, topk_ids, topk_weights)
-        if self.reap_residency is not None:
-            return self.reap_residency.forward_modular(
-                self, x=x, topk_weights=topk_weights, topk_ids=topk_ids,
-                shared_experts=shared_experts, shared_experts_input=shared_experts_input)
         return super().forward_modular(x=x, topk_weights=topk_weights, topk_ids=topk_ids,
                                        shared_experts=shared_experts,
                                        shared_experts_input=shared_experts_input)

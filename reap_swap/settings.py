@@ -1,0 +1,168 @@
+"""REAP settings: REAP_* environment variables and --reap-* flags -> one validated Settings.
+
+Precedence is environment, then flag, then default (deployments set the environment; a flag
+baked into a launch script must not silently win over it). An unknown REAP_* variable is an
+error listing the known names: a typo must not start a server that silently ignores it.
+
+| variable                    | flag                          | meaning |
+|-----------------------------|-------------------------------|---------|
+| REAP_PLAN_FILE              | --reap-plan PATH              | the plan (required) |
+| REAP_SWAP_VALIDATE_ONLY     | --reap-validate-only          | swaps are validated (workers dry-run them) and answered, nothing changes |
+| REAP_SWAP_MASKS_ONLY        | --reap-masks-only             | swaps change the active set (the "mask" misses are measured against) but move no weights, even on CUDA (accounting residency) |
+| REAP_ENABLE_ROUTER_MASKS    | --reap-enable-router-masks    | restrict routing to resident experts: NOT implemented (known to destroy output quality); setting it true refuses startup |
+| REAP_MAX_LOADED_CARTRIDGES  | --reap-max-loaded-cartridges N| LRU bound of prepared cartridges (default 8) |
+| REAP_COACTIVATION           | --reap-coactivation           | also count the expert co-activation matrix (E*E int64 per layer) for `reap-swap observe` |
+| REAP_RESIDENCY              | --reap-residency MODE         | auto (CUDA engine on CUDA, accounting elsewhere), accounting, cuda |
+
+Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
+"reap_swap" (vllm_config.additional_config), which every worker and API process receives; the
+workers do not read REAP_* themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+ADDITIONAL_CONFIG_KEY = "reap_swap"
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message says which variable or flag and why."""
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    plan_file: Path | None = None
+    validate_only: bool = False
+    masks_only: bool = False
+    router_masks: bool = False
+    max_loaded_cartridges: int = Field(default=8, ge=1)
+    coactivation: bool = False
+    residency: Literal["auto", "accounting", "cuda"] = "auto"
+
+    def log_line(self) -> str:
+        return "reap-swap settings: " + ", ".join(f"{k}={v}" for k, v in self.model_dump().items())
+
+    def to_worker_config(self, **extra: Any) -> dict:
+        """JSON-able dict for vllm's additional_config["reap_swap"] (plus e.g. plan identity)."""
+        return {**self.model_dump(mode="json"), **extra}
+
+    @classmethod
+    def from_worker_config(cls, cfg: Mapping[str, Any]) -> "Settings":
+        return cls(**{k: v for k, v in cfg.items() if k in cls.model_fields})
+
+
+# field -> (environment variable, flag, argparse kwargs)
+_SPEC: dict[str, tuple[str, str, dict]] = {
+    "plan_file": ("REAP_PLAN_FILE", "--reap-plan", {"metavar": "PATH", "help": "the REAP plan JSON"}),
+    "validate_only": ("REAP_SWAP_VALIDATE_ONLY", "--reap-validate-only",
+                      {"action": "store_const", "const": True,
+                       "help": "validate swap payloads, change nothing"}),
+    "masks_only": ("REAP_SWAP_MASKS_ONLY", "--reap-masks-only",
+                   {"action": "store_const", "const": True,
+                    "help": "swaps change the active set only; no expert weights move"}),
+    "router_masks": ("REAP_ENABLE_ROUTER_MASKS", "--reap-enable-router-masks",
+                     {"action": "store_const", "const": True,
+                      "help": "not implemented (destroys output quality); refused"}),
+    "max_loaded_cartridges": ("REAP_MAX_LOADED_CARTRIDGES", "--reap-max-loaded-cartridges",
+                              {"type": int, "metavar": "N", "help": "prepared cartridges kept (LRU)"}),
+    "coactivation": ("REAP_COACTIVATION", "--reap-coactivation",
+                     {"action": "store_const", "const": True,
+                      "help": "count expert co-activation (E*E per layer)"}),
+    "residency": ("REAP_RESIDENCY", "--reap-residency",
+                  {"choices": ["auto", "accounting", "cuda"], "help": "residency backend"}),
+}
+ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())
+FLAG_NAMES: tuple[str, ...] = tuple(spec[1] for spec in _SPEC.values())
+
+ROUTER_MASKS_REFUSED = (
+    "router masking (REAP_ENABLE_ROUTER_MASKS / --reap-enable-router-masks) is not implemented: "
+    "restricting routing to resident experts is known to destroy output quality. reap-swap keeps "
+    "routing untouched and reads non-resident experts from host memory instead; unset it."
+)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the --reap-* flags (default None, so 'not given' is distinguishable)."""
+    for name, (_env, flag, kwargs) in _SPEC.items():
+        parser.add_argument(flag, dest=name, default=None, **kwargs)
+
+
+def split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Separate the --reap-* flags from everything else (which is vLLM's)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_flags(parser)
+    ns, rest = parser.parse_known_args(list(argv))
+    leftover = [a for a in rest if a.split("=", 1)[0].startswith("--reap-")]
+    if leftover:
+        raise SettingsError(f"unknown reap flag(s) {leftover}; known: {', '.join(FLAG_NAMES)}")
+    return ns, rest
+
+
+@dataclass
+class Resolved:
+    settings: Settings
+    sources: dict[str, str]                       # field -> "env" | "flag" | "default"
+    overrides: list[str] = field(default_factory=list)  # "REAP_X overrides --reap-x" sentences
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    return sorted(k for k in environ if k.startswith("REAP_") and k not in ENV_NAMES)
+
+
+def resolve(flags: argparse.Namespace | Mapping[str, Any] | None = None,
+            environ: Mapping[str, str] | None = None) -> Resolved:
+    """Merge environment > flags > defaults into a validated Settings."""
+    environ = os.environ if environ is None else environ
+    given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
+    unknown = unknown_env(environ)
+    if unknown:
+        raise SettingsError(f"unknown REAP_* environment variable(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(ENV_NAMES)}")
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    overrides: list[str] = []
+    for name, (env, flag, _kw) in _SPEC.items():
+        flag_value = given.get(name)
+        if env in environ:
+            raw = environ[env]
+            values[name] = _parse_env(name, env, raw)
+            sources[name] = "env"
+            if flag_value is not None:
+                overrides.append(f"{env}={raw!r} overrides {flag} {flag_value!r}")
+        elif flag_value is not None:
+            values[name] = flag_value
+            sources[name] = "flag"
+        else:
+            sources[name] = "default"
+    try:
+        settings = Settings(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0])
+        env, flag, _ = _SPEC[name]
+        origin = env if sources.get(name) == "env" else flag
+        raise SettingsError(f"{origin}: {err['msg']} (got {err.get('input')!r})") from None
+    if settings.router_masks:
+        raise SettingsError(ROUTER_MASKS_REFUSED)
+    if settings.plan_file is None:
+        raise SettingsError("no plan: set REAP_PLAN_FILE or pass --reap-plan PATH")
+    return Resolved(settings=settings, sources=sources, overrides=overrides)
+
+
+def _parse_env(name: str, env: str, raw: str) -> Any:
+    """Environment strings -> the field's type (pydantic's lax parsing: 1/0, true/false, yes/no)."""
+    if Settings.model_fields[name].annotation is bool and raw.strip() == "":
+        return False
+    try:
+        return TypeAdapter(Settings.model_fields[name].annotation).validate_python(raw.strip())
+    except ValidationError as exc:
+        raise SettingsError(f"{env}={raw!r}: {exc.errors()[0]['msg']}") from None
