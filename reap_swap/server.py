@@ -1,0 +1,193 @@
+"""`python -m reap_swap.server [vllm serve arguments] [--reap-* flags]`: vLLM's server plus REAP.
+
+Why a launcher and not only plugins: the plan must be validated against the served model's config
+before any engine process exists (an invalid plan exits non-zero with the report and leaves
+nothing running), and the worker extension / plugin allowlist / plan configuration have to be
+set on vLLM's arguments. Everything else is vLLM's own `serve` subcommand, unchanged, so every
+`vllm serve` argument behaves as it does there.
+
+What the launcher sets:
+- `--worker-extension-cls reap_swap.worker.ReapWorkerExtension` (worker RPCs; its import
+  registers the counting RoutedExperts in every worker before the model is built);
+- `--additional-config {"reap_swap": {settings..., "plan_identity": ...}}`, merged into any
+  user-given additional config: how plan and settings reach workers and API processes;
+- VLLM_PLUGINS gains `reap_swap` (the endpoint plugin). When VLLM_PLUGINS was unset, every
+  installed general/platform/stat-logger/io-processor plugin is listed too, because setting
+  the variable turns it into an allowlist for those groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from reap_swap import compat
+from reap_swap.logs import get_logger
+from reap_swap.settings import (
+    ADDITIONAL_CONFIG_KEY,
+    Resolved,
+    Settings,
+    SettingsError,
+    resolve,
+    split_argv,
+)
+
+log = get_logger("reap_swap.server")
+
+PROG = "python -m reap_swap.server"
+WORKER_EXTENSION = "reap_swap.worker.ReapWorkerExtension"
+PLUGIN_NAME = "reap_swap"
+# groups VLLM_PLUGINS allowlists once it is set (endpoint plugins load only when named anyway)
+_ALLOWLISTED_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins", "vllm.stat_logger_plugins",
+                       "vllm.io_processor_plugins")
+
+
+class LaunchError(RuntimeError):
+    """Startup refused before any engine process exists; the message says why."""
+
+
+def plugin_allowlist(current: str | None) -> str:
+    """VLLM_PLUGINS value that adds reap_swap without disabling anything that loaded before."""
+    if current is not None:
+        names = [n for n in current.split(",") if n]
+    else:
+        names = sorted({ep.name for group in _ALLOWLISTED_GROUPS for ep in entry_points(group=group)})
+    if PLUGIN_NAME not in names:
+        names.append(PLUGIN_NAME)
+    return ",".join(names)
+
+
+def model_config_source(args: argparse.Namespace) -> str | Path:
+    """Local path of the served model's config.json (downloads only config.json for hub ids)."""
+    candidate = getattr(args, "hf_config_path", None) or args.model
+    path = Path(candidate).expanduser()
+    if path.is_dir() or path.is_file():
+        return path
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(repo_id=str(candidate), filename="config.json",
+                               revision=getattr(args, "revision", None))
+    except Exception as exc:  # noqa: BLE001 - any failure: we cannot validate the plan
+        raise LaunchError(f"cannot read the config of model {candidate!r} to validate the plan: "
+                          f"{type(exc).__name__}: {exc}") from None
+
+
+def check_topology(args: argparse.Namespace) -> None:
+    """Refuse what the swap state cannot serve correctly (it lives in one API process)."""
+    if getattr(args, "headless", False):
+        raise LaunchError("--headless is not supported: the REAP endpoints need an API server")
+    if getattr(args, "grpc", False):
+        raise LaunchError("--grpc is not supported: the REAP endpoints are HTTP routes")
+    if (getattr(args, "api_server_count", None) or 1) > 1:
+        raise LaunchError("--api-server-count > 1 is not supported: the resident set, statistics "
+                          "ledger and refresh counts live in one API process")
+    if (getattr(args, "data_parallel_size", 1) or 1) > 1:
+        raise LaunchError("--data-parallel-size > 1 is not supported: collective_rpc answers with "
+                          "engine 0's workers only, so router statistics would miss other engines")
+    ext = getattr(args, "worker_extension_cls", "") or ""
+    if ext and ext != WORKER_EXTENSION:
+        raise LaunchError(f"--worker-extension-cls {ext} conflicts with reap-swap's {WORKER_EXTENSION} "
+                          "(vLLM takes one extension class)")
+
+
+def load_validated_plan(settings: Settings, args: argparse.Namespace):
+    """Plan checked against the served model's config, plus its cartridges (LaunchError if not)."""
+    from reap_swap.controller import load_cartridges
+    from reap_swap.model_shape import ModelShapeError, read_model_shape
+    from reap_swap.plan import PlanError, load_plan
+
+    plan_file = settings.plan_file
+    try:
+        shape = read_model_shape(model_config_source(args))
+    except ModelShapeError as exc:
+        raise LaunchError(f"model {args.model}: {exc}") from None
+    try:
+        plan = load_plan(str(plan_file), shape)
+    except PlanError as exc:
+        raise LaunchError(f"invalid plan {plan_file} for model {args.model}:\n"
+                          f"{exc.report.format_text()}") from None
+    try:
+        cartridges = load_cartridges(plan, plan_file)
+    except (ValueError, OSError) as exc:
+        raise LaunchError(f"invalid cartridges for plan {plan_file}: {exc}") from None
+    return plan, cartridges
+
+
+def install(args: argparse.Namespace, settings: Settings, plan) -> None:
+    """Point vLLM at the worker extension, the plugin and the plan configuration."""
+    args.worker_extension_cls = WORKER_EXTENSION
+    extra = dict(getattr(args, "additional_config", None) or {})
+    extra[ADDITIONAL_CONFIG_KEY] = settings.to_worker_config(plan_identity=plan.identity)
+    args.additional_config = extra
+    os.environ["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
+
+
+def gpu_engine_args(settings: Settings, args: argparse.Namespace) -> None:
+    """Launcher hook for the CUDA residency engine: adjust vLLM arguments before the engine starts.
+
+    No-op on the CPU build (and whenever swaps are accounting-only).
+    """
+    if settings.masks_only or settings.residency == "accounting" or compat.platform_name() != "cuda":
+        return
+
+
+def settings_help() -> str:
+    import reap_swap.settings as s
+
+    return f"{PROG}: every `vllm serve` argument, plus REAP settings:\n{s.__doc__}"
+
+
+def log_settings(resolved: Resolved) -> None:
+    log.info("%s (sources: %s)", resolved.settings.log_line(),
+             ", ".join(f"{k}={v}" for k, v in resolved.sources.items() if v != "default") or "all defaults")
+    for sentence in resolved.overrides:
+        log.info("reap-swap: %s", sentence)
+
+
+def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
+    """Everything before the engine: settings, vLLM args, plan validation, installation."""
+    reap_flags, vllm_argv = split_argv(argv)
+    resolved = resolve(reap_flags, os.environ)
+    settings = resolved.settings.model_copy(update={"plan_file": resolved.settings.plan_file.resolve()})
+    why = compat.check_supported_version()
+    if why:
+        raise LaunchError(why)
+    # before vLLM reads its environment (platform plugins load while the parser is built)
+    os.environ["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
+    compat.cli_env_setup()
+    if "-h" in vllm_argv or any(a.startswith("--help") for a in vllm_argv):
+        print(settings_help(), file=sys.stderr)
+    parser, cmd = compat.make_serve_parser(PROG)
+    args = parser.parse_args(["serve", *vllm_argv])
+    if getattr(args, "model_tag", None) is not None:
+        args.model = args.model_tag  # as `vllm serve` does
+    compat.configure_logging_from_args(args)
+    cmd.validate(args)
+    check_topology(args)
+    plan, cartridges = load_validated_plan(settings, args)
+    log_settings(resolved)
+    log.info("reap-swap plan %s: %s, %d layers, %d cartridge(s), identity %s", settings.plan_file, plan.mode,
+             len(plan.layers), len(cartridges), plan.identity[:12])
+    install(args, settings, plan)
+    gpu_engine_args(settings, args)
+    return args, cmd
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, cmd = prepare(argv)
+    except (SettingsError, LaunchError) as exc:
+        log.error("reap-swap: startup refused: %s", exc)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, SettingsError) else 1
+    cmd.cmd(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Worker extension (--worker-extension-cls reap_swap.worker.ReapWorkerExtension).
+
+vLLM mixes this class into its worker class in every worker process, so these methods run as
+worker methods through `collective_rpc` (on every TP/PP rank, between engine steps). Importing
+this module is also what registers ReapRoutedExperts (counting) before the model is built.
+
+The extension may only add names (vLLM asserts no attribute clashes with the worker), hence the
+`reap_` / `_reap_` prefixes. Arguments and results are msgpack-able: dicts keyed by strings,
+lists, numbers, strings.
+
+Plan and settings arrive in vllm_config.additional_config["reap_swap"] (written by the
+launcher): the plan file is re-loaded here and must have the identity the launcher validated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from reap_swap import compat
+from reap_swap.logs import get_logger
+from reap_swap.plan import Plan, load_plan
+from reap_swap.residency import counters
+from reap_swap.residency import experts as _experts
+from reap_swap.residency.accounting import AccountingResidency, KeepSets
+from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings
+
+log = get_logger("reap_swap.worker")
+
+_experts.register()  # every worker imports this module before its model is built
+
+CPU_REASON = ("vLLM's CPU build keeps every expert in host memory and its fused-MoE kernel "
+              "ignores expert_map, so experts cannot move between memories")
+
+
+class ResidencyBackend(Protocol):
+    """What a residency implementation offers the worker (accounting here, CUDA in engine.py)."""
+
+    mode: str
+
+    def apply(self, keep: KeepSets, *, dry_run: bool = False) -> dict: ...  # bytes_copied, seconds, phases, note
+    def resident(self) -> KeepSets: ...
+    def status(self) -> dict: ...
+
+
+def make_residency_backend(worker: Any, plan: Plan, settings: Settings) -> ResidencyBackend:
+    """The one place that picks the residency backend for this worker."""
+    core = plan.core_sets()
+    platform = compat.platform_name()
+    if settings.masks_only:
+        return AccountingResidency(core, plan.per_expert_bytes,
+                                   "REAP_SWAP_MASKS_ONLY: swaps change the active set, weights stay put")
+    if settings.residency == "accounting":
+        return AccountingResidency(core, plan.per_expert_bytes, "REAP_RESIDENCY=accounting")
+    if platform != "cuda":
+        if settings.residency == "cuda":
+            raise RuntimeError(f"REAP_RESIDENCY=cuda but this worker's platform is {platform!r}")
+        reason = CPU_REASON if platform == "cpu" else f"no residency engine for platform {platform!r}"
+        return AccountingResidency(core, plan.per_expert_bytes, reason)
+    try:
+        from reap_swap.residency.engine import CudaResidency
+
+        return CudaResidency(worker, plan, settings)
+    except Exception as exc:  # noqa: BLE001 - any failure to load the engine means no data path
+        if settings.residency == "cuda":
+            raise
+        reason = f"CUDA residency engine unavailable ({type(exc).__name__}: {exc})"
+        log.error("reap-swap: %s; falling back to accounting residency (no bytes will move)", reason)
+        return AccountingResidency(core, plan.per_expert_bytes, reason)
+
+
+class _WorkerState:
+    def __init__(self, worker: Any):
+        vllm_config = worker.vllm_config
+        extra = vllm_config.additional_config or {}
+        cfg = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, Mapping) else None
+        if not cfg:
+            raise RuntimeError("reap-swap worker extension loaded without additional_config"
+                               f"[{ADDITIONAL_CONFIG_KEY!r}]; start the server with python -m reap_swap.server")
+        self.settings = Settings.from_worker_config(cfg)
+        self.plan = load_plan(str(self.settings.plan_file))
+        if cfg.get("plan_identity") and cfg["plan_identity"] != self.plan.identity:
+            raise RuntimeError(f"plan {self.settings.plan_file} changed since the launcher validated it "
+                               f"(identity {self.plan.identity[:12]} != {cfg['plan_identity'][:12]})")
+        self.rank = int(getattr(worker, "rank", 0))
+        self.ranks = compat.parallel_ranks(vllm_config)
+        self.layers = _experts.find_layers(worker.get_model())
+        missing = sorted(set(self.plan.layers) - set(self.layers))
+        if missing:
+            raise RuntimeError(f"plan layers {missing} have no MoE layer counted by reap-swap in this "
+                               f"model (found {sorted(self.layers)})")
+        uncountable = [i for i, m in self.layers.items() if not m.reap_countable]
+        if uncountable:
+            log.error("reap-swap: layers %s use a monolithic MoE kernel that routes internally; "
+                      "router statistics for them are unavailable (counts stay 0)", uncountable)
+        self.backend = make_residency_backend(worker, self.plan, self.settings)
+        log.info("reap-swap worker rank %d: %d MoE layers counted, residency %s", self.rank,
+                 len(self.layers), self.backend.mode)
+
+    def header(self) -> dict:
+        return {"rank": self.rank, **self.ranks}
+
+
+class ReapWorkerExtension:
+    """RPC methods run on every worker (see docs/architecture.md, Worker RPC)."""
+
+    def _reap_state(self) -> _WorkerState:
+        state = getattr(self, "_reap_worker_state", None)
+        if state is None:
+            state = _WorkerState(self)
+            self._reap_worker_state = state
+        return state
+
+    def reap_status(self) -> dict:
+        s = self._reap_state()
+        resident = s.backend.resident()
+        return {
+            **s.header(),
+            "mode": s.backend.mode,
+            "plan_identity": s.plan.identity,
+            "layers": {str(k): sorted(v) for k, v in sorted(resident.items())},
+            "resident_bytes": sum(len(v) for v in resident.values()) * s.plan.per_expert_bytes,
+            "counting": {str(k): m.reap_countable for k, m in s.layers.items()},
+            "coactivation": getattr(next(iter(s.layers.values())), counters.COACT) is not None,
+            "backend": s.backend.status(),
+        }
+
+    def reap_apply_residency(self, keep: dict, dry_run: bool = False, read_stats: bool = False) -> dict:
+        """Apply a keep-set ({"<l>": [ids]}, every plan layer). With read_stats, the counters are
+        read before and zeroed after a successful apply, in this one call, so no engine step falls
+        between closing one request's statistics and changing the resident set."""
+        s = self._reap_state()
+        parsed = _parse_keep(s.plan, keep)
+        take = bool(read_stats) and not dry_run
+        stats = {str(i): counters.read(m, reset=False) for i, m in s.layers.items()} if take else {}
+        result = s.backend.apply(parsed, dry_run=bool(dry_run))
+        if take:
+            for m in s.layers.values():
+                counters.zero(m)
+        return {**s.header(), "dry_run": bool(dry_run), **result, "stats": stats}
+
+    def reap_read_stats(self, reset: bool = False) -> dict:
+        s = self._reap_state()
+        layers = {str(i): counters.read(m, bool(reset)) for i, m in s.layers.items()}
+        return {**s.header(), "layers": layers}
+
+    def reap_reset_stats(self) -> dict:
+        s = self._reap_state()
+        for m in s.layers.values():
+            counters.zero(m)
+        return {"rank": s.rank}
+
+
+def _parse_keep(plan: Plan, keep: Mapping) -> KeepSets:
+    """{"<l>": [ids]} -> {l: frozenset}; every plan layer, only candidate experts (defence in depth:
+    the API process validated the same plan already)."""
+    parsed: KeepSets = {}
+    for key, ids in keep.items():
+        layer = int(key)
+        if layer not in plan.layers:
+            raise ValueError(f"layer {layer} is not in the plan")
+        bad = sorted(set(int(e) for e in ids) - plan.layers[layer].candidates)
+        if bad:
+            raise ValueError(f"layer {layer}: experts {bad} are not candidates of the plan")
+        parsed[layer] = frozenset(int(e) for e in ids)
+    missing = sorted(set(plan.layers) - set(parsed))
+    if missing:
+        raise ValueError(f"keep-set lacks plan layers {missing}")
+    return parsed
