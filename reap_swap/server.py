@@ -129,10 +129,27 @@ def install(args: argparse.Namespace, settings: Settings, plan) -> None:
 def gpu_engine_args(settings: Settings, args: argparse.Namespace) -> None:
     """Launcher hook for the CUDA residency engine: adjust vLLM arguments before the engine starts.
 
+    The engine re-homes vLLM's Triton expert weights, so `--moe-backend` defaults to triton. Unless
+    the user chose an offload budget, experts load straight into pinned host memory through stock
+    UVA offload (`--cpu-offload-params w13_weight w2_weight`), so peak VRAM during loading stays
+    low; the engine then moves them into its own host-backed ranges and fills the HBM pool.
     No-op on the CPU build (and whenever swaps are accounting-only).
     """
     if settings.masks_only or settings.residency == "accounting" or compat.platform_name() != "cuda":
         return
+    if getattr(args, "moe_backend", "auto") in (None, "auto"):
+        args.moe_backend = "triton"
+        log.info("reap-swap: --moe-backend triton (the residency engine re-homes Triton expert weights)")
+    if not getattr(args, "cpu_offload_gb", 0):
+        from reap_swap.model_shape import read_model_shape
+
+        shape = read_model_shape(model_config_source(args))  # validated with the plan already
+        gib = shape.expert_bytes * shape.num_experts * len(shape.moe_layers) / 2**30 + 0.5
+        args.offload_backend = "uva"
+        args.cpu_offload_gb = round(gib, 3)
+        args.cpu_offload_params = {"w13_weight", "w2_weight"}
+        log.info("reap-swap: experts load into pinned host memory (--offload-backend uva "
+                 "--cpu-offload-gb %.3f --cpu-offload-params w13_weight w2_weight)", gib)
 
 
 def settings_help() -> str:

@@ -186,6 +186,37 @@ def reap_measure(srv: Server, label: str, active_set: dict | None, res: dict, re
     res[label] = entry
 
 
+def counter_check(srv: Server, plan: dict, res: dict, n_requests=4, max_tokens=16) -> None:
+    """Our graph-mode counters vs vLLM's own per-token routed-experts output, same requests."""
+    import base64
+    import io
+
+    import numpy as np
+
+    httpx.post(srv.url + "/warm_active_set", json={"request_id": "count-check", "phase": "prefill",
+                                                  "active_set": {}, "reset_router_stats": True}, timeout=300)
+    core = {int(k.split("_")[1]): set(v["coreExperts"]) for k, v in plan["perLayer"].items()}
+    counts, lens = None, []
+    for i in range(n_requests):
+        r = httpx.post(srv.url + "/v1/completions", json={
+            "model": "m", "prompt": f"{PROMPTS[i]} (check {i})", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}, timeout=120)
+        r.raise_for_status()
+        arr = np.load(io.BytesIO(base64.b64decode(r.json()["choices"][0]["routed_experts"])))
+        lens.append(list(arr.shape))
+        layers, E = arr.shape[1], plan["perLayer"]["layer_0"]["numExperts"]
+        c = np.zeros((layers, E), dtype=np.int64)
+        for l in range(layers):
+            np.add.at(c[l], arr[:, l, :].ravel(), 1)
+        counts = c if counts is None else counts + c
+    misses = httpx.get(srv.url + "/router_misses/count-check", timeout=60).json()
+    independent = {str(l): {"observed_selections": int(counts[l].sum()),
+                            "missed_selections": int(sum(counts[l][e] for e in range(counts.shape[1]) if e not in core[l]))}
+                   for l in range(counts.shape[0])}
+    res["counter_check"] = {"routed_experts_shapes": lens, "independent": independent, "ours": misses}
+    log("counter check", independent.get("0"), str(misses)[:400])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="/tmp/model")
@@ -207,8 +238,6 @@ def main():
     common = COMMON + (["--enforce-eager"] if args.eager else [])
     vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)] + common
     reap = [sys.executable, "-m", "reap_swap.server", str(model)] + common
-    uva_load = ["--offload-backend", "uva", "--cpu-offload-gb", f"{expert_gib + 0.5:.2f}",
-                "--cpu-offload-params", "w13_weight", "w2_weight"]
     ref = results.get("stock-gpu", {}).get("greedy")
     for arm in args.arms.split(","):
         log("arm", arm)
@@ -228,18 +257,25 @@ def main():
                                     "vs_stock_gpu": compare(ref, g) if ref else None,
                                     "decode_1": decode_speed(srv.url, 1), "decode_8": decode_speed(srv.url, 8, n=128)}
                     log(arm, results[arm]["decode_1"], results[arm]["decode_8"])
+            elif arm == "reap-routed":
+                plan_path = out / "plan-reap-routed.json"
+                plan = make_plan(model, args.core_fraction, 8, plan_path)
+                res = results.setdefault(arm, {})
+                with Server(arm, reap + ["--reap-plan", str(plan_path), "--enable-return-routed-experts"], out) as srv:
+                    res["startup_s"] = srv.startup_s
+                    counter_check(srv, plan, res)
             elif arm in ("reap-core", "reap-empty"):
                 frac = args.core_fraction if arm == "reap-core" else 0.0
                 plan_path = out / f"plan-{arm}.json"
                 make_plan(model, frac, 8, plan_path)
                 res = results.setdefault(arm, {})
-                with Server(arm, reap + uva_load + ["--reap-plan", str(plan_path)], out) as srv:
+                with Server(arm, reap + ["--reap-plan", str(plan_path)], out) as srv:
                     res["startup_s"] = srv.startup_s
                     reap_measure(srv, "start", None, res, ref)
                     if arm == "reap-core":
                         n_core = int(cfg["num_experts"] * frac)
                         experts = cfg["num_experts"]
-                        for pct in (50, 100, 50, 25):
+                        for pct in (50, 100, 25):
                             k = experts * pct // 100
                             aset = {f"layer_{l}": list(range(n_core, max(n_core, k)))
                                     for l in range(cfg["num_hidden_layers"])}
