@@ -67,12 +67,14 @@ _DETECTORS: dict[str, tuple[tuple[re.Pattern[str], float], ...]] = {
         (r"^\s*(?:from [\w.]+ )?import \w+", _M, 2.0), (r"\bself\.", 0, 1.0), (r"\b__\w+__\b", 0, 1.0),
         (r"^\s*(?:elif|except|try:|with |raise |return\b|yield\b)", _M, 1.0),
         (r"\b(?:None|True|False|lambda|isinstance|kwargs)\b", 0, 1.0), (r":\s*$", _M, 0.5),
-        (r'"""|\'\'\'', 0, 1.0), (r"\bpython\b|\.py\b", re.IGNORECASE, 1.0))),
+        (r'"""|\'\'\'', 0, 1.0), (r"\bpython\b|\.py\b", re.IGNORECASE, 1.0),
+        (r"'\\[xu][0-9a-fA-F]{2,4}'", 0, 1.0), (r"^\s*#(?!\s*(?:include|define|if|endif|undef|pragma)\b|!)", _M, 0.3))),
     "c": tuple((re.compile(p, f), w) for p, f, w in (
         (r"^\s*#\s*(?:include|define|ifn?def|endif|if|undef|pragma)\b", _M, 2.0),
         (r"\b(?:struct|typedef|unsigned|const|static|extern|enum|union|sizeof|void)\b", 0, 1.0),
         (r"\b(?:int|char|long|size_t|uint\d+_t|int\d+_t)\b\s*\**\s*\w+", 0, 1.0),
-        (r"->|\bNULL\b|/\*|\*/", 0, 1.0), (r";\s*$", _M, 0.5), (r"\b\w+\.h\b", 0, 1.0))),
+        (r"\bNULL\b|/\*|\*/", 0, 1.0), (r"->", 0, 0.3), (r";\s*$", _M, 0.5), (r"\b\w+\.h\b", 0, 1.0),
+        (r"^\s\*(?:\s|$)", _M, 0.5))),
     "shell": tuple((re.compile(p, f), w) for p, f, w in (
         (r"^#!\s*/(?:usr/)?bin/(?:env\s+)?(?:ba|da|k|z)?sh\b", _M, 5.0),
         (r"\$\{?\w+|\$\(|\$@|\$#|\$\?", 0, 1.0),

@@ -267,3 +267,50 @@ def test_fixture_plan_selection_within_budget_and_deterministic():
 def test_unknown_strategy():
     with pytest.raises(S.SelectionError, match="unknown strategy"):
         S.get_strategy("oracle")
+
+
+# ----------------------------------------------------------------------------- `reap-swap select` (offline)
+
+
+def _write_plan(tmp_path, budget_experts=8):
+    import orjson
+
+    path = tmp_path / "plan.json"
+    path.write_bytes(orjson.dumps(plan_doc(budget_experts=budget_experts)))
+    return path
+
+
+def test_cli_select_prior_prints_payload(tmp_path, capsys):
+    import orjson
+
+    from reap_swap.cli import main
+
+    plan_path = _write_plan(tmp_path)
+    assert main(["select", "--plan", str(plan_path), "--prompt", PY, "--payload-only", "--request-id", "q1"]) == 0
+    payload = orjson.loads(capsys.readouterr().out)
+    assert payload == {"request_id": "q1", "phase": "prefill",
+                       "active_set": {"layer_0": ["a"], "layer_5": ["a"]}}
+    assert main(["select", "--plan", str(plan_path), "--prompt", PY, "--strategy", "static"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy static: 0 slice(s)" in out and '"active_set": {}' in out
+
+
+def test_cli_select_probe_from_saved_misses_and_errors(tmp_path, capsys):
+    import orjson
+
+    from reap_swap.cli import main
+
+    plan_path = _write_plan(tmp_path, budget_experts=5)  # one expert beyond the core
+    misses = tmp_path / "misses.json"
+    misses.write_bytes(orjson.dumps({"layers": {"5": {"observed_mass": 4.0, "observed_selections": 8,
+                                                      "inactive_mass": 1.0, "inactive_experts": [8]}}}))
+    messages = tmp_path / "messages.json"
+    messages.write_bytes(orjson.dumps({"messages": [{"role": "user", "content": "hello"}]}))
+    assert main(["select", "--plan", str(plan_path), "--messages", str(messages), "--strategy", "probe",
+                 "--misses", str(misses), "--json"]) == 0
+    doc = orjson.loads(capsys.readouterr().out)
+    assert doc["selection"]["slices"] == {"layer_5": ["d"]} and doc["payload"]["active_set"] == {"layer_5": ["d"]}
+    assert main(["select", "--plan", str(plan_path), "--prompt", "x", "--strategy", "probe"]) == 2
+    assert "needs --misses FILE or --server URL" in capsys.readouterr().err
+    assert main(["select", "--plan", str(plan_path), "--prompt", "x", "--budget-bytes", "10"]) == 1
+    assert "does not hold the plan's core" in capsys.readouterr().err
