@@ -1,0 +1,434 @@
+"""Run a corpus through vLLM (prefill only) and record, per MoE layer, which experts were routed.
+
+usage: reap-swap observe --model M --corpus FILE.jsonl --out obs.pt [--per-request] [vLLM engine args]
+
+Corpus: one JSON object per line, either a chat ``{"messages": [{"role", "content", ...}], ...}``
+(rendered with the model's chat template) or ``{"prompt": ...}`` / ``{"text": ...}``. The record's
+``tag`` field, else its ``source`` field, names its corpus tag. Malformed lines (bad JSON, no
+usable field, a template error, longer than the model's context) are reported with their line
+number and skipped -- all before the engine runs a single token -- or, with --strict-corpus,
+refused: nothing runs.
+
+Why it counts what it counts: every record is prefilled with max_tokens=1, so the routed tokens
+are exactly the corpus tokens; prefix caching is forced off so a shared prefix is routed (and
+counted) once per record. After every batch the device counters of the worker extension
+(reap_swap.worker, residency/counters.py) are read and reset, and each layer's count must equal
+tokens x top_k -- otherwise the run stops rather than write wrong numbers. Records run one tag
+at a time, so the per-tag counts are exact; --per-request runs one record at a time and also
+writes per-record counts (what ``reap-swap evaluate`` needs for per-request coverage).
+
+Output: REAP's layout (``torch.save`` of ``{layer_idx: {field: tensor}}``; fields
+``total_tokens``, ``expert_frequency``, ``weighted_expert_frequency_sum`` -- the summed gate
+weight the model applied, after top-k renormalisation where the model renormalises -- and
+``coactivation``) plus the ``"__reap_swap__"`` key; see reap_swap/observations.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+WORKER_EXTENSION = "reap_swap.worker.ReapWorkerExtension"
+MAX_LISTED_ISSUES = 1000
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(min_length=1)
+    content: str | list[Any] | None = None
+
+
+class _ChatRecord(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    messages: list[_Message] = Field(min_length=1)
+
+
+class _TextRecord(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    text: str = Field(min_length=1)
+
+
+class _PromptRecord(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    prompt: str = Field(min_length=1)
+
+
+@dataclass(frozen=True)
+class CorpusRecord:
+    line: int  # 1-based line number in the corpus file
+    tag: str | None
+    messages: list[dict] | None  # chat records
+    text: str | None  # prompt / text records
+
+
+@dataclass(frozen=True)
+class CorpusIssue:
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+def _tag(obj: Mapping) -> str | None:
+    for name in ("tag", "source"):
+        value = obj.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def parse_line(line_no: int, raw: bytes) -> CorpusRecord | CorpusIssue | None:
+    """One corpus line -> a record, an issue, or None for a blank line."""
+    if not raw.strip():
+        return None
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return CorpusIssue(line_no, f"not valid JSON ({exc})")
+    if not isinstance(obj, dict):
+        return CorpusIssue(line_no, f"a record is a JSON object, not {type(obj).__name__}")
+    tag = _tag(obj)
+    try:
+        if "messages" in obj:
+            chat = _ChatRecord.model_validate(obj)
+            return CorpusRecord(line_no, tag, [m.model_dump(exclude_none=True) for m in chat.messages], None)
+        if "prompt" in obj:
+            return CorpusRecord(line_no, tag, None, _PromptRecord.model_validate(obj).prompt)
+        if "text" in obj:
+            return CorpusRecord(line_no, tag, None, _TextRecord.model_validate(obj).text)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return CorpusIssue(line_no, f"{where}: {first['msg']}")
+    return CorpusIssue(line_no, f"no 'messages', 'prompt' or 'text' field (keys: {sorted(obj)[:8]})")
+
+
+def read_corpus(path: str | os.PathLike) -> tuple[list[CorpusRecord], list[CorpusIssue]]:
+    records, issues = [], []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            item = parse_line(n, raw)
+            if isinstance(item, CorpusRecord):
+                records.append(item)
+            elif isinstance(item, CorpusIssue):
+                issues.append(item)
+    return records, issues
+
+
+def tokenize_records(tokenizer, records: Sequence[CorpusRecord], max_len: int
+                     ) -> tuple[list[tuple[CorpusRecord, list[int]]], list[CorpusIssue]]:
+    """Token ids per record: chat -> the model's chat template (no generation prompt: the corpus
+    is what is observed); text -> the tokenizer's own special tokens, as vLLM would add them."""
+    out, issues = [], []
+    for rec in records:
+        try:
+            if rec.messages is not None:
+                text = tokenizer.apply_chat_template(rec.messages, tokenize=False, add_generation_prompt=False)
+                ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            else:
+                ids = list(tokenizer(rec.text)["input_ids"])
+        except Exception as exc:  # templates raise anything from jinja2 errors to ValueError
+            issues.append(CorpusIssue(rec.line, f"cannot tokenize: {type(exc).__name__}: {exc}"))
+            continue
+        if not ids:
+            issues.append(CorpusIssue(rec.line, "no tokens"))
+        elif len(ids) > max_len:
+            issues.append(CorpusIssue(rec.line, f"{len(ids)} tokens, over the model's max_model_len {max_len}"))
+        else:
+            out.append((rec, ids))
+    return out, issues
+
+
+# ----------------------------------------------------------------------------- counters
+
+
+class CountMismatch(RuntimeError):
+    """Counters disagree with tokens x top_k: something was counted twice or not at all."""
+
+
+def worker_layers(reports: Sequence[Mapping]) -> dict[int, dict[str, np.ndarray]]:
+    """One worker report per rank -> per layer counts/weights(/coact) as numpy.
+
+    Tensor-parallel ranks route identically: counts and weights go through
+    forensics.aggregate_workers (lowest tp rank per data-parallel group, summed over groups);
+    the co-activation matrix is taken from the same rank."""
+    from reap_swap.forensics import aggregate_workers
+
+    agg = aggregate_workers(reports)
+    for layer, stats in agg.items():
+        if stats.get("tp_disagreement"):
+            raise CountMismatch(f"layer {layer}: tensor-parallel ranks disagree: {stats['tp_disagreement']}")
+    coact: dict[int, np.ndarray] = {}
+    groups: dict[int, Mapping] = {}
+    for report in reports:
+        dp = int(report.get("dp_rank", 0))
+        if dp not in groups or int(report.get("tp_rank", 0)) < int(groups[dp].get("tp_rank", 0)):
+            groups[dp] = report
+    for report in groups.values():
+        for key, stats in report.get("layers", {}).items():
+            if stats.get("coact") is not None:
+                m = np.asarray(stats["coact"], dtype=np.int64)
+                coact[int(key)] = coact[int(key)] + m if int(key) in coact else m
+    out = {}
+    for layer, stats in agg.items():
+        item = {"counts": np.asarray(stats["counts"], dtype=np.int64),
+                "weights": np.asarray(stats["weights"], dtype=np.float64)}
+        if layer in coact:
+            item["coact"] = coact[layer]
+        out[layer] = item
+    return out
+
+
+class _Accumulator:
+    """Per layer running sums over some records."""
+
+    def __init__(self):
+        self.tokens = 0
+        self.layers: dict[int, dict[str, np.ndarray]] = {}
+
+    def add(self, tokens: int, layers: Mapping[int, Mapping[str, np.ndarray]]) -> None:
+        self.tokens += tokens
+        for layer, stats in layers.items():
+            mine = self.layers.setdefault(layer, {k: np.zeros_like(v) for k, v in stats.items()})
+            for k, v in stats.items():
+                mine[k] = mine[k] + v
+
+    def layer_stats(self):
+        from reap_swap.planner import LayerStats
+
+        return {layer: LayerStats(total_tokens=self.tokens, expert_frequency=s["counts"],
+                                  weighted_frequency=s["weights"], coactivation=s.get("coact"),
+                                  raw_key=str(layer))
+                for layer, s in sorted(self.layers.items())}
+
+
+def check_counts(layers: Mapping[int, Mapping[str, np.ndarray]], tokens: int, top_k: int,
+                 expected_layers: Iterable[int]) -> None:
+    missing = sorted(set(expected_layers) - set(layers))
+    if missing:
+        raise CountMismatch(f"no counters for MoE layers {missing}: is the worker extension counting?")
+    for layer, s in sorted(layers.items()):
+        got = int(s["counts"].sum())
+        if got != tokens * top_k:
+            raise CountMismatch(
+                f"layer {layer}: {got} routed selections for {tokens} tokens x top_k {top_k} = {tokens * top_k}"
+                " (prefix caching, preemption recompute or a second forward of the same tokens?)")
+        if "coact" in s and not np.array_equal(np.diag(s["coact"]), s["counts"]):
+            raise CountMismatch(f"layer {layer}: co-activation diagonal != counts")
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def _engine_kwargs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM engine arguments the user set explicitly (LLM(...) fills in the rest)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return {k: v for k, v in vars(args).items()
+            if k in names and k != "model" and v != parser.get_default(k)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    ours = parser.add_argument_group("reap-swap observe")
+    ours.add_argument("--corpus", required=True, type=Path, help="JSONL corpus (chat, prompt or text records)")
+    ours.add_argument("--out", required=True, type=Path, help="observation file to write (.pt)")
+    ours.add_argument("--per-request", action="store_true",
+                      help="run records one at a time and also store per-record counts (slower)")
+    ours.add_argument("--batch-size", type=int, default=32, help="records per engine call (ignored with --per-request)")
+    ours.add_argument("--strict-corpus", action="store_true",
+                      help="refuse the whole corpus if any line is malformed (default: report and skip)")
+    ours.add_argument("--max-records", type=int, help="observe only the first N usable records")
+    ours.add_argument("--no-coactivation", dest="coactivation", action="store_false",
+                      help="skip the E x E co-activation counters (saves E*E*8 bytes per layer)")
+    ours.add_argument("--reap-layout-only", action="store_true",
+                      help="write only REAP's {layer_idx: {field: tensor}} (no tags, records, metadata)")
+    ours.add_argument("--no-progress", dest="progress", action="store_false")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(_parser=parser)
+
+
+def _hf_config(args: argparse.Namespace) -> dict:
+    """The model's config as a dict (a local folder or a hub id, via transformers)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(args.model, revision=args.revision,
+                                      trust_remote_code=args.trust_remote_code).to_dict()
+
+
+def _rpc_stats(llm) -> list[dict]:
+    return llm.collective_rpc("reap_read_stats", kwargs={"reset": True})
+
+
+def run(args: argparse.Namespace) -> int:
+    records, issues = read_corpus(args.corpus)
+    for issue in issues[:MAX_LISTED_ISSUES]:
+        print(f"{args.corpus}: {issue}", file=sys.stderr)
+    if issues and args.strict_corpus:
+        print(f"error: {len(issues)} malformed line(s); --strict-corpus: nothing observed", file=sys.stderr)
+        return 2
+    if not records:
+        print(f"error: {args.corpus}: no usable records", file=sys.stderr)
+        return 2
+    if args.max_records is not None:
+        records = records[:args.max_records]
+
+    from reap_swap.model_shape import read_model_shape
+    from reap_swap.observations import file_digest, save_observations
+
+    shape = read_model_shape(_hf_config(args))
+    workdir = Path(tempfile.mkdtemp(prefix="reap-observe-"))
+    llm = _start_engine(args, shape, workdir)
+    try:
+        tokenized, tok_issues = tokenize_records(llm.get_tokenizer(), records, llm.model_config.max_model_len)
+        for issue in tok_issues[:MAX_LISTED_ISSUES]:
+            print(f"{args.corpus}: {issue}", file=sys.stderr)
+        if tok_issues and args.strict_corpus:
+            print(f"error: {len(tok_issues)} record(s) cannot be tokenized; --strict-corpus: nothing observed",
+                  file=sys.stderr)
+            return 2
+        if not tokenized:
+            print("error: no record could be tokenized", file=sys.stderr)
+            return 2
+        result = observe_records(llm, tokenized, shape.top_k, shape.moe_layers, per_request=args.per_request,
+                                 batch_size=args.batch_size, progress=args.progress)
+    except CountMismatch as exc:
+        print(f"error: {exc}; nothing written", file=sys.stderr)
+        return 1
+    finally:
+        _shutdown(llm)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    skipped = [{"line": i.line, "reason": i.reason} for i in (issues + tok_issues)[:MAX_LISTED_ISSUES]]
+    meta = {
+        "model": args.model, "top_k": shape.top_k, "num_experts": shape.num_experts,
+        "records": len(tokenized), "skipped_count": len(issues) + len(tok_issues), "skipped": skipped,
+        "corpus": {"name": args.corpus.name, "sha256": file_digest(args.corpus)},
+        "per_request": bool(args.per_request),
+    }
+    total, tags, per_record = result
+    digest = save_observations(args.out, total.layer_stats(),
+                               tags={t: acc.layer_stats() for t, acc in tags.items()},
+                               records=per_record, meta=meta, reap_layout_only=args.reap_layout_only)
+    print(f"wrote {args.out}: {len(tokenized)} records, {total.tokens:,} tokens, {len(total.layers)} MoE layers, "
+          f"{len(tags)} tag(s); skipped {len(issues) + len(tok_issues)} line(s); sha256 {digest[:16]}")
+    return 0
+
+
+def observe_records(llm, tokenized: Sequence[tuple[CorpusRecord, list[int]]], top_k: int,
+                    moe_layers: Sequence[int], *, per_request: bool, batch_size: int, progress: bool = True):
+    """Drive the engine; returns (overall accumulator, {tag: accumulator}, RecordCounts | None)."""
+    from tqdm import tqdm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from reap_swap.planner import RecordCounts
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    _rpc_stats(llm)  # drop what start-up (profiling, warm-up) routed
+    total = _Accumulator()
+    tags: dict[str, _Accumulator] = {}
+    # one tag at a time (untagged last) so a counter read never mixes tags; file order within a tag
+    order = sorted(range(len(tokenized)), key=lambda i: (tokenized[i][0].tag is None, tokenized[i][0].tag or "", i))
+    size = 1 if per_request else max(1, batch_size)
+    rows: list[np.ndarray] = []
+    row_meta: list[tuple[str, int, int]] = []
+    layer_order = tuple(sorted(moe_layers))
+    bar = tqdm(total=sum(len(ids) for _, ids in tokenized), unit="tok", unit_scale=True,
+               desc="observe", disable=not progress, file=sys.stderr)
+    i = 0
+    while i < len(order):
+        tag = tokenized[order[i]][0].tag
+        batch = [order[i]]
+        while len(batch) < size and i + len(batch) < len(order) and tokenized[order[i + len(batch)]][0].tag == tag:
+            batch.append(order[i + len(batch)])
+        i += len(batch)
+        prompts = [TokensPrompt(prompt_token_ids=tokenized[j][1]) for j in batch]
+        llm.generate(prompts, params, use_tqdm=False)
+        layers = worker_layers(_rpc_stats(llm))
+        tokens = sum(len(tokenized[j][1]) for j in batch)
+        check_counts(layers, tokens, top_k, moe_layers)
+        total.add(tokens, layers)
+        if tag is not None:
+            tags.setdefault(tag, _Accumulator()).add(tokens, layers)
+        if per_request:
+            rec = tokenized[batch[0]][0]
+            rows.append(np.stack([layers[layer]["counts"] for layer in layer_order]))
+            row_meta.append((rec.tag or "", len(tokenized[batch[0]][1]), rec.line))
+        bar.update(tokens)
+    bar.close()
+    per_record = None
+    if per_request:
+        per_record = RecordCounts(layers=layer_order, counts=np.stack(rows), tags=tuple(t for t, _, _ in row_meta),
+                                  tokens=np.array([n for _, n, _ in row_meta], dtype=np.int64),
+                                  lines=np.array([ln for _, _, ln in row_meta], dtype=np.int64))
+    return total, tags, per_record
+
+
+def _start_engine(args: argparse.Namespace, shape, workdir: Path):
+    from vllm import LLM
+
+    kwargs = _engine_kwargs(args._parser, args)
+    if kwargs.pop("enable_prefix_caching", None):
+        print("note: prefix caching forced off (each corpus token must be routed exactly once)", file=sys.stderr)
+    if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
+        raise SystemExit(f"error: observe needs --worker-extension-cls {WORKER_EXTENSION}")
+    kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    kwargs["enable_prefix_caching"] = False
+    extra = dict(kwargs.get("additional_config") or {})
+    extra.update(observe_worker_config(shape, args.coactivation, workdir))
+    kwargs["additional_config"] = extra
+    return LLM(model=args.model, **kwargs)
+
+
+def observe_worker_config(shape, coactivation: bool, workdir: Path) -> dict[str, Any]:
+    """additional_config for the worker extension (reap_swap/settings.py, worker.py).
+
+    The worker loads a plan before it answers any RPC. Observing comes before any plan exists,
+    so it gets an "everything resident" plan (every expert of every MoE layer in the core) and
+    accounting residency: routing is untouched, no weight moves, the counters count. With
+    ``coactivation`` the counters also keep the E x E co-activation matrix."""
+    from reap_swap.plan import load_plan
+    from reap_swap.planner import plan_bytes
+    from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings
+
+    everything = list(range(shape.num_experts))
+    total = len(shape.moe_layers) * shape.num_experts * shape.expert_bytes
+    doc = {
+        "mode": "dynamic_core_specialist", "model": "reap-swap observe (all experts resident)",
+        "budget": {"per_expert_bytes": shape.expert_bytes, "swappable_expert_budget_bytes": total},
+        "perLayer": {f"layer_{i}": {"numExperts": shape.num_experts, "coreExperts": everything}
+                     for i in shape.moe_layers},
+    }
+    path = workdir / "observe-all-resident-plan.json"
+    path.write_bytes(plan_bytes(doc))
+    identity = load_plan(path, shape).identity
+    settings = Settings(plan_file=path, coactivation=coactivation, residency="accounting")
+    return {ADDITIONAL_CONFIG_KEY: settings.to_worker_config(plan_identity=identity)}
+
+
+def _shutdown(llm) -> None:
+    """Stop the engine's worker processes now (not at interpreter exit)."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
