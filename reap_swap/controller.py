@@ -333,7 +333,7 @@ class SwapController:
         notes = sorted({r.get("note", "") for r in results} - {""})
         worker_phases = [r.get("phases", {}) for r in results]
         base.update(
-            validate_only=False, noop=noop, refresh_count=refresh_count,
+            validate_only=False, noop=noop, refresh_count=refresh_count, swap_seq=self.swap_count,
             bytes_copied=bytes_copied, bytes_copied_per_worker=[int(r.get("bytes_copied", 0)) for r in results],
             note=("no-op: this active set (signature %s) is already resident; nothing was applied. " % new_sig
                   if noop else "") + " ".join(notes),

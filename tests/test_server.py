@@ -1,0 +1,90 @@
+"""Launcher pieces that run before any engine: argument handling, refusals, plan validation,
+installation of the worker extension / plugin / configuration. No engine is started here."""
+
+import argparse
+import json
+import os
+
+import pytest
+
+from reap_fakes import tiny_plan_doc
+from reap_swap import server
+from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from reap_fakes import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def test_prepare_installs_extension_plugin_and_configuration(tiny, monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    args, cmd = server.prepare([str(tiny / "model"), "--reap-plan", str(tiny / "plan.json"), "--port", "8123",
+                                "--enforce-eager", "--additional-config", '{"other": 1}'])
+    assert args.model == str(tiny / "model") and args.port == 8123 and args.enforce_eager is True
+    assert args.worker_extension_cls == server.WORKER_EXTENSION
+    cfg = args.additional_config[ADDITIONAL_CONFIG_KEY]
+    assert args.additional_config["other"] == 1  # the user's additional config is kept
+    assert cfg["plan_file"] == str((tiny / "plan.json").resolve()) and len(cfg["plan_identity"]) == 64
+    assert Settings.from_worker_config(cfg).plan_file == (tiny / "plan.json").resolve()
+    assert "reap_swap" in os.environ["VLLM_PLUGINS"].split(",")
+    assert type(cmd).__name__ == "ServeSubcommand"
+
+
+def test_plugin_allowlist_keeps_what_loaded_before(monkeypatch):
+    assert server.plugin_allowlist("a,b") == "a,b,reap_swap"
+    assert server.plugin_allowlist("reap_swap") == "reap_swap"
+    installed = {"vllm.general_plugins": ["gen"], "vllm.platform_plugins": ["plat"],
+                 "vllm.endpoint_plugins": ["someone_elses_routes"]}
+    monkeypatch.setattr(server, "entry_points",
+                        lambda group: [argparse.Namespace(name=n) for n in installed.get(group, [])])
+    # unset VLLM_PLUGINS loads every general/platform plugin: setting it must not drop them,
+    # and must not opt other endpoint plugins in
+    assert server.plugin_allowlist(None) == "gen,plat,reap_swap"
+
+
+@pytest.mark.parametrize("attrs,needle", [
+    ({"api_server_count": 2}, "--api-server-count"),
+    ({"data_parallel_size": 2}, "--data-parallel-size"),
+    ({"headless": True}, "--headless"),
+    ({"worker_extension_cls": "x.Y"}, "--worker-extension-cls"),
+])
+def test_unsupported_topologies_are_refused(attrs, needle):
+    args = argparse.Namespace(**{"headless": False, "grpc": False, "api_server_count": None,
+                                 "data_parallel_size": 1, "worker_extension_cls": "", **attrs})
+    with pytest.raises(server.LaunchError, match=needle):
+        server.check_topology(args)
+
+
+def test_invalid_plan_is_a_launch_error_with_the_report(tiny, tmp_path):
+    doc = tiny_plan_doc()
+    doc["perLayer"]["layer_0"]["coreExperts"].append(31)
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps(doc))
+    args = argparse.Namespace(model=str(tiny / "model"), hf_config_path=None)
+    with pytest.raises(server.LaunchError) as exc:
+        server.load_validated_plan(Settings(plan_file=bad), args)
+    assert "invalid plan" in str(exc.value) and "31" in str(exc.value)
+
+
+def test_plan_for_another_model_shape_is_refused(tiny, tmp_path):
+    cfg = json.loads((tiny / "model" / "config.json").read_text())
+    cfg["num_experts"] = 8
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(cfg))
+    args = argparse.Namespace(model=str(other), hf_config_path=None)
+    with pytest.raises(server.LaunchError, match="invalid plan"):
+        server.load_validated_plan(Settings(plan_file=tiny / "plan.json"), args)
+
+
+def test_main_exit_codes_for_refusals(tiny, monkeypatch, capsys):
+    monkeypatch.setenv("REAP_PLAN_FILE", str(tiny / "plan.json"))
+    monkeypatch.setenv("REAP_MAX_LOADED_CARTRIGDES", "3")
+    assert server.main([str(tiny / "model")]) == 2
+    assert "REAP_MAX_LOADED_CARTRIDGES" in capsys.readouterr().err
+    monkeypatch.delenv("REAP_MAX_LOADED_CARTRIGDES")
+    assert server.main([str(tiny / "model"), "--api-server-count", "2"]) == 1
+    assert "--api-server-count" in capsys.readouterr().err

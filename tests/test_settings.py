@@ -1,0 +1,98 @@
+"""REAP settings: precedence env > flag > default, refusals, the flag/argv split."""
+
+import pytest
+
+from reap_swap.settings import ENV_NAMES, ROUTER_MASKS_REFUSED, Settings, SettingsError, resolve, split_argv
+
+PLAN = {"REAP_PLAN_FILE": "/plans/p.json"}
+
+
+def test_defaults_with_only_a_plan():
+    r = resolve({}, PLAN)
+    assert r.settings == Settings(plan_file="/plans/p.json")
+    assert r.settings.max_loaded_cartridges == 8 and r.settings.residency == "auto"
+    assert r.sources["plan_file"] == "env" and r.sources["validate_only"] == "default"
+    assert r.overrides == []
+
+
+def test_flags_apply_when_the_environment_is_silent():
+    ns, rest = split_argv(["--reap-plan", "a.json", "--reap-validate-only", "--reap-max-loaded-cartridges", "3"])
+    r = resolve(ns, {})
+    assert rest == []
+    assert r.settings.validate_only is True and r.settings.max_loaded_cartridges == 3
+    assert str(r.settings.plan_file) == "a.json"
+    assert r.sources["max_loaded_cartridges"] == "flag"
+
+
+def test_environment_beats_flags_and_each_override_is_named():
+    ns, _ = split_argv(["--reap-plan", "flag.json", "--reap-max-loaded-cartridges", "3", "--reap-coactivation"])
+    r = resolve(ns, {"REAP_PLAN_FILE": "env.json", "REAP_MAX_LOADED_CARTRIDGES": "5"})
+    assert str(r.settings.plan_file) == "env.json" and r.settings.max_loaded_cartridges == 5
+    assert r.settings.coactivation is True  # flag only
+    assert len(r.overrides) == 2
+    assert any("REAP_PLAN_FILE" in o and "--reap-plan" in o for o in r.overrides)
+    assert any("REAP_MAX_LOADED_CARTRIDGES" in o and "--reap-max-loaded-cartridges" in o for o in r.overrides)
+
+
+@pytest.mark.parametrize("raw,value", [("1", True), ("true", True), ("yes", True), ("on", True),
+                                       ("0", False), ("false", False), ("no", False), ("", False)])
+def test_boolean_environment_values(raw, value):
+    assert resolve({}, {**PLAN, "REAP_SWAP_VALIDATE_ONLY": raw}).settings.validate_only is value
+
+
+def test_unknown_reap_variable_is_refused_with_the_known_names():
+    with pytest.raises(SettingsError) as exc:
+        resolve({}, {**PLAN, "REAP_SWAP_VALIDATE_ONYL": "1", "OTHER": "x"})
+    msg = str(exc.value)
+    assert "REAP_SWAP_VALIDATE_ONYL" in msg and "OTHER" not in msg
+    for name in ENV_NAMES:
+        assert name in msg
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"REAP_SWAP_VALIDATE_ONLY": "maybe"}, "REAP_SWAP_VALIDATE_ONLY"),
+    ({"REAP_MAX_LOADED_CARTRIDGES": "0"}, "REAP_MAX_LOADED_CARTRIDGES"),
+    ({"REAP_MAX_LOADED_CARTRIDGES": "many"}, "REAP_MAX_LOADED_CARTRIDGES"),
+    ({"REAP_RESIDENCY": "gpu"}, "REAP_RESIDENCY"),
+])
+def test_bad_values_name_the_variable(env, needle):
+    with pytest.raises(SettingsError, match=needle):
+        resolve({}, {**PLAN, **env})
+
+
+def test_bad_flag_value_names_the_flag():
+    with pytest.raises(SettingsError, match="--reap-max-loaded-cartridges"):
+        resolve({"max_loaded_cartridges": 0}, PLAN)
+
+
+def test_router_masks_are_refused_by_env_or_flag():
+    with pytest.raises(SettingsError) as exc:
+        resolve({}, {**PLAN, "REAP_ENABLE_ROUTER_MASKS": "1"})
+    assert str(exc.value) == ROUTER_MASKS_REFUSED
+    with pytest.raises(SettingsError, match="destroy output quality"):
+        resolve(split_argv(["--reap-enable-router-masks"])[0], PLAN)
+    assert resolve({}, {**PLAN, "REAP_ENABLE_ROUTER_MASKS": "0"}).settings.router_masks is False
+
+
+def test_a_plan_is_required():
+    with pytest.raises(SettingsError, match="REAP_PLAN_FILE"):
+        resolve({}, {})
+
+
+def test_split_argv_keeps_vllm_arguments_in_order():
+    ns, rest = split_argv(["org/model", "--port", "8000", "--reap-plan=p.json", "--api-key", "k",
+                           "--reap-residency", "accounting", "--enforce-eager"])
+    assert rest == ["org/model", "--port", "8000", "--api-key", "k", "--enforce-eager"]
+    assert ns.plan_file == "p.json" and ns.residency == "accounting"
+
+
+def test_misspelled_reap_flag_is_refused():
+    with pytest.raises(SettingsError, match="--reap-plna"):
+        split_argv(["--reap-plna", "p.json"])
+
+
+def test_worker_config_round_trip():
+    s = resolve({}, {**PLAN, "REAP_COACTIVATION": "1"}).settings
+    cfg = s.to_worker_config(plan_identity="abc")
+    assert cfg["plan_identity"] == "abc" and cfg["plan_file"] == "/plans/p.json"
+    assert Settings.from_worker_config(cfg) == s
