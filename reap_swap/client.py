@@ -44,6 +44,7 @@ from reap_swap.selection import (
     missed_mass,
     prompt_text,
     refresh,
+    routed_share,
 )
 
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
@@ -322,7 +323,8 @@ class _Base:
                 t1 = time.perf_counter()
                 # the running request's misses so far, measured against what is resident now
                 running = yield _Call("GET", f"/router_misses/{rid}")
-                new = refresh(self._plan, current, missed_mass(running), used, messages)
+                new = refresh(self._plan, current, missed_mass(running), used, messages,
+                              routed=routed_share(running))
                 record = {"after_chunks": assembler.chunks, "misses_so_far": running.get("totals"),
                           "swapped": new is not None}
                 if new is not None:

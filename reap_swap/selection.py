@@ -22,9 +22,8 @@ Strategies:
 - decode refresh (:func:`refresh`): re-select from the running request's misses, at most
   ``max_refreshes_per_request`` times.
 
-Router-miss payloads give each layer's ``inactive_experts`` and their total ``inactive_mass``;
-without a per-expert split, each missed expert is credited an equal share of its layer's
-missed mass (see :func:`missed_mass`).
+Router-miss payloads give each layer's ``inactive_experts`` and per-expert ``expert_counts``;
+the values are shares of the layer's routed selections (see :func:`missed_mass`).
 """
 
 from __future__ import annotations
@@ -257,17 +256,26 @@ def slice_priors(plan: Plan, weights: Mapping[str, float]) -> dict[int, list[flo
 
 
 def missed_mass(router_misses: Mapping[str, Any]) -> MissedMass:
-    """GET /router_misses/{id} -> layer -> expert -> missed share of that layer's routed mass.
+    """GET /router_misses/{id} -> layer -> expert -> share of the layer's routing that missed on it.
 
-    Uses a per-expert split when the payload has one (``inactive_expert_mass``: {id: mass} or a
-    list over all experts); otherwise each of the layer's ``inactive_experts`` gets an equal share
-    of its ``inactive_mass``. Dividing by the layer's ``observed_mass`` makes layers comparable
-    (and comparable with the plan's priors, which are shares too).
+    With the payload's per-expert ``expert_counts`` (the server's routed selections per expert),
+    an inactive expert's share is its count over the layer's ``observed_selections``: the unit
+    the hit rate is measured in, and the unit of the planner's priors (shares of selections).
+    Without them: a per-expert ``inactive_expert_mass`` if present, else each of the layer's
+    ``inactive_experts`` gets an equal part of its ``inactive_mass`` (over ``observed_mass``).
     """
     out: MissedMass = {}
     for key, row in (router_misses.get("layers") or {}).items():
         layer = int(str(key).removeprefix("layer_"))
-        observed = float(row.get("observed_mass") or 0.0) or float(row.get("observed_selections") or 0)
+        inactive = [int(e) for e in row.get("inactive_experts") or ()]
+        counts = row.get("expert_counts")
+        selections = int(row.get("observed_selections") or 0)
+        if isinstance(counts, Sequence) and not isinstance(counts, str) and selections > 0:
+            shares = {e: counts[e] / selections for e in inactive if 0 <= e < len(counts) and counts[e] > 0}
+            if shares:
+                out[layer] = dict(sorted(shares.items()))
+            continue
+        observed = float(row.get("observed_mass") or 0.0) or float(selections)
         if observed <= 0.0:
             continue
         per_expert = row.get("inactive_expert_mass")
@@ -277,15 +285,29 @@ def missed_mass(router_misses: Mapping[str, Any]) -> MissedMass:
         elif isinstance(per_expert, Sequence) and not isinstance(per_expert, str):
             masses = {e: float(m) for e, m in enumerate(per_expert) if float(m) > 0}
         else:
-            experts = [int(e) for e in row.get("inactive_experts") or ()]
             total = float(row.get("inactive_mass") or 0.0)
-            if total <= 0.0 and experts:  # no gate weights counted: fall back to selections
-                total = float(row.get("missed_selections") or 0) * (
-                    observed / max(1, int(row.get("observed_selections") or 1)))
-            masses = {e: total / len(experts) for e in experts} if experts else {}
+            if total <= 0.0 and inactive:  # no gate weights counted: fall back to selections
+                total = float(row.get("missed_selections") or 0) * (observed / max(1, selections))
+            masses = {e: total / len(inactive) for e in inactive} if inactive else {}
         if masses:
             out[layer] = {e: m / observed for e, m in sorted(masses.items())}
     return out
+
+
+def routed_share(router_misses: Mapping[str, Any]) -> MissedMass | None:
+    """layer -> expert -> share of the layer's routed selections, resident or not (from the
+    payload's ``expert_counts``); None when the server does not report per-expert counts."""
+    out: MissedMass = {}
+    found = False
+    for key, row in (router_misses.get("layers") or {}).items():
+        counts = row.get("expert_counts")
+        if not isinstance(counts, Sequence) or isinstance(counts, str):
+            continue
+        found = True
+        total = sum(counts)
+        if total > 0:
+            out[int(str(key).removeprefix("layer_"))] = {e: c / total for e, c in enumerate(counts) if c > 0}
+    return out if found else None
 
 
 # ----------------------------------------------------------------------------- the greedy fill
@@ -464,20 +486,27 @@ def select_probe(plan: Plan, misses: MissedMass, prompt: str | Sequence[Mapping[
 
 
 def refresh(plan: Plan, current: Selection, misses: MissedMass, refresh_count: int,
-            prompt: str | Sequence[Mapping[str, Any]] = "") -> Selection | None:
-    """Decode-time re-selection from the running request's misses (measured against ``current``).
+            prompt: str | Sequence[Mapping[str, Any]] = "", routed: MissedMass | None = None
+            ) -> Selection | None:
+    """Decode-time re-selection from what the running request has routed so far.
 
-    None when the request already used ``max_refreshes_per_request`` refreshes or the new choice
-    is what is resident. Slices chosen now that showed no misses are valued at their prior
-    (their hits are not itemised per expert), so they stay unless measured misses outweigh them.
+    With ``routed`` (:func:`routed_share`: every expert's share, resident or not) slices are
+    valued by the request's own demand, the prior breaking ties. With only ``misses`` (measured
+    against ``current``), the slices resident now showed no misses however much they were used, so
+    they are valued at their prior and stay unless measured misses outweigh it. None when the
+    request already used ``max_refreshes_per_request`` refreshes or nothing would change.
     """
     if refresh_count >= plan.max_refreshes_per_request:
         return None
     budget = current.budget_bytes
     features = current.features or prompt_features(plan, prompt)
-    chosen_now = {index: frozenset(ids) - plan.layers[index].core for index, ids in current.keep.items()}
     priors = slice_priors(plan, features.weights)
-    chosen, values = _greedy(plan, budget, _miss_then_prior(plan, misses, priors, chosen_now))
+    if routed is not None:
+        value = _miss_then_prior(plan, routed, priors)
+    else:
+        chosen_now = {index: frozenset(ids) - plan.layers[index].core for index, ids in current.keep.items()}
+        value = _miss_then_prior(plan, misses, priors, chosen_now)
+    chosen, values = _greedy(plan, budget, value)
     new = _finish(plan, current.strategy, "decode_refresh", chosen, budget, current.request_budget_bytes,
                   values, features)
     return None if new.signature == current.signature else new
@@ -547,5 +576,5 @@ def core_probe_payload(request_id: str) -> dict:
 
 __all__ = ["STRATEGIES", "MissedMass", "PromptFeatures", "Selection", "SelectionError", "Strategy",
            "classify", "core_probe_payload", "effective_budget", "get_strategy", "missed_mass", "plan_families",
-           "prompt_features", "prompt_text", "refresh", "select", "select_prior", "select_probe",
+           "prompt_features", "prompt_text", "refresh", "routed_share", "select", "select_prior", "select_probe",
            "select_static", "slice_priors"]

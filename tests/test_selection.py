@@ -116,11 +116,12 @@ def test_random_plans_never_over_budget_never_outside_plan_deterministic(data):
         assert (again.slices, again.signature, again.values) == (sel.slices, sel.signature, sel.values)
         if name == "static":
             assert sel.slices == {} and sel.keep == plan.core_sets()
-        new = S.refresh(plan, sel, misses, 0, prompt)
-        if new is not None:
-            _assert_valid(plan, new, budget)
-            assert new.phase == "decode_refresh" and new.signature != sel.signature
-            assert plan.max_refreshes_per_request >= 1
+        for routed in (None, misses):
+            new = S.refresh(plan, sel, misses, 0, prompt, routed=routed)
+            if new is not None:
+                _assert_valid(plan, new, budget)
+                assert new.phase == "decode_refresh" and new.signature != sel.signature
+                assert plan.max_refreshes_per_request >= 1
         assert S.refresh(plan, sel, misses, plan.max_refreshes_per_request, prompt) is None
 
 
@@ -233,6 +234,16 @@ def test_missed_mass_from_a_router_misses_payload():
     assert m[5] == {6: pytest.approx(0.375), 7: pytest.approx(0.125)}
     assert 7 not in m
     assert m[9] == {1: pytest.approx(0.2), 2: pytest.approx(0.2)}  # no gate weights: selections
+    assert S.routed_share(payload) is None
+
+
+def test_missed_mass_and_routed_share_from_per_expert_counts():
+    """The server's expert_counts: exact per-expert shares of the layer's routed selections."""
+    counts = [5, 3, 0, 2, 0, 0, 0, 0, 6, 4, 0, 0]  # 20 selections
+    payload = {"layers": {"0": {"observed_selections": 20, "observed_mass": 10.0, "inactive_mass": 5.0,
+                                "missed_selections": 10, "inactive_experts": [3, 8, 9], "expert_counts": counts}}}
+    assert S.missed_mass(payload) == {0: {3: 0.1, 8: 0.3, 9: 0.2}}
+    assert S.routed_share(payload) == {0: {0: 0.25, 1: 0.15, 3: 0.1, 8: 0.3, 9: 0.2}}
 
 
 def test_refresh_swaps_in_what_the_running_request_misses_within_the_limit():
@@ -249,6 +260,14 @@ def test_refresh_swaps_in_what_the_running_request_misses_within_the_limit():
     assert S.refresh(plan, first, {other: {2: 0.6, 3: 0.6}}, refresh_count=1) is None  # limit 1 used
     # small misses do not outweigh what is resident (valued at its prior 0.3)
     assert S.refresh(plan, first, {other: {2: 0.01}}, refresh_count=0) is None
+    # with every expert's share known, the resident slice is valued by its real use instead
+    c_layer = {6: 0.2, 7: 0.2}  # slice c's experts were used: 0.4 of the layer
+    kept = S.refresh(plan, first, {other: {2: 0.1, 3: 0.1}}, 0, routed={layer_with_c: c_layer,
+                                                                       other: {2: 0.1, 3: 0.1}})
+    assert kept is None  # c (0.4 of its layer) beats a (0.2 of the other layer): nothing changes
+    unused = S.refresh(plan, first, {other: {2: 0.1, 3: 0.1}}, 0, routed={layer_with_c: {6: 0.01},
+                                                                          other: {2: 0.1, 3: 0.1}})
+    assert unused is not None and unused.slices == {other: ("a",)}  # c was barely used: a replaces it
 
 
 def test_fixture_plan_selection_within_budget_and_deterministic():
