@@ -186,7 +186,7 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     cmd.validate(args)
     check_topology(args)
     plan, cartridges = load_validated_plan(settings, args)
-    log_settings(resolved)
+    log_settings(Resolved(settings, resolved.sources, resolved.overrides))
     log.info("reap-swap plan %s: %s, %d layers, %d cartridge(s), identity %s", settings.plan_file, plan.mode,
              len(plan.layers), len(cartridges), plan.identity[:12])
     install(args, settings, plan)

@@ -1,6 +1,6 @@
 """End-to-end fixtures: the tiny MoE, the real `python -m reap_swap.server`, an independent recount.
 
-The server is started once per configuration and session, and at most one runs at a time (the
+The server is started once per configuration while the e2e package runs, and at most one runs at a time (the
 CI machine has 2 cores): `ServerPool.get` stops the running server before starting a different
 configuration. Every server runs in its own process group, which is killed at the end; a test
 asserts that nothing of it survives.
@@ -152,16 +152,17 @@ class ServerPool:
         assert not left, f"processes of server {server.key} survived: {left}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server_pool(tiny_moe, tmp_path_factory):
+    """Lives as long as the e2e package: no server of ours outlives these tests."""
     pool = ServerPool(tiny_moe / "model", tiny_moe / "plan.json", tmp_path_factory.mktemp("servers"))
     yield pool
     pool.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def server(server_pool) -> Server:
-    """The main configuration: one worker, default (torch.compile) mode, --api-key."""
+    """The main configuration: one worker, default (torch.compile) mode, --api-key (started once)."""
     return server_pool.get("tp1")
 
 
