@@ -139,6 +139,13 @@ class ReapWorkerExtension:
                 counters.zero(m)
         return {**s.header(), "dry_run": bool(dry_run), **result, "stats": stats}
 
+    def reap_selfcheck(self) -> dict:
+        """Engine self-check (CUDA only): pointers, HBM backings and a timed call per memory."""
+        s = self._reap_state()
+        check = getattr(s.backend, "selfcheck", None)
+        return {**s.header(), "mode": s.backend.mode,
+                **(check() if check else {"note": "no self-check for this residency backend"})}
+
     def reap_read_stats(self, reset: bool = False) -> dict:
         s = self._reap_state()
         layers = {str(i): counters.read(m, bool(reset)) for i, m in s.layers.items()}

@@ -48,6 +48,7 @@ class LayerEntry:
     expert_bytes: int
     rng: vmm.MixedRange
     range_bytes: torch.Tensor  # uint8 view over the whole range (copy source)
+    module: torch.nn.Module | None = None  # the RoutedExperts whose weights live in `rng`
 
 
 @dataclass
@@ -264,8 +265,15 @@ def attach_after_load(layer: torch.nn.Module) -> None:
     rng, range_bytes, new_w13, new_w2 = rehome(w13.data, w2.data, unit_bytes, st.device)
     layer.w13_weight.data = new_w13
     layer.w2_weight.data = new_w2
+    # This hook runs inside vLLM's device_loading_context. On exit that context re-offloads any
+    # parameter that was UVA-offloaded on entry and no longer carries this flag: it would copy our
+    # range into fresh pinned memory and point the parameter there, silently bypassing the HBM
+    # pool (measured on the H200: every expert read at PCIe speed). The range is host-backed
+    # memory the kernel reads directly, which is what the flag asserts.
+    layer.w13_weight._vllm_is_uva_offloaded = True
+    layer.w2_weight._vllm_is_uva_offloaded = True
     layer._reap_vmm = True
-    st.layers[index] = LayerEntry(index, name, num_experts, unit_bytes, expert_bytes, rng, range_bytes)
+    st.layers[index] = LayerEntry(index, name, num_experts, unit_bytes, expert_bytes, rng, range_bytes, layer)
 
     if st.plan is not None:
         core = {index: sorted(st.plan.layers[index].core)}
@@ -340,6 +348,13 @@ class _Store:
         self.st.layers[layer].rng.map_device(expert, self.st.pool.handles[slot])
 
 
+def _points_into_range(entry: LayerEntry) -> bool:
+    """Do the layer's parameters still read the engine's range (what swaps remap)?"""
+    lo = entry.rng.base
+    hi = lo + entry.rng.num_units * entry.rng.unit_bytes
+    return entry.module.w13_weight.data_ptr() == lo and lo <= entry.module.w2_weight.data_ptr() < hi
+
+
 class CudaResidency:
     """The worker's residency backend on CUDA (see worker.make_residency_backend)."""
 
@@ -352,6 +367,12 @@ class CudaResidency:
                 "no MoE layer was re-homed at load time" + (f" ({reasons})" if reasons else "")
             )
         self.st = _STATE
+        moved = [i for i, e in self.st.layers.items() if not _points_into_range(e)]
+        if moved:
+            raise RuntimeError(
+                f"layers {moved}: the expert parameters no longer point into the engine's ranges "
+                "(something replaced them after re-homing); swaps would move bytes the kernel never reads"
+            )
 
     def capacity_bytes(self) -> int:
         plan = self.st.plan
@@ -393,6 +414,45 @@ class CudaResidency:
                 num = self.st.plan.layers[index].num_experts if self.st.plan and index in self.st.plan.layers else 0
                 out[index] = frozenset(range(num)) if on_hbm else frozenset()
         return out
+
+    def selfcheck(self, iters: int = 20) -> dict:
+        """Is what the kernel reads what the table says? Pointers, backings and one timed call.
+
+        For every re-homed layer: the parameters still point into the engine's range and the
+        number of HBM-backed units equals the table's resident count. On the first layer, one
+        token routed to top-k resident experts and one routed to top-k host experts are timed
+        through the layer's own quant method (the serving path), eagerly.
+        """
+        report: dict[str, Any] = {"layers": {}}
+        resident = self.st.table.resident()
+        for index, entry in self.st.layers.items():
+            report["layers"][str(index)] = {
+                "params_in_range": _points_into_range(entry),
+                "hbm_units": sum(b is not None for b in entry.rng.backing),
+                "table_resident": len(resident.get(index, ())),
+            }
+        index, entry = next(iter(self.st.layers.items()))
+        m, k = entry.module, int(getattr(m, "top_k", 8))
+        on_hbm = sorted(resident.get(index, ()))
+        on_host = sorted(set(range(entry.num_experts)) - set(on_hbm))
+        x = torch.randn(1, m.w13_weight.shape[2], device=m.w13_weight.device, dtype=m.w13_weight.dtype)
+        for label, experts in (("hbm", on_hbm), ("host", on_host)):
+            if len(experts) < k:
+                continue
+            ids = torch.tensor([experts[:k]], device=x.device, dtype=torch.int32)
+            w = torch.full((1, k), 1.0 / k, device=x.device, dtype=torch.float32)
+            run = lambda: m.quant_method.apply(layer=m, x=x, topk_weights=w, topk_ids=ids,  # noqa: E731
+                                               shared_experts=None, shared_experts_input=None)
+            run()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                run()
+            end.record()
+            torch.cuda.synchronize()
+            report[f"layer{index}_{label}_us"] = start.elapsed_time(end) / iters * 1000
+        return report
 
     def status(self) -> dict:
         st = self.st
