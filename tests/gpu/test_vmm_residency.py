@@ -106,3 +106,46 @@ def test_capacity_refused_before_anything_moves(layer):
         assert st.table.resident()[0] == frozenset({1, 2, 3})
     finally:
         st.table.num_slots = saved
+
+
+def test_rehome_survives_vllm_uva_reoffload():
+    """The post-load hook runs inside vLLM's device_loading_context; on exit that context re-offloads
+    UVA parameters it thinks were replaced. The re-homed parameters must still read the engine's
+    range afterwards (found on the H200: without the fix every expert was read from a fresh
+    pinned copy, whatever the residency)."""
+    from types import SimpleNamespace
+
+    loader_utils = pytest.importorskip("vllm.model_executor.model_loader.utils")
+    from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+
+    from reap_swap.residency import engine
+
+    class UnquantizedFusedMoEMethod:  # stand-in carrying the name and backend the engine accepts
+        is_monolithic = False
+        unquantized_backend = SimpleNamespace(name="TRITON")
+
+        def process_weights_after_loading(self, layer):
+            pass
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer_name = "model.layers.0.mlp.experts"
+            self.expert_map = None
+            self.quant_method = UnquantizedFusedMoEMethod()
+            for name, shape in (("w13_weight", (E, 2 * I, H)), ("w2_weight", (E, H, I))):
+                host = (torch.randn(*shape) * 0.02).to(torch.bfloat16).pin_memory()
+                p = torch.nn.Parameter(get_accelerator_view_from_cpu_tensor(host), requires_grad=False)
+                p._vllm_is_uva_offloaded = True
+                self.register_parameter(name, p)
+
+    layer = Layer()
+    reference = layer.w13_weight.detach().clone()
+    engine.configure(None, None)
+    engine.install_post_load_hook(layer)
+    with loader_utils.device_loading_context(layer, torch.device("cuda")):
+        layer.quant_method.process_weights_after_loading(layer)
+    entry = engine.state().layers[0]
+    assert layer.w13_weight.data_ptr() == entry.rng.base
+    assert torch.equal(layer.w13_weight, reference)
+    engine.CudaResidency()  # refuses (RuntimeError) if any parameter left its range
