@@ -335,7 +335,7 @@ class _Store:
     def start_copy(self, layer: int, expert: int, slot: int) -> Any:
         pool, stream = self.st.pool, self.st.copy_stream
         src = self.st.layers[layer].rng.unit_address(expert)
-        vmm.copy_async(pool.staging_base + slot * pool.unit_bytes, src, self.bytes_per_expert,
+        vmm.copy_async(pool.unit_address(slot), src, self.bytes_per_expert,
                        stream.cuda_stream)
         event = torch.cuda.Event()
         event.record(stream)

@@ -104,41 +104,73 @@ def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
 
 
 @dataclass
-class MixedRange:
-    """`num_units` pieces of `unit_bytes` each, every piece backed by host or by a device handle."""
+class _UnitRange:
+    """A reserved range of `num_units` pieces, each mapped to its own fresh allocation."""
 
     num_units: int
     unit_bytes: int
     device: int
     base: int = 0
-    host_handles: list[Any] = field(default_factory=list)
-    backing: list[Any] = field(default_factory=list)  # None = host, else the device handle mapped
+    handles: list[Any] = field(default_factory=list)  # the allocation created for each unit
 
     @classmethod
-    def create_host_backed(cls, num_units: int, unit_bytes: int, device: int) -> "MixedRange":
+    def _create(cls, location: str, num_units: int, unit_bytes: int, device: int):
         rng = cls(num_units, unit_bytes, device)
+        if num_units == 0:
+            return rng
         size = num_units * unit_bytes
         rng.base = int(_check(_drv.cuMemAddressReserve(size, 0, 0, 0)))
-        prop = _prop("host", device)
+        prop = _prop(location, device)
         try:
             for unit in range(num_units):
                 handle = _check(_drv.cuMemCreate(unit_bytes, prop, 0))
-                rng.host_handles.append(handle)
-                _check(_drv.cuMemMap(rng.base + unit * unit_bytes, unit_bytes, 0, handle, 0))
-                rng.backing.append(None)
+                rng.handles.append(handle)
+                _check(_drv.cuMemMap(rng.unit_address(unit), unit_bytes, 0, handle, 0))
             _check(_drv.cuMemSetAccess(rng.base, size, [_access_desc(device)], 1))
         except Exception:
             rng.release()
             raise
         return rng
 
-    def as_bytes(self) -> torch.Tensor:
-        """A uint8 CUDA tensor over the whole range (the caller views/strides it)."""
-        nbytes = self.num_units * self.unit_bytes
-        return torch.as_tensor(_ArrayInterface(self.base, nbytes), device=f"cuda:{self.device}")
+    @property
+    def nbytes(self) -> int:
+        return self.num_units * self.unit_bytes
 
     def unit_address(self, unit: int) -> int:
         return self.base + unit * self.unit_bytes
+
+    def release(self) -> None:
+        """Unmap every unit, release the allocations made for them, free the reservation."""
+        for unit, handle in enumerate(self.handles):
+            try:
+                _drv.cuMemUnmap(self.unit_address(unit), self.unit_bytes)
+            finally:
+                _drv.cuMemRelease(handle)
+        if self.base:
+            _drv.cuMemAddressFree(self.base, self.nbytes)
+        self.handles.clear()
+        self.base = 0
+
+
+@dataclass
+class MixedRange(_UnitRange):
+    """A layer's expert range: every unit backed by its host master or by a device slot.
+
+    `handles[u]` is unit u's pinned host allocation (the master, kept for the range's lifetime);
+    `backing[u]` is None while the host master is mapped, else the device handle mapped there.
+    """
+
+    backing: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def create_host_backed(cls, num_units: int, unit_bytes: int, device: int) -> "MixedRange":
+        rng = cls._create("host", num_units, unit_bytes, device)
+        rng.backing = [None] * num_units
+        return rng
+
+    def as_bytes(self) -> torch.Tensor:
+        """A uint8 CUDA tensor over the whole range (the caller views/strides it)."""
+        return torch.as_tensor(_ArrayInterface(self.base, self.nbytes), device=f"cuda:{self.device}")
 
     def _remap(self, unit: int, handle: Any) -> None:
         addr = self.unit_address(unit)
@@ -155,67 +187,27 @@ class MixedRange:
         """Back `unit` by its host master again; the device allocation is left to the caller."""
         if self.backing[unit] is None:
             return
-        self._remap(unit, self.host_handles[unit])
+        self._remap(unit, self.handles[unit])
         self.backing[unit] = None
 
     def release(self) -> None:
-        size = self.num_units * self.unit_bytes
-        for unit, handle in enumerate(self.host_handles):
-            try:
-                _drv.cuMemUnmap(self.unit_address(unit), self.unit_bytes)
-            finally:
-                _drv.cuMemRelease(handle)
-        if self.base:
-            _drv.cuMemAddressFree(self.base, size)
-        self.host_handles.clear()
+        super().release()
         self.backing.clear()
-        self.base = 0
 
 
 @dataclass
-class DeviceSlotPool:
-    """A fixed set of HBM allocations, each also mapped at a staging address to copy into.
+class DeviceSlotPool(_UnitRange):
+    """A fixed set of HBM allocations (the slots), each mapped at its own staging address.
 
-    Reserved once at startup (the HBM budget), never freed while serving: a swap only changes
-    which weight-range unit each slot is mapped at, so HBM use never exceeds the pool.
+    Reserved once at startup (the HBM budget), never freed while serving: a swap copies into a
+    slot through its staging address and then maps the same allocation at the expert's address in
+    a MixedRange, so HBM use never exceeds the pool.
     """
-
-    num_slots: int
-    unit_bytes: int
-    device: int
-    staging_base: int = 0
-    handles: list[Any] = field(default_factory=list)
 
     @classmethod
     def create(cls, num_slots: int, unit_bytes: int, device: int) -> "DeviceSlotPool":
-        pool = cls(num_slots, unit_bytes, device)
-        if num_slots == 0:
-            return pool
-        size = num_slots * unit_bytes
-        pool.staging_base = int(_check(_drv.cuMemAddressReserve(size, 0, 0, 0)))
-        prop = _prop("device", device)
-        try:
-            for slot in range(num_slots):
-                handle = _check(_drv.cuMemCreate(unit_bytes, prop, 0))
-                pool.handles.append(handle)
-                _check(_drv.cuMemMap(pool.staging_base + slot * unit_bytes, unit_bytes, 0, handle, 0))
-            _check(_drv.cuMemSetAccess(pool.staging_base, size, [_access_desc(device)], 1))
-        except Exception:
-            pool.release()
-            raise
-        return pool
+        return cls._create("device", num_slots, unit_bytes, device)
 
     @property
-    def nbytes(self) -> int:
-        return self.num_slots * self.unit_bytes
-
-    def release(self) -> None:
-        for slot, handle in enumerate(self.handles):
-            try:
-                _drv.cuMemUnmap(self.staging_base + slot * self.unit_bytes, self.unit_bytes)
-            finally:
-                _drv.cuMemRelease(handle)
-        if self.staging_base:
-            _drv.cuMemAddressFree(self.staging_base, self.nbytes)
-        self.handles.clear()
-        self.staging_base = 0
+    def num_slots(self) -> int:
+        return self.num_units
