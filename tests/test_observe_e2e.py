@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -181,9 +182,10 @@ def test_planned_plan_is_served(observed, tiny_model):
     doc = json.loads(plan.read_bytes())
     port = _free_port()
     log = open(work / "server.log", "w")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REAP_")}  # the launcher refuses strays
     server = subprocess.Popen([sys.executable, "-m", "reap_swap.server", str(tiny_model), "--reap-plan", str(plan),
                                "--port", str(port), *ENGINE], stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                              env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -207,10 +209,21 @@ def test_planned_plan_is_served(observed, tiny_model):
                                                                    if v.get("sliceCatalog")}}, timeout=60)
         assert 400 <= r.status_code < 500, r.text  # every slice at once exceeds the planned budget
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        _kill_group(server)
         log.close()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (API server, engine core, workers), SIGKILL stragglers."""
+    for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            proc.poll()
+            if subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode != 0:
+                return
+            time.sleep(0.2)
+    raise AssertionError(f"processes of server group {proc.pid} survived SIGKILL")
