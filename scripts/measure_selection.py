@@ -14,6 +14,11 @@ Sanity check of the counters: a request's routed selections per layer must equal
 the script records every request where that does not hold (prefix caching would break it, so
 start the server with --no-enable-prefix-caching).
 
+Two reference arms: ``global`` (prior with the classifier switched off: the plan's global
+ranking for every prompt) and ``oracle`` (slices chosen from the very routing the request had
+in its static run, then the request run again: with greedy decoding and accounting residency the
+routing is identical, so this bounds what any selection could reach with this plan's slices).
+
 Arms run interleaved per prompt (static, prior, probe, then the next prompt) so drift in the
 server affects all alike. Prompts: the first --per-domain records of each `source` in the
 held-out file, cut to --prompt-chars at a line boundary, sent as one user message.
@@ -35,7 +40,7 @@ import orjson
 
 from reap_swap.client import ReapClient
 from reap_swap.plan import load_plan
-from reap_swap.selection import STRATEGIES, prompt_features
+from reap_swap.selection import STRATEGIES, prompt_features, routed_share, select_prior, select_probe
 
 
 def load_prompts(path: str, per_domain: int, chars: int) -> list[dict]:
@@ -77,6 +82,7 @@ def pooled(rows: list[dict]) -> dict:
            "mean_completion_ms": sum(r["completion_ms"] for r in rows) / len(rows) if rows else None,
            "mean_slices": sum(r["slices"] for r in rows) / len(rows) if rows else None,
            "refreshes": sum(r.get("refreshes", 0) for r in rows),
+           "routing_differs_from_static": sum(1 for r in rows if r.get("same_routing_as_static") is False),
            "mean_resident_bytes": sum(r["resident_bytes"] for r in rows) / len(rows) if rows else None}
     probes = [r["probe_ms"] for r in rows if r.get("probe_ms") is not None]
     if probes:
@@ -100,7 +106,10 @@ def main() -> int:
     ap.add_argument("--budget-fraction", type=float,
                     help="core + this fraction of (plan budget - core), whole experts")
     ap.add_argument("--strategies", default=",".join(STRATEGIES),
-                    help="arms; 'NAME+refresh' streams and allows decode refreshes (--refresh-every)")
+                    help="arms: static, prior, probe; 'global' (prior without the classifier) and "
+                         "'oracle' (slices chosen from the static run's own routing of the same request: "
+                         "greedy decoding routes identically, so this is the hindsight bound); "
+                         "'NAME+refresh' streams and allows decode refreshes (--refresh-every)")
     ap.add_argument("--refresh-every", type=int, default=8, help="chunks between refresh checks (+refresh arms)")
     ap.add_argument("--out", help="write per-request rows and the summary here (JSON)")
     args = ap.parse_args()
@@ -119,12 +128,26 @@ def main() -> int:
         for i, prompt in enumerate(prompts):
             messages = [{"role": "user", "content": prompt["text"]}]
             features = prompt_features(plan, messages)
+            static_misses = None
             for strategy in strategies:
                 rid = f"measure-{i:04d}-{strategy}"
                 base, _, extra = strategy.partition("+")
-                r = client.chat(messages, strategy=base, request_id=rid, max_tokens=args.max_tokens,
-                                temperature=0.0, ignore_eos=True,
+                given = None
+                if base == "global":  # ablation: prior without the prompt classifier
+                    given = select_prior(plan, "", budget)
+                elif base == "oracle":  # hindsight: this request's own routing, from the static run
+                    if static_misses is None:
+                        raise SystemExit("the oracle arm needs the static arm to run before it")
+                    given = select_probe(plan, routed_share(static_misses), "", budget)
+                r = client.chat(messages, strategy=base if given is None else "static", request_id=rid,
+                                max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, selection=given,
                                 refresh_every=args.refresh_every if extra == "refresh" else None)
+                if base == "static":
+                    static_misses = r.router_misses
+                same_routing = None
+                if static_misses is not None and base != "static":
+                    same_routing = all(row.get("expert_counts") == static_misses["layers"][k].get("expert_counts")
+                                       for k, row in r.router_misses["layers"].items())
                 totals = r.router_misses["totals"]
                 usage = r.completion.get("usage") or {}
                 routed_tokens = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0) - 1
@@ -146,6 +169,7 @@ def main() -> int:
                     "probe_ms": r.probe["total_ms"] if r.probe else None,
                     "probe_prefill_ms": r.probe["prefill_ms"] if r.probe else None,
                     "refreshes": sum(1 for x in r.refreshes if x["swapped"]),
+                    "same_routing_as_static": same_routing,
                 })
             if (i + 1) % 10 == 0:
                 print(f"{i + 1}/{len(prompts)} prompts, {time.time() - t_start:.0f} s", file=sys.stderr)
