@@ -42,7 +42,6 @@ from reap_swap.selection import (
     core_probe_payload,
     get_strategy,
     missed_mass,
-    prompt_text,
     refresh,
     routed_share,
 )
