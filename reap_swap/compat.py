@@ -147,3 +147,29 @@ def current_vllm_config():
     from vllm.config import get_current_vllm_config_or_none
 
     return get_current_vllm_config_or_none()
+
+
+def real_token_rows(num_rows: int):
+    """Bool [num_rows] marking real tokens in this forward pass, or None when all rows are real
+    or the step's layout is unknown.
+
+    Under CUDA graphs vLLM pads a batch to a captured size, and the MoE kernel routes the padded
+    rows too; counting them would credit phantom selections. Model Runner V2 publishes
+    `ForwardContext.is_padding` (0.26+); the V1 runner fills the padded tail of every attention
+    layer's slot mapping with -1 (PAD_SLOT_ID, 0.26..0.33). Both are persistent device buffers,
+    so the mask is a graph-safe tensor op. Called only from the opaque MoE op on CUDA.
+    """
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    ctx = get_forward_context()
+    padding = getattr(ctx, "is_padding", None)
+    if padding is not None and padding.shape[0] == num_rows:
+        return ~padding
+    slot_mapping = getattr(ctx, "slot_mapping", None)
+    if isinstance(slot_mapping, dict) and slot_mapping:
+        first = next(iter(slot_mapping.values()))
+        if first.shape[0] == num_rows:
+            return first >= 0
+    return None
