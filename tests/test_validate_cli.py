@@ -107,7 +107,8 @@ def test_usage_errors_and_help(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0
-    assert all(name in capsys.readouterr().out for name in COMMANDS)
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMANDS)
 
 
 def test_console_entry_point_runs_in_a_fresh_process(plan_file):
