@@ -17,16 +17,16 @@ Usage (on the device, after installing the kit):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when not on PYTHONPATH
+from reap_swap import serving  # noqa: E402
+from reap_swap.serving import Server, compare, log  # noqa: E402,F401  (gpu_selfcheck imports these from here)
 
 PROMPTS = [
     "The history of the printing press",
@@ -40,10 +40,6 @@ PROMPTS = [
 ]
 COMMON = ["--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", "2048",
           "--max-num-seqs", "8", "--gpu-memory-utilization", "0.35", "--moe-backend", "triton"]
-
-
-def log(*a):
-    print(time.strftime("%H:%M:%S"), *a, flush=True)
 
 
 def make_plan(model: Path, core_fraction: float, slice_size: int, out: Path) -> dict:
@@ -74,94 +70,12 @@ def make_plan(model: Path, core_fraction: float, slice_size: int, out: Path) -> 
     return plan
 
 
-class Server:
-    def __init__(self, name: str, argv: list[str], outdir: Path, env: dict | None = None, port=8100):
-        self.name, self.argv, self.outdir, self.port = name, argv, outdir, port
-        self.env = {**os.environ, **(env or {})}
-        self.proc = None
-        self.url = f"http://127.0.0.1:{port}"
-
-    def __enter__(self):
-        logf = open(self.outdir / f"{self.name}.server.log", "w")
-        t0 = time.time()
-        self.proc = subprocess.Popen(self.argv + ["--port", str(self.port)], stdout=logf,
-                                     stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
-        while time.time() - t0 < 420:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name}: server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.startup_s = time.time() - t0
-                    log(f"{self.name}: healthy after {self.startup_s:.0f}s")
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        raise RuntimeError(f"{self.name}: not healthy after 420s")
-
-    def __exit__(self, *exc):
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        subprocess.run("pkill -9 -f 'vllm|reap_swap.server' || true", shell=True)
-        time.sleep(3)
-
-
 def greedy(url: str, max_tokens=48) -> list[dict]:
-    out = []
-    for p in PROMPTS:
-        r = httpx.post(url + "/v1/completions", json={
-            "model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0,
-            "logprobs": 1}, timeout=120)
-        r.raise_for_status()
-        ch = r.json()["choices"][0]
-        out.append({"text": ch["text"], "tokens": ch["logprobs"]["tokens"],
-                    "logprobs": ch["logprobs"]["token_logprobs"]})
-    return out
-
-
-async def _stream_one(client, url, prompt, n):
-    t_first = t_last = None
-    count = 0
-    async with client.stream("POST", url + "/v1/completions", json={
-            "model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True}, timeout=300) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line.strip() == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            t_first = t_first or now
-            t_last = now
-            count += 1
-    return count, t_first, t_last
+    return serving.greedy_completions(url, PROMPTS, max_tokens=max_tokens)
 
 
 def decode_speed(url: str, batch: int, n=256, repeats=3) -> dict:
-    async def run():
-        async with httpx.AsyncClient() as client:
-            await _stream_one(client, url, "warm up", 16)
-            rates = []
-            for rep in range(repeats):
-                res = await asyncio.gather(*[_stream_one(client, url, PROMPTS[(rep + i) % len(PROMPTS)], n)
-                                             for i in range(batch)])
-                toks = sum(c - 1 for c, _, _ in res)
-                span = max(t for _, _, t in res) - min(t for _, t, _ in res)
-                rates.append(toks / span)
-            rates.sort()
-            return {"median": rates[len(rates) // 2], "min": rates[0], "max": rates[-1]}
-    return asyncio.run(run())
-
-
-def compare(ref: list[dict], got: list[dict]) -> dict:
-    same = [a["tokens"] == b["tokens"] for a, b in zip(ref, got)]
-    first_div = []
-    for a, b in zip(ref, got):
-        d = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
-        first_div.append(d)
-    return {"identical": sum(same), "of": len(same), "first_divergence": first_div}
+    return serving.decode_speed(url, PROMPTS, batch, n=n, repeats=repeats)
 
 
 def reap_measure(srv: Server, label: str, active_set: dict | None, res: dict, ref) -> None:

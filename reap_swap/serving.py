@@ -1,0 +1,298 @@
+"""Drive an OpenAI-compatible vLLM server from outside: start and stop it, greedy outputs, streamed timing.
+
+Why its own module: the GPU driver (scripts/gpu_e2e.py, scripts/gpu_selfcheck.py) and
+``reap-swap bench`` run the same server lifecycle and measure decode speed the same way, and the
+GPU machine runs them from a bare checkout, so this imports only the standard library and httpx.
+
+Lifecycle: every server runs in its own process group (``start_new_session``); stopping it sends
+SIGTERM, then SIGKILL, to the whole group and waits until no process of the group is left, so an
+engine core cannot outlive its API server and hold memory while the next server starts.
+
+Timing (``stream_request``): a streamed request records when it was sent, when the first and the
+last token chunk arrived, the chunk count and (with ``continuous_usage_stats``) the running token
+count. TTFT = first - sent; decode tok/s over a set of streams = (tokens after each stream's first
+chunk) / (last chunk of any - first chunk of any).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def log(*a):
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Pids still in process group ``pgid``."""
+    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def kill_group(proc: subprocess.Popen, grace_s: float = 30.0) -> list[int]:
+    """SIGTERM, then SIGKILL, the process group of ``proc``; returns the pids that survived both."""
+    pgid = proc.pid  # start_new_session: the group id is the leader's pid, even after it exited
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            proc.poll()
+            if not group_alive(pgid):
+                return []
+            time.sleep(0.2)
+    proc.poll()
+    return group_alive(pgid)
+
+
+class ServerError(RuntimeError):
+    """The server exited or never became healthy; the message ends with its log tail."""
+
+
+class Server:
+    """A server command run in its own process group; a context manager (start ... stop).
+
+    ``argv`` is the full command without ``--port``; the port is appended. Output goes to
+    ``outdir/<name>.server.log``.
+    """
+
+    def __init__(self, name: str, argv: list[str], outdir: Path, env: dict | None = None, port: int = 8100,
+                 startup_timeout_s: float = 420.0, headers: Mapping[str, str] | None = None, announce=None):
+        self.name, self.argv, self.outdir, self.port = name, list(argv), Path(outdir), port
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout_s = startup_timeout_s
+        self.headers = dict(headers or {})
+        self.proc: subprocess.Popen | None = None
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = self.outdir / f"{name}.server.log"
+        self.startup_s: float | None = None
+        self.announce = announce or log
+
+    @property
+    def command(self) -> list[str]:
+        return self.argv + ["--port", str(self.port)]
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def start(self) -> Server:
+        self.outdir.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        with open(self.log_path, "w") as logf:
+            self.proc = subprocess.Popen(self.command, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        while time.time() - t0 < self.startup_timeout_s:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise ServerError(f"{self.name}: server exited with {self.proc.returncode} during startup; "
+                                  f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.startup_s = time.time() - t0
+                    self.announce(f"{self.name}: healthy after {self.startup_s:.0f}s")
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        self.stop()
+        raise ServerError(f"{self.name}: not healthy after {self.startup_timeout_s:.0f}s; log {self.log_path}:\n"
+                          f"{self.log_tail()}")
+
+    def stop(self) -> None:
+        """Kill the whole process group; ServerError if any of it survives (never start another then)."""
+        if self.proc is None:
+            return
+        left = kill_group(self.proc)
+        if left:
+            raise ServerError(f"{self.name}: processes of the server survived SIGKILL: {left}")
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def greedy_completions(url: str, prompts: Sequence[str], model: str = "m", max_tokens: int = 48,
+                       headers: Mapping[str, str] | None = None) -> list[dict]:
+    """Greedy /v1/completions of each prompt: text, tokens and their logprobs."""
+    out = []
+    for p in prompts:
+        r = httpx.post(url + "/v1/completions", json={
+            "model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": 1}, headers=headers, timeout=120)
+        r.raise_for_status()
+        ch = r.json()["choices"][0]
+        out.append({"text": ch["text"], "tokens": ch["logprobs"]["tokens"],
+                    "logprobs": ch["logprobs"]["token_logprobs"]})
+    return out
+
+
+def chat_greedy_record(completion: Mapping[str, Any]) -> dict:
+    """A chat completion requested with ``logprobs: true`` -> text, tokens, logprobs, usage."""
+    choice = (completion.get("choices") or [{}])[0]
+    content = ((choice.get("logprobs") or {}).get("content")) or []
+    return {"text": (choice.get("message") or {}).get("content") or "",
+            "tokens": [c.get("token") for c in content],
+            "logprobs": [c.get("logprob") for c in content],
+            "finish_reason": choice.get("finish_reason"),
+            "usage": completion.get("usage")}
+
+
+def compare(ref: Sequence[Mapping], got: Sequence[Mapping]) -> dict:
+    """Greedy token sequences per prompt: identical or not, and where they first diverge."""
+    same = [a["tokens"] == b["tokens"] for a, b in zip(ref, got)]
+    first_div = []
+    for a, b in zip(ref, got):
+        d = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
+        if d is None and len(a["tokens"]) != len(b["tokens"]):
+            d = min(len(a["tokens"]), len(b["tokens"]))  # one is a prefix of the other
+        first_div.append(d)
+    return {"identical": sum(same), "of": len(same), "per_prompt": same, "first_divergence": first_div}
+
+
+@dataclass
+class StreamResult:
+    """One streamed request, timed on the client (time.perf_counter seconds)."""
+
+    t_sent: float
+    t_first: float | None = None
+    t_last: float | None = None
+    chunks: int = 0  # chunks that carried a choice (token chunks; the usage-only chunk is not one)
+    usage: dict | None = None
+    text: list[str] = field(default_factory=list)
+    # cumulative completion tokens at the first / last token chunk, when every chunk carries usage
+    # (stream_options.continuous_usage_stats): exact even when the server merges tokens into one chunk
+    tokens_at_first: int | None = None
+    tokens_at_last: int | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.t_first is None else self.t_first - self.t_sent
+
+    @property
+    def completion_tokens(self) -> int:
+        return int((self.usage or {}).get("completion_tokens") or self.chunks)
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        return (self.usage or {}).get("prompt_tokens")
+
+    @property
+    def tokens_after_first(self) -> int:
+        """Tokens that arrived after the first token chunk (chunks - 1 without per-chunk usage)."""
+        if self.tokens_at_first is not None and self.tokens_at_last is not None:
+            return self.tokens_at_last - self.tokens_at_first
+        return self.completion_tokens - 1
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Tokens after the first chunk over the time between first and last token chunk."""
+        if self.t_first is None or self.t_last is None or self.t_last <= self.t_first:
+            return None
+        return self.tokens_after_first / (self.t_last - self.t_first)
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        ttft = self.ttft_s
+        return self.prompt_tokens / ttft if self.prompt_tokens and ttft else None
+
+    def to_dict(self) -> dict:
+        return {"ttft_s": self.ttft_s, "decode_tok_s": self.decode_tok_s, "prefill_tok_s": self.prefill_tok_s,
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "chunks": self.chunks, "tokens_at_first": self.tokens_at_first, "tokens_at_last": self.tokens_at_last,
+                "first_to_last_s": (self.t_last - self.t_first)
+                if self.t_first is not None and self.t_last is not None else None}
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, path: str, body: Mapping[str, Any],
+                         headers: Mapping[str, str] | None = None, timeout: float = 600) -> StreamResult:
+    """POST ``body`` with ``stream: true`` to ``url + path`` and time its chunks."""
+    import json
+
+    res = StreamResult(t_sent=time.perf_counter())
+    async with client.stream("POST", url + path, json={**body, "stream": True}, headers=headers,
+                             timeout=timeout) as r:
+        if r.status_code >= 400:
+            await r.aread()
+            raise httpx.HTTPStatusError(f"{path} -> {r.status_code}: {r.text[:500]}", request=r.request, response=r)
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                res.usage = chunk["usage"]
+            choices = chunk.get("choices") or []
+            if not choices:
+                continue
+            running = (chunk.get("usage") or {}).get("completion_tokens")
+            if res.t_first is None:
+                res.t_first, res.tokens_at_first = now, running
+            res.t_last, res.tokens_at_last = now, running
+            res.chunks += 1
+            piece = choices[0].get("text")
+            if piece is None:
+                piece = (choices[0].get("delta") or {}).get("content")
+            if piece:
+                res.text.append(piece)
+    return res
+
+
+def batch_decode_tok_s(results: Sequence[StreamResult]) -> float | None:
+    """Aggregate decode rate of concurrent streams: tokens after each first / (last of any - first of any)."""
+    firsts = [r.t_first for r in results if r.t_first is not None]
+    lasts = [r.t_last for r in results if r.t_last is not None]
+    if not firsts or not lasts or max(lasts) <= min(firsts):
+        return None
+    return sum(r.tokens_after_first for r in results) / (max(lasts) - min(firsts))
+
+
+async def _stream_one(client, url, prompt, n, model="m"):
+    res = await stream_request(client, url, "/v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}, timeout=300)
+    return res.chunks, res.t_first, res.t_last
+
+
+def decode_speed(url: str, prompts: Sequence[str], batch: int, n: int = 256, repeats: int = 3,
+                 model: str = "m") -> dict:
+    """Streamed greedy decode tok/s of ``batch`` concurrent completions: one warm-up, then
+    ``repeats`` runs (prompts rotate); median, min and max."""
+    async def run():
+        async with httpx.AsyncClient() as client:
+            await _stream_one(client, url, "warm up", 16, model)
+            rates = []
+            for rep in range(repeats):
+                res = await asyncio.gather(*[_stream_one(client, url, prompts[(rep + i) % len(prompts)], n, model)
+                                             for i in range(batch)])
+                toks = sum(c - 1 for c, _, _ in res)
+                span = max(t for _, _, t in res) - min(t for _, t, _ in res)
+                rates.append(toks / span)
+            rates.sort()
+            return {"median": rates[len(rates) // 2], "min": rates[0], "max": rates[-1]}
+    return asyncio.run(run())
