@@ -11,9 +11,9 @@ model), printed before they run:
    the observation file goes to .cache/mini-plan/ (git-ignored; its sha256 is in the plan).
 2. ``reap-swap plan`` at --budget-ratio 0.5 (half of all expert bytes may be resident: 32 of 64
    experts) with the default core fraction 0.75 (24 core experts always resident, 8 swappable per
-   request). research-notes/observe-plan.md: at 0.5 the calibration core covers 54 % of held-out
+   request). research.md: at 0.5 the calibration core covers 54 % of held-out
    routed selections and core + per-request slices up to 74 %; a plan at 0.375 was used for the
-   client measurements (research-notes/client.md).
+   client measurements (research.md).
 3. The checkpoint stamp: ``scorerArtifacts.checkpoint`` records the sha256 of
    models/reap-mini-moe/model.safetensors and ``scorerArtifacts.calibrationCorpus`` the corpus
    file's, so a plan measured on another checkpoint is detectable (tests/test_mini_plan.py checks

@@ -3,7 +3,7 @@
 1. check that plans/reap-mini-moe.plan.json was measured on the committed checkpoint;
 2. start ``python -m reap_swap.server models/reap-mini-moe --reap-plan ...`` in its own process group;
 3. for one held-out prompt per domain (Python code, English prose): choose slices with the
-   client's ``probe`` strategy (the best selector in research-notes/client.md: 60.9 % router hit
+   client's ``probe`` strategy (the best selector in research.md: 60.9 % router hit
    rate vs 55.5 % for ``prior``), swap them in, complete, and print the answer, the swap summary
    and the request's router misses (with what the core alone would have missed, from the same
    per-expert counts);
@@ -428,7 +428,7 @@ def main() -> int:
             (this model's plan, re-derived the same way: .venv/bin/python scripts/build_mini_plan.py)
         one request from the shell against a running server:
             .venv/bin/reap-swap chat --server http://127.0.0.1:8000 --strategy probe --prompt 'def fib(n):'
-        more: README.md (endpoints, GPU engine), research-notes/client.md (selectors), research-notes/demo.md"""))
+        more: README.md (endpoints, GPU engine), research.md (selectors), research.md"""))
     return 0
 
 

@@ -5,7 +5,7 @@ Why: a plan is worth serving only if the experts it keeps resident are the ones 
 routes to. This measures, on a corpus split into a calibration and a held-out half, the share of
 held-out routed selections each method's core covers at the same byte budget (and, for ours, core
 + the best slices per request), next to the hindsight oracles. Re-run it on any Qwen3-MoE-style
-model (e.g. the trained mini MoE) to replace the numbers in research-notes/observe-plan.md.
+model (e.g. the trained mini MoE) to replace the numbers in research.md.
 
 Steps (outputs cached in --work-dir; --force recomputes):
   1. reap-swap observe  calibration -> calib.pt       (vLLM counters: frequency, gate mass, co-activation)

@@ -137,7 +137,7 @@ def test_routing_is_domain_structured(routing):
     s, (own, other) = routing["trained"]
     assert set(s["domains"]) == DOMAINS
     # between-domain JS far above the within-domain noise floor (two halves of one domain's
-    # records); thresholds well under what research-notes/mini-moe.md reports
+    # records); thresholds well under what research.md reports
     assert s["js_mean_over_layers"] > 2.5 * s["js_within_mean_over_layers"], (
         s["js_mean_over_layers"], s["js_within_mean_over_layers"])
     assert s["js_mean_over_layers"] > 0.03
