@@ -108,7 +108,14 @@ def resident_bytes(plan: Plan, keep: KeepSets) -> int:
 
 
 def check_budget(plan: Plan, keep: KeepSets, budget_bytes: int | None) -> int:
-    """Returns the budget applied (the request's, else the plan's); raises BudgetExceeded."""
+    """Returns the budget applied (the request's, else the plan's); raises BudgetExceeded.
+
+    A request may lower the budget, never raise it: the HBM pool is reserved at startup for the
+    plan's budget, so more could not be made resident.
+    """
+    if budget_bytes is not None and budget_bytes > plan.swappable_budget_bytes:
+        raise ActiveSetError("budget_bytes", f"{budget_bytes:,} bytes is above the plan's budget of "
+                                             f"{plan.swappable_budget_bytes:,} bytes (the HBM pool's size)")
     budget = plan.swappable_budget_bytes if budget_bytes is None else budget_bytes
     needed = resident_bytes(plan, keep)
     if needed > budget:

@@ -47,11 +47,8 @@ class ObservationError(ValueError):
 
 
 def file_digest(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _layer_index(key: Any) -> int | None:

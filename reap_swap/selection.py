@@ -340,8 +340,8 @@ class Selection:
         """A SwapRequest body (validated here, so a bad one fails before it reaches the server)."""
         body: dict[str, Any] = {"request_id": request_id, "phase": phase or self.phase,
                                 "active_set": self.active_set()}
-        if self.request_budget_bytes is not None:
-            body["budget_bytes"] = self.request_budget_bytes
+        if self.request_budget_bytes is not None:  # as applied: never above the plan's (the pool)
+            body["budget_bytes"] = self.budget_bytes
         if reset_router_stats:
             body["reset_router_stats"] = True
         SwapRequest.model_validate(body)

@@ -240,10 +240,8 @@ def sample_split(recs, n, per_file, rng):
 
 
 def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        h.update(fh.read())
-    return h.hexdigest()
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def main(argv=None):

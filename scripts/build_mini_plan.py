@@ -45,11 +45,8 @@ ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def checkpoint_record(model_dir: Path) -> dict:

@@ -7,7 +7,6 @@ Usage: python3 scripts/gpu_selfcheck.py --model /tmp/model --out DIR [extra serv
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 

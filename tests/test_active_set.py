@@ -143,6 +143,10 @@ requested_sets = st.dictionaries(st.integers(0, 3), st.frozensets(st.sampled_fro
 def test_accepted_sets_never_exceed_the_budget(requested, budget):
     keep = keep_sets(PLAN, requested)
     limit = PLAN.swappable_budget_bytes if budget is None else budget
+    if budget is not None and budget > PLAN.swappable_budget_bytes:  # above the pool: refused
+        with pytest.raises(ActiveSetError, match="budget_bytes"):
+            check_budget(PLAN, keep, budget)
+        return
     try:
         applied = check_budget(PLAN, keep, budget)
     except BudgetExceeded as err:
@@ -243,3 +247,11 @@ def test_refresh_ledger_is_bounded_and_keeps_the_recent():
     assert len(ledger) == 100
     assert ledger.count("r999") == 1 and ledger.count("r0") == 0
     assert ledger.count("old-but-used") == 1
+
+
+def test_request_budget_cannot_exceed_the_plans():
+    keep = keep_sets(PLAN, {})
+    with pytest.raises(ActiveSetError) as err:
+        check_budget(PLAN, keep, PLAN.swappable_budget_bytes + 1)
+    assert err.value.field == "budget_bytes" and "above the plan's budget" in err.value.message
+    assert check_budget(PLAN, keep, PLAN.swappable_budget_bytes) == PLAN.swappable_budget_bytes

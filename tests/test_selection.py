@@ -58,8 +58,11 @@ def plans(draw):
             experts = draw(st.lists(ids, min_size=1, max_size=4, unique=True))
             entry = {"sliceId": f"l{li}s{s}", "experts": experts}
             if draw(st.booleans()):
-                entry["activationMass"] = draw(st.floats(0, 1))
-                entry["taskPriors"] = {f: draw(st.floats(0, 1)) for f in families} | {"global": entry["activationMass"]}
+                # masses are measured shares: 0 or at least 1e-9 (subnormal floats underflow once
+                # weighted, which says nothing about the selection logic)
+                mass = st.one_of(st.just(0.0), st.floats(1e-9, 1))
+                entry["activationMass"] = draw(mass)
+                entry["taskPriors"] = {f: draw(mass) for f in families} | {"global": entry["activationMass"]}
             slices.append(entry)
         per_layer[f"layer_{li}"] = {"numExperts": n_experts, "coreExperts": core, "sliceCatalog": slices}
         total_core += len(core)

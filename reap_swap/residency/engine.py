@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .slot_table import PoolCapacityError, SlotTable  # noqa: F401  (re-exported for the worker)
+from .slot_table import SlotTable
 from .swap import apply_swap
 from . import vmm
 
@@ -432,7 +432,8 @@ class CudaResidency:
                 "table_resident": len(resident.get(index, ())),
             }
         index, entry = next(iter(self.st.layers.items()))
-        m, k = entry.module, int(getattr(m, "top_k", 8))
+        m = entry.module
+        k = int(getattr(m, "top_k", 8))
         on_hbm = sorted(resident.get(index, ()))
         on_host = sorted(set(range(entry.num_experts)) - set(on_hbm))
         x = torch.randn(1, m.w13_weight.shape[2], device=m.w13_weight.device, dtype=m.w13_weight.dtype)

