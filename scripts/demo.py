@@ -425,7 +425,7 @@ def main() -> int:
             (this model's plan, re-derived the same way: .venv/bin/python scripts/build_mini_plan.py)
         one request from the shell against a running server:
             .venv/bin/reap-swap chat --server http://127.0.0.1:8000 --strategy probe --prompt 'def fib(n):'
-        more: README.md (endpoints, GPU engine), research.md (selectors), research.md"""))
+        more: README.md (endpoints, GPU engine), research.md (selectors measured, demo timings)"""))
     return 0
 
 
