@@ -96,10 +96,6 @@ def _configure_from_vllm() -> None:
         configure(None)
 
 
-def _configured_plan() -> tuple[Any | None, int | None]:
-    return _CONFIG.get("plan"), _CONFIG.get("budget_bytes")
-
-
 def prepare(layer: torch.nn.Module) -> None:
     """Called from ReapRoutedExperts.__init__ on CUDA (model construction, config is current)."""
     _configure_from_vllm()
@@ -165,7 +161,7 @@ def _state_for(layer: torch.nn.Module) -> EngineState:
     if _STATE is None:
         device = layer.w13_weight.device.index or torch.cuda.current_device()
         granularity = vmm.ensure_available(device)
-        plan, budget = _configured_plan()
+        plan, budget = _CONFIG.get("plan"), _CONFIG.get("budget_bytes")
         _STATE = EngineState(device=device, plan=plan, budget_bytes=0, granularity=granularity)
         _STATE.copy_stream = torch.cuda.Stream(device=device)
         if plan is not None:
