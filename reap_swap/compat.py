@@ -149,15 +149,14 @@ def current_vllm_config():
     return get_current_vllm_config_or_none()
 
 
-def real_token_rows(num_rows: int):
-    """Bool [num_rows] marking real tokens in this forward pass, or None when all rows are real
-    or the step's layout is unknown.
+def padding_source(num_rows: int):
+    """Where this forward pass says which of its rows are CUDA-graph padding, or None.
 
-    Under CUDA graphs vLLM pads a batch to a captured size, and the MoE kernel routes the padded
-    rows too; counting them would credit phantom selections. Model Runner V2 publishes
-    `ForwardContext.is_padding` (0.26+); the V1 runner fills the padded tail of every attention
-    layer's slot mapping with -1 (PAD_SLOT_ID, 0.26..0.33). Both are persistent device buffers,
-    so the mask is a graph-safe tensor op. Called only from the opaque MoE op on CUDA.
+    Returns ("is_padding", bool [num_rows]) -- Model Runner V2's `ForwardContext.is_padding`
+    (0.26+), True on padded rows -- or ("slot_mapping", int [num_rows]) -- the V1 runner's slot
+    mapping, whose padded tail is -1 (PAD_SLOT_ID, 0.26..0.33) -- or None when every row is real
+    or the step's layout is unknown. Both are persistent device buffers, so reading them is
+    graph-safe. Called only from the opaque MoE op on CUDA.
     """
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
@@ -166,10 +165,28 @@ def real_token_rows(num_rows: int):
     ctx = get_forward_context()
     padding = getattr(ctx, "is_padding", None)
     if padding is not None and padding.shape[0] == num_rows:
-        return ~padding
+        return ("is_padding", padding)
     slot_mapping = getattr(ctx, "slot_mapping", None)
     if isinstance(slot_mapping, dict) and slot_mapping:
         first = next(iter(slot_mapping.values()))
         if first.shape[0] == num_rows:
-            return first >= 0
+            return ("slot_mapping", first)
     return None
+
+
+def real_token_rows(num_rows: int):
+    """Bool [num_rows] marking real tokens in this forward pass, or None when all rows are real
+    or the step's layout is unknown (see padding_source).
+
+    Under CUDA graphs vLLM pads a batch to a captured size, and the MoE kernel routes the padded
+    rows too; counting them would credit phantom selections.
+    """
+    return rows_from_padding(padding_source(num_rows))
+
+
+def rows_from_padding(source):
+    """padding_source's answer -> bool mask of real rows (None stays None)."""
+    if source is None:
+        return None
+    kind, tensor = source
+    return ~tensor if kind == "is_padding" else tensor >= 0

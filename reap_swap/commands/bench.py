@@ -2,6 +2,7 @@
 
 usage: reap-swap bench --model M --plan P --prompts FILE [--arms a,b,...] [--budget-gib G ...]
                        [--batch N] [--repeats R] [--out DIR] [-- vLLM engine args]
+       reap-swap bench --merge DIR [DIR ...] --out DIR
 
 Arms, run in turn (never two servers at once; each server's process group is killed and checked
 gone before the next starts):
@@ -16,6 +17,8 @@ counters for the reap arms; derived for the stock arms), bytes copied by swaps, 
 peak GPU memory, greedy outputs compared per prompt. One warm-up request is discarded; timings
 are medians [min-max] of --repeats. Without CUDA the timing arms are skipped (the reap arms run
 in accounting mode: hit rates and outputs). Writes DIR/bench.json, bench.md, bench.png.
+--merge combines bench.json files of the same model, plan and prompts (e.g. one bench per GPU,
+one budget each, run at the same time) into one report, table and plot.
 Exit 0 when every started arm succeeded, 1 when one failed, 2 for unusable arguments.
 The method and arms in detail: reap_swap/bench.py.
 """
@@ -31,10 +34,12 @@ ARM_NAMES = ("resident", "stock-uva", "plan-static", "plan-swap")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model folder (or hub id) that every arm serves")
-    parser.add_argument("--plan", required=True, type=Path, help="reap-swap plan JSON for the reap arms")
-    parser.add_argument("--prompts", required=True, type=Path,
-                        help="JSONL, one {'messages': [...]} or {'prompt'|'text': ...} per line (as for observe)")
+    parser.add_argument("--model", help="model folder (or hub id) that every arm serves (required)")
+    parser.add_argument("--plan", type=Path, help="reap-swap plan JSON for the reap arms (required)")
+    parser.add_argument("--prompts", type=Path,
+                        help="JSONL, one {'messages': [...]} or {'prompt'|'text': ...} per line (as for observe; required)")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
+                        help="merge the bench.json of these output folders into --out; runs nothing")
     parser.add_argument("--arms", default=",".join(ARM_NAMES),
                         help=f"comma-separated, run in this order (default {','.join(ARM_NAMES)})")
     parser.add_argument("--budget-gib", type=float, nargs="+", metavar="G",
@@ -71,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
 
     from reap_swap.bench import BenchConfig, run_bench
 
+    if args.merge:
+        return merge(args)
+    missing = [f"--{name}" for name in ("model", "plan", "prompts") if getattr(args, name) is None]
+    if missing:
+        print(f"error: {', '.join(missing)} required (or --merge DIR ...)", file=sys.stderr)
+        return 2
     try:
         cfg = BenchConfig(
             model=args.model, plan=args.plan, prompts=args.prompts, out=args.out,
@@ -88,3 +99,27 @@ def run(args: argparse.Namespace) -> int:
         print("error: pgrep (procps) is needed to check that every server process is gone", file=sys.stderr)
         return 2
     return run_bench(cfg)
+
+
+def merge(args: argparse.Namespace) -> int:
+    import orjson
+
+    from reap_swap.bench import BenchError, merge_reports, write_outputs
+
+    reports = []
+    for folder in args.merge:
+        path = folder / "bench.json"
+        try:
+            reports.append(orjson.loads(path.read_bytes()))
+        except (OSError, orjson.JSONDecodeError) as exc:
+            print(f"error: --merge {path}: {exc}", file=sys.stderr)
+            return 2
+    try:
+        report = merge_reports(reports, "reap-swap " + " ".join(sys.argv[1:]))
+    except BenchError as exc:
+        print(f"error: --merge: {exc}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_outputs(report, args.out)
+    print(f"bench: merged {len(reports)} reports into {args.out / 'bench.md'}", file=sys.stderr)
+    return 0

@@ -42,12 +42,30 @@ def _module_device(module: torch.nn.Module) -> torch.device:
 
 
 def record(module: torch.nn.Module, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-           valid_rows: torch.Tensor | None = None) -> None:
+           valid_rows: torch.Tensor | None = None, padding=None) -> None:
     """Add one batch of routing decisions. topk_ids/topk_weights: [tokens, top_k].
 
-    Ids outside [0, E) (e.g. -1 for dropped selections) are not counted. `valid_rows` (bool
-    [tokens]) excludes padded rows, e.g. CUDA-graph padding, when the caller knows them.
+    Ids outside [0, E) (e.g. -1 for dropped selections) are not counted. Padded rows, e.g.
+    CUDA-graph padding, are excluded when the caller knows them: `valid_rows` (bool [tokens]) or
+    `padding` (compat.padding_source's answer). On CUDA, without co-activation, one fused Triton
+    kernel does the whole update (count_kernel.py); otherwise the torch ops below.
     """
+    if topk_ids.is_cuda and valid_rows is None and getattr(module, COACT) is None:
+        from reap_swap.residency import count_kernel
+
+        if count_kernel.available(topk_ids.device):
+            count_kernel.launch(getattr(module, COUNTS), getattr(module, WEIGHTS), topk_ids, topk_weights, padding)
+            return
+    if padding is not None and valid_rows is None:
+        from reap_swap.compat import rows_from_padding
+
+        valid_rows = rows_from_padding(padding)
+    record_torch(module, topk_ids, topk_weights, valid_rows)
+
+
+def record_torch(module: torch.nn.Module, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 valid_rows: torch.Tensor | None = None) -> None:
+    """The reference path (any device): plain tensor ops into the same buffers."""
     counts: torch.Tensor = getattr(module, COUNTS)
     weights: torch.Tensor = getattr(module, WEIGHTS)
     coact: torch.Tensor | None = getattr(module, COACT)

@@ -74,8 +74,8 @@ class ReapRoutedExperts(RoutedExperts):
                         shared_experts=None, shared_experts_input: torch.Tensor | None = None):
         # on CUDA this runs inside vLLM's opaque MoE op (eager Python at graph capture), where the
         # padding mask of the step is available; on CPU Dynamo traces this and there is no padding
-        valid = compat.real_token_rows(topk_ids.shape[0]) if topk_ids.is_cuda else None
-        counters.record(self, topk_ids, topk_weights, valid_rows=valid)
+        padding = compat.padding_source(topk_ids.shape[0]) if topk_ids.is_cuda else None
+        counters.record(self, topk_ids, topk_weights, padding=padding)
         return super().forward_modular(x=x, topk_weights=topk_weights, topk_ids=topk_ids,
                                        shared_experts=shared_experts,
                                        shared_experts_input=shared_experts_input)
