@@ -8,8 +8,11 @@ Invariants:
 - One swap at a time (an asyncio lock; concurrent requests queue). Status and statistics reads
   take the same lock, so they never see half a swap.
 - The resident set changes only when every worker applied the new keep-set. If a worker call
-  fails, the old keep-set is re-applied on every worker (best effort) and the caller gets a
-  SwapFailed (HTTP 5xx); the controller's state is what it was before the swap.
+  fails (it raises, or a worker answers {"error": ...}), the old keep-set is re-applied on every
+  worker (best effort) and the caller gets a SwapFailed (HTTP 5xx) naming the failed ranks and
+  each rank's signature after the rollback; the controller's state is what it was before.
+- Every swap reports each rank's resident-set signature after it (`workers`), so a TP group
+  whose ranks disagree is visible in the response and in status().
 - Statistics attribution (docs/architecture.md): opening request R (swap/warm/cartridge) reads
   and resets the device counters in the same worker call that applies the new keep-set, credits
   what was read to the previously open request R' measured against R''s keep-set, and opens R.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -54,12 +58,36 @@ CARTRIDGES_FILE = "cartridges.json"
 
 
 class SwapFailed(RuntimeError):
-    """A worker call failed; `rolled_back` says whether the old keep-set was restored."""
+    """A worker call failed; `rolled_back` says whether the old keep-set was restored.
 
-    def __init__(self, message: str, rolled_back: bool, rollback_error: str | None = None):
+    `failed_ranks`: the ranks that reported the failure (best effort when the RPC itself raised:
+    read from "rank N" in the text); `workers`: each rank's brief after the rollback.
+    """
+
+    def __init__(self, message: str, rolled_back: bool, rollback_error: str | None = None,
+                 failed_ranks: list[int] | None = None, workers: list[dict] | None = None):
         super().__init__(message)
         self.rolled_back = rolled_back
         self.rollback_error = rollback_error
+        self.failed_ranks = failed_ranks or []
+        self.workers = workers or []
+
+    @property
+    def workers_consistent(self) -> bool | None:
+        """Do the ranks report one signature after the rollback (None: no per-rank replies)?"""
+        return len({w.get("signature") for w in self.workers}) == 1 if self.workers else None
+
+
+_RANK_RE = re.compile(r"\brank (\d+)\b")
+
+
+def ranks_named_in(text: str) -> list[int]:
+    """Ranks a failure message names ("rank 1: ..."): vLLM relays only the worker's message."""
+    return sorted({int(m) for m in _RANK_RE.findall(text)})
+
+
+def _errors(results: list) -> list[Mapping]:
+    return [r for r in results if isinstance(r, Mapping) and r.get("error")]
 
 
 class UnknownCartridge(KeyError):
@@ -288,6 +316,11 @@ class SwapController:
         if self.validate_only:
             t1 = time.perf_counter()
             results = await self.rpc("reap_apply_residency", keep_to_wire(keep), True, False)
+            failed = _errors(results)
+            if failed:  # a dry run changes nothing: there is nothing to roll back
+                raise SwapFailed("dry run failed: " + "; ".join(r["error"] for r in failed), True,
+                                 failed_ranks=sorted(int(r["rank"]) for r in failed),
+                                 workers=[_brief(r) for r in results])
             base.update(validate_only=True, noop=new_sig == self.sig, bytes_copied=0,
                         refresh_count=self.refreshes.count(rid),
                         note="REAP_SWAP_VALIDATE_ONLY: validated by the plan and dry-run on every "
@@ -302,12 +335,23 @@ class SwapController:
         old = self.keep
         try:
             results = await self.rpc("reap_apply_residency", keep_to_wire(keep), False, True)
+            cause: Exception | None = None
+            message = "; ".join(r["error"] for r in _errors(results))
+            failed_ranks = sorted(int(r["rank"]) for r in _errors(results))
         except Exception as exc:  # noqa: BLE001 - any worker failure
+            cause, message = exc, f"{type(exc).__name__}: {exc}"
+            failed_ranks = ranks_named_in(str(exc))
+        if cause is not None or message:
             self.failed_count += 1
             self.metrics.swap(kind, "failed", time.perf_counter() - t0, 0)
-            rolled, rb_err = await self._rollback(old)
-            raise SwapFailed(f"worker call failed: {type(exc).__name__}: {exc}", rolled, rb_err) from exc
+            rolled, rb_err, after = await self._rollback(old)
+            log.error("reap-swap: swap to %s failed on rank(s) %s (%s); rollback to %s %s",
+                      new_sig, failed_ranks or "?", message, self.sig, "done" if rolled else "FAILED")
+            raise SwapFailed(f"worker call failed: {message}", rolled, rb_err, failed_ranks, after) from cause
         t_workers = time.perf_counter() - t1
+        sigs = {r.get("signature") for r in results}
+        if len(sigs) > 1:
+            log.error("reap-swap: ranks disagree after swap %s: %s", new_sig, [_brief(r) for r in results])
 
         # statistics: what was counted since the previous open belongs to it, under its keep-set
         t2 = time.perf_counter()
@@ -337,7 +381,7 @@ class SwapController:
             bytes_copied=bytes_copied, bytes_copied_per_worker=[int(r.get("bytes_copied", 0)) for r in results],
             note=("no-op: this active set (signature %s) is already resident; nothing was applied. " % new_sig
                   if noop else "") + " ".join(notes),
-            workers=[_brief(r) for r in results],
+            workers=[_brief(r) for r in results], workers_consistent=len(sigs) == 1,
             timing=_timing(t0, {"validate": t_validate, "workers": t_workers, "statistics": t_stats},
                            worker_phases),
         )
@@ -351,13 +395,19 @@ class SwapController:
         self.metrics.swap(kind, "noop" if noop else "applied", total, bytes_copied)
         return base
 
-    async def _rollback(self, old: KeepSets) -> tuple[bool, str | None]:
+    async def _rollback(self, old: KeepSets) -> tuple[bool, str | None, list[dict]]:
+        """Re-apply `old` on every worker: (restored everywhere, error, each rank's brief)."""
         try:
-            await self.rpc("reap_apply_residency", keep_to_wire(old), False, False)
-            return True, None
+            results = await self.rpc("reap_apply_residency", keep_to_wire(old), False, False)
         except Exception as exc:  # noqa: BLE001
             log.error("reap-swap: rollback to the previous resident set failed: %s", exc)
-            return False, f"{type(exc).__name__}: {exc}"
+            return False, f"{type(exc).__name__}: {exc}", []
+        failed = _errors(results)
+        if failed:
+            error = "; ".join(r["error"] for r in failed)
+            log.error("reap-swap: rollback to the previous resident set failed: %s", error)
+            return False, error, [_brief(r) for r in results]
+        return True, None, [_brief(r) for r in results]
 
     def _credit(self, stats: Mapping[int, Mapping], discard: bool = False) -> None:
         """Credit a counter read (already reset on the workers) to the open request."""
@@ -420,14 +470,23 @@ class SwapController:
                 "open_request": self.open_request, "unattributed_selections": self.unattributed_selections,
                 "cartridges": {"defined": sorted(self.cartridge_defs), "loaded": list(self.cartridges),
                                "max_loaded": self.cartridges.max_entries},
-                "workers": [{k: s.get(k) for k in ("rank", "tp_rank", "tp_size", "dp_rank", "mode", "resident_bytes")}
+                "workers": [{**{k: s.get(k) for k in ("rank", "tp_rank", "tp_size", "dp_rank", "mode",
+                                                       "resident_bytes")}, **_resident_summary(s, self.plan)}
                             for s in statuses],
                 "workers_consistent": consistent,
             }
 
 
 def _brief(r: Mapping) -> dict:
-    return {k: r[k] for k in ("rank", "tp_rank", "dp_rank", "bytes_copied", "seconds") if k in r}
+    return {k: r[k] for k in ("rank", "tp_rank", "dp_rank", "bytes_copied", "seconds", "signature",
+                              "resident_experts", "error", "rolled_back_locally") if k in r}
+
+
+def _resident_summary(status: Mapping, plan: Plan) -> dict:
+    """One rank's signature and resident count over the plan layers it reported (the worker's
+    own resident_summary and the controller's signature() compute the same)."""
+    keep = {k: v for k, v in keep_from_wire(status.get("layers") or {}).items() if k in plan.layers}
+    return {"signature": signature(keep), "resident_experts": sum(len(v) for v in keep.values())}
 
 
 def _timing(t0: float, phases: dict, worker_phases: list | None = None) -> dict:

@@ -16,7 +16,8 @@ Errors (JSON {"error": {"message", "type", "field", "code"}}; the message names 
   422 invalid_active_set    unknown layer, out-of-plan expert, unknown sliceId
   422 budget_exceeded       keep-set larger than the budget
   429 refresh_limit         decode_refresh beyond the plan's max_refreshes_per_request
-  500 worker_failed         a worker call failed; the previous resident set was restored
+  500 worker_failed         a worker call failed; the previous resident set was restored on every
+                            worker (rolled_back, failed_ranks, each rank's signature in workers)
   503 not_configured        plugin loaded without the reap-swap launcher's configuration
 """
 
@@ -162,7 +163,9 @@ async def _run_swap(controller: SwapController, coro) -> ORJSONResponse:
                         request_id=exc.request_id) from None
     except SwapFailed as exc:
         raise ReapError(500, "worker_failed", str(exc), None, rolled_back=exc.rolled_back,
-                        rollback_error=exc.rollback_error, signature=controller.sig) from None
+                        rollback_error=exc.rollback_error, signature=controller.sig,
+                        failed_ranks=exc.failed_ranks, workers=exc.workers,
+                        workers_consistent=exc.workers_consistent) from None
 
 
 router = APIRouter(tags=["reap-swap"])

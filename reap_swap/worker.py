@@ -18,11 +18,13 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from reap_swap import compat
+from reap_swap.active_set import signature
 from reap_swap.logs import get_logger
 from reap_swap.plan import Plan, load_plan
 from reap_swap.residency import counters
 from reap_swap.residency import experts as _experts
 from reap_swap.residency.accounting import AccountingResidency, KeepSets
+from reap_swap.residency.fault import SwapFault
 from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings
 
 log = get_logger("reap_swap.worker")
@@ -38,7 +40,8 @@ class ResidencyBackend(Protocol):
 
     mode: str
 
-    def apply(self, keep: KeepSets, *, dry_run: bool = False) -> dict: ...  # bytes_copied, seconds, phases, note
+    def apply(self, keep: KeepSets, *, dry_run: bool = False,
+              fault: SwapFault | None = None) -> dict: ...  # bytes_copied, seconds, phases, note
     def resident(self) -> KeepSets: ...
     def status(self) -> dict: ...
 
@@ -97,8 +100,15 @@ class _WorkerState:
         log.info("reap-swap worker rank %d: %d MoE layers counted, residency %s", self.rank,
                  len(self.layers), self.backend.mode)
 
+        self.fault: SwapFault | None = None  # armed by reap_arm_swap_fault, taken by the next apply
+
     def header(self) -> dict:
         return {"rank": self.rank, **self.ranks}
+
+    def resident_summary(self) -> dict:
+        """This rank's resident set as the controller compares it: signature over the plan layers."""
+        resident = {l: v for l, v in self.backend.resident().items() if l in self.plan.layers}
+        return {"signature": signature(resident), "resident_experts": sum(len(v) for v in resident.values())}
 
 
 class ReapWorkerExtension:
@@ -119,25 +129,59 @@ class ReapWorkerExtension:
             "mode": s.backend.mode,
             "plan_identity": s.plan.identity,
             "layers": {str(k): sorted(v) for k, v in sorted(resident.items())},
+            **s.resident_summary(),
             "resident_bytes": sum(len(v) for v in resident.values()) * s.plan.per_expert_bytes,
             "counting": {str(k): m.reap_countable for k, m in s.layers.items()},
-            "coactivation": getattr(next(iter(s.layers.values())), counters.COACT) is not None,
+            "coactivation": any(getattr(m, counters.COACT) is not None for m in s.layers.values()),
             "backend": s.backend.status(),
         }
 
     def reap_apply_residency(self, keep: dict, dry_run: bool = False, read_stats: bool = False) -> dict:
         """Apply a keep-set ({"<l>": [ids]}, every plan layer). With read_stats, the counters are
         read before and zeroed after a successful apply, in this one call, so no engine step falls
-        between closing one request's statistics and changing the resident set."""
+        between closing one request's statistics and changing the resident set.
+
+        A failure is returned as {"error": ...} rather than raised: vLLM's multiproc
+        collective_rpc stops reading replies at the first failing rank, so a raise on rank 0
+        would leave rank 1's reply queued and shift every later RPC reply by one."""
         s = self._reap_state()
-        parsed = _parse_keep(s.plan, keep)
-        take = bool(read_stats) and not dry_run
-        stats = {str(i): counters.read(m, reset=False) for i, m in s.layers.items()} if take else {}
-        result = s.backend.apply(parsed, dry_run=bool(dry_run))
-        if take:
-            for m in s.layers.values():
-                counters.zero(m)
-        return {**s.header(), "dry_run": bool(dry_run), **result, "stats": stats}
+        fault, s.fault = (None, s.fault) if dry_run else (s.fault, None)  # one-shot
+        try:
+            parsed = _parse_keep(s.plan, keep)
+            take = bool(read_stats) and not dry_run
+            stats = {str(i): counters.read(m, reset=False) for i, m in s.layers.items()} if take else {}
+            result = s.backend.apply(parsed, dry_run=bool(dry_run), fault=fault)
+            if take:
+                for m in s.layers.values():
+                    counters.zero(m)
+        except Exception as exc:  # noqa: BLE001 - reported to the controller, which rolls back
+            log.error("reap-swap rank %d: apply failed: %s: %s", s.rank, type(exc).__name__, exc)
+            return {**s.header(), "dry_run": bool(dry_run), "bytes_copied": 0, "stats": {},
+                    "error": f"rank {s.rank}: {type(exc).__name__}: {exc}",
+                    "rolled_back_locally": getattr(exc, "rolled_back", None), **s.resident_summary()}
+        return {**s.header(), "dry_run": bool(dry_run), **result, "stats": stats, **s.resident_summary()}
+
+    def reap_arm_swap_fault(self, rank: int, after_admissions: int = 1) -> dict:
+        """Test seam: make the next non-dry-run apply on worker `rank` fail (once).
+
+        Accounting fails before its keep-set changes; CUDA fails mid-swap after
+        `after_admissions` published admissions, so its local rollback runs. Other ranks ignore
+        it. Arguments may arrive as strings (vLLM's dev route POST /collective_rpc)."""
+        s = self._reap_state()
+        try:  # answered, not raised, on every rank (see reap_apply_residency)
+            rank, after_admissions = int(rank), int(after_admissions)
+            if after_admissions < 0:
+                raise ValueError("must be >= 0")
+        except (TypeError, ValueError) as exc:
+            return {**s.header(), "armed": False, "error": f"rank={rank!r}, after_admissions="
+                    f"{after_admissions!r}: expected integers, after_admissions >= 0 ({exc})"}
+        if rank != s.rank:
+            return {**s.header(), "armed": False, "note": f"ignored: this worker is rank {s.rank}, not {rank}"}
+        s.fault = SwapFault(rank, after_admissions)
+        log.warning("reap-swap rank %d: swap fault armed (test seam; fires on the next apply, "
+                    "after %d admission(s) on CUDA)", s.rank, after_admissions)
+        return {**s.header(), "armed": True, "after_admissions": after_admissions,
+                "note": f"the next non-dry-run swap on rank {s.rank} fails once"}
 
     def reap_selfcheck(self) -> dict:
         """Engine self-check (CUDA only): pointers, HBM backings and a timed call per memory."""

@@ -5,6 +5,7 @@ import asyncio
 import importlib.util
 from pathlib import Path
 
+from reap_swap.active_set import signature
 from reap_swap.plan import load_plan
 from reap_swap.residency.accounting import AccountingResidency
 
@@ -55,7 +56,7 @@ class FakeWorker:
         result = self.backend.apply(parsed, dry_run=dry_run)
         if read_stats and not dry_run:
             self.stats(reset=True)
-        return {**self.header(), **result, "stats": stats}
+        return {**self.header(), **result, "stats": stats, "signature": signature(self.backend.resident())}
 
     def reap_read_stats(self, reset=False):
         return {**self.header(), "layers": self.stats(reset)}

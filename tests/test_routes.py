@@ -77,6 +77,8 @@ def test_failing_worker_is_500_and_state_is_kept(client):
     r = client.post("/swap_active_set", json={"request_id": "f", "active_set": {"layer_0": [4]}})
     assert r.status_code == 500 and r.json()["error"]["rolled_back"] is True
     assert r.json()["error"]["signature"] == before
+    assert r.json()["error"]["failed_ranks"] == [0]  # read from the worker's message
+    assert [w["signature"] for w in r.json()["error"]["workers"]] == [before]
     assert client.get("/reap/status").json()["signature"] == before
 
 

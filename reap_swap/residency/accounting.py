@@ -10,6 +10,7 @@ when the CUDA engine cannot be loaded.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 KeepSets = dict[int, frozenset[int]]
 
@@ -23,7 +24,10 @@ class AccountingResidency:
         self.reason = reason
         self._applies = 0
 
-    def apply(self, keep: KeepSets, *, dry_run: bool = False) -> dict:
+    def apply(self, keep: KeepSets, *, dry_run: bool = False, fault: Any = None) -> dict:
+        """Record `keep`; an armed `fault` (residency.fault.SwapFault) fails before anything changes."""
+        if fault is not None and not dry_run:
+            fault.fire("accounting apply, before the keep-set changed")
         t0 = time.perf_counter()
         added = sum(len(ids - self._keep.get(layer, frozenset())) for layer, ids in keep.items())
         if not dry_run:

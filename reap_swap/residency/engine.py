@@ -306,9 +306,13 @@ def standalone_state(
     return st, views
 
 
-def swap_state(st: EngineState, target: Mapping[int, Any]):
-    """apply_swap over an engine state (what CudaResidency.apply does, minus the bookkeeping)."""
-    return apply_swap(st.table, _Store(st), target)
+def swap_state(st: EngineState, target: Mapping[int, Any], fault: Any = None):
+    """apply_swap over an engine state (what CudaResidency.apply does, minus the bookkeeping).
+
+    `fault` (residency.fault.SwapFault) wraps the store so the swap fails mid-way (test seam).
+    """
+    store = _Store(st)
+    return apply_swap(st.table, fault.wrap(store) if fault is not None else store, target)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -375,8 +379,13 @@ class CudaResidency:
         per_expert = int(plan.per_expert_bytes) if plan is not None else self.st.pool.unit_bytes
         return self.st.table.num_slots * per_expert
 
-    def apply(self, keep: Mapping[int, Any], *, dry_run: bool = False) -> dict:
-        """Make exactly `keep` (core included) resident on the re-homed layers."""
+    def apply(self, keep: Mapping[int, Any], *, dry_run: bool = False, fault: Any = None) -> dict:
+        """Make exactly `keep` (core included) resident on the re-homed layers.
+
+        An armed `fault` fails this swap after its admissions were partly published, so
+        apply_swap's local rollback runs; a swap with too few admissions to fail mid-way is
+        undone here and fails after it, so an armed fault always fails the call.
+        """
         target = {int(l): sorted(int(e) for e in v) for l, v in keep.items() if int(l) in self.st.layers}
         ignored = sorted(int(l) for l in keep if int(l) not in self.st.layers)
         if dry_run:  # capacity check only (raises PoolCapacityError); nothing moves
@@ -385,7 +394,11 @@ class CudaResidency:
                     "evicted": len(plan.evict), "admitted": len(plan.admit), "reused": plan.reused,
                     "ignored_layers": ignored, "note": "dry run: nothing moved"}
         t0 = time.perf_counter()
-        result = swap_state(self.st, target)  # PoolCapacityError: nothing moved
+        previous = self.st.table.resident()
+        result = swap_state(self.st, target, fault)  # PoolCapacityError: nothing moved
+        if fault is not None and not fault.fired:
+            swap_state(self.st, previous)
+            fault.fire(f"after a swap of {len(result.plan.admit)} admission(s), undone")
         seconds = time.perf_counter() - t0
         self.st.swaps += 1
         self.st.bytes_copied_total += result.bytes_copied

@@ -1,6 +1,7 @@
 """--tensor-parallel-size 2 on the CPU build (and --enforce-eager): statistics summed over both
-workers without double counting, equal to the independent recount. Runs last: it replaces the
-main server (one server at a time)."""
+workers without double counting, equal to the independent recount; a swap failing on rank 1
+(injected through vLLM's dev route POST /collective_rpc, hence VLLM_SERVER_DEV_MODE=1) leaves both
+ranks on the previous set. Runs last: it replaces the main server (one server at a time)."""
 
 import pytest
 
@@ -11,9 +12,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tp2(server_pool):
-    # two CPU workers need explicit OpenMP core lists on a one-NUMA-node machine
+    # two CPU workers need explicit OpenMP core lists on a one-NUMA-node machine;
+    # VLLM_SERVER_DEV_MODE=1 exposes POST /collective_rpc (the fault-injection seam)
     return server_pool.get("tp2-eager", ["--tensor-parallel-size", "2", "--enforce-eager"],
-                           env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+                           env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_SERVER_DEV_MODE": "1"})
 
 
 def test_tp2_eager_aggregates_both_workers_without_double_counting(tp2, recount):
@@ -33,3 +35,34 @@ def test_tp2_eager_aggregates_both_workers_without_double_counting(tp2, recount)
             assert row["expert_counts"] == rc[layer]  # one worker's worth, not two
             assert row["missed_selections"] == sum(c for e, c in enumerate(rc[layer]) if e not in keep[str(layer)])
         assert m["totals"]["observed_selections"] == len(prompt) * 2 * 4
+
+
+def test_tp2_a_swap_failing_on_rank_1_leaves_both_ranks_on_the_previous_set(tp2):
+    with tp2.client() as api:
+        before = swap(api, "tp2-fault-a", {"layer_2": ["layer_2_slice_00"]})
+        prev = before["signature"]
+        assert [w["signature"] for w in before["workers"]] == [prev, prev] and before["workers_consistent"]
+
+        r = api.post("/collective_rpc", json={"method": "reap_arm_swap_fault", "args": [1]})
+        assert r.status_code == 200, r.text
+        assert [x["armed"] for x in r.json()["results"]] == [False, True]
+
+        target = {"layer_0": ["layer_0_slice_01"], "layer_3": ["layer_3_slice_00"]}
+        r = api.post("/swap_active_set", json={"request_id": "tp2-fault-b", "active_set": target})
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "worker_failed" and err["rolled_back"] is True and err["failed_ranks"] == [1]
+        assert "injected swap fault" in err["message"] and err["signature"] == prev
+        assert [w["signature"] for w in err["workers"]] == [prev, prev] and err["workers_consistent"]
+
+        st = status(api)
+        assert st["signature"] == prev and st["workers_consistent"] and st["failed_count"] >= 1
+        assert [(w["tp_rank"], w["signature"]) for w in st["workers"]] == [(0, prev), (1, prev)]
+        assert st["workers"][0]["resident_experts"] == st["workers"][1]["resident_experts"] == st["resident_experts"]
+
+        after = swap(api, "tp2-fault-b", target)  # the fault was one-shot
+        new = after["signature"]
+        assert new != prev and [w["signature"] for w in after["workers"]] == [new, new]
+        st = status(api)
+        assert st["signature"] == new and st["workers_consistent"]
+        assert [w["signature"] for w in st["workers"]] == [new, new]
