@@ -21,7 +21,7 @@ from reap_swap import compat
 from reap_swap.active_set import signature
 from reap_swap.logs import get_logger
 from reap_swap.plan import Plan, load_plan
-from reap_swap.residency import counters
+from reap_swap.residency import count_kernel, counters
 from reap_swap.residency import experts as _experts
 from reap_swap.residency.accounting import AccountingResidency, KeepSets
 from reap_swap.residency.fault import SwapFault
@@ -133,6 +133,7 @@ class ReapWorkerExtension:
             "resident_bytes": sum(len(v) for v in resident.values()) * s.plan.per_expert_bytes,
             "counting": {str(k): m.reap_countable for k, m in s.layers.items()},
             "coactivation": any(getattr(m, counters.COACT) is not None for m in s.layers.values()),
+            "counter_kernel": count_kernel.status(),
             "backend": s.backend.status(),
         }
 

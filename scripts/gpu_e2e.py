@@ -1,25 +1,38 @@
 #!/usr/bin/env python3
-"""End-to-end check of reap-swap on a GPU against stock vLLM (one server at a time).
+"""End-to-end checks of reap-swap on GPUs against stock vLLM (one server at a time per call).
 
-Arms (each: start server, greedy completions of fixed prompts, decode tok/s, stop):
-  stock-gpu      stock vLLM, every expert in HBM
-  stock-uva      stock vLLM, --cpu-offload-gb = half the expert bytes (layer-granular)
-  reap-core      python -m reap_swap.server with a plan whose core is --core-fraction of the
-                 experts; then swaps to larger resident sets (all in the same server), with greedy
-                 text, tok/s, router hit rate and swap timings at each
-  reap-empty     the same with an empty core (nothing resident)
-Greedy texts are compared with stock-gpu. Results go to OUT/gpu_e2e.json (+ server logs).
+Arms (each: start a server, measure, stop; results merged into OUT/gpu_e2e.json):
+  stock-gpu       stock vLLM, every expert in HBM: greedy text, decode tok/s (1 and 8 streams)
+  stock-uva-all   stock vLLM with the flags the reap-swap launcher sets (every expert in pinned host
+                  memory, UVA): the same-kernel reference for greedy text
+  stock-uva-half  stock vLLM, --cpu-offload-gb = half the expert bytes (layer-granular)
+  reap-sweep      reap-swap, plan with an empty core and a pool for every expert; swaps to 25, 50,
+                  100 and back to 0 % resident, with greedy text, decode tok/s and the router hit
+                  rate at each, the engine self-check, then timed swaps of 1 %, 10 %, 1 GiB and
+                  100 % of the pool and a no-op swap
+  reap-routed     reap-swap with the plan core (25 %) filled at startup and vLLM's
+                  --enable-return-routed-experts: our CUDA-graph counters vs vLLM's own per-token
+                  routed experts, request by request
+  reap-tp         (with --tp 2) reap-swap, core 25 %, pool 50 %: per-rank status, counters vs
+                  routed experts, swap to 50 %, a failure injected on rank 1 mid-swap (both ranks
+                  must stay on the previous set), swaps back, greedy text throughout
+Every arm runs with CUDA graphs on (no --enforce-eager) unless --eager. Greedy outputs are stored
+per arm/phase; scripts/gpu_summarize.py compares them across arms and files.
 
 Usage (on the device, after installing the kit):
-  python3 scripts/gpu_e2e.py --model /tmp/model --out $OUT [--arms stock-gpu,reap-core,...]
+  python3 scripts/gpu_e2e.py --model /tmp/model --out DIR --arms stock-gpu,reap-sweep [--tp 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
 import os
+import shlex
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -40,106 +53,301 @@ PROMPTS = [
 ]
 COMMON = ["--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", "2048",
           "--max-num-seqs", "8", "--gpu-memory-utilization", "0.35", "--moe-backend", "triton"]
+DEV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM's /collective_rpc (self-check, fault injection)
 
 
-def make_plan(model: Path, core_fraction: float, slice_size: int, out: Path) -> dict:
-    """A plan for a random model: core = the first experts of each layer, slices over the rest."""
+def model_shape(model: Path) -> dict:
     cfg = json.loads((model / "config.json").read_text())
-    layers, experts = cfg["num_hidden_layers"], cfg["num_experts"]
-    per_expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    per_expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * (4 if "float32" in dtype else 2)
+    return {"layers": cfg["num_hidden_layers"], "experts": cfg["num_experts"], "per_expert": per_expert,
+            "expert_gib": cfg["num_hidden_layers"] * cfg["num_experts"] * per_expert / 2**30}
+
+
+def make_plan(model: Path, core_fraction: float, slice_size: int, out: Path, budget_fraction: float = 1.0) -> dict:
+    """A plan for a random model: core = the first experts of each layer, slices over the rest."""
+    s = model_shape(model)
+    layers, experts, per_expert = s["layers"], s["experts"], s["per_expert"]
     n_core = int(experts * core_fraction)
     per_layer = {}
-    for l in range(layers):
+    for layer in range(layers):
         rest = list(range(n_core, experts))
         slices = [
-            {"sliceId": f"layer_{l}_slice_{i:02d}", "experts": rest[j:j + slice_size],
+            {"sliceId": f"layer_{layer}_slice_{i:02d}", "experts": rest[j:j + slice_size],
              "byteCost": len(rest[j:j + slice_size]) * per_expert}
             for i, j in enumerate(range(0, len(rest), slice_size))
         ]
-        per_layer[f"layer_{l}"] = {"rawLayerKey": str(l), "numExperts": experts,
-                                   "coreExperts": list(range(n_core)),
-                                   "coreByteCost": n_core * per_expert, "sliceCatalog": slices}
-    total = layers * experts * per_expert
+        per_layer[f"layer_{layer}"] = {"rawLayerKey": str(layer), "numExperts": experts,
+                                       "coreExperts": list(range(n_core)),
+                                       "coreByteCost": n_core * per_expert, "sliceCatalog": slices}
+    budget = int(layers * experts * budget_fraction) * per_expert
+    core = layers * n_core * per_expert
     plan = {"mode": "dynamic_core_specialist", "model": str(model),
-            "budget": {"per_expert_bytes": per_expert, "swappable_expert_budget_bytes": total,
-                       "core_budget_bytes": layers * n_core * per_expert,
-                       "specialist_budget_bytes": total - layers * n_core * per_expert,
+            "budget": {"per_expert_bytes": per_expert, "swappable_expert_budget_bytes": budget,
+                       "core_budget_bytes": core, "specialist_budget_bytes": budget - core,
                        "max_refreshes_per_request": 4},
             "perLayer": per_layer}
     out.write_text(json.dumps(plan))
     return plan
 
 
+def first_experts(shape: dict, count: int, start: int = 0) -> dict:
+    """An active set of `count` experts per layer: ids start..start+count-1 of every layer."""
+    return {f"layer_{layer}": list(range(start, start + count)) for layer in range(shape["layers"])}
+
+
+def spread_experts(shape: dict, total: int) -> dict:
+    """An active set of `total` experts over the whole model, filling layer after layer."""
+    out, left = {}, total
+    for layer in range(shape["layers"]):
+        take = min(left, shape["experts"])
+        out[f"layer_{layer}"] = list(range(take))
+        left -= take
+    return out
+
+
 def greedy(url: str, max_tokens=48) -> list[dict]:
-    return serving.greedy_completions(url, PROMPTS, max_tokens=max_tokens)
+    return serving.greedy_completions(url, PROMPTS, max_tokens=8 if QUICK else max_tokens)
+
+
+QUICK = False  # --quick: smoke-test sizes
 
 
 def decode_speed(url: str, batch: int, n=256, repeats=3) -> dict:
+    if QUICK:
+        n, repeats = 8, 1
     return serving.decode_speed(url, PROMPTS, batch, n=n, repeats=repeats)
 
 
-def reap_measure(srv: Server, label: str, active_set: dict | None, res: dict, ref) -> None:
-    entry = {}
-    if active_set is not None:
-        r = httpx.post(srv.url + "/swap_active_set", json={
-            "request_id": f"swap-{label}", "phase": "prefill", "active_set": active_set}, timeout=300)
-        entry["swap_status"] = r.status_code
-        entry["swap"] = r.json()
-        log(label, "swap", r.status_code, {k: entry["swap"].get(k) for k in ("bytes_copied", "timing", "signature")})
-    else:
-        httpx.post(srv.url + "/warm_active_set", json={
-            "request_id": f"swap-{label}", "phase": "prefill", "active_set": {},
-            "reset_router_stats": True}, timeout=300)
-    entry["greedy"] = greedy(srv.url)
-    entry["vs_stock_gpu"] = compare(ref, entry["greedy"]) if ref else None
-    entry["decode_1"] = decode_speed(srv.url, 1)
-    entry["decode_8"] = decode_speed(srv.url, 8, n=128)
-    entry["router_misses"] = httpx.get(srv.url + f"/router_misses/swap-{label}", timeout=60).json()
-    entry["status"] = httpx.get(srv.url + "/reap/status", timeout=60).json()
-    log(label, "decode", entry["decode_1"], entry["decode_8"], "vs stock", entry["vs_stock_gpu"])
-    res[label] = entry
+def post(srv: Server, path: str, body: dict, timeout=600) -> tuple[int, dict, float]:
+    t0 = time.perf_counter()
+    r = httpx.post(srv.url + path, json=body, timeout=timeout)
+    ms = (time.perf_counter() - t0) * 1000
+    try:
+        data = r.json()
+    except ValueError:
+        data = {"text": r.text[:2000]}
+    return r.status_code, data, ms
 
 
-def counter_check(srv: Server, plan: dict, res: dict, n_requests=4, max_tokens=16) -> None:
-    """Our graph-mode counters vs vLLM's own per-token routed-experts output, same requests."""
-    import base64
-    import io
+def swap(srv: Server, rid: str, active_set: dict, **extra) -> dict:
+    code, data, ms = post(srv, "/swap_active_set", {"request_id": rid, "phase": "prefill",
+                                                   "active_set": active_set, **extra})
+    brief = {k: data.get(k) for k in ("bytes_copied", "bytes_copied_per_worker", "noop", "signature", "workers")}
+    timing = data.get("timing") or {}
+    out = {"status": code, "client_ms": ms, **brief, "timing": timing,
+           "error": data if code != 200 else None}
+    workers = timing.get("phases", {}).get("workers")
+    if code == 200 and workers and data.get("bytes_copied"):
+        out["gbps_workers"] = data["bytes_copied"] / max(1, len(data.get("workers") or [1])) / workers / 1e9
+    log(rid, "swap", code, {k: out.get(k) for k in ("bytes_copied", "client_ms", "gbps_workers")})
+    return out
 
+
+def status(srv: Server) -> dict:
+    return httpx.get(srv.url + "/reap/status", timeout=60).json()
+
+
+def misses(srv: Server, rid: str) -> dict:
+    r = httpx.get(srv.url + f"/router_misses/{rid}", timeout=60).json()
+    return {"totals": r.get("totals"), "workers": r.get("workers"), "tp_disagreement": r.get("tp_disagreement"),
+            "layers": {k: {kk: v.get(kk) for kk in ("observed_selections", "missed_selections", "miss_ratio")}
+                       for k, v in (r.get("layers") or {}).items()}}
+
+
+def collective_rpc(srv: Server, method: str, args=()) -> dict:
+    code, data, _ = post(srv, "/collective_rpc", {"method": method, "args": list(args)}, timeout=300)
+    return {"status": code, "result": data}
+
+
+REFERENCE: list[dict] | None = None  # stock-gpu's greedy outputs, when this call measured them
+
+
+def measure(srv: Server, rid: str, d1=(256, 3), d8=(128, 3)) -> dict:
+    """Greedy text, then decode speed, all counted into request `rid` (opened by the caller)."""
+    entry = {"greedy": greedy(srv.url)}
+    if REFERENCE:
+        c = compare(REFERENCE, entry["greedy"])
+        log(rid, "greedy vs stock-gpu:", c["identical"], "/", c["of"], "first divergence", c["first_divergence"])
+    if d1:
+        entry["decode_1"] = decode_speed(srv.url, 1, n=d1[0], repeats=d1[1])
+    if d8:
+        entry["decode_8"] = decode_speed(srv.url, 8, n=d8[0], repeats=d8[1])
+    entry["router_misses"] = misses(srv, rid)
+    log(rid, "decode", entry.get("decode_1"), entry.get("decode_8"), "misses", entry["router_misses"]["totals"])
+    return entry
+
+
+def open_request(srv: Server, rid: str) -> None:
+    """Open `rid` for statistics without changing the resident set (empty active set = core)."""
+    post(srv, "/warm_active_set", {"request_id": rid, "phase": "prefill", "active_set": {},
+                                   "reset_router_stats": True})
+
+
+# ----------------------------------------------------------------------------- arms
+
+
+def arm_stock(argv, name, out, uva_gib, res, d1=(256, 3), d8=(128, 3)):
+    extra = [] if uva_gib is None else ["--offload-backend", "uva", "--cpu-offload-gb", f"{uva_gib:.3f}",
+                                        "--cpu-offload-params", "w13_weight", "w2_weight"]
+    global REFERENCE
+    with Server(name, argv + extra, out, port=serving.free_port()) as srv:
+        res[name] = {"startup_s": srv.startup_s, "argv": srv.command, **measure_stock(srv, d1, d8)}
+    if name == "stock-gpu":
+        REFERENCE = res[name]["greedy"]
+    elif REFERENCE:
+        c = compare(REFERENCE, res[name]["greedy"])
+        log(name, "greedy vs stock-gpu:", c["identical"], "/", c["of"], "first divergence", c["first_divergence"])
+
+
+def measure_stock(srv, d1, d8):
+    entry = {"greedy": greedy(srv.url)}
+    if d1:
+        entry["decode_1"] = decode_speed(srv.url, 1, n=d1[0], repeats=d1[1])
+    if d8:
+        entry["decode_8"] = decode_speed(srv.url, 8, n=d8[0], repeats=d8[1])
+    log(srv.name, entry.get("decode_1"), entry.get("decode_8"))
+    return entry
+
+
+def arm_sweep(reap, out, shape, res, save):
+    plan_path = out / "plan-reap-sweep.json"
+    make_plan(Path(reap[3]), 0.0, 8, plan_path)
+    r = res.setdefault("reap-sweep", {"phases": {}, "swaps": {}})
+    with Server("reap-sweep", reap + ["--reap-plan", str(plan_path)], out, env=DEV, port=serving.free_port()) as srv:
+        r["startup_s"], r["argv"] = srv.startup_s, srv.command
+        r["status_start"] = status(srv)
+        open_request(srv, "p000")
+        r["phases"]["0"] = measure(srv, "p000", d8=(64, 3))
+        save()
+        for pct in (25, 50, 100):
+            k = shape["experts"] * pct // 100
+            rid = f"p{pct:03d}"
+            sw = swap(srv, rid, first_experts(shape, k))
+            r["phases"][str(pct)] = {"swap": sw, **measure(srv, rid, d8=(64 if pct < 50 else 128, 3))}
+            if pct == 25:
+                r["selfcheck_25"] = collective_rpc(srv, "reap_selfcheck")
+            save()
+        sw = swap(srv, "p000b", {})
+        r["phases"]["0b"] = {"swap": sw, **measure(srv, "p000b", d1=None, d8=None)}
+        r["status_end_phases"] = status(srv)
+        save()
+        # swap speed: from nothing resident to X and back, 3 times each
+        total = shape["layers"] * shape["experts"]
+        gib_experts = -(-2**30 // shape["per_expert"])
+        for label, n in (("1pct", max(1, total // 100)), ("10pct", total // 10), ("1GiB", gib_experts),
+                         ("100pct", total)):
+            aset = spread_experts(shape, n)
+            runs = []
+            for i in range(3):
+                up = swap(srv, f"s-{label}-{i}", aset)
+                noop = swap(srv, f"s-{label}-{i}-noop", aset) if label == "1pct" else None
+                down = swap(srv, f"s-{label}-{i}-down", {})
+                runs.append({"in": up, "noop": noop, "out": down})
+            r["swaps"][label] = {"experts": n, "runs": runs}
+            save()
+        r["status_end"] = status(srv)
+
+
+def counter_check(srv: Server, layers: int, experts: int, keep: dict, n_requests=4, max_tokens=16) -> dict:
+    """Our graph-mode counters vs vLLM's own per-token routed-experts output, request by request."""
     import numpy as np
 
-    httpx.post(srv.url + "/warm_active_set", json={"request_id": "count-check", "phase": "prefill",
-                                                  "active_set": {}, "reset_router_stats": True}, timeout=300)
-    core = {int(k.split("_")[1]): set(v["coreExperts"]) for k, v in plan["perLayer"].items()}
-    counts, lens = None, []
+    out = []
     for i in range(n_requests):
+        rid = f"count-{i}"
+        open_request(srv, rid)
         r = httpx.post(srv.url + "/v1/completions", json={
             "model": "m", "prompt": f"{PROMPTS[i]} (check {i})", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}, timeout=120)
         r.raise_for_status()
         arr = np.load(io.BytesIO(base64.b64decode(r.json()["choices"][0]["routed_experts"])))
-        lens.append(list(arr.shape))
-        layers, E = arr.shape[1], plan["perLayer"]["layer_0"]["numExperts"]
-        c = np.zeros((layers, E), dtype=np.int64)
-        for l in range(layers):
-            np.add.at(c[l], arr[:, l, :].ravel(), 1)
-        counts = c if counts is None else counts + c
-    misses = httpx.get(srv.url + "/router_misses/count-check", timeout=60).json()
-    independent = {str(l): {"observed_selections": int(counts[l].sum()),
-                            "missed_selections": int(sum(counts[l][e] for e in range(counts.shape[1]) if e not in core[l]))}
-                   for l in range(counts.shape[0])}
-    res["counter_check"] = {"routed_experts_shapes": lens, "independent": independent, "ours": misses}
-    log("counter check", independent.get("0"), str(misses)[:400])
+        theirs = np.zeros((layers, experts), dtype=np.int64)
+        for layer in range(arr.shape[1]):
+            np.add.at(theirs[layer], arr[:, layer, :].ravel(), 1)
+        ours = httpx.get(srv.url + f"/router_misses/{rid}", timeout=60).json()
+        per_layer = []
+        for layer in range(layers):
+            row = ours["layers"][str(layer)]
+            keep_l = set(keep[str(layer)])
+            per_layer.append({
+                "ours_counts": row.get("expert_counts"), "theirs_counts": theirs[layer].tolist(),
+                "ours_missed": row.get("missed_selections"),
+                "theirs_missed": int(sum(c for e, c in enumerate(theirs[layer]) if e not in keep_l))})
+        equal = all(p["ours_counts"] == p["theirs_counts"] and p["ours_missed"] == p["theirs_missed"]
+                    for p in per_layer)
+        out.append({"request": rid, "routed_experts_shape": list(arr.shape), "equal": equal,
+                    "workers": ours.get("workers"), "tp_disagreement": ours.get("tp_disagreement"),
+                    "ours_total": ours.get("totals"), "layers": per_layer})
+        log("counter check", rid, "shape", list(arr.shape), "equal", equal)
+    return {"requests": out, "all_equal": all(o["equal"] for o in out)}
+
+
+def arm_routed(reap, out, shape, res):
+    plan_path = out / "plan-reap-routed.json"
+    make_plan(Path(reap[3]), 0.25, 8, plan_path)
+    r = res.setdefault("reap-routed", {})
+    with Server("reap-routed", reap + ["--reap-plan", str(plan_path), "--enable-return-routed-experts"], out,
+                env=DEV, port=serving.free_port()) as srv:
+        r["startup_s"], r["argv"] = srv.startup_s, srv.command
+        st = status(srv)
+        r["status_start"] = st
+        open_request(srv, "core")
+        r["core"] = measure(srv, "core", d1=(128, 1), d8=None)
+        r["counter_check"] = counter_check(srv, shape["layers"], shape["experts"], st["layers"])
+
+
+def arm_tp(reap, out, shape, res, save):
+    plan_path = out / "plan-reap-tp.json"
+    make_plan(Path(reap[3]), 0.25, 8, plan_path, budget_fraction=0.5)
+    r = res.setdefault("reap-tp", {})
+    with Server("reap-tp", reap + ["--reap-plan", str(plan_path), "--enable-return-routed-experts"], out,
+                env=DEV, port=serving.free_port()) as srv:
+        r["startup_s"], r["argv"] = srv.startup_s, srv.command
+        st = status(srv)
+        r["status_start"] = st
+        open_request(srv, "core")
+        r["core"] = measure(srv, "core", d1=(128, 2), d8=None)
+        r["counter_check"] = counter_check(srv, shape["layers"], shape["experts"], st["layers"], n_requests=2)
+        save()
+        quarter = shape["experts"] // 4
+        half = first_experts(shape, quarter, start=quarter)          # core 0..31 + 32..63 = 50 %
+        other_half = first_experts(shape, quarter, start=2 * quarter)  # core + 64..95: 32 admissions/layer
+        r["swap_50"] = swap(srv, "p050", half)
+        r["status_50"] = status(srv)
+        r["at_50"] = measure(srv, "p050", d1=(256, 3), d8=(128, 3))
+        save()
+        # a failure injected on rank 1, mid-swap (after one admission): both ranks must stay at 50 %
+        r["fault_arm"] = collective_rpc(srv, "reap_arm_swap_fault", [1])
+        r["fault_swap"] = swap(srv, "fault", other_half)
+        r["status_after_fault"] = status(srv)
+        r["after_fault"] = measure(srv, "p050", d1=None, d8=None)
+        r["swap_back_25"] = swap(srv, "p025", {})
+        r["status_25"] = status(srv)
+        r["at_25"] = measure(srv, "p025", d1=None, d8=None)
+        timings = []
+        for i in range(3):
+            timings.append({"in": swap(srv, f"t50-{i}", half), "out": swap(srv, f"t25-{i}", {})})
+        r["swap_timings_25_50"] = timings
+        r["status_end"] = status(srv)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="/tmp/model")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--arms", default="stock-gpu,reap-core,reap-empty,stock-uva")
-    ap.add_argument("--core-fraction", type=float, default=0.25)
+    ap.add_argument("--arms", default="stock-gpu,reap-sweep")
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--common", help="replace the engine arguments every arm gets (a shell-quoted string; "
+                                     "e.g. to smoke-test this driver on vLLM's CPU build)")
+    ap.add_argument("--quick", action="store_true", help="tiny decode measurements (smoke tests)")
     args = ap.parse_args()
+    if args.quick:
+        global QUICK
+        QUICK = True
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     model = Path(args.model)
     results_path = out / "gpu_e2e.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
@@ -147,59 +355,39 @@ def main():
     def save():
         results_path.write_text(json.dumps(results, indent=1))
 
-    cfg = json.loads((model / "config.json").read_text())
-    expert_gib = cfg["num_hidden_layers"] * cfg["num_experts"] * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2 / 2**30
-    common = COMMON + (["--enforce-eager"] if args.eager else [])
+    global REFERENCE
+    REFERENCE = (results.get("stock-gpu") or {}).get("greedy")
+    shape = model_shape(model)
+    base = shlex.split(args.common) if args.common else COMMON
+    common = base + (["--enforce-eager"] if args.eager else []) + (
+        ["--tensor-parallel-size", str(args.tp)] if args.tp > 1 else [])
     vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)] + common
     reap = [sys.executable, "-m", "reap_swap.server", str(model)] + common
-    ref = results.get("stock-gpu", {}).get("greedy")
+    results.setdefault("_meta", {})[f"{args.arms}@tp{args.tp}"] = {"model": str(model), "shape": shape,
+                                                                   "common": common, "started": time.ctime()}
     for arm in args.arms.split(","):
         log("arm", arm)
+        t0 = time.time()
         try:
             if arm == "stock-gpu":
-                with Server(arm, vllm, out) as srv:
-                    results[arm] = {"startup_s": srv.startup_s, "greedy": greedy(srv.url),
-                                    "decode_1": decode_speed(srv.url, 1), "decode_8": decode_speed(srv.url, 8, n=128)}
-                    ref = results[arm]["greedy"]
-                    log(arm, results[arm]["decode_1"], results[arm]["decode_8"])
-            elif arm == "stock-uva":
-                half = ["--offload-backend", "uva", "--cpu-offload-gb", f"{expert_gib / 2:.3f}",
-                        "--cpu-offload-params", "w13_weight", "w2_weight"]
-                with Server(arm, vllm + half, out) as srv:
-                    g = greedy(srv.url)
-                    results[arm] = {"startup_s": srv.startup_s, "greedy": g,
-                                    "vs_stock_gpu": compare(ref, g) if ref else None,
-                                    "decode_1": decode_speed(srv.url, 1), "decode_8": decode_speed(srv.url, 8, n=128)}
-                    log(arm, results[arm]["decode_1"], results[arm]["decode_8"])
+                arm_stock(vllm, arm, out, None, results)
+            elif arm == "stock-uva-all":  # what the launcher sets: every expert in pinned host memory
+                arm_stock(vllm, arm, out, shape["expert_gib"] + 0.5, results, d1=(128, 1), d8=None)
+            elif arm == "stock-uva-half":
+                arm_stock(vllm, arm, out, shape["expert_gib"] / 2 / args.tp, results)
+            elif arm == "reap-sweep":
+                arm_sweep(reap, out, shape, results, save)
             elif arm == "reap-routed":
-                plan_path = out / "plan-reap-routed.json"
-                plan = make_plan(model, args.core_fraction, 8, plan_path)
-                res = results.setdefault(arm, {})
-                with Server(arm, reap + ["--reap-plan", str(plan_path), "--enable-return-routed-experts"], out) as srv:
-                    res["startup_s"] = srv.startup_s
-                    counter_check(srv, plan, res)
-            elif arm in ("reap-core", "reap-empty"):
-                frac = args.core_fraction if arm == "reap-core" else 0.0
-                plan_path = out / f"plan-{arm}.json"
-                make_plan(model, frac, 8, plan_path)
-                res = results.setdefault(arm, {})
-                with Server(arm, reap + ["--reap-plan", str(plan_path)], out) as srv:
-                    res["startup_s"] = srv.startup_s
-                    reap_measure(srv, "start", None, res, ref)
-                    if arm == "reap-core":
-                        n_core = int(cfg["num_experts"] * frac)
-                        experts = cfg["num_experts"]
-                        for pct in (50, 100, 25):
-                            k = experts * pct // 100
-                            aset = {f"layer_{l}": list(range(n_core, max(n_core, k)))
-                                    for l in range(cfg["num_hidden_layers"])}
-                            reap_measure(srv, f"swap{pct}_{len(res)}", aset, res, ref)
-                            save()
-            save()
+                arm_routed(reap, out, shape, results)
+            elif arm == "reap-tp":
+                arm_tp(reap, out, shape, results, save)
+            else:
+                raise ValueError(f"unknown arm {arm}")
         except Exception as exc:  # keep going with the next arm
-            log(arm, "FAILED", repr(exc))
-            results[arm] = {"error": repr(exc)}
-            save()
+            log(arm, "FAILED", repr(exc)[:3000])
+            results.setdefault(arm, {})["error"] = repr(exc)[:5000]
+        results.setdefault(arm, {})["wall_s"] = time.time() - t0
+        save()
     save()
 
 
