@@ -1,0 +1,277 @@
+#!/usr/bin/env python3
+"""Write a variant of the random GPU test model whose routers have a known, per-token-class skew.
+
+Why: a random-weight MoE routes almost uniformly, so a residency plan cannot beat its resident
+fraction on it. Issue #4 item 4 needs the same model with routing that is skewed in a documented
+way and differs between prompt domains, so plans built from calibration prompts have something to
+find. The construction is exact and small (README of the construction: `skew_construction.json`):
+
+1. Token classes: every vocab id gets one of K=5 classes from its decoded string (`token_class`):
+   lower (ASCII letters, all lower case), upper (ASCII letters with an upper-case one),
+   punct (ASCII punctuation only), space (whitespace only), other (digits, mixed, bytes, added
+   tokens, specials). Code and prose differ in their class mix (see `class_shares`).
+2. Marker channels: the last K hidden channels d_0..d_4 are reserved. embed_tokens[t, d_c] = C
+   for c = class(t) and 0 on the other reserved channels. Rows d_c of every o_proj and every
+   expert's down_proj are zeroed, so no layer writes those channels: the residual stream keeps
+   the embedding's value there, and every router sees its token's class marker.
+3. Router bias: gate.weight[e, d_c] of layer l = A * rank_{l,c}(e)^(-z) * rho_l / C, where
+   rank_{l,c} is a seeded random permutation of the experts (rank 1..E) per (layer, class) and
+   rho_l the typical rms of the residual entering layer l's MoE (measured by
+   scripts/simulate_skew.py). The router's RMSNorm divides the marker by the token's rms, so the
+   logit bias is ~ A * rank^(-z) in every layer, on top of the ~N(0, 0.9^2) random logits.
+
+Everything else is byte-identical. Deterministic for a given --seed (permutations come from a CPU
+torch.Generator). Streams one shard at a time; no GPU needed.
+
+usage: make_skewed_moe.py SRC DST [--seed 0] [--amp 3] [--zipf 0.6] [--marker 0.125]
+       make_skewed_moe.py SRC DST --construction-only   # writes only DST/skew_construction.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import string
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+CLASS_NAMES = ("lower", "upper", "punct", "space", "other")
+CLASS_RULES = {
+    "lower": "decoded.strip() is ASCII letters only, all lower case",
+    "upper": "decoded.strip() is ASCII letters only, at least one upper case",
+    "punct": "decoded.strip() non-empty and every char in string.punctuation",
+    "space": "decoded.strip() == '' (whitespace / newlines / indentation)",
+    "other": "everything else: digits, mixed pieces, non-ASCII bytes, added tokens w0.., specials",
+}
+# rms of the residual entering each layer's MoE of the 12-layer kit model (median over tokens),
+# measured by scripts/simulate_skew.py with this construction (research-notes/skew-simulation.json)
+RHO_KIT = (0.3311, 0.8648, 1.3185, 1.6979, 2.0053, 2.2669, 2.5222, 2.7558, 2.9583, 3.1568, 3.3501,
+           3.5373)
+DEFAULTS = {"seed": 0, "amp": 3.0, "zipf": 0.6, "marker": 0.125}
+_PUNCT = set(string.punctuation)
+
+
+def token_class(decoded: str) -> int:
+    """Class id of one token's decoded string (rule: CLASS_RULES, in CLASS_NAMES order)."""
+    s = decoded.strip()
+    if s == "":
+        return 3
+    if s.isascii() and s.isalpha():
+        return 0 if s.islower() else 1
+    if all(ch in _PUNCT for ch in s):
+        return 2
+    return 4
+
+
+def token_classes(tokenizer_json: str | os.PathLike) -> list[int]:
+    """Class of every vocab id of a tokenizers `tokenizer.json` (specials decoded, not skipped)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    return [token_class(tok.decode([i], skip_special_tokens=False))
+            for i in range(tok.get_vocab_size())]
+
+
+@dataclass
+class Construction:
+    """Everything the weight transformation needs; `describe()` is its JSON record."""
+
+    hidden: int
+    experts: int
+    layers: int
+    classes: torch.Tensor                 # [vocab] int64 class id per token
+    channels: list[int]                   # reserved hidden channel of class c
+    marker: float                         # C, the embedding value on the own class channel
+    amp: float
+    zipf: float
+    seed: int
+    rho: list[float]                      # per-layer rms compensation
+    ranks: list[list[list[int]]] = field(default_factory=list)  # [l][c] -> experts by rank
+    gate_cols: list[torch.Tensor] = field(default_factory=list)  # [l] -> [E, K] bf16
+
+    def describe(self) -> dict:
+        vocab = int(self.classes.numel())
+        sizes = torch.bincount(self.classes, minlength=len(CLASS_NAMES)).tolist()
+        return {
+            "what": "router skew by token-class marker channels (scripts/make_skewed_moe.py)",
+            "params": {"seed": self.seed, "amp_A": self.amp, "zipf_z": self.zipf,
+                       "marker_C": self.marker, "rho_per_layer": self.rho,
+                       "hidden": self.hidden, "experts": self.experts, "layers": self.layers,
+                       "vocab": vocab},
+            "formula": ("gate.weight[e, d_c] = bf16(A * rank_{l,c}(e)^(-z) * rho_l / C); "
+                        "logit bias ~= A * rank^(-z) * rho_l / rms(residual)"),
+            "channels": {n: ch for n, ch in zip(CLASS_NAMES, self.channels)},
+            "zeroed_rows": "rows d_c of every self_attn.o_proj.weight and experts.*.down_proj.weight",
+            "embedding": "embed_tokens[t, d_c] = C if class(t) == c else 0",
+            "token_classes": {
+                n: {"rule": CLASS_RULES[n], "size": sizes[c],
+                    "ids": _ranges((self.classes == c).nonzero().flatten().tolist())}
+                for c, n in enumerate(CLASS_NAMES)},
+            "layers": [
+                {"layer": layer, "rho": self.rho[layer], "classes": {
+                    n: {"experts_by_rank": self.ranks[layer][c],
+                        "gate_value_by_rank": [
+                            float(v) for v in
+                            self.gate_cols[layer][self.ranks[layer][c], c].float().tolist()]}
+                    for c, n in enumerate(CLASS_NAMES)}}
+                for layer in range(self.layers)],
+        }
+
+
+def _ranges(ids: list[int]) -> list[list[int]]:
+    """Sorted ids as inclusive [first, last] runs (the 'other' class is ~31k ids)."""
+    out: list[list[int]] = []
+    for i in ids:
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return out
+
+
+def build_construction(classes, *, hidden, experts, layers, seed=DEFAULTS["seed"],
+                       amp=DEFAULTS["amp"], zipf=DEFAULTS["zipf"],
+                       marker=DEFAULTS["marker"], rho=None) -> Construction:
+    """Seeded per-(layer, class) permutations and the bf16 router column values."""
+    k = len(CLASS_NAMES)
+    if rho is None:
+        rho = list(RHO_KIT) if layers == len(RHO_KIT) and all(RHO_KIT) else [1.0] * layers
+    classes = torch.as_tensor(classes, dtype=torch.int64)
+    con = Construction(hidden=hidden, experts=experts, layers=layers, classes=classes,
+                       channels=list(range(hidden - k, hidden)), marker=marker, amp=amp,
+                       zipf=zipf, seed=seed, rho=[float(r) for r in rho])
+    strength = amp * torch.arange(1, experts + 1, dtype=torch.float64) ** (-zipf)
+    for layer in range(layers):
+        cols = torch.zeros(experts, k, dtype=torch.float64)
+        by_rank = []
+        for c in range(k):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 101 + c)
+            perm = torch.randperm(experts, generator=g)       # perm[r] = expert of rank r+1
+            cols[perm, c] = strength * con.rho[layer] / marker
+            by_rank.append(perm.tolist())
+        con.ranks.append(by_rank)
+        con.gate_cols.append(cols.to(torch.bfloat16))
+    return con
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn\.o_proj\.weight|mlp\.gate\.weight|"
+                    r"mlp\.experts\.\d+\.down_proj\.weight)$")
+
+
+def skew_tensors(tensors: dict[str, torch.Tensor], con: Construction) -> dict[str, torch.Tensor]:
+    """Pure: the skewed version of a shard's tensors (untouched tensors are the same objects)."""
+    ch = torch.tensor(con.channels)
+    out = dict(tensors)
+    for name, t in tensors.items():
+        if name == "model.embed_tokens.weight":
+            t = t.clone()
+            t[:, ch] = 0
+            rows = torch.arange(t.shape[0])
+            t[rows, ch[con.classes[: t.shape[0]]]] = torch.tensor(con.marker, dtype=t.dtype)
+            out[name] = t
+            continue
+        m = _LAYER.match(name)
+        if not m:
+            continue
+        layer, kind = int(m.group(1)), m.group(2)
+        t = t.clone()
+        if kind == "mlp.gate.weight":
+            t[:, ch] = con.gate_cols[layer].to(t.dtype)
+        else:                                   # o_proj / down_proj: nothing writes d_c
+            t[ch, :] = 0
+        out[name] = t
+    return out
+
+
+def class_shares(tokenizer_json, classes, corpus_jsonl) -> dict:
+    """Per corpus domain: token count and the share of its tokens in each class."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    cls = torch.as_tensor(classes)
+    counts: dict[str, torch.Tensor] = {}
+    for line in open(corpus_jsonl):
+        r = json.loads(line)
+        ids = torch.tensor(tok.encode(r["text"]).ids, dtype=torch.int64)
+        c = torch.bincount(cls[ids], minlength=len(CLASS_NAMES))
+        counts[r["source"]] = counts.get(r["source"], 0) + c
+    return {d: {"tokens": int(c.sum()),
+                **{n: round(float(c[i]) / float(c.sum()), 4) for i, n in enumerate(CLASS_NAMES)}}
+            for d, c in sorted(counts.items())}
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    ap.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    ap.add_argument("--amp", type=float, default=DEFAULTS["amp"], help="A (logit units)")
+    ap.add_argument("--zipf", type=float, default=DEFAULTS["zipf"], help="Zipf exponent z")
+    ap.add_argument("--marker", type=float, default=DEFAULTS["marker"], help="C")
+    ap.add_argument("--corpus", default=str(Path(__file__).resolve().parent.parent
+                                            / "data/corpus/calibration.jsonl"),
+                    help="jsonl (text, source) for the per-domain class shares, if present")
+    ap.add_argument("--construction-only", action="store_true",
+                    help="write only DST/skew_construction.json (no weights)")
+    ap.add_argument("--workers", type=int, default=4, help="shards in flight")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    src, dst = Path(a.src), Path(a.dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    classes = token_classes(src / "tokenizer.json")
+    if len(classes) != cfg["vocab_size"]:
+        sys.exit(f"tokenizer has {len(classes)} ids, config vocab_size {cfg['vocab_size']}")
+    con = build_construction(classes, hidden=cfg["hidden_size"],
+                             experts=cfg.get("num_experts") or cfg["num_local_experts"],
+                             layers=cfg["num_hidden_layers"], seed=a.seed, amp=a.amp,
+                             zipf=a.zipf, marker=a.marker)
+    desc = con.describe()
+    if Path(a.corpus).is_file():
+        desc["corpus_class_shares"] = {"corpus": str(a.corpus), **class_shares(
+            src / "tokenizer.json", classes, a.corpus)}
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    if not a.construction_only:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        def one(name: str) -> str:
+            with safe_open(src / name, framework="pt") as f:
+                meta = f.metadata()
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            save_file(skew_tensors(tensors, con), dst / name, metadata=meta)
+            return name
+
+        with ThreadPoolExecutor(max_workers=max(1, a.workers)) as pool:
+            for name in pool.map(one, shards):
+                print(f"{name} written ({time.time() - t0:.1f}s)", flush=True)
+        for p in src.iterdir():
+            if p.is_file() and p.name not in shards and p.name != "skew_construction.json":
+                _link_or_copy(p, dst / p.name)
+    desc["seconds"] = round(time.time() - t0, 1)
+    (dst / "skew_construction.json").write_text(json.dumps(desc, indent=1))
+    print(json.dumps({"dst": str(dst), "seconds": desc["seconds"],
+                      "class_sizes": {n: v["size"] for n, v in desc["token_classes"].items()},
+                      **{k: desc["params"][k] for k in ("amp_A", "zipf_z", "marker_C", "seed")}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
