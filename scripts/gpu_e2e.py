@@ -116,7 +116,17 @@ QUICK = False  # --quick: smoke-test sizes
 def decode_speed(url: str, batch: int, n=256, repeats=3) -> dict:
     if QUICK:
         n, repeats = 8, 1
+    wait_quiet()
     return serving.decode_speed(url, PROMPTS, batch, n=n, repeats=repeats)
+
+
+def wait_quiet(limit_s: float = 300.0) -> None:
+    """With E2E_QUIET_FILE set, time nothing until that file exists (another lane's start-up is
+    over), so CPU-heavy work on the same host does not leak into decode timings."""
+    path = os.environ.get("E2E_QUIET_FILE")
+    t0 = time.time()
+    while path and not os.path.exists(path) and time.time() - t0 < limit_s:
+        time.sleep(1)
 
 
 def post(srv: Server, path: str, body: dict, timeout=600) -> tuple[int, dict, float]:
@@ -249,6 +259,35 @@ def arm_sweep(reap, out, shape, res, save):
         r["status_end"] = status(srv)
 
 
+def arm_clean(reap, out, shape, res, save):
+    """The timing-critical subset of reap-sweep (100, 50, 0 % resident) and the swap series."""
+    plan_path = out / "plan-reap-clean.json"
+    make_plan(Path(reap[3]), 0.0, 8, plan_path)
+    r = res.setdefault("reap-clean", {"phases": {}, "swaps": {}})
+    with Server("reap-clean", reap + ["--reap-plan", str(plan_path)], out, env=DEV,
+                port=serving.free_port()) as srv:
+        r["startup_s"], r["argv"] = srv.startup_s, srv.command
+        for pct, d1, d8 in ((100, (256, 3), (128, 3)), (50, (256, 3), (64, 2)), (0, (128, 2), (32, 2))):
+            rid = f"c{pct:03d}"
+            aset = first_experts(shape, shape["experts"] * pct // 100) if pct else {}
+            sw = swap(srv, rid, aset)
+            r["phases"][str(pct)] = {"swap": sw, **measure(srv, rid, d1=d1, d8=d8)}
+            save()
+        total = shape["layers"] * shape["experts"]
+        for label, n in (("1pct", max(1, total // 100)), ("10pct", total // 10),
+                         ("1GiB", -(-2**30 // shape["per_expert"])), ("100pct", total)):
+            aset = spread_experts(shape, n)
+            runs = []
+            for i in range(3):
+                up = swap(srv, f"s-{label}-{i}", aset)
+                noop = swap(srv, f"s-{label}-{i}-noop", aset) if label == "1pct" else None
+                down = swap(srv, f"s-{label}-{i}-down", {})
+                runs.append({"in": up, "noop": noop, "out": down})
+            r["swaps"][label] = {"experts": n, "runs": runs}
+        r["status_end"] = status(srv)
+        save()
+
+
 def counter_check(srv: Server, layers: int, experts: int, keep: dict, n_requests=4, max_tokens=16) -> dict:
     """Our graph-mode counters vs vLLM's own per-token routed-experts output, request by request."""
     import numpy as np
@@ -257,8 +296,11 @@ def counter_check(srv: Server, layers: int, experts: int, keep: dict, n_requests
     for i in range(n_requests):
         rid = f"count-{i}"
         open_request(srv, rid)
+        # a unique start: no prefix-cache block is shared with an earlier request, so every prompt
+        # token is computed (and routed) by this request -- vLLM's routed_experts output also lists
+        # the routing of prefix-cached tokens, which never reach an expert in this request
         r = httpx.post(srv.url + "/v1/completions", json={
-            "model": "m", "prompt": f"{PROMPTS[i]} (check {i})", "max_tokens": max_tokens,
+            "model": "m", "prompt": f"[{time.time_ns()} check {i}] {PROMPTS[i]}", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}, timeout=120)
         r.raise_for_status()
         arr = np.load(io.BytesIO(base64.b64decode(r.json()["choices"][0]["routed_experts"])))
@@ -377,6 +419,8 @@ def main():
                 arm_stock(vllm, arm, out, shape["expert_gib"] / 2 / args.tp, results)
             elif arm == "reap-sweep":
                 arm_sweep(reap, out, shape, results, save)
+            elif arm == "reap-clean":
+                arm_clean(reap, out, shape, results, save)
             elif arm == "reap-routed":
                 arm_routed(reap, out, shape, results)
             elif arm == "reap-tp":

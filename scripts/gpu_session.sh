@@ -2,7 +2,7 @@
 # One device session's measurements (issues 4, 8, 9) on a 2xH200 machine, run in the background so
 # that they outlive one 10-minute device call; see research.md "Re-running the GPU measurements".
 #
-#   bash scripts/gpu_session.sh start      # after the kit is installed and /tmp/model exists
+#   bash scripts/gpu_session.sh start [main|followup]   # after the kit is installed and /tmp/model exists
 #   bash scripts/gpu_session.sh wait 540   # wait up to N s, print progress, pack results into $OUT
 #
 # Two single-GPU lanes run at once (GPU 0 and GPU 1, each its own servers, one at a time per
@@ -65,6 +65,33 @@ lane_tp() {  # both GPUs: TP=2
   step tp done
 }
 
+followup_a() {  # GPU 0: clean timings (no start-up on the other GPU while decode is timed)
+  export CUDA_VISIBLE_DEVICES=0 E2E_QUIET_FILE=$S/quiet
+  step A "e2e stock-gpu,reap-clean"
+  $PY scripts/gpu_e2e.py --model /tmp/model --out $S/e2e0 --arms stock-gpu,reap-clean
+  step A done
+}
+
+followup_b() {  # GPU 1: counters vs routed experts (unique prompts), GPU tests, standalone swap bench
+  export CUDA_VISIBLE_DEVICES=1
+  step B "e2e reap-routed"
+  $PY scripts/gpu_e2e.py --model /tmp/model --out $S/e2e1 --arms reap-routed
+  touch $S/quiet
+  step B "pytest tests/gpu"
+  $PY -m pytest -q tests/gpu -p no:cacheprovider > $S/gpu_tests.log 2>&1; tail -3 $S/gpu_tests.log
+  step B "swap bench"
+  $PY scripts/gpu_swap_bench.py --layers 8 --out $S/swap_bench.json > $S/swap_bench.log 2>&1; tail -3 $S/swap_bench.log
+  step B done
+}
+
+followup_lanes() {
+  followup_a > $S/lane0.log 2>&1 &
+  followup_b > $S/lane1.log 2>&1 &
+  wait
+  touch $S/all.done
+  step main "all done"
+}
+
 main_lanes() {
   lane0 > $S/lane0.log 2>&1 &
   lane1 > $S/lane1.log 2>&1 &
@@ -83,16 +110,17 @@ pack() {
 }
 
 case "${1:-}" in
-  start)
+  start)  # start [main|followup]
     mkdir -p $S
-    setsid nohup bash "$0" main > $S/main.log 2>&1 < /dev/null &
-    sleep 2; step start "background session started"
+    setsid nohup bash "$0" "${2:-main}" > $S/main.log 2>&1 < /dev/null &
+    sleep 2; step start "background session started (${2:-main})"
     ;;
   main) main_lanes ;;
+  followup) followup_lanes ;;
   wait)
     limit=${2:-540}; t0=$(date +%s)
     while [ ! -e $S/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 10; done
-    for f in main lane0 lane1 lane_tp; do echo "== $f"; grep -v "^INFO\|^(APIServer\|^(EngineCore" $S/$f.log 2>/dev/null | tail -12 | cut -c1-400; done
+    for f in main lane0 lane1 lane_tp; do [ -e $S/$f.log ] || continue; echo "== $f"; grep -v "^INFO\|^(APIServer\|^(EngineCore" $S/$f.log 2>/dev/null | tail -12 | cut -c1-400; done
     pack
     ;;
   *) echo "usage: $0 start | wait SECONDS"; exit 2 ;;

@@ -74,6 +74,31 @@ def bench_swaps(num_layers: int) -> dict:
     return out
 
 
+def bench_remap() -> dict:
+    """Driver cost of remapping 128 adjacent units: access set per unit vs once per run."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    st, _ = standalone_state({0: _weights(gen)}, num_slots=E)
+    rng, pool = st.layers[0].rng, st.pool
+    out = {}
+    for label, defer in (("per_unit_access", False), ("access_per_run", True)):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for u in range(E):
+            rng.map_device(u, pool.handles[u], defer_access=defer)
+        calls = rng.flush_access()
+        t_in = time.perf_counter() - t
+        t = time.perf_counter()
+        for u in range(E):
+            rng.map_host(u, defer_access=defer)
+        rng.flush_access()
+        t_out = time.perf_counter() - t
+        out[label] = {"map_device_us_per_unit": t_in / E * 1e6, "map_host_us_per_unit": t_out / E * 1e6,
+                      "set_access_calls": E if not defer else calls}
+    rng.release()
+    pool.release()
+    return out
+
+
 def bench_kernel() -> dict:
     from vllm.model_executor.layers.fused_moe import fused_experts, fused_topk
     from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
@@ -135,6 +160,7 @@ def main() -> None:
         result["vllm"] = vllm.__version__
     except ImportError:
         pass
+    result["remap"] = bench_remap()
     result["swaps"] = bench_swaps(args.layers)
     result["kernel"] = bench_kernel()
     print(json.dumps(result, indent=1))

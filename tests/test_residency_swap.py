@@ -49,6 +49,9 @@ class FakeStore:
         assert self.slots[slot] == self.master[(layer, expert)]
         self.mapping[(layer, expert)] = slot
 
+    def publish(self):
+        self.events.append(("publish",))
+
     def read(self, layer, expert):
         slot = self.mapping[(layer, expert)]
         return self.master[(layer, expert)] if slot is None else self.slots[slot]
@@ -136,3 +139,22 @@ def test_failed_rollback_still_reports_reality():
     assert not err.value.rolled_back
     assert err.value.resident == table.resident() == store.device_resident()
     _check_consistent(table, store)
+
+
+def test_every_swap_ends_with_one_publish():
+    """Access to remapped units is set once, after every remap of the swap (CUDA: per run)."""
+    store = FakeStore(num_slots=4)
+    table = SlotTable(4)
+    apply_swap(table, store, {0: [0, 1]})
+    assert store.events[-1] == ("publish",) and store.events.count(("publish",)) == 1
+    store.events.clear()
+    apply_swap(table, store, {0: [2]})
+    assert store.events[-1] == ("publish",) and store.events.count(("publish",)) == 1
+
+
+def test_contiguous_runs():
+    from reap_swap.residency.vmm import contiguous_runs
+
+    assert contiguous_runs({7, 1, 2, 3}) == [(1, 3), (7, 1)]
+    assert contiguous_runs(set()) == []
+    assert contiguous_runs([5]) == [(5, 1)]

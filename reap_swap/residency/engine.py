@@ -330,7 +330,7 @@ class _Store:
         torch.cuda.synchronize(self.st.device)
 
     def map_host(self, layer: int, expert: int) -> None:
-        self.st.layers[layer].rng.map_host(expert)
+        self.st.layers[layer].rng.map_host(expert, defer_access=True)
 
     def start_copy(self, layer: int, expert: int, slot: int) -> Any:
         pool, stream = self.st.pool, self.st.copy_stream
@@ -345,7 +345,11 @@ class _Store:
         token.synchronize()
 
     def map_slot(self, layer: int, expert: int, slot: int) -> None:
-        self.st.layers[layer].rng.map_device(expert, self.st.pool.handles[slot])
+        self.st.layers[layer].rng.map_device(expert, self.st.pool.handles[slot], defer_access=True)
+
+    def publish(self) -> None:
+        for entry in self.st.layers.values():
+            entry.rng.flush_access()
 
 
 def _points_into_range(entry: LayerEntry) -> bool:

@@ -103,6 +103,17 @@ def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     _check(_drv.cuMemcpyDtoDAsync(dst, src, nbytes, stream))
 
 
+def contiguous_runs(units) -> list[tuple[int, int]]:
+    """Sorted (first, count) runs of adjacent unit indices: {1, 2, 3, 7} -> [(1, 3), (7, 1)]."""
+    runs: list[tuple[int, int]] = []
+    for u in sorted(units):
+        if runs and runs[-1][0] + runs[-1][1] == u:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((u, 1))
+    return runs
+
+
 @dataclass
 class _UnitRange:
     """A reserved range of `num_units` pieces, each mapped to its own fresh allocation."""
@@ -161,6 +172,7 @@ class MixedRange(_UnitRange):
     """
 
     backing: list[Any] = field(default_factory=list)
+    pending_access: set[int] = field(default_factory=set)  # remapped units awaiting flush_access()
 
     @classmethod
     def create_host_backed(cls, num_units: int, unit_bytes: int, device: int) -> "MixedRange":
@@ -172,23 +184,41 @@ class MixedRange(_UnitRange):
         """A uint8 CUDA tensor over the whole range (the caller views/strides it)."""
         return torch.as_tensor(_ArrayInterface(self.base, self.nbytes), device=f"cuda:{self.device}")
 
-    def _remap(self, unit: int, handle: Any) -> None:
+    def _remap(self, unit: int, handle: Any, defer_access: bool) -> None:
         addr = self.unit_address(unit)
         _check(_drv.cuMemUnmap(addr, self.unit_bytes))
         _check(_drv.cuMemMap(addr, self.unit_bytes, 0, handle, 0))
-        _check(_drv.cuMemSetAccess(addr, self.unit_bytes, [_access_desc(self.device)], 1))
+        if defer_access:
+            self.pending_access.add(unit)
+        else:
+            _check(_drv.cuMemSetAccess(addr, self.unit_bytes, [_access_desc(self.device)], 1))
 
-    def map_device(self, unit: int, handle: Any) -> None:
-        """Back `unit` by a device allocation that already holds the unit's bytes."""
-        self._remap(unit, handle)
+    def map_device(self, unit: int, handle: Any, *, defer_access: bool = False) -> None:
+        """Back `unit` by a device allocation that already holds the unit's bytes.
+
+        With `defer_access` the unit is not readable until flush_access(): a swap remaps many
+        units between engine steps (nothing reads them meanwhile) and then sets access once per
+        run of adjacent units, since cuMemSetAccess costs about as much as the unmap and map.
+        """
+        self._remap(unit, handle, defer_access)
         self.backing[unit] = handle
 
-    def map_host(self, unit: int) -> None:
+    def map_host(self, unit: int, *, defer_access: bool = False) -> None:
         """Back `unit` by its host master again; the device allocation is left to the caller."""
         if self.backing[unit] is None:
             return
-        self._remap(unit, self.handles[unit])
+        self._remap(unit, self.handles[unit], defer_access)
         self.backing[unit] = None
+
+    def flush_access(self) -> int:
+        """Make every remapped unit readable: one cuMemSetAccess per run of adjacent units."""
+        calls = 0
+        for first, count in contiguous_runs(self.pending_access):
+            _check(_drv.cuMemSetAccess(self.unit_address(first), count * self.unit_bytes,
+                                       [_access_desc(self.device)], 1))
+            calls += 1
+        self.pending_access.clear()
+        return calls
 
     def release(self) -> None:
         super().release()
