@@ -163,8 +163,17 @@ def _run(cmd: list[str]) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def visible_gpu_ids() -> list[str]:
+    """nvidia-smi `--id` arguments for the GPUs this process may use (CUDA_VISIBLE_DEVICES), or []
+    for all: a bench pinned to one GPU of several must not count the others' memory."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    return [f"--id={','.join(ids)}"] if ids and all(i.isdigit() or i.startswith("GPU-") for i in ids) else []
+
+
 def gpu_names() -> list[str]:
-    out = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
+    out = _run(["nvidia-smi", *visible_gpu_ids(), "--query-gpu=name,memory.total,driver_version",
+                "--format=csv,noheader"])
     return [line.strip() for line in out.splitlines() if line.strip()] if out else []
 
 
@@ -199,8 +208,8 @@ def environment() -> dict:
 
 
 class GpuMemorySampler:
-    """Peak nvidia-smi memory.used over the GPUs while an arm runs (0.5 s period), minus nothing:
-    the baseline before the server started is recorded next to it."""
+    """Peak nvidia-smi memory.used over the visible GPUs while an arm runs (0.5 s period), minus
+    nothing: the baseline before the server started is recorded next to it."""
 
     def __init__(self, period_s: float = 0.5):
         self.period_s = period_s
@@ -211,7 +220,7 @@ class GpuMemorySampler:
 
     @staticmethod
     def used_bytes() -> int | None:
-        out = _run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"])
+        out = _run(["nvidia-smi", *visible_gpu_ids(), "--query-gpu=memory.used", "--format=csv,noheader,nounits"])
         if not out:
             return None
         return sum(int(float(x)) for x in out.split()) * 2**20
@@ -642,7 +651,7 @@ def run_bench(cfg: BenchConfig, argv: Sequence[str] | None = None) -> int:
         log_info = log_numbers(srv.log_path.read_text(errors="replace")) if srv.log_path.exists() else {}
         run["server"]["log_numbers"] = log_info
         run["gpu_memory"] = ({"peak_used_bytes": sampler.peak, "baseline_used_bytes": sampler.baseline,
-                              "source": "nvidia-smi memory.used, all GPUs, sampled every 0.5 s while the arm ran "
+                              "source": "nvidia-smi memory.used, visible GPUs, sampled every 0.5 s while the arm ran "
                                         "(includes vLLM's KV cache reservation)", **log_info}
                              if sampler else {"note": "n/a (no GPU)"})
         if run.get("status") != "ok":

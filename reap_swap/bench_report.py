@@ -236,6 +236,8 @@ def markdown_report(report: Mapping) -> str:
     summary = report.get("summary") or {}
     out = ["# reap-swap bench", ""]
     out.append(f"- command: `{report.get('command')}`")
+    for source in report.get("merged_from") or []:
+        out.append(f"  - merged from: `{source.get('command')}` ({source.get('started_at')} – {source.get('finished_at')})")
     out.append(f"- vLLM {env.get('vllm_version')} ({env.get('vllm_distribution')}), platform "
                f"{env.get('platform')}, {env.get('device')}")
     out.append(f"- model {model.get('path')}: {shape.get('architecture')}, {shape.get('num_layers')} layers "

@@ -65,3 +65,18 @@ def test_cli_without_model_or_merge_is_an_error(capsys):
     bench_cmd.add_arguments(parser)
     assert bench_cmd.run(parser.parse_args([])) == 2
     assert "--model" in capsys.readouterr().err
+
+
+def test_merged_markdown_lists_its_sources():
+    _, a, b = _split()
+    text = bench.markdown_report(bench.merge_reports([a, b], "reap-swap bench --merge a b --out m"))
+    assert text.count("merged from:") == 2
+
+
+def test_visible_gpu_ids(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert bench.visible_gpu_ids() == ["--id=1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert bench.visible_gpu_ids() == ["--id=0,1"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert bench.visible_gpu_ids() == []
