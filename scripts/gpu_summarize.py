@@ -212,7 +212,7 @@ def main() -> int:
     a = ap.parse_args()
     e0, e1, tp = (load(a.session / d / "gpu_e2e.json") for d in ("e2e0", "e2e1", "tp"))
     stock = e0.get("stock-gpu") or {}
-    sweep = e0.get("reap-sweep") or {}
+    sweep = e0.get("reap-sweep") or e0.get("reap-clean") or {}
     routed = e1.get("reap-routed") or {}
     out = ["## Greedy text (random model, single H200)", ""]
     entries = [(f"reap-sweep {k} %", (sweep.get("phases", {}).get(k) or {}).get("greedy"))
