@@ -220,6 +220,23 @@ def measure_stock(srv, d1, d8):
     return entry
 
 
+def swap_series(srv: Server, shape: dict, r: dict, save) -> None:
+    """Swap speed: from nothing resident to 1 %, 10 %, 1 GiB and 100 % of the experts and back,
+    3 times each (plus a no-op swap of the 1 % set); results under r["swaps"]."""
+    total = shape["layers"] * shape["experts"]
+    for label, n in (("1pct", max(1, total // 100)), ("10pct", total // 10),
+                     ("1GiB", -(-2**30 // shape["per_expert"])), ("100pct", total)):
+        aset = spread_experts(shape, n)
+        runs = []
+        for i in range(3):
+            up = swap(srv, f"s-{label}-{i}", aset)
+            noop = swap(srv, f"s-{label}-{i}-noop", aset) if label == "1pct" else None
+            down = swap(srv, f"s-{label}-{i}-down", {})
+            runs.append({"in": up, "noop": noop, "out": down})
+        r["swaps"][label] = {"experts": n, "runs": runs}
+        save()
+
+
 def arm_sweep(reap, out, shape, res, save):
     plan_path = out / "plan-reap-sweep.json"
     make_plan(Path(reap[3]), 0.0, 8, plan_path)
@@ -242,20 +259,7 @@ def arm_sweep(reap, out, shape, res, save):
         r["phases"]["0b"] = {"swap": sw, **measure(srv, "p000b", d1=None, d8=None)}
         r["status_end_phases"] = status(srv)
         save()
-        # swap speed: from nothing resident to X and back, 3 times each
-        total = shape["layers"] * shape["experts"]
-        gib_experts = -(-2**30 // shape["per_expert"])
-        for label, n in (("1pct", max(1, total // 100)), ("10pct", total // 10), ("1GiB", gib_experts),
-                         ("100pct", total)):
-            aset = spread_experts(shape, n)
-            runs = []
-            for i in range(3):
-                up = swap(srv, f"s-{label}-{i}", aset)
-                noop = swap(srv, f"s-{label}-{i}-noop", aset) if label == "1pct" else None
-                down = swap(srv, f"s-{label}-{i}-down", {})
-                runs.append({"in": up, "noop": noop, "out": down})
-            r["swaps"][label] = {"experts": n, "runs": runs}
-            save()
+        swap_series(srv, shape, r, save)
         r["status_end"] = status(srv)
 
 
@@ -273,17 +277,7 @@ def arm_clean(reap, out, shape, res, save):
             sw = swap(srv, rid, aset)
             r["phases"][str(pct)] = {"swap": sw, **measure(srv, rid, d1=d1, d8=d8)}
             save()
-        total = shape["layers"] * shape["experts"]
-        for label, n in (("1pct", max(1, total // 100)), ("10pct", total // 10),
-                         ("1GiB", -(-2**30 // shape["per_expert"])), ("100pct", total)):
-            aset = spread_experts(shape, n)
-            runs = []
-            for i in range(3):
-                up = swap(srv, f"s-{label}-{i}", aset)
-                noop = swap(srv, f"s-{label}-{i}-noop", aset) if label == "1pct" else None
-                down = swap(srv, f"s-{label}-{i}-down", {})
-                runs.append({"in": up, "noop": noop, "out": down})
-            r["swaps"][label] = {"experts": n, "runs": runs}
+        swap_series(srv, shape, r, save)
         r["status_end"] = status(srv)
         save()
 
