@@ -319,32 +319,33 @@ def counter_check(srv: Server, layers: int, experts: int, keep: dict, n_requests
     return {"requests": out, "all_equal": all(o["equal"] for o in out)}
 
 
+def routed_server(name: str, reap: list[str], out: Path, budget_fraction: float) -> Server:
+    """reap-swap with the plan core (25 %) filled at startup and vLLM's routed-experts output on."""
+    plan_path = out / f"plan-{name}.json"
+    make_plan(Path(reap[3]), 0.25, 8, plan_path, budget_fraction=budget_fraction)
+    return Server(name, reap + ["--reap-plan", str(plan_path), "--enable-return-routed-experts"], out,
+                  env=DEV, port=serving.free_port())
+
+
+def core_and_counters(srv: Server, shape: dict, r: dict, d1, n_requests: int) -> None:
+    """Startup status, greedy text and decode with the core resident, then the counter check."""
+    r["startup_s"], r["argv"] = srv.startup_s, srv.command
+    r["status_start"] = st = status(srv)
+    open_request(srv, "core")
+    r["core"] = measure(srv, "core", d1=d1, d8=None)
+    r["counter_check"] = counter_check(srv, shape["layers"], shape["experts"], st["layers"], n_requests=n_requests)
+
+
 def arm_routed(reap, out, shape, res):
-    plan_path = out / "plan-reap-routed.json"
-    make_plan(Path(reap[3]), 0.25, 8, plan_path)
     r = res.setdefault("reap-routed", {})
-    with Server("reap-routed", reap + ["--reap-plan", str(plan_path), "--enable-return-routed-experts"], out,
-                env=DEV, port=serving.free_port()) as srv:
-        r["startup_s"], r["argv"] = srv.startup_s, srv.command
-        st = status(srv)
-        r["status_start"] = st
-        open_request(srv, "core")
-        r["core"] = measure(srv, "core", d1=(128, 1), d8=None)
-        r["counter_check"] = counter_check(srv, shape["layers"], shape["experts"], st["layers"])
+    with routed_server("reap-routed", reap, out, 1.0) as srv:
+        core_and_counters(srv, shape, r, (128, 1), 4)
 
 
 def arm_tp(reap, out, shape, res, save):
-    plan_path = out / "plan-reap-tp.json"
-    make_plan(Path(reap[3]), 0.25, 8, plan_path, budget_fraction=0.5)
     r = res.setdefault("reap-tp", {})
-    with Server("reap-tp", reap + ["--reap-plan", str(plan_path), "--enable-return-routed-experts"], out,
-                env=DEV, port=serving.free_port()) as srv:
-        r["startup_s"], r["argv"] = srv.startup_s, srv.command
-        st = status(srv)
-        r["status_start"] = st
-        open_request(srv, "core")
-        r["core"] = measure(srv, "core", d1=(128, 2), d8=None)
-        r["counter_check"] = counter_check(srv, shape["layers"], shape["experts"], st["layers"], n_requests=2)
+    with routed_server("reap-tp", reap, out, 0.5) as srv:
+        core_and_counters(srv, shape, r, (128, 2), 2)
         save()
         quarter = shape["experts"] // 4
         half = first_experts(shape, quarter, start=quarter)          # core 0..31 + 32..63 = 50 %
