@@ -1,0 +1,41 @@
+"""scripts/gpu_summarize.py on the committed H200 results (research-notes/h200-2026-11-30)."""
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTES = ROOT / "research-notes" / "h200-2026-11-30"
+
+
+def _summarize(tmp_path, files: dict[str, str], capsys) -> str:
+    for sub, name in files.items():
+        (tmp_path / sub).mkdir()
+        shutil.copy(NOTES / name, tmp_path / sub / "gpu_e2e.json")
+    spec = importlib.util.spec_from_file_location("gpu_summarize", ROOT / "scripts" / "gpu_summarize.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = sys.argv
+    sys.argv = ["gpu_summarize.py", str(tmp_path), "--json", str(tmp_path / "derived.json")]
+    try:
+        assert mod.main() == 0
+    finally:
+        sys.argv = argv
+    return capsys.readouterr().out
+
+
+def test_run3_tables(tmp_path, capsys):
+    out = _summarize(tmp_path, {"e2e0": "run3-lane0-e2e.json", "e2e1": "run3-lane1-e2e.json",
+                                "tp": "run3-tp2-e2e.json"}, capsys)
+    assert "| reap-sweep 50 % | 8/8 |" in out
+    assert "| 50 % | 0.509 | 110.7 (102.0–113.0) | 99.5 | 1.112 |" in out
+    assert "| 1GiB | 114 | 1,075,838,976 |" in out
+    assert "fault_swap: HTTP 500" in out and "status_after_fault: signature 32cf2372a05a66e4, consistent True" in out
+    assert (tmp_path / "derived.json").exists()
+
+
+def test_run4_counters_equal(tmp_path, capsys):
+    out = _summarize(tmp_path, {"e2e0": "run4-clean-e2e.json", "e2e1": "run4-counters-e2e.json"}, capsys)
+    assert "all requests equal: **True**" in out
+    assert "reap-swap at 100 % / stock: 0.946 (1 stream), 1.006 (8 streams)" in out
