@@ -149,3 +149,24 @@ def test_rehome_survives_vllm_uva_reoffload():
     assert layer.w13_weight.data_ptr() == entry.rng.base
     assert torch.equal(layer.w13_weight, reference)
     engine.CudaResidency()  # refuses (RuntimeError) if any parameter left its range
+
+
+def test_injected_mid_swap_failure_restores_the_previous_set(kernel, layer):
+    """The fault seam behind reap_arm_swap_fault on the real engine: the swap fails after one
+    admission was published, apply_swap's rollback runs, and the kernel reads the previous set's
+    bytes (bitwise) from the same addresses."""
+    from reap_swap.residency.engine import swap_state
+    from reap_swap.residency.fault import SwapFault
+    from reap_swap.residency.swap import SwapFailed
+
+    fused_experts, _ = kernel
+    st, (w13, w2), (v13, v2) = layer
+    swap_state(st, {0: list(range(32))})
+    before = st.table.resident()
+    with pytest.raises(SwapFailed) as failed:
+        swap_state(st, {0: list(range(16, 64))}, fault=SwapFault(rank=0, after_admissions=1))
+    assert failed.value.rolled_back
+    assert st.table.resident() == before
+    assert sum(b is not None for b in st.layers[0].rng.backing) == 32
+    x, tw, ti = _routing(kernel, 8, seed=7)
+    assert torch.equal(fused_experts(x, v13, v2, tw, ti), fused_experts(x, w13, w2, tw, ti))
