@@ -2,21 +2,19 @@
 the real accounting backend, replicated like tensor-parallel ranks."""
 
 import asyncio
-import importlib.util
 from pathlib import Path
+
+from script_modules import load_script
 
 from reap_swap.active_set import signature
 from reap_swap.plan import load_plan
 from reap_swap.residency.accounting import AccountingResidency
 
-ROOT = Path(__file__).resolve().parents[1]
 E = 16
 
 
 def tiny_plan_doc() -> dict:
-    spec = importlib.util.spec_from_file_location("make_tiny_moe", ROOT / "scripts" / "make_tiny_moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("make_tiny_moe")
     return mod.build_plan(mod.RECIPE, "tiny")
 
 
@@ -95,7 +93,4 @@ class FakeEngine:
 
 def build_tiny_model(out: Path) -> Path:
     """The e2e tiny MoE (scripts/make_tiny_moe.py) built into `out`."""
-    spec = importlib.util.spec_from_file_location("make_tiny_moe", ROOT / "scripts" / "make_tiny_moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.build(out)
+    return load_script("make_tiny_moe").build(out)

@@ -4,10 +4,8 @@ arm commands, the markdown table and the plot, from synthetic numbers (no server
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,15 +26,12 @@ from reap_swap.bench_report import (
 )
 from reap_swap.model_shape import read_model_shape
 from reap_swap.plan import load_plan
+from script_modules import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tiny():
-    spec = importlib.util.spec_from_file_location("make_tiny_moe", ROOT / "scripts" / "make_tiny_moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("make_tiny_moe")
 
 
 # ----------------------------------------------------------------------------- statistics

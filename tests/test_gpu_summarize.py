@@ -1,9 +1,10 @@
 """scripts/gpu_summarize.py on the committed H200 results (research-notes/h200-2026-11-30)."""
 
-import importlib.util
 import shutil
 import sys
 from pathlib import Path
+
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTES = ROOT / "research-notes" / "h200-2026-11-30"
@@ -13,9 +14,7 @@ def _summarize(tmp_path, files: dict[str, str], capsys) -> str:
     for sub, name in files.items():
         (tmp_path / sub).mkdir()
         shutil.copy(NOTES / name, tmp_path / sub / "gpu_e2e.json")
-    spec = importlib.util.spec_from_file_location("gpu_summarize", ROOT / "scripts" / "gpu_summarize.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("gpu_summarize")
     argv = sys.argv
     sys.argv = ["gpu_summarize.py", str(tmp_path), "--json", str(tmp_path / "derived.json")]
     try:

