@@ -22,7 +22,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,22 +46,33 @@ def group_alive(pgid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def kill_group(proc: subprocess.Popen, grace_s: float = 30.0) -> list[int]:
-    """SIGTERM, then SIGKILL, the process group of ``proc``; returns the pids that survived both."""
+def kill_group(proc: subprocess.Popen, grace_s: float = 30.0,
+               members: Callable[[], set[int]] | None = None) -> list[int]:
+    """SIGTERM, then SIGKILL, the process group of ``proc``; returns the pids that survived both.
+
+    ``members`` (default: the group's live pids) names every process that must be gone; those of
+    them outside the group (a descendant that started its own session, say) are signalled one by one.
+    """
     pgid = proc.pid  # start_new_session: the group id is the leader's pid, even after it exited
+    members = members or (lambda: set(group_alive(pgid)))
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
             pass
+        for pid in members() - set(group_alive(pgid)) - {proc.pid}:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             proc.poll()
-            if not group_alive(pgid):
+            if not members():
                 return []
             time.sleep(0.2)
     proc.poll()
-    return group_alive(pgid)
+    return sorted(members())
 
 
 class ServerError(RuntimeError):

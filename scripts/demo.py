@@ -35,6 +35,8 @@ import httpx
 import orjson
 from tqdm import tqdm
 
+from reap_swap.serving import kill_group
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path("models/reap-mini-moe")
 PLAN = Path("plans/reap-mini-moe.plan.json")
@@ -175,34 +177,16 @@ class Server:
 
     def stop(self, grace_s: float = 30.0) -> tuple[set[int], set[int]]:
         """SIGTERM the process group, SIGKILL what is left after ``grace_s``; returns
-        (the processes it had, those still alive) -- the second set must be empty."""
+        (the processes it had, those still alive) -- the second set must be empty. Stricter than
+        the group alone: every descendant and every process seen at startup must be gone."""
         if self.proc is None:
             return set(), set()
-        pgid = self.pgid = self.proc.pid  # start_new_session: the server leads its own group
-        self.known |= family(self.proc.pid, pgid)
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                pass
-            for pid in family(self.proc.pid, pgid) - {self.proc.pid}:  # descendants outside the group
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                self.proc.poll()
-                if not (family(self.proc.pid, pgid) | (self.known & set(_proc_table()))):
-                    break
-                time.sleep(0.2)
-            else:
-                continue
-            break
-        self.proc.poll()
-        left = family(self.proc.pid, pgid) | (self.known & set(_proc_table()))
+        root = self.proc.pid
+        pgid = self.pgid = root  # start_new_session: the server leads its own group
+        self.known |= family(root, pgid)
+        left = kill_group(self.proc, grace_s, members=lambda: family(root, pgid) | (self.known & set(_proc_table())))
         known, self.proc = self.known, None
-        return known, left
+        return known, set(left)
 
 
 def port_open(port: int) -> bool:
