@@ -152,6 +152,9 @@ def current_vllm_config():
 def padding_source(num_rows: int):
     """Where this forward pass says which of its rows are CUDA-graph padding, or None.
 
+    Under CUDA graphs vLLM pads a batch to a captured size, and the MoE kernel routes the padded
+    rows too; counting them would credit phantom selections (counters.rows_from_padding).
+
     Returns ("is_padding", bool [num_rows]) -- Model Runner V2's `ForwardContext.is_padding`
     (0.26+), True on padded rows -- or ("slot_mapping", int [num_rows]) -- the V1 runner's slot
     mapping, whose padded tail is -1 (PAD_SLOT_ID, 0.26..0.33) -- or None when every row is real
@@ -172,21 +175,3 @@ def padding_source(num_rows: int):
         if first.shape[0] == num_rows:
             return ("slot_mapping", first)
     return None
-
-
-def real_token_rows(num_rows: int):
-    """Bool [num_rows] marking real tokens in this forward pass, or None when all rows are real
-    or the step's layout is unknown (see padding_source).
-
-    Under CUDA graphs vLLM pads a batch to a captured size, and the MoE kernel routes the padded
-    rows too; counting them would credit phantom selections.
-    """
-    return rows_from_padding(padding_source(num_rows))
-
-
-def rows_from_padding(source):
-    """padding_source's answer -> bool mask of real rows (None stays None)."""
-    if source is None:
-        return None
-    kind, tensor = source
-    return ~tensor if kind == "is_padding" else tensor >= 0

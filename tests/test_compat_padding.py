@@ -1,4 +1,4 @@
-"""compat.real_token_rows: which rows of a CUDA-graph-padded batch are real tokens."""
+"""compat.padding_source + counters.rows_from_padding: which rows of a CUDA-graph-padded batch are real tokens."""
 
 from types import SimpleNamespace
 
@@ -20,24 +20,24 @@ def context(monkeypatch):
 
 
 def test_no_context_means_unknown(context):
-    assert compat.real_token_rows(4) is None
+    assert counters.rows_from_padding(compat.padding_source(4)) is None
 
 
 def test_model_runner_v2_padding_mask(context):
     context["ctx"] = SimpleNamespace(is_padding=torch.tensor([False, False, True, True]), slot_mapping={})
-    assert compat.real_token_rows(4).tolist() == [True, True, False, False]
+    assert counters.rows_from_padding(compat.padding_source(4)).tolist() == [True, True, False, False]
 
 
 def test_v1_slot_mapping_pad_slots(context):
     context["ctx"] = SimpleNamespace(is_padding=None,
                                      slot_mapping={"model.layers.0.self_attn.attn": torch.tensor([7, 8, 9, -1])})
-    assert compat.real_token_rows(4).tolist() == [True, True, True, False]
+    assert counters.rows_from_padding(compat.padding_source(4)).tolist() == [True, True, True, False]
 
 
 def test_shape_mismatch_is_unknown(context):
     context["ctx"] = SimpleNamespace(is_padding=torch.zeros(8, dtype=torch.bool),
                                      slot_mapping={"a": torch.zeros(8, dtype=torch.long)})
-    assert compat.real_token_rows(4) is None
+    assert counters.rows_from_padding(compat.padding_source(4)) is None
 
 
 def test_padded_rows_are_not_counted():

@@ -70,12 +70,8 @@ def launch(counts: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor, 
             mode, pad = MASK_IS_PADDING, tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
         else:
             mode, pad = MASK_SLOT_MAPPING, tensor
-    grid = (triton_cdiv(n_sel, BLOCK),)
+    grid = (-(-n_sel // BLOCK),)
     _kernel[grid](ids, w, pad, counts, weights, n_sel, top_k, counts.shape[0], MASK_MODE=mode, BLOCK=BLOCK)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def available(device: torch.device) -> bool:
@@ -123,9 +119,7 @@ def _self_test(device: torch.device) -> bool:
         ref = torch.nn.Module()
         counters.register_counters(ref, experts, coactivation=False)
         ref.to(device)
-        from reap_swap import compat
-
-        counters.record_torch(ref, ids, w, valid_rows=compat.rows_from_padding(source))
+        counters.record_torch(ref, ids, w, valid_rows=counters.rows_from_padding(source))
         if not torch.equal(got_c, getattr(ref, counters.COUNTS)):
             return False
         if not torch.allclose(got_w, getattr(ref, counters.WEIGHTS), rtol=1e-5, atol=1e-5):

@@ -57,10 +57,16 @@ def record(module: torch.nn.Module, topk_ids: torch.Tensor, topk_weights: torch.
             count_kernel.launch(getattr(module, COUNTS), getattr(module, WEIGHTS), topk_ids, topk_weights, padding)
             return
     if padding is not None and valid_rows is None:
-        from reap_swap.compat import rows_from_padding
-
         valid_rows = rows_from_padding(padding)
     record_torch(module, topk_ids, topk_weights, valid_rows)
+
+
+def rows_from_padding(source):
+    """compat.padding_source's answer -> bool mask of the real rows (None stays None)."""
+    if source is None:
+        return None
+    kind, tensor = source
+    return ~tensor if kind == "is_padding" else tensor >= 0
 
 
 def record_torch(module: torch.nn.Module, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -6,7 +6,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap import compat  # noqa: E402
 from reap_swap.residency import count_kernel, counters  # noqa: E402
 
 E, K = 128, 8
@@ -44,7 +43,7 @@ def test_equals_torch_path(rows, mode):
         padding = ("slot_mapping", slots)
     fused, ref = _module(), _module()
     counters.record(fused, ids, w, padding=padding)
-    counters.record_torch(ref, ids, w, valid_rows=compat.rows_from_padding(padding))
+    counters.record_torch(ref, ids, w, valid_rows=counters.rows_from_padding(padding))
     assert torch.equal(getattr(fused, counters.COUNTS), getattr(ref, counters.COUNTS))
     torch.testing.assert_close(getattr(fused, counters.WEIGHTS), getattr(ref, counters.WEIGHTS))
 
