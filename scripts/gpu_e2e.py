@@ -39,7 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when not on PYTHONPATH
 from reap_swap import serving  # noqa: E402
-from reap_swap.serving import Server, compare, log  # noqa: E402,F401  (gpu_selfcheck imports these from here)
+from reap_swap.serving import Server, compare, log  # noqa: E402
 
 PROMPTS = [
     "The history of the printing press",
@@ -173,18 +173,22 @@ def collective_rpc(srv: Server, method: str, args=()) -> dict:
 REFERENCE: list[dict] | None = None  # stock-gpu's greedy outputs, when this call measured them
 
 
-def measure(srv: Server, rid: str, d1=(256, 3), d8=(128, 3)) -> dict:
-    """Greedy text, then decode speed, all counted into request `rid` (opened by the caller)."""
+def measure(srv: Server, rid: str | None, d1=(256, 3), d8=(128, 3)) -> dict:
+    """Greedy text (compared with stock-gpu's when this call has it), then decode speed; for a
+    reap-swap server (`rid` given) also the router misses of request `rid` (opened by the caller)."""
+    label = rid or srv.name
     entry = {"greedy": greedy(srv.url)}
     if REFERENCE:
         c = compare(REFERENCE, entry["greedy"])
-        log(rid, "greedy vs stock-gpu:", c["identical"], "/", c["of"], "first divergence", c["first_divergence"])
+        log(label, "greedy vs stock-gpu:", c["identical"], "/", c["of"], "first divergence", c["first_divergence"])
     if d1:
         entry["decode_1"] = decode_speed(srv.url, 1, n=d1[0], repeats=d1[1])
     if d8:
         entry["decode_8"] = decode_speed(srv.url, 8, n=d8[0], repeats=d8[1])
-    entry["router_misses"] = misses(srv, rid)
-    log(rid, "decode", entry.get("decode_1"), entry.get("decode_8"), "misses", entry["router_misses"]["totals"])
+    if rid is not None:
+        entry["router_misses"] = misses(srv, rid)
+    log(label, "decode", entry.get("decode_1"), entry.get("decode_8"),
+        "misses", (entry.get("router_misses") or {}).get("totals"))
     return entry
 
 
@@ -202,22 +206,9 @@ def arm_stock(argv, name, out, uva_gib, res, d1=(256, 3), d8=(128, 3)):
                                         "--cpu-offload-params", "w13_weight", "w2_weight"]
     global REFERENCE
     with Server(name, argv + extra, out, port=serving.free_port()) as srv:
-        res[name] = {"startup_s": srv.startup_s, "argv": srv.command, **measure_stock(srv, d1, d8)}
+        res[name] = {"startup_s": srv.startup_s, "argv": srv.command, **measure(srv, None, d1, d8)}
     if name == "stock-gpu":
         REFERENCE = res[name]["greedy"]
-    elif REFERENCE:
-        c = compare(REFERENCE, res[name]["greedy"])
-        log(name, "greedy vs stock-gpu:", c["identical"], "/", c["of"], "first divergence", c["first_divergence"])
-
-
-def measure_stock(srv, d1, d8):
-    entry = {"greedy": greedy(srv.url)}
-    if d1:
-        entry["decode_1"] = decode_speed(srv.url, 1, n=d1[0], repeats=d1[1])
-    if d8:
-        entry["decode_8"] = decode_speed(srv.url, 8, n=d8[0], repeats=d8[1])
-    log(srv.name, entry.get("decode_1"), entry.get("decode_8"))
-    return entry
 
 
 def swap_series(srv: Server, shape: dict, r: dict, save) -> None:
