@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from reap_swap.residency.vmm import contiguous_runs
+
 CLASS_NAMES = ("lower", "upper", "punct", "space", "other")
 CLASS_RULES = {
     "lower": "decoded.strip() is ASCII letters only, all lower case",
@@ -112,7 +114,8 @@ class Construction:
             "embedding": "embed_tokens[t, d_c] = C if class(t) == c else 0",
             "token_classes": {
                 n: {"rule": CLASS_RULES[n], "size": sizes[c],
-                    "ids": _ranges((self.classes == c).nonzero().flatten().tolist())}
+                    "ids": [[first, first + count - 1] for first, count in
+                        contiguous_runs((self.classes == c).nonzero().flatten().tolist())]}
                 for c, n in enumerate(CLASS_NAMES)},
             "layers": [
                 {"layer": layer, "rho": self.rho[layer], "classes": {
@@ -123,17 +126,6 @@ class Construction:
                     for c, n in enumerate(CLASS_NAMES)}}
                 for layer in range(self.layers)],
         }
-
-
-def _ranges(ids: list[int]) -> list[list[int]]:
-    """Sorted ids as inclusive [first, last] runs (the 'other' class is ~31k ids)."""
-    out: list[list[int]] = []
-    for i in ids:
-        if out and out[-1][1] == i - 1:
-            out[-1][1] = i
-        else:
-            out.append([i, i])
-    return out
 
 
 def build_construction(classes, *, hidden, experts, layers, seed=DEFAULTS["seed"],
