@@ -398,7 +398,7 @@ class CudaResidency:
                     "evicted": len(plan.evict), "admitted": len(plan.admit), "reused": plan.reused,
                     "ignored_layers": ignored, "note": "dry run: nothing moved"}
         t0 = time.perf_counter()
-        previous = self.st.table.resident()
+        previous = self.st.table.resident() if fault is not None else None
         result = swap_state(self.st, target, fault)  # PoolCapacityError: nothing moved
         if fault is not None and not fault.fired:
             swap_state(self.st, previous)
