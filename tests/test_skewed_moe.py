@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 tokenizers = pytest.importorskip("tokenizers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import make_skewed_moe as msk  # noqa: E402
+msk = load_script("make_skewed_moe")
 
 H, E, L, I = 32, 8, 2, 16
 WORDS = ["<unk>", "the", "The", "(", "==", "\t", "42", "x1", "def", "ABC", ";", "é"]
