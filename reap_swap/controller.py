@@ -47,7 +47,14 @@ from reap_swap.active_set import (
     resident_bytes,
     signature,
 )
-from reap_swap.forensics import ForensicsLog, StatsLedger, aggregate_workers, summarize_router_misses
+from reap_swap.forensics import (
+    ForensicsLog,
+    StatsLedger,
+    add_stats,
+    aggregate_workers,
+    mask_outside,
+    summarize_router_misses,
+)
 from reap_swap.lru import LRUDict
 from reap_swap.plan import Plan
 
@@ -129,66 +136,6 @@ def load_cartridges(plan: Plan, plan_file: str | Path | None) -> dict[str, Mappi
         except ActiveSetError as exc:
             raise ValueError(f"cartridge {cid!r}: {exc}") from None
     return found
-
-
-def _masked(layer_stats: Mapping[int, Mapping], keep: KeepSets) -> dict[int, dict]:
-    """The part of the statistics that hit experts outside `keep` (the misses)."""
-    out = {}
-    for layer, st in layer_stats.items():
-        resident = keep.get(int(layer))
-        counts, weights = list(st["counts"]), list(st["weights"])
-        if resident is None:  # layer not managed by the plan: everything resident
-            out[int(layer)] = {"counts": [0] * len(counts), "weights": [0.0] * len(weights)}
-        else:
-            out[int(layer)] = {"counts": [0 if e in resident else c for e, c in enumerate(counts)],
-                               "weights": [0.0 if e in resident else w for e, w in enumerate(weights)]}
-    return out
-
-
-def _add(a: Mapping[int, Mapping] | None, b: Mapping[int, Mapping]) -> dict[int, dict]:
-    out = {int(k): {"counts": list(v["counts"]), "weights": list(v["weights"])} for k, v in (a or {}).items()}
-    for k, v in b.items():
-        k = int(k)
-        if k in out:
-            out[k] = {"counts": [x + y for x, y in zip(out[k]["counts"], v["counts"])],
-                      "weights": [x + y for x, y in zip(out[k]["weights"], v["weights"])]}
-        else:
-            out[k] = {"counts": list(v["counts"]), "weights": list(v["weights"])}
-    return out
-
-
-def compose_misses(observed: Mapping[int, Mapping], missed: Mapping[int, Mapping]) -> dict:
-    """Miss summary from observed totals and the already-masked miss totals.
-
-    Misses are masked when each statistics segment is closed, against the keep-set resident
-    during that segment, so a request whose set changed mid-way (decode refresh) is measured
-    correctly; summarize_router_misses then supplies the per-layer shape.
-    """
-    everything = summarize_router_misses(observed, {})          # all selections, no misses
-    outside = summarize_router_misses(missed, {int(k): frozenset() for k in missed})  # all are misses
-    layers = {}
-    for key, row in everything["layers"].items():
-        miss = outside["layers"].get(key, {"observed_selections": 0, "observed_mass": 0.0,
-                                           "inactive_experts": []})
-        observed_n, mass = row["observed_selections"], row["observed_mass"]
-        layers[key] = {
-            "observed_selections": observed_n,
-            "missed_selections": miss["observed_selections"],
-            "observed_mass": mass,
-            "inactive_mass": miss["observed_mass"],
-            "inactive_experts": miss["inactive_experts"],
-            "expert_counts": [int(c) for c in observed[int(key)]["counts"]],
-            "miss_ratio": miss["observed_selections"] / observed_n if observed_n else 0.0,
-            "inactive_mass_ratio": miss["observed_mass"] / mass if mass else 0.0,
-        }
-    tot = {"observed_selections": sum(r["observed_selections"] for r in layers.values()),
-           "missed_selections": sum(r["missed_selections"] for r in layers.values()),
-           "observed_mass": sum(r["observed_mass"] for r in layers.values()),
-           "inactive_mass": sum(r["inactive_mass"] for r in layers.values()),
-           "inactive_experts": sum(len(r["inactive_experts"]) for r in layers.values())}
-    tot["miss_ratio"] = tot["missed_selections"] / tot["observed_selections"] if tot["observed_selections"] else 0.0
-    tot["inactive_mass_ratio"] = tot["inactive_mass"] / tot["observed_mass"] if tot["observed_mass"] else 0.0
-    return {"layers": layers, "totals": tot}
 
 
 class _Ledger(StatsLedger):
@@ -414,7 +361,7 @@ class SwapController:
         clean = {int(k): {"counts": v["counts"], "weights": v["weights"]} for k, v in stats.items()}
         if not clean:
             return
-        missed = _masked(clean, self.open_keep)
+        missed = mask_outside(clean, self.open_keep)
         routed = sum(sum(v["counts"]) for v in clean.values())
         self.metrics.selections(routed, sum(sum(v["counts"]) for v in missed.values()))
         if discard:
@@ -439,12 +386,13 @@ class SwapController:
                 live = aggregate_workers(reads)
                 disagreement = [dict(layer=k, **x) for k, v in live.items() for x in v.get("tp_disagreement", [])]
                 clean = {int(k): {"counts": v["counts"], "weights": v["weights"]} for k, v in live.items()}
+                outside = mask_outside(clean, self.open_keep)
                 if reset:
                     self.metrics.selections(sum(sum(v["counts"]) for v in clean.values()),
-                                            sum(sum(v["counts"]) for v in _masked(clean, self.open_keep).values()))
-                observed = _add(observed, clean)
-                missed = _add(missed, _masked(clean, self.open_keep))
-            out = compose_misses(observed, missed)
+                                            sum(sum(v["counts"]) for v in outside.values()))
+                observed = add_stats(observed, clean)
+                missed = add_stats(missed, outside)
+            out = summarize_router_misses(observed, missed)
             if reset:
                 self.observed.reset(request_id)
                 self.missed.reset(request_id)

@@ -72,29 +72,62 @@ def aggregate_workers(reports: Sequence[Mapping]) -> dict[int, dict]:
     return dict(sorted(out.items()))
 
 
-def summarize_router_misses(layer_stats: Mapping[Any, Mapping], keep: Mapping[int, frozenset[int]]) -> dict:
-    """Per layer and in total: routed selections and mass, and the part that hit non-resident experts.
+def mask_outside(layer_stats: Mapping[Any, Mapping], keep: Mapping[int, frozenset[int]]) -> dict[int, dict]:
+    """The part of the statistics that hit experts outside `keep` (the misses).
 
     A layer absent from ``keep`` is not managed by the plan (all its experts resident): no misses.
     """
+    out = {}
+    for layer, st in layer_stats.items():
+        resident = keep.get(int(layer))
+        counts, weights = list(st["counts"]), list(st["weights"])
+        if resident is None:
+            out[int(layer)] = {"counts": [0] * len(counts), "weights": [0.0] * len(weights)}
+        else:
+            out[int(layer)] = {"counts": [0 if e in resident else c for e, c in enumerate(counts)],
+                               "weights": [0.0 if e in resident else w for e, w in enumerate(weights)]}
+    return out
+
+
+def add_stats(a: Mapping[Any, Mapping] | None, b: Mapping[Any, Mapping]) -> dict[int, dict]:
+    """Layer-wise sum of two statistics maps (a layer in only one of them is copied)."""
+    out = {int(k): _copy(v) for k, v in (a or {}).items()}
+    for key, stats in b.items():
+        layer = int(key)
+        if layer in out:
+            _add_into(out[layer], stats, f"layer {layer}")
+        else:
+            out[layer] = _copy(stats)
+    return out
+
+
+def summarize_router_misses(observed: Mapping[Any, Mapping], missed: Mapping[Any, Mapping]) -> dict:
+    """Per layer and in total: routed selections and mass, and the part that hit non-resident experts.
+
+    ``missed`` is ``observed`` masked to the experts outside the keep-set (mask_outside). The
+    controller masks each statistics segment when it closes, against the keep-set resident during
+    that segment, so a request whose set changed mid-way (decode refresh) is measured correctly.
+    A layer absent from ``missed`` had no misses.
+    """
+    missed = {int(k): v for k, v in missed.items()}
     layers: dict[str, dict] = {}
     totals = {"observed_selections": 0, "missed_selections": 0, "observed_mass": 0.0, "inactive_mass": 0.0,
               "inactive_experts": 0}
-    for key, stats in sorted(layer_stats.items(), key=lambda kv: int(kv[0])):
+    for key, stats in sorted(observed.items(), key=lambda kv: int(kv[0])):
         layer = int(key)
         counts, weights = list(stats["counts"]), list(stats["weights"])
-        resident = keep.get(layer)
-        outside = [] if resident is None else [e for e in range(len(counts)) if e not in resident]
-        observed, missed = int(sum(counts)), int(sum(counts[e] for e in outside))
-        mass, inactive_mass = float(sum(weights)), float(sum(weights[e] for e in outside))
-        inactive = [e for e in outside if counts[e] > 0]
+        miss = missed.get(layer, {"counts": [], "weights": []})
+        observed_n, mass = int(sum(counts)), float(sum(weights))
+        missed_n, inactive_mass = int(sum(miss["counts"])), float(sum(miss["weights"]))
+        inactive = [e for e, c in enumerate(miss["counts"]) if c > 0]
         layers[str(layer)] = {
-            "observed_selections": observed,
-            "missed_selections": missed,
+            "observed_selections": observed_n,
+            "missed_selections": missed_n,
             "observed_mass": mass,
             "inactive_mass": inactive_mass,
             "inactive_experts": inactive,
-            "miss_ratio": missed / observed if observed else 0.0,
+            "expert_counts": [int(c) for c in counts],
+            "miss_ratio": missed_n / observed_n if observed_n else 0.0,
             "inactive_mass_ratio": inactive_mass / mass if mass else 0.0,
         }
         for name in ("observed_selections", "missed_selections", "observed_mass", "inactive_mass"):

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from reap_swap.active_set import ActiveSetError, RefreshLimitExceeded, SwapRequest
-from reap_swap.controller import SwapController, SwapFailed, UnknownCartridge, compose_misses, load_cartridges
+from reap_swap.controller import SwapController, SwapFailed, UnknownCartridge, load_cartridges
+from reap_swap.forensics import summarize_router_misses
 from reap_swap.plan import load_plan
 from reap_fakes import PLAN, FakeEngine, tiny_plan_doc
 
@@ -192,10 +193,10 @@ def test_concurrent_swaps_are_serialised():
     assert ctl.sig == outs[-1]["signature"]
 
 
-def test_compose_misses_counts_expert_totals_and_ratios():
+def test_miss_summary_counts_expert_totals_and_ratios():
     observed = {0: {"counts": [2, 1, 1], "weights": [1.0, 0.5, 0.5]}}
     missed = {0: {"counts": [0, 1, 1], "weights": [0.0, 0.5, 0.5]}}
-    out = compose_misses(observed, missed)
+    out = summarize_router_misses(observed, missed)
     row = out["layers"]["0"]
     assert row["expert_counts"] == [2, 1, 1] and row["inactive_experts"] == [1, 2]
     assert row["miss_ratio"] == 0.5 and row["inactive_mass_ratio"] == 0.5

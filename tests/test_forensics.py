@@ -5,7 +5,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reap_swap.forensics import ForensicsLog, StatsLedger, aggregate_workers, summarize_router_misses
+from reap_swap.forensics import (
+    ForensicsLog,
+    StatsLedger,
+    add_stats,
+    aggregate_workers,
+    mask_outside,
+    summarize_router_misses,
+)
 
 
 def report(layers, tp_rank=0, dp_rank=0, tp_size=1, rank=None):
@@ -62,10 +69,10 @@ def test_router_miss_summary_by_hand():
                    "1": {"counts": [0, 0, 0, 0], "weights": [0.0, 0.0, 0.0, 0.0]},
                    2: {"counts": [1, 1, 0, 0], "weights": [0.5, 0.5, 0.0, 0.0]}}
     keep = {0: frozenset({0, 1}), 1: frozenset({0})}  # layer 2 is not managed: all resident
-    s = summarize_router_misses(layer_stats, keep)
+    s = summarize_router_misses(layer_stats, mask_outside(layer_stats, keep))
     assert s["layers"]["0"] == {"observed_selections": 10, "missed_selections": 5, "observed_mass": 4.0,
-                                "inactive_mass": 2.0, "inactive_experts": [2, 3], "miss_ratio": 0.5,
-                                "inactive_mass_ratio": 0.5}
+                                "inactive_mass": 2.0, "inactive_experts": [2, 3], "expert_counts": [5, 0, 3, 2],
+                                "miss_ratio": 0.5, "inactive_mass_ratio": 0.5}
     assert s["layers"]["1"]["miss_ratio"] == 0.0 and s["layers"]["1"]["inactive_mass_ratio"] == 0.0
     assert s["layers"]["2"]["missed_selections"] == 0 and s["layers"]["2"]["inactive_experts"] == []
     assert s["totals"] == {"observed_selections": 12, "missed_selections": 5, "observed_mass": 5.0,
@@ -79,7 +86,7 @@ def test_router_miss_summary_by_hand():
 def test_misses_are_bounded_by_observations(layers, data):
     layer_stats = {l: {"counts": c, "weights": w} for l, (c, w) in layers.items()}
     keep = {l: frozenset(data.draw(st.sets(st.integers(0, len(c) - 1)))) for l, (c, _) in layers.items()}
-    s = summarize_router_misses(layer_stats, keep)
+    s = summarize_router_misses(layer_stats, mask_outside(layer_stats, keep))
     for l, row in s["layers"].items():
         assert 0 <= row["missed_selections"] <= row["observed_selections"]
         assert 0 <= row["miss_ratio"] <= 1 and 0 <= row["inactive_mass_ratio"] <= 1 + 1e-9
@@ -87,7 +94,7 @@ def test_misses_are_bounded_by_observations(layers, data):
         assert row["inactive_experts"] == sorted(row["inactive_experts"])
     # everything resident: no misses at all
     full = {l: frozenset(range(len(c))) for l, (c, _) in layers.items()}
-    assert summarize_router_misses(layer_stats, full)["totals"]["missed_selections"] == 0
+    assert summarize_router_misses(layer_stats, mask_outside(layer_stats, full))["totals"]["missed_selections"] == 0
 
 
 def test_stats_ledger_accumulates_per_request():
@@ -122,3 +129,12 @@ def test_forensics_log_merges_fields():
     assert record == {"request_id": "r", "last_swap": {"signature": "abc"}, "refresh_count": 1, "plan_identity": "p"}
     record["refresh_count"] = 7
     assert log.get("r")["refresh_count"] == 1
+
+
+def test_add_stats_sums_layerwise_and_refuses_width_mismatch():
+    a = {0: {"counts": [1, 2], "weights": [0.5, 1.0]}}
+    b = {"0": {"counts": [1, 0], "weights": [0.5, 0.0]}, 1: {"counts": [3], "weights": [1.5]}}
+    assert add_stats(a, b) == {0: {"counts": [2, 2], "weights": [1.0, 1.0]}, 1: {"counts": [3], "weights": [1.5]}}
+    assert add_stats(None, b) == {0: {"counts": [1, 0], "weights": [0.5, 0.0]}, 1: {"counts": [3], "weights": [1.5]}}
+    with pytest.raises(ValueError):
+        add_stats(a, {0: {"counts": [1], "weights": [1.0]}})
