@@ -418,8 +418,8 @@ class SwapController:
                 "open_request": self.open_request, "unattributed_selections": self.unattributed_selections,
                 "cartridges": {"defined": sorted(self.cartridge_defs), "loaded": list(self.cartridges),
                                "max_loaded": self.cartridges.max_entries},
-                "workers": [{**{k: s.get(k) for k in ("rank", "tp_rank", "tp_size", "dp_rank", "mode",
-                                                       "resident_bytes")}, **_resident_summary(s, self.plan)}
+                "workers": [{k: s.get(k) for k in ("rank", "tp_rank", "tp_size", "dp_rank", "mode",
+                                                    "resident_bytes", "signature", "resident_experts")}
                             for s in statuses],
                 "workers_consistent": consistent,
             }
@@ -428,13 +428,6 @@ class SwapController:
 def _brief(r: Mapping) -> dict:
     return {k: r[k] for k in ("rank", "tp_rank", "dp_rank", "bytes_copied", "seconds", "signature",
                               "resident_experts", "error", "rolled_back_locally") if k in r}
-
-
-def _resident_summary(status: Mapping, plan: Plan) -> dict:
-    """One rank's signature and resident count over the plan layers it reported (the worker's
-    own resident_summary and the controller's signature() compute the same)."""
-    keep = {k: v for k, v in keep_from_wire(status.get("layers") or {}).items() if k in plan.layers}
-    return {"signature": signature(keep), "resident_experts": sum(len(v) for v in keep.values())}
 
 
 def _timing(t0: float, phases: dict, worker_phases: list | None = None) -> dict:

@@ -105,10 +105,11 @@ class _WorkerState:
     def header(self) -> dict:
         return {"rank": self.rank, **self.ranks}
 
-    def resident_summary(self) -> dict:
+    def resident_summary(self, resident: KeepSets | None = None) -> dict:
         """This rank's resident set as the controller compares it: signature over the plan layers."""
-        resident = {l: v for l, v in self.backend.resident().items() if l in self.plan.layers}
-        return {"signature": signature(resident), "resident_experts": sum(len(v) for v in resident.values())}
+        resident = self.backend.resident() if resident is None else resident
+        planned = {l: v for l, v in resident.items() if l in self.plan.layers}
+        return {"signature": signature(planned), "resident_experts": sum(len(v) for v in planned.values())}
 
 
 class ReapWorkerExtension:
@@ -129,7 +130,7 @@ class ReapWorkerExtension:
             "mode": s.backend.mode,
             "plan_identity": s.plan.identity,
             "layers": {str(k): sorted(v) for k, v in sorted(resident.items())},
-            **s.resident_summary(),
+            **s.resident_summary(resident),
             "resident_bytes": sum(len(v) for v in resident.values()) * s.plan.per_expert_bytes,
             "counting": {str(k): m.reap_countable for k, m in s.layers.items()},
             "coactivation": any(getattr(m, counters.COACT) is not None for m in s.layers.values()),
