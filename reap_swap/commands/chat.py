@@ -8,11 +8,9 @@ then prints the answer, the swap summary and the request's router misses. Exit 1
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-import orjson
-
+from reap_swap.commands.common import api_key, print_json
 from reap_swap.commands.select import add_prompt_arguments, read_messages
 from reap_swap.selection import STRATEGIES
 
@@ -50,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         kwargs = {"max_tokens": args.max_tokens, "temperature": args.temperature}
         if args.model:
             kwargs["model"] = args.model
-        with ReapClient(args.server, args.api_key or os.environ.get("VLLM_API_KEY"), plan=args.plan,
+        with ReapClient(args.server, api_key(args), plan=args.plan,
                         strategy=args.strategy, budget_bytes=args.budget_bytes) as client:
             result = client.chat(messages, request_id=args.request_id, refresh_every=args.refresh_every, **kwargs)
     except (ReapHTTPError, ValueError, OSError) as exc:
@@ -60,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        sys.stdout.buffer.write(orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE))
-        sys.stdout.flush()
+        print_json(result.to_dict())
         return 0
     s, sel, t = result.swap, result.selection, result.timings_ms
     print(result.answer)

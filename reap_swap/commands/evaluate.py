@@ -12,8 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-import orjson
-
+from reap_swap.commands.common import json_bytes
 from reap_swap.evaluate import EvaluationError, evaluate_observations, format_report
 from reap_swap.model_shape import ModelShapeError, read_model_shape
 from reap_swap.plan import PlanError, load_plan
@@ -44,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     except (ModelShapeError, ObservationError, PlannerError, EvaluationError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    data = orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
+    data = json_bytes(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_bytes(data)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import orjson
 
+from reap_swap.commands.common import api_key, print_json
 from reap_swap.plan import PlanError, load_plan
 from reap_swap.selection import STRATEGIES, SelectionError, missed_mass, select
 
@@ -50,14 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--payload-only", action="store_true", help="print only the swap payload (JSON)")
 
 
-def _dump(obj) -> None:
-    sys.stdout.buffer.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE))
-    sys.stdout.flush()
-
-
 def run(args: argparse.Namespace) -> int:
-    import os
-
     try:
         plan = load_plan(args.plan)
         messages = read_messages(args)
@@ -71,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             from reap_swap.client import ReapClient
 
-            with ReapClient(args.server, args.api_key or os.environ.get("VLLM_API_KEY"), plan=plan,
+            with ReapClient(args.server, api_key(args), plan=plan,
                             strategy="probe") as client:
                 selection, probe_info = client.select(messages, budget_bytes=args.budget_bytes,
                                                       request_id=args.request_id)
@@ -82,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     payload = selection.payload(args.request_id)
     if args.payload_only:
-        _dump(payload)
+        print_json(payload)
     elif args.json:
-        _dump({"selection": selection.to_dict(), "payload": payload, "probe": probe_info})
+        print_json({"selection": selection.to_dict(), "payload": payload, "probe": probe_info})
     else:
         d = selection.to_dict()
         print(f"strategy {d['strategy']}: {d['slice_count']} slice(s), {d['resident_experts']} resident experts, "
@@ -99,5 +93,5 @@ def run(args: argparse.Namespace) -> int:
         for layer, ids in d["slices"].items():
             print(f"  {layer}: " + ", ".join(f"{sid} ({selection.values.get(sid, 0):.4g})" for sid in ids))
         print("payload:")
-        _dump(payload)
+        print_json(payload)
     return 0

@@ -7,10 +7,8 @@ printed with its JSON path, then a summary; ``--json`` prints the same as one JS
 from __future__ import annotations
 
 import argparse
-import sys
 
-import orjson
-
+from reap_swap.commands.common import print_json
 from reap_swap.model_shape import ModelShapeError, read_model_shape
 from reap_swap.plan import PlanError, PlanIssue, ValidationReport, read_plan_document, validate_plan_document
 
@@ -36,9 +34,7 @@ def _report(args: argparse.Namespace) -> ValidationReport:
 def run(args: argparse.Namespace) -> int:
     report = _report(args)
     if args.json:
-        sys.stdout.buffer.write(orjson.dumps({"plan": args.plan, **report.to_dict()},
-                                             option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE))
-        sys.stdout.flush()
+        print_json({"plan": args.plan, **report.to_dict()})
     else:
         print(f"plan {args.plan}" + (f" (model {args.model})" if args.model else ""))
         print(report.format_text())
