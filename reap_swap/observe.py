@@ -407,14 +407,14 @@ def observe_worker_config(shape, coactivation: bool, workdir: Path) -> dict[str,
     so it gets an "everything resident" plan (every expert of every MoE layer in the core) and
     accounting residency: routing is untouched, no weight moves, the counters count. With
     ``coactivation`` the counters also keep the E x E co-activation matrix."""
-    from reap_swap.plan import load_plan
+    from reap_swap.plan import MODE, load_plan
     from reap_swap.planner import plan_bytes
     from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings
 
     everything = list(range(shape.num_experts))
     total = len(shape.moe_layers) * shape.num_experts * shape.expert_bytes
     doc = {
-        "mode": "dynamic_core_specialist", "model": "reap-swap observe (all experts resident)",
+        "mode": MODE, "model": "reap-swap observe (all experts resident)",
         "budget": {"per_expert_bytes": shape.expert_bytes, "swappable_expert_budget_bytes": total},
         "perLayer": {f"layer_{i}": {"numExperts": shape.num_experts, "coreExperts": everything}
                      for i in shape.moe_layers},

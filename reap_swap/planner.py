@@ -42,6 +42,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from reap_swap.model_shape import ModelShape
+from reap_swap.plan import MODE
 
 GIB = 1 << 30
 PLANNER_VERSION = 1
@@ -552,7 +553,7 @@ def build_plan(observations: Sequence[Observations], shape: ModelShape, config: 
             item["processedSamples"] = o.meta["records"]
         source_summaries.append(item)
     return {
-        "mode": "dynamic_core_specialist",
+        "mode": MODE,
         "model": model_name,
         "signalKey": {"frequency": "expert_frequency", "router_mass": "weighted_expert_frequency_sum",
                       "reap": "reap"}[config.signal],

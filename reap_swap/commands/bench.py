@@ -30,7 +30,7 @@ import shutil
 import sys
 from pathlib import Path
 
-ARM_NAMES = ("resident", "stock-uva", "plan-static", "plan-swap")
+from reap_swap.bench import ARMS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSONL, one {'messages': [...]} or {'prompt'|'text': ...} per line (as for observe; required)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
                         help="merge the bench.json of these output folders into --out; runs nothing")
-    parser.add_argument("--arms", default=",".join(ARM_NAMES),
-                        help=f"comma-separated, run in this order (default {','.join(ARM_NAMES)})")
+    parser.add_argument("--arms", default=",".join(ARMS),
+                        help=f"comma-separated, run in this order (default {','.join(ARMS)})")
     parser.add_argument("--budget-gib", type=float, nargs="+", metavar="G",
                         help="GPU memory for experts; stock-uva and plan-swap run once per value "
                              "(default: the plan's budget)")
