@@ -318,7 +318,7 @@ def plan_runs(cfg: BenchConfig, plan, shape, total_expert_bytes: int, plat: str,
         common += ["--moe-backend", "triton"]  # what the reap launcher uses on CUDA: same kernels in every arm
     stock = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model, *common]
     reap = [sys.executable, "-m", "reap_swap.server", cfg.model, *common]
-    layer_bytes = [shape.expert_bytes * shape.num_experts] * len(shape.moe_layers)
+    layer_bytes = [shape.layer_expert_bytes] * len(shape.moe_layers)
     runs: list[RunSpec] = []
     for arm in cfg.arms:
         for budget in (budgets if arm in BUDGET_ARMS else [None]):
@@ -529,7 +529,7 @@ def _compare(ref: Sequence[Mapping], got: Sequence[Mapping]) -> dict:
 def _derived_hit_rate(spec: RunSpec, shape, total_expert_bytes: int, log_info: Mapping) -> dict:
     if spec.arm == "resident":
         return {"hit_rate": 1.0, "source": "derived: every expert is resident in GPU memory"}
-    layer_bytes = [shape.expert_bytes * shape.num_experts] * len(shape.moe_layers)
+    layer_bytes = [shape.layer_expert_bytes] * len(shape.moe_layers)
     offload = uva_offloaded_bytes(layer_bytes, max(0, total_expert_bytes - (spec.budget_bytes or 0)))
     resident = 1.0 - offload / total_expert_bytes
     logged = log_info.get("uva_offloaded_gib")
@@ -557,7 +557,7 @@ def run_bench(cfg: BenchConfig, argv: Sequence[str] | None = None) -> int:
     except (ModelShapeError, PlanError, BenchError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    total_expert_bytes = shape.expert_bytes * shape.num_experts * len(shape.moe_layers)
+    total_expert_bytes = shape.total_expert_bytes
     env = environment()
     plat = env["platform"]
     timing_on = cfg.timings == "on" or (cfg.timings == "auto" and plat == "cuda")

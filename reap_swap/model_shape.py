@@ -46,6 +46,16 @@ class ModelShape:
         """One expert is three matrices (gate, up: hidden x inter; down: inter x hidden)."""
         return 3 * self.hidden_size * self.moe_intermediate_size * self.dtype_bytes
 
+    @property
+    def layer_expert_bytes(self) -> int:
+        """All experts of one MoE layer."""
+        return self.expert_bytes * self.num_experts
+
+    @property
+    def total_expert_bytes(self) -> int:
+        """All experts of the model."""
+        return self.layer_expert_bytes * len(self.moe_layers)
+
 
 class ModelShapeError(ValueError):
     """The config does not describe a mixture-of-experts model we know how to read."""

@@ -412,7 +412,7 @@ def observe_worker_config(shape, coactivation: bool, workdir: Path) -> dict[str,
     from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings
 
     everything = list(range(shape.num_experts))
-    total = len(shape.moe_layers) * shape.num_experts * shape.expert_bytes
+    total = shape.total_expert_bytes
     doc = {
         "mode": MODE, "model": "reap-swap observe (all experts resident)",
         "budget": {"per_expert_bytes": shape.expert_bytes, "swappable_expert_budget_bytes": total},

@@ -380,7 +380,7 @@ def _slice_entries(w: _LayerWork, groups: list[list[int]], pe: int,
 
 
 def budget_bytes(shape: ModelShape, config: PlannerConfig) -> int:
-    total = len(shape.moe_layers) * shape.num_experts * shape.expert_bytes
+    total = shape.total_expert_bytes
     if config.budget_ratio is not None:
         return int(math.floor(config.budget_ratio * total))
     return int(math.floor(config.budget_gib * GIB))

@@ -95,7 +95,7 @@ def check_topology(args: argparse.Namespace) -> None:
 
 
 def load_validated_plan(settings: Settings, args: argparse.Namespace):
-    """Plan checked against the served model's config, plus its cartridges (LaunchError if not)."""
+    """(model shape, plan checked against it, the plan's cartridges); LaunchError if not valid."""
     from reap_swap.controller import load_cartridges
     from reap_swap.model_shape import ModelShapeError, read_model_shape
     from reap_swap.plan import PlanError, load_plan
@@ -114,19 +114,19 @@ def load_validated_plan(settings: Settings, args: argparse.Namespace):
         cartridges = load_cartridges(plan, plan_file)
     except (ValueError, OSError) as exc:
         raise LaunchError(f"invalid cartridges for plan {plan_file}: {exc}") from None
-    return plan, cartridges
+    return shape, plan, cartridges
 
 
 def install(args: argparse.Namespace, settings: Settings, plan) -> None:
-    """Point vLLM at the worker extension, the plugin and the plan configuration."""
+    """Point vLLM at the worker extension and the plan configuration (prepare() already added the
+    endpoint plugin to VLLM_PLUGINS, before vLLM read its environment)."""
     args.worker_extension_cls = WORKER_EXTENSION
     extra = dict(getattr(args, "additional_config", None) or {})
     extra[ADDITIONAL_CONFIG_KEY] = settings.to_worker_config(plan_identity=plan.identity)
     args.additional_config = extra
-    os.environ["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
 
 
-def gpu_engine_args(settings: Settings, args: argparse.Namespace) -> None:
+def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None:
     """Launcher hook for the CUDA residency engine: adjust vLLM arguments before the engine starts.
 
     The engine re-homes vLLM's Triton expert weights, so `--moe-backend` defaults to triton. Unless
@@ -141,10 +141,7 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace) -> None:
         args.moe_backend = "triton"
         log.info("reap-swap: --moe-backend triton (the residency engine re-homes Triton expert weights)")
     if not getattr(args, "cpu_offload_gb", 0):
-        from reap_swap.model_shape import read_model_shape
-
-        shape = read_model_shape(model_config_source(args))  # validated with the plan already
-        gib = shape.expert_bytes * shape.num_experts * len(shape.moe_layers) / 2**30 + 0.5
+        gib = shape.total_expert_bytes / 2**30 + 0.5
         args.offload_backend = "uva"
         args.cpu_offload_gb = round(gib, 3)
         args.cpu_offload_params = {"w13_weight", "w2_weight"}
@@ -185,12 +182,12 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     compat.configure_logging_from_args(args)
     cmd.validate(args)
     check_topology(args)
-    plan, cartridges = load_validated_plan(settings, args)
+    shape, plan, cartridges = load_validated_plan(settings, args)
     log_settings(Resolved(settings, resolved.sources, resolved.overrides))
     log.info("reap-swap plan %s: %s, %d layers, %d cartridge(s), identity %s", settings.plan_file, plan.mode,
              len(plan.layers), len(cartridges), plan.identity[:12])
     install(args, settings, plan)
-    gpu_engine_args(settings, args)
+    gpu_engine_args(settings, args, shape)
     return args, cmd
 
 
