@@ -23,7 +23,9 @@ COACT = "reap_coact"
 
 def register_counters(module: torch.nn.Module, num_experts: int, coactivation: bool) -> None:
     """Allocate the buffers on `module` (non-persistent: never part of a checkpoint)."""
-    device = _module_device(module)
+    # layers are built under vLLM's default-device context (cuda:N on GPU, cpu on CPU): that is
+    # where activations and topk_ids live, even if some weights are offloaded elsewhere
+    device = torch.empty(0).device
     module.register_buffer(COUNTS, torch.zeros(num_experts, dtype=torch.int64, device=device),
                            persistent=False)
     module.register_buffer(WEIGHTS, torch.zeros(num_experts, dtype=torch.float32, device=device),
@@ -33,12 +35,6 @@ def register_counters(module: torch.nn.Module, num_experts: int, coactivation: b
                                                   device=device), persistent=False)
     else:
         setattr(module, COACT, None)
-
-
-def _module_device(module: torch.nn.Module) -> torch.device:
-    # layers are built under vLLM's default-device context (cuda:N on GPU, cpu on CPU): that is
-    # where activations and topk_ids live, even if some weights are offloaded elsewhere
-    return torch.empty(0).device
 
 
 def record(module: torch.nn.Module, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

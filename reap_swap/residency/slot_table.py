@@ -72,10 +72,6 @@ class SlotTable:
     def used(self) -> int:
         return len(self._where)
 
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
     # -- planning ------------------------------------------------------------------------------
     def plan(self, target: Mapping[int, Iterable[int]]) -> SwapPlan:
         """Plan the move to `target` (layers absent from `target` keep nothing resident)."""

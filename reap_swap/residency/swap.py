@@ -59,10 +59,6 @@ class SwapResult:
     bytes_copied: int = 0
     phases: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def seconds(self) -> float:
-        return sum(self.phases.values())
-
 
 def _execute(table: SlotTable, store: ExpertStore, plan: SwapPlan) -> SwapResult:
     result = SwapResult(plan=plan)
