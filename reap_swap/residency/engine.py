@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,7 +34,6 @@ from . import vmm
 
 logger = logging.getLogger("reap_swap.residency")
 
-_LAYER_RE = re.compile(r"layers\.(\d+)\.")
 MAX_PADDING_OVERHEAD = 0.5  # refuse layers whose expert units would waste more than this
 
 
@@ -152,8 +150,9 @@ def _refusal(layer: torch.nn.Module) -> str | None:
 
 
 def _layer_index(layer: torch.nn.Module) -> int | None:
-    match = _LAYER_RE.search(getattr(layer, "layer_name", "") + ".")
-    return int(match.group(1)) if match else None
+    from .experts import layer_index_from_name  # imports vLLM's layer class: only at load time
+
+    return layer_index_from_name(getattr(layer, "layer_name", ""))
 
 
 def _state_for(layer: torch.nn.Module) -> EngineState:
