@@ -38,8 +38,8 @@ from reap_swap import compat
 from reap_swap.logs import get_logger
 from reap_swap.active_set import ActiveSetError, BudgetExceeded, RefreshLimitExceeded, SwapRequest
 from reap_swap.controller import Metrics, SwapController, SwapFailed, UnknownCartridge
-from reap_swap.plan import json_path, load_plan
-from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings
+from reap_swap.plan import json_path
+from reap_swap.settings import load_configured_plan, reap_config
 
 log = get_logger("reap_swap.routes")
 
@@ -263,17 +263,13 @@ class ReapEndpointPlugin:
         if engine_client is None:
             state.reap_error = "reap-swap needs an engine (this is a render-only server)"
             return
-        extra = compat.engine_client_vllm_config(engine_client).additional_config or {}
-        cfg = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
+        cfg = reap_config(compat.engine_client_vllm_config(engine_client).additional_config)
         if not cfg:
             state.reap_error = ("reap-swap endpoint plugin loaded without its configuration: start the "
                                 "server with `python -m reap_swap.server ... --reap-plan PLAN`")
             log.error("reap-swap: %s", state.reap_error)
             return
-        settings = Settings.from_worker_config(cfg)
-        plan = load_plan(str(settings.plan_file))
-        if cfg.get("plan_identity") and cfg["plan_identity"] != plan.identity:
-            raise RuntimeError(f"plan {settings.plan_file} changed since the launcher validated it")
+        settings, plan = load_configured_plan(cfg)
 
         async def rpc(method: str, *rpc_args):
             return await engine_client.collective_rpc(method, args=tuple(rpc_args))

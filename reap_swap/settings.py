@@ -90,6 +90,25 @@ ROUTER_MASKS_REFUSED = (
 )
 
 
+def reap_config(additional_config: Any) -> dict | None:
+    """additional_config["reap_swap"] of a vLLM config (what the launcher wrote), or None."""
+    cfg = additional_config.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional_config, Mapping) else None
+    return dict(cfg) if isinstance(cfg, Mapping) and cfg else None
+
+
+def load_configured_plan(cfg: Mapping[str, Any]):
+    """(Settings, Plan) from reap_config's dict: the plan file re-read in this process must still
+    have the identity the launcher validated."""
+    from reap_swap.plan import load_plan
+
+    settings = Settings.from_worker_config(cfg)
+    plan = load_plan(str(settings.plan_file))
+    if cfg.get("plan_identity") and cfg["plan_identity"] != plan.identity:
+        raise RuntimeError(f"plan {settings.plan_file} changed since the launcher validated it "
+                           f"(identity {plan.identity[:12]} != {cfg['plan_identity'][:12]})")
+    return settings, plan
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add the --reap-* flags (default None, so 'not given' is distinguishable)."""
     for name, (_env, flag, kwargs) in _SPEC.items():

@@ -20,12 +20,12 @@ from typing import Any, Protocol
 from reap_swap import compat
 from reap_swap.active_set import signature
 from reap_swap.logs import get_logger
-from reap_swap.plan import Plan, load_plan
+from reap_swap.plan import Plan
 from reap_swap.residency import count_kernel, counters
 from reap_swap.residency import experts as _experts
 from reap_swap.residency.accounting import AccountingResidency, KeepSets
 from reap_swap.residency.fault import SwapFault
-from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings
+from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings, load_configured_plan, reap_config
 
 log = get_logger("reap_swap.worker")
 
@@ -75,16 +75,11 @@ def make_residency_backend(worker: Any, plan: Plan, settings: Settings) -> Resid
 class _WorkerState:
     def __init__(self, worker: Any):
         vllm_config = worker.vllm_config
-        extra = vllm_config.additional_config or {}
-        cfg = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, Mapping) else None
+        cfg = reap_config(vllm_config.additional_config)
         if not cfg:
             raise RuntimeError("reap-swap worker extension loaded without additional_config"
                                f"[{ADDITIONAL_CONFIG_KEY!r}]; start the server with python -m reap_swap.server")
-        self.settings = Settings.from_worker_config(cfg)
-        self.plan = load_plan(str(self.settings.plan_file))
-        if cfg.get("plan_identity") and cfg["plan_identity"] != self.plan.identity:
-            raise RuntimeError(f"plan {self.settings.plan_file} changed since the launcher validated it "
-                               f"(identity {self.plan.identity[:12]} != {cfg['plan_identity'][:12]})")
+        self.settings, self.plan = load_configured_plan(cfg)
         self.rank = int(getattr(worker, "rank", 0))
         self.ranks = compat.parallel_ranks(vllm_config)
         self.layers = _experts.find_layers(worker.get_model())

@@ -20,7 +20,6 @@ Lifecycle in a worker process:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -70,10 +69,9 @@ _STATE: EngineState | None = None
 _CONFIG: dict[str, Any] = {}
 
 
-def configure(plan: Any, budget_bytes: int | None = None) -> None:
-    """Give the engine its plan and HBM budget before the model loads (worker process)."""
+def configure(plan: Any) -> None:
+    """Give the engine its plan (the HBM pool is its budget) before the model loads (worker process)."""
     _CONFIG["plan"] = plan
-    _CONFIG["budget_bytes"] = budget_bytes
 
 
 def _configure_from_vllm() -> None:
@@ -81,17 +79,10 @@ def _configure_from_vllm() -> None:
     if "plan" in _CONFIG:
         return
     from .. import compat
-    from ..plan import load_plan
-    from ..settings import ADDITIONAL_CONFIG_KEY, Settings
+    from ..settings import load_configured_plan, reap_config
 
-    extra = getattr(compat.current_vllm_config(), "additional_config", None) or {}
-    cfg = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, Mapping) else None
-    if cfg and cfg.get("plan_file"):
-        configure(load_plan(str(Settings.from_worker_config(cfg).plan_file)), cfg.get("budget_bytes"))
-    elif os.environ.get("REAP_PLAN_FILE"):
-        configure(load_plan(os.environ["REAP_PLAN_FILE"]))
-    else:
-        configure(None)
+    cfg = reap_config(getattr(compat.current_vllm_config(), "additional_config", None))
+    configure(load_configured_plan(cfg)[1] if cfg and cfg.get("plan_file") else None)
 
 
 def prepare(layer: torch.nn.Module) -> None:
@@ -160,11 +151,11 @@ def _state_for(layer: torch.nn.Module) -> EngineState:
     if _STATE is None:
         device = layer.w13_weight.device.index or torch.cuda.current_device()
         granularity = vmm.ensure_available(device)
-        plan, budget = _CONFIG.get("plan"), _CONFIG.get("budget_bytes")
+        plan = _CONFIG.get("plan")
         _STATE = EngineState(device=device, plan=plan, budget_bytes=0, granularity=granularity)
         _STATE.copy_stream = torch.cuda.Stream(device=device)
         if plan is not None:
-            _STATE.budget_bytes = int(budget if budget is not None else plan.swappable_budget_bytes)
+            _STATE.budget_bytes = int(plan.swappable_budget_bytes)
     return _STATE
 
 

@@ -22,7 +22,7 @@ import torch
 from reap_swap import compat
 from reap_swap.logs import get_logger
 from reap_swap.residency import counters
-from reap_swap.settings import ADDITIONAL_CONFIG_KEY
+from reap_swap.settings import reap_config
 
 log = get_logger("reap_swap.experts")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -38,9 +38,7 @@ def layer_index_from_name(layer_name: str) -> int | None:
 
 def _reap_config() -> dict:
     """additional_config["reap_swap"] of the model being built ({} outside the launcher)."""
-    extra = getattr(compat.current_vllm_config(), "additional_config", None) or {}
-    cfg = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
-    return cfg if isinstance(cfg, dict) else {}
+    return reap_config(getattr(compat.current_vllm_config(), "additional_config", None)) or {}
 
 
 def _prepare_cuda_engine(layer: torch.nn.Module, cfg: dict) -> None:

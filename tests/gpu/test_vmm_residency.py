@@ -141,7 +141,7 @@ def test_rehome_survives_vllm_uva_reoffload():
 
     layer = Layer()
     reference = layer.w13_weight.detach().clone()
-    engine.configure(None, None)
+    engine.configure(None)
     engine.install_post_load_hook(layer)
     with loader_utils.device_loading_context(layer, torch.device("cuda")):
         layer.quant_method.process_weights_after_loading(layer)
