@@ -12,13 +12,23 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import get_args
 
 from reap_swap.model_shape import ModelShapeError, read_model_shape
 from reap_swap.plan import validate_plan_document
 from reap_swap.planner import PlannerConfig, PlannerError, build_plan, plan_bytes
 
 
+def _default(name: str):
+    return PlannerConfig.model_fields[name].default
+
+
+def _choices(name: str) -> list[str]:
+    return list(get_args(PlannerConfig.model_fields[name].annotation))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for PlannerConfig's knobs; defaults and choices come from PlannerConfig itself."""
     parser.add_argument("--observations", nargs="+", required=True, metavar="FILE.pt",
                         help="observation files (torch.save {layer_idx: {field: tensor}}); merged")
     parser.add_argument("--model", required=True, metavar="PATH",
@@ -27,24 +37,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budget-ratio", type=float, help="resident experts as a share of all expert bytes")
     budget.add_argument("--budget-gib", type=float, help="resident experts in GiB")
-    parser.add_argument("--core-fraction", type=float, default=0.75, help="share of the budget for the core")
-    parser.add_argument("--signal", choices=["frequency", "router_mass", "reap"], default="frequency",
+    parser.add_argument("--core-fraction", type=float, default=_default("core_fraction"),
+                        help="share of the budget for the core")
+    parser.add_argument("--signal", choices=_choices("signal"), default=_default("signal"),
                         help="per-expert value: routed frequency (default), routed gate mass, or REAP "
                              "saliency (a baseline)")
-    parser.add_argument("--layer-allocation", choices=["greedy", "uniform"], default="greedy",
+    parser.add_argument("--layer-allocation", choices=_choices("layer_allocation"),
+                        default=_default("layer_allocation"),
                         help="core split across layers: by marginal hit gain (default) or equal counts")
     parser.add_argument("--slice-size", type=int, help="experts per slice (default: derived from the budget)")
-    parser.add_argument("--slices-per-request", type=int, default=2,
+    parser.add_argument("--slices-per-request", type=int, default=_default("slices_per_request"),
                         help="slices a request may add per layer; sets the default slice size")
-    parser.add_argument("--candidate-pool-multiplier", type=float, default=1.25)
+    parser.add_argument("--candidate-pool-multiplier", type=float, default=_default("candidate_pool_multiplier"))
     parser.add_argument("--no-reap-guard", dest="reap_guard", action="store_false",
                         help="do not protect high-REAP-saliency experts")
-    parser.add_argument("--reap-guard-multiple", type=float, default=2.0)
-    parser.add_argument("--reap-guard-max-fraction", type=float, default=0.1)
+    parser.add_argument("--reap-guard-multiple", type=float, default=_default("reap_guard_multiple"))
+    parser.add_argument("--reap-guard-max-fraction", type=float, default=_default("reap_guard_max_fraction"))
     parser.add_argument("--no-super-experts", dest="super_experts", action="store_false",
                         help="do not force max_activations outliers into the core")
-    parser.add_argument("--super-expert-quantile", type=float, default=99.5)
-    parser.add_argument("--max-refreshes-per-request", type=int, default=1)
+    parser.add_argument("--super-expert-quantile", type=float, default=_default("super_expert_quantile"))
+    parser.add_argument("--max-refreshes-per-request", type=int, default=_default("max_refreshes_per_request"))
     parser.add_argument("--allow-pickle", action="store_true",
                         help="torch.load with weights_only=False (trusted files only)")
     parser.add_argument("--out", required=True, type=Path, metavar="plan.json")
@@ -56,14 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from reap_swap.observations import ObservationError, load_many  # imports torch
 
     try:
-        config = PlannerConfig(
-            budget_ratio=args.budget_ratio, budget_gib=args.budget_gib, core_fraction=args.core_fraction,
-            signal=args.signal, layer_allocation=args.layer_allocation, slice_size=args.slice_size,
-            slices_per_request=args.slices_per_request,
-            candidate_pool_multiplier=args.candidate_pool_multiplier, reap_guard=args.reap_guard,
-            reap_guard_multiple=args.reap_guard_multiple, reap_guard_max_fraction=args.reap_guard_max_fraction,
-            super_experts=args.super_experts, super_expert_quantile=args.super_expert_quantile,
-            max_refreshes_per_request=args.max_refreshes_per_request)
+        config = PlannerConfig(**{k: v for k, v in vars(args).items() if k in PlannerConfig.model_fields})
         shape = read_model_shape(args.model)
         observations = load_many(args.observations, allow_pickle=args.allow_pickle)
         doc = build_plan(observations, shape, config, args.model_name or args.model)
