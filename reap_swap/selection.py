@@ -371,16 +371,16 @@ def effective_budget(plan: Plan, budget_bytes: int | None) -> int:
 Value = tuple[float, ...]  # compared lexicographically, per marginal byte
 
 
-def _greedy(plan: Plan, budget: int, value: Any, start: Mapping[int, frozenset[int]] | None = None
-            ) -> tuple[dict[int, list[str]], dict[str, float]]:
+def _greedy(plan: Plan, budget: int, value: Any) -> tuple[dict[int, list[str]], dict[str, float]]:
     """Take slices by value per marginal byte while they fit. ``value(layer, i, new_experts)`` ->
     a tuple (all zero: worthless). Lazy heap: a popped slice whose marginal cost or value changed
     since it was pushed (an overlapping slice was taken) is re-scored and pushed again."""
     pe = plan.per_expert_bytes
-    keep = {index: set(layer.core) | set((start or {}).get(index, ())) for index, layer in plan.layers.items()}
-    used = sum(len(v) for v in keep.values()) * pe
+    keep = {index: set(layer.core) for index, layer in plan.layers.items()}
+    used = resident_bytes(plan, keep)
     chosen: dict[int, list[str]] = {}
     values: dict[str, float] = {}
+    heap: list = []
 
     def score(index: int, i: int) -> tuple[Value, int, frozenset[int]]:
         new = frozenset(plan.layers[index].slices[i].experts) - keep[index]
@@ -389,12 +389,15 @@ def _greedy(plan: Plan, budget: int, value: Any, start: Mapping[int, frozenset[i
         v = tuple(value(index, i, new))
         return v, len(new) * pe, new
 
-    heap: list = []
+    def push(index: int, i: int) -> None:
+        """Score slice i of the layer now and queue it if it is worth anything."""
+        v, cost, _ = score(index, i)
+        if cost and any(x > 0 for x in v):
+            heapq.heappush(heap, (tuple(-x / cost for x in v), index, i, v, cost))
+
     for index, layer in plan.layers.items():
         for i in range(len(layer.slices)):
-            v, cost, new = score(index, i)
-            if cost and any(x > 0 for x in v):
-                heapq.heappush(heap, (tuple(-x / cost for x in v), index, i, v, cost))
+            push(index, i)
     deferred: list[tuple[int, int]] = []
     while heap:
         _key, index, i, v, cost = heapq.heappop(heap)
@@ -402,7 +405,7 @@ def _greedy(plan: Plan, budget: int, value: Any, start: Mapping[int, frozenset[i
         if not cost2 or not any(x > 0 for x in v2):
             continue
         if (v2, cost2) != (v, cost):
-            heapq.heappush(heap, (tuple(-x / cost2 for x in v2), index, i, v2, cost2))
+            push(index, i)
             continue
         if used + cost > budget:
             deferred.append((index, i))  # may fit later if an overlapping slice makes it cheaper
@@ -414,9 +417,7 @@ def _greedy(plan: Plan, budget: int, value: Any, start: Mapping[int, frozenset[i
         values[sid] = v[0]
         for dl, di in [d for d in deferred if d[0] == index]:
             deferred.remove((dl, di))
-            dv, dcost, _ = score(dl, di)
-            if dcost and any(x > 0 for x in dv):
-                heapq.heappush(heap, (tuple(-x / dcost for x in dv), dl, di, dv, dcost))
+            push(dl, di)
     return chosen, values
 
 
