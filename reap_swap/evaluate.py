@@ -114,9 +114,9 @@ def evaluate(plan: Plan, layers: Mapping[int, LayerStats], records=None) -> dict
         freq = np.asarray(layers[i].expert_frequency, dtype=np.int64)
         core = np.array(sorted(lp.core), dtype=np.int64)
         n = int(freq.sum())
-        core_cov = int(freq[core].sum()) if len(core) else 0
+        core_cov = int(freq[core].sum())
         oracle = int(_top_sum(freq, len(core)))
-        in_plan = int(freq[np.array(sorted(lp.candidates), dtype=np.int64)].sum()) if lp.candidates else 0
+        in_plan = int(freq[np.array(sorted(lp.candidates), dtype=np.int64)].sum())
         row: dict[str, Any] = {
             "layer": i, "selections": n, "core_experts": len(core), "specialist_capacity": capacity[i],
             "core": _share(core_cov, n), "oracle_core": _share(oracle, n),
@@ -129,7 +129,7 @@ def evaluate(plan: Plan, layers: Mapping[int, LayerStats], records=None) -> dict
         if i in record_layer:
             counts = np.asarray(records.counts[:, record_layer[i], :], dtype=np.int64)
             req_n = int(counts.sum())
-            base = counts[:, core].sum(axis=1) if len(core) else np.zeros(counts.shape[0], dtype=np.int64)
+            base = counts[:, core].sum(axis=1)
             extra = best_slices_cover(counts, _disjoint_noncore(lp), capacity[i])
             cps = int((base + extra).sum())
             orq = int(_top_sum(counts, len(core) + capacity[i]).sum())

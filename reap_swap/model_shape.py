@@ -111,10 +111,7 @@ def read_model_shape(source: str | os.PathLike | Mapping) -> ModelShape:
     hidden_size = _first(config, "hidden_size")
     top_k = _first(config, "num_experts_per_tok")
     # Mixtral names the expert width intermediate_size; Qwen MoE keeps that name for dense MLPs.
-    if config.get("moe_intermediate_size") is not None:
-        moe_intermediate = config["moe_intermediate_size"]
-    else:
-        moe_intermediate = config.get("intermediate_size")
+    moe_intermediate = _first(config, "moe_intermediate_size", "intermediate_size")
     missing = [name for name, value in [("num_hidden_layers", num_layers), ("hidden_size", hidden_size),
                                         ("num_experts_per_tok", top_k),
                                         ("moe_intermediate_size", moe_intermediate)] if value is None]

@@ -202,18 +202,12 @@ def json_path(parts: Iterable[str | int]) -> str:
     return out or "$"
 
 
-def _join(path: str, key: str | int) -> str:
-    if isinstance(key, int):
-        return f"{path}[{key}]" if path != "$" else f"[{key}]"
-    return key if path == "$" else f"{path}.{key}"
-
-
 def _schema_issues(doc: Any) -> list[PlanIssue]:
     issues = []
     for err in sorted(_validator().iter_errors(doc), key=lambda e: list(map(str, e.absolute_path))):
         path = json_path(err.absolute_path)
         if err.validator == "additionalProperties" and isinstance(err.instance, Mapping):
-            issues.extend(_unknown_keys(path, err.instance, err.schema))
+            issues.extend(_unknown_keys(list(err.absolute_path), err.instance, err.schema))
         elif err.validator == "required":
             missing = [k for k in err.validator_value if k not in err.instance]
             issues.extend(PlanIssue(path, f"missing required key {k!r}") for k in missing)
@@ -222,7 +216,7 @@ def _schema_issues(doc: Any) -> list[PlanIssue]:
     return issues
 
 
-def _unknown_keys(path: str, instance: Mapping, schema: Mapping) -> list[PlanIssue]:
+def _unknown_keys(parts: list, instance: Mapping, schema: Mapping) -> list[PlanIssue]:
     """One issue per unexpected key, naming it, the closest known key, and all expected keys."""
     known = list(schema.get("properties", {}))
     patterns = list(schema.get("patternProperties", {}))
@@ -236,7 +230,7 @@ def _unknown_keys(path: str, instance: Mapping, schema: Mapping) -> list[PlanIss
             expected = ", ".join(known)
         else:
             hint, expected = "", " or ".join(_PATTERN_NAMES.get(p, f"/{p}/") for p in patterns)
-        issues.append(PlanIssue(_join(path, key), f"unknown key {key!r}{hint}; expected keys: {expected}"))
+        issues.append(PlanIssue(json_path([*parts, key]), f"unknown key {key!r}{hint}; expected keys: {expected}"))
     return issues
 
 
