@@ -172,7 +172,7 @@ class SwapController:
         self.forensics = ForensicsLog()
         self.refreshes = RefreshLedger(plan.max_refreshes_per_request)
         self.cartridge_defs = dict(cartridges if cartridges is not None else load_cartridges(plan, plan_file))
-        self.cartridges: LRUDict[str, tuple[KeepSets, str]] = LRUDict(max_loaded_cartridges)
+        self.cartridges: LRUDict[str, KeepSets] = LRUDict(max_loaded_cartridges)  # prepared keep-sets
         self.swap_count = 0
         self.noop_count = 0
         self.failed_count = 0
@@ -233,13 +233,13 @@ class SwapController:
             raise UnknownCartridge(cartridge_id)
         loaded = cartridge_id in self.cartridges
         if loaded:
-            keep, _sig = self.cartridges[cartridge_id]
+            keep = self.cartridges[cartridge_id]
             details = {"resident_experts": sum(len(v) for v in keep.values()),
                        "resident_bytes": resident_bytes(self.plan, keep)}
             details["budget_bytes"] = check_budget(self.plan, keep, budget_bytes)
         else:
             keep, _b, details = self.prepare(self.cartridge_defs[cartridge_id], budget_bytes)
-            self.cartridges[cartridge_id] = (keep, signature(keep))
+            self.cartridges[cartridge_id] = keep
         details = {**details, "cartridge": cartridge_id, "cartridge_was_loaded": loaded}
         req = SwapRequest(request_id=request_id, phase=phase, active_set={}, budget_bytes=budget_bytes)
         t_validate = time.perf_counter() - t0
