@@ -135,7 +135,7 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
     low; the engine then moves them into its own host-backed ranges and fills the HBM pool.
     No-op on the CPU build (and whenever swaps are accounting-only).
     """
-    if settings.masks_only or settings.residency == "accounting" or compat.platform_name() != "cuda":
+    if settings.accounting_reason(compat.platform_name()) is not None:
         return
     if getattr(args, "moe_backend", "auto") in (None, "auto"):
         args.moe_backend = "triton"

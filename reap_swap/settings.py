@@ -31,6 +31,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 ADDITIONAL_CONFIG_KEY = "reap_swap"
+CPU_REASON = ("vLLM's CPU build keeps every expert in host memory and its fused-MoE kernel "
+              "ignores expert_map, so experts cannot move between memories")
 
 
 class SettingsError(ValueError):
@@ -58,6 +60,18 @@ class Settings(BaseModel):
     @classmethod
     def from_worker_config(cls, cfg: Mapping[str, Any]) -> "Settings":
         return cls(**{k: v for k, v in cfg.items() if k in cls.model_fields})
+
+    def accounting_reason(self, platform: str) -> str | None:
+        """Why swaps on `platform` only record the resident set (accounting), or None when the
+        CUDA residency engine moves the bytes. The one place launcher, model build and worker
+        decide it (REAP_RESIDENCY=cuda on another platform is the worker's error to raise)."""
+        if self.masks_only:
+            return "REAP_SWAP_MASKS_ONLY: swaps change the active set, weights stay put"
+        if self.residency == "accounting":
+            return "REAP_RESIDENCY=accounting"
+        if platform != "cuda":
+            return CPU_REASON if platform == "cpu" else f"no residency engine for platform {platform!r}"
+        return None
 
 
 # field -> (environment variable, flag, argparse kwargs)

@@ -31,9 +31,6 @@ log = get_logger("reap_swap.worker")
 
 _experts.register()  # every worker imports this module before its model is built
 
-CPU_REASON = ("vLLM's CPU build keeps every expert in host memory and its fused-MoE kernel "
-              "ignores expert_map, so experts cannot move between memories")
-
 
 class ResidencyBackend(Protocol):
     """What a residency implementation offers the worker (accounting here, CUDA in engine.py)."""
@@ -50,15 +47,10 @@ def make_residency_backend(worker: Any, plan: Plan, settings: Settings) -> Resid
     """The one place that picks the residency backend for this worker."""
     core = plan.core_sets()
     platform = compat.platform_name()
-    if settings.masks_only:
-        return AccountingResidency(core, plan.per_expert_bytes,
-                                   "REAP_SWAP_MASKS_ONLY: swaps change the active set, weights stay put")
-    if settings.residency == "accounting":
-        return AccountingResidency(core, plan.per_expert_bytes, "REAP_RESIDENCY=accounting")
-    if platform != "cuda":
-        if settings.residency == "cuda":
+    reason = settings.accounting_reason(platform)
+    if reason is not None:
+        if settings.residency == "cuda" and not settings.masks_only:
             raise RuntimeError(f"REAP_RESIDENCY=cuda but this worker's platform is {platform!r}")
-        reason = CPU_REASON if platform == "cpu" else f"no residency engine for platform {platform!r}"
         return AccountingResidency(core, plan.per_expert_bytes, reason)
     try:
         from reap_swap.residency.engine import CudaResidency

@@ -96,3 +96,14 @@ def test_worker_config_round_trip():
     cfg = s.to_worker_config(plan_identity="abc")
     assert cfg["plan_identity"] == "abc" and cfg["plan_file"] == "/plans/p.json"
     assert Settings.from_worker_config(cfg) == s
+
+
+def test_accounting_reason_is_the_one_residency_decision():
+    from reap_swap.settings import CPU_REASON
+
+    assert Settings().accounting_reason("cuda") is None
+    assert Settings(residency="cuda").accounting_reason("cuda") is None
+    assert Settings().accounting_reason("cpu") == CPU_REASON
+    assert "tpu" in Settings().accounting_reason("tpu")
+    assert Settings(masks_only=True).accounting_reason("cuda").startswith("REAP_SWAP_MASKS_ONLY")
+    assert Settings(residency="accounting").accounting_reason("cuda") == "REAP_RESIDENCY=accounting"

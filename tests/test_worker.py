@@ -6,8 +6,8 @@ import pytest
 from reap_fakes import PLAN
 from reap_swap import compat
 from reap_swap.residency.accounting import AccountingResidency
-from reap_swap.settings import Settings
-from reap_swap.worker import CPU_REASON, ReapWorkerExtension, _parse_keep, make_residency_backend
+from reap_swap.settings import CPU_REASON, Settings
+from reap_swap.worker import ReapWorkerExtension, _parse_keep, make_residency_backend
 
 
 def test_extension_adds_only_new_names_to_vllm_workers():

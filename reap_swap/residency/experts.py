@@ -22,7 +22,7 @@ import torch
 from reap_swap import compat
 from reap_swap.logs import get_logger
 from reap_swap.residency import counters
-from reap_swap.settings import reap_config
+from reap_swap.settings import Settings, reap_config
 
 log = get_logger("reap_swap.experts")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -43,14 +43,13 @@ def _reap_config() -> dict:
 
 def _prepare_cuda_engine(layer: torch.nn.Module, cfg: dict) -> None:
     """On CUDA, let the residency engine hook this layer's post-load step (before profiling)."""
-    if cfg.get("masks_only") or cfg.get("residency", "auto") == "accounting":
-        return
-    if compat.platform_name() != "cuda":
+    settings = Settings.from_worker_config(cfg)
+    if settings.accounting_reason(compat.platform_name()) is not None:
         return
     try:
         from reap_swap.residency import engine
     except Exception as exc:  # noqa: BLE001
-        if cfg.get("residency") == "cuda":
+        if settings.residency == "cuda":
             raise
         log.error("reap-swap: CUDA residency engine not importable (%s: %s); experts stay where vLLM "
                   "puts them and swaps will be accounting-only", type(exc).__name__, exc)
