@@ -33,7 +33,6 @@ usage: reap-swap bench --model M --plan P --prompts FILE [--arms a,b] [--budget-
 
 from __future__ import annotations
 
-import asyncio
 import os
 import platform
 import re
@@ -405,10 +404,7 @@ class ArmRunner:
         """One streamed request, discarded (compiles/allocates what the first request would)."""
         body = self._body(self.prompts[0]["messages"], min(16, self.cfg.decode_tokens), ignore_eos=True)
 
-        async def go():
-            async with httpx.AsyncClient() as c:
-                await serving.stream_request(c, self.url, "/v1/chat/completions", body, self.headers)
-        asyncio.run(go())
+        serving.stream_all(self.url, "/v1/chat/completions", [body], self.headers)
         self.tick()
 
     # -- greedy outputs + hit rates ----------------------------------------------------------
@@ -484,10 +480,7 @@ class ArmRunner:
             open_s = self._open(p["messages"], rid)
             body = self._body(p["messages"], self.cfg.decode_tokens, **body_extra)
 
-            async def one():
-                async with httpx.AsyncClient() as c:
-                    return await serving.stream_request(c, self.url, "/v1/chat/completions", body, self.headers)
-            res = asyncio.run(one())
+            res = serving.stream_all(self.url, "/v1/chat/completions", [body], self.headers)[0]
             misses = self._misses(rid)
             single.append({"request_id": rid, "prompt": p["index"], "open_s": open_s, **res.to_dict(),
                            "misses": _miss_totals(misses) if misses else None})
@@ -498,11 +491,7 @@ class ArmRunner:
             open_s = self._open(_join_prompts(group), rid)
             bodies = [self._body(q["messages"], self.cfg.decode_tokens, **body_extra) for q in group]
 
-            async def many():
-                async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(bodies) + 2)) as c:
-                    return await asyncio.gather(*[serving.stream_request(c, self.url, "/v1/chat/completions", b,
-                                                                         self.headers) for b in bodies])
-            results = asyncio.run(many())
+            results = serving.stream_all(self.url, "/v1/chat/completions", bodies, self.headers)
             ttfts = sorted(r.ttft_s for r in results if r.ttft_s is not None)
             misses = self._misses(rid)
             batch.append({"request_id": rid, "prompts": [q["index"] for q in group], "open_s": open_s,

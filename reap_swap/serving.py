@@ -284,26 +284,25 @@ def batch_decode_tok_s(results: Sequence[StreamResult]) -> float | None:
     return sum(r.tokens_after_first for r in results) / (max(lasts) - min(firsts))
 
 
-async def _stream_one(client, url, prompt, n, model="m"):
-    res = await stream_request(client, url, "/v1/completions", {
-        "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}, timeout=300)
-    return res.chunks, res.t_first, res.t_last
+def stream_all(url: str, path: str, bodies: Sequence[Mapping[str, Any]], headers: Mapping[str, str] | None = None,
+               timeout: float = 600) -> list[StreamResult]:
+    """Stream ``bodies`` to ``url + path`` concurrently (a connection each) and time every one."""
+    async def go():
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(bodies) + 2)) as client:
+            return await asyncio.gather(*[stream_request(client, url, path, b, headers, timeout) for b in bodies])
+    return asyncio.run(go())
 
 
 def decode_speed(url: str, prompts: Sequence[str], batch: int, n: int = 256, repeats: int = 3,
                  model: str = "m") -> dict:
     """Streamed greedy decode tok/s of ``batch`` concurrent completions: one warm-up, then
-    ``repeats`` runs (prompts rotate); median, min and max."""
-    async def run():
-        async with httpx.AsyncClient() as client:
-            await _stream_one(client, url, "warm up", 16, model)
-            rates = []
-            for rep in range(repeats):
-                res = await asyncio.gather(*[_stream_one(client, url, prompts[(rep + i) % len(prompts)], n, model)
-                                             for i in range(batch)])
-                toks = sum(c - 1 for c, _, _ in res)
-                span = max(t for _, _, t in res) - min(t for _, t, _ in res)
-                rates.append(toks / span)
-            rates.sort()
-            return {"median": rates[len(rates) // 2], "min": rates[0], "max": rates[-1]}
-    return asyncio.run(run())
+    ``repeats`` runs (prompts rotate); median, min and max (batch_decode_tok_s of each run)."""
+    def body(prompt: str, tokens: int) -> dict:
+        return {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+
+    stream_all(url, "/v1/completions", [body("warm up", 16)], timeout=300)
+    rates = sorted(batch_decode_tok_s(stream_all(url, "/v1/completions",
+                                                 [body(prompts[(rep + i) % len(prompts)], n) for i in range(batch)],
+                                                 timeout=300))
+                   for rep in range(repeats))
+    return {"median": rates[len(rates) // 2], "min": rates[0], "max": rates[-1]}
