@@ -456,15 +456,9 @@ class ArmRunner:
         t0 = time.perf_counter()
         selection, _probe = self.client.select(messages, strategy=self.strategy, budget_bytes=self.spec.budget_bytes,
                                                request_id=rid, model=self.model, max_tokens=self.cfg.decode_tokens)
-        t1 = time.perf_counter()
-        warm = selection.signature == self.client.known_signature
-        resp = (self.client.warm if warm else self.client.swap)(selection, rid)
+        summary = self.client.open(selection, rid)
         elapsed = time.perf_counter() - t0
-        timing = resp.get("timing") or {}
-        self.swaps.append({"request_id": rid, "kind": "warm" if warm else "swap", "noop": resp.get("noop"),
-                           "bytes_copied": resp.get("bytes_copied"), "server_seconds": timing.get("total_seconds"),
-                           "client_ms": round((time.perf_counter() - t1) * 1000, 3),
-                           "signature": resp.get("signature"), "mode": resp.get("mode")})
+        self.swaps.append(_swap_record(rid, "warm" if summary["opened_with"].startswith("warm") else "swap", summary))
         return elapsed
 
     def _misses(self, rid: str) -> dict | None:

@@ -449,6 +449,11 @@ class ReapClient(_Base):
         body = _swap_body(active_set, request_id, phase, budget_bytes, reset_router_stats)
         return self._note(self._call(_Call("POST", "/warm_active_set", body)))
 
+    def open(self, selection: Selection, request_id: str) -> dict:
+        """Open ``request_id`` with a selection: a swap, or a warm when its signature is already
+        resident (chat's own open step); the swap_summary, with client_ms of this call."""
+        return self._drive(self._open_flow(selection.payload(request_id), selection.signature))
+
     def swap_cartridge(self, cartridge_id: str, request_id: str | None = None, *, phase: str = "prefill",
                        budget_bytes: int | None = None) -> dict:
         body = {k: v for k, v in {"request_id": request_id, "phase": phase, "budget_bytes": budget_bytes}.items()
@@ -550,6 +555,9 @@ class AsyncReapClient(_Base):
                    phase: str = "prefill", budget_bytes: int | None = None, reset_router_stats: bool = False) -> dict:
         body = _swap_body(active_set, request_id, phase, budget_bytes, reset_router_stats)
         return self._note(await self._call(_Call("POST", "/warm_active_set", body)))
+
+    async def open(self, selection: Selection, request_id: str) -> dict:
+        return await self._drive(self._open_flow(selection.payload(request_id), selection.signature))
 
     async def swap_cartridge(self, cartridge_id: str, request_id: str | None = None, *, phase: str = "prefill",
                              budget_bytes: int | None = None) -> dict:
