@@ -435,17 +435,26 @@ def _cartridge_issues(plan: Plan) -> list[PlanIssue]:
 
 def validate_plan_document(doc: Mapping, model_shape: ModelShape | None = None) -> ValidationReport:
     """Schema pass, then semantic pass; both always run so one report lists every problem."""
+    return _validate(doc, model_shape, build=False)[0]
+
+
+def _validate(doc: Any, model_shape: ModelShape | None, build: bool) -> tuple[ValidationReport, Plan | None]:
+    """The report and, when the document is valid and `build` (or its cartridges need checking
+    against the built plan), the plan: built at most once."""
     if not isinstance(doc, Mapping):
-        return ValidationReport((PlanIssue("$", f"a plan is a JSON object, not {type(doc).__name__}"),), ())
+        return ValidationReport((PlanIssue("$", f"a plan is a JSON object, not {type(doc).__name__}"),), ()), None
     if not isinstance(doc, dict):
         doc = _thaw(doc)  # a frozen Plan.document: jsonschema's "object" and "array" mean dict and list
     errors = _schema_issues(doc)
     summary: dict[str, Any] = {"identity": hashlib.sha256(canonical_json(doc)).hexdigest()}
     semantic_errors, warnings = _semantic_issues(doc, model_shape, summary, schema_clean=not errors)
     errors = sorted(errors + semantic_errors, key=_path_order)
-    if not errors and doc.get("cartridges"):
-        errors += _cartridge_issues(_build_plan(doc, summary["identity"]))
-    return ValidationReport(tuple(errors), tuple(warnings), MappingProxyType(summary))
+    plan = None
+    if not errors and (build or doc.get("cartridges")):
+        plan = _build_plan(doc, summary["identity"])
+        if doc.get("cartridges"):
+            errors += _cartridge_issues(plan)
+    return ValidationReport(tuple(errors), tuple(warnings), MappingProxyType(summary)), plan
 
 
 def _path_order(issue: PlanIssue) -> list:
@@ -506,7 +515,7 @@ def read_plan_document(source: str | os.PathLike) -> dict:
 def load_plan(source: str | os.PathLike | Mapping, model_shape: ModelShape | None = None) -> Plan:
     """Validate and build the immutable plan; raises PlanError (with the report) when invalid."""
     doc = source if isinstance(source, Mapping) else read_plan_document(source)
-    report = validate_plan_document(doc, model_shape)
+    report, plan = _validate(doc, model_shape, build=True)
     if not report.ok:
         raise PlanError(report)
-    return _build_plan(doc if isinstance(doc, dict) else _thaw(doc), report.summary["identity"])
+    return plan
