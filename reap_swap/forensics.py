@@ -39,6 +39,14 @@ def _copy(stats: Mapping) -> dict[str, list]:
     return {"counts": [int(c) for c in stats["counts"]], "weights": [float(w) for w in stats["weights"]]}
 
 
+def tp_groups(reports: Sequence[Mapping]) -> dict[int, list[Mapping]]:
+    """dp_rank -> that data-parallel group's reports, lowest tp rank first (the reference rank)."""
+    groups: dict[int, list[Mapping]] = {}
+    for report in reports:
+        groups.setdefault(int(report.get("dp_rank", 0)), []).append(report)
+    return {dp: sorted(members, key=lambda r: int(r.get("tp_rank", 0))) for dp, members in sorted(groups.items())}
+
+
 def aggregate_workers(reports: Sequence[Mapping]) -> dict[int, dict]:
     """layer -> {"counts", "weights", "tp_disagreement"} over all workers.
 
@@ -47,13 +55,8 @@ def aggregate_workers(reports: Sequence[Mapping]) -> dict[int, dict]:
     over groups, and list in ``tp_disagreement`` every (dp_rank, tp_rank) whose counts differ
     from its group's reference (a bug worth seeing, never silently averaged away).
     """
-    groups: dict[int, list[Mapping]] = {}
-    for report in reports:
-        groups.setdefault(int(report.get("dp_rank", 0)), []).append(report)
-
     out: dict[int, dict] = {}
-    for dp_rank, members in sorted(groups.items()):
-        members = sorted(members, key=lambda r: int(r.get("tp_rank", 0)))
+    for dp_rank, members in tp_groups(reports).items():
         reference = {int(k): v for k, v in members[0].get("layers", {}).items()}
         for layer, stats in reference.items():
             if layer not in out:

@@ -167,19 +167,15 @@ def worker_layers(reports: Sequence[Mapping]) -> dict[int, dict[str, np.ndarray]
     Tensor-parallel ranks route identically: counts and weights go through
     forensics.aggregate_workers (lowest tp rank per data-parallel group, summed over groups);
     the co-activation matrix is taken from the same rank."""
-    from reap_swap.forensics import aggregate_workers
+    from reap_swap.forensics import aggregate_workers, tp_groups
 
     agg = aggregate_workers(reports)
     for layer, stats in agg.items():
         if stats.get("tp_disagreement"):
             raise CountMismatch(f"layer {layer}: tensor-parallel ranks disagree: {stats['tp_disagreement']}")
     coact: dict[int, np.ndarray] = {}
-    groups: dict[int, Mapping] = {}
-    for report in reports:
-        dp = int(report.get("dp_rank", 0))
-        if dp not in groups or int(report.get("tp_rank", 0)) < int(groups[dp].get("tp_rank", 0)):
-            groups[dp] = report
-    for report in groups.values():
+    for members in tp_groups(reports).values():
+        report = members[0]
         for key, stats in report.get("layers", {}).items():
             if stats.get("coact") is not None:
                 m = np.asarray(stats["coact"], dtype=np.int64)
