@@ -175,3 +175,17 @@ def padding_source(num_rows: int):
         if first.shape[0] == num_rows:
             return ("slot_mapping", first)
     return None
+
+
+def moe_layer_names(vllm_config) -> list[str]:
+    """Names of the model's MoE layers in registration (= call) order, e.g.
+    'model.layers.0.mlp.experts' (CompilationConfig.static_all_moe_layers, 0.26 .. 0.33)."""
+    return list(vllm_config.compilation_config.static_all_moe_layers)
+
+
+def standalone_forward_context(vllm_config):
+    """A forward context for calling model submodules outside a model-runner step (no attention
+    metadata, no CUDA graph): vLLM's MoE op finds its layer through it."""
+    from vllm.forward_context import set_forward_context
+
+    return set_forward_context(None, vllm_config)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from reap_swap import compat
 from reap_swap.active_set import signature
 from reap_swap.logs import get_logger
+from reap_swap.moe_probe import MoeProbeExtension
 from reap_swap.plan import Plan
 from reap_swap.residency import count_kernel, counters
 from reap_swap.residency import experts as _experts
@@ -99,8 +100,9 @@ class _WorkerState:
         return {"signature": signature(planned), "resident_experts": sum(len(v) for v in planned.values())}
 
 
-class ReapWorkerExtension:
-    """RPC methods run on every worker (see docs/architecture.md, Worker RPC)."""
+class ReapWorkerExtension(MoeProbeExtension):
+    """RPC methods run on every worker (see docs/architecture.md, Worker RPC); reap_moe_probe
+    comes from MoeProbeExtension, which stock servers can load alone."""
 
     def _reap_state(self) -> _WorkerState:
         state = getattr(self, "_reap_worker_state", None)

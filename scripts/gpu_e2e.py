@@ -19,6 +19,10 @@ Arms (each: start a server, measure, stop; results merged into OUT/gpu_e2e.json)
 Every arm runs with CUDA graphs on (no --enforce-eager) unless --eager. Greedy outputs are stored
 per arm/phase; scripts/gpu_summarize.py compares them across arms and files.
 
+With --moe-probe, stock arms also load reap_swap.moe_probe.MoeProbeExtension (a worker mixin that
+changes nothing else) and every arm/phase records reap_moe_probe: a digest of each MoE block's
+output for the same seeded input on every rank, compared bitwise across arms by gpu_summarize.py.
+
 Usage (on the device, after installing the kit):
   python3 scripts/gpu_e2e.py --model /tmp/model --out DIR --arms stock-gpu,reap-sweep [--tp 2]
 """
@@ -171,6 +175,25 @@ def collective_rpc(srv: Server, method: str, args=()) -> dict:
 
 
 REFERENCE: list[dict] | None = None  # stock-gpu's greedy outputs, when this call measured them
+PROBE = False  # --moe-probe
+PROBE_EXTENSION = ["--worker-extension-cls", "reap_swap.moe_probe.MoeProbeExtension"]
+
+
+def moe_probe(srv: Server, label: str) -> dict | None:
+    """Every rank's MoE-block output digests (reap_moe_probe), when --moe-probe is on."""
+    global PROBE
+    if not PROBE:
+        return None
+    try:
+        code, data, ms = post(srv, "/collective_rpc", {"method": "reap_moe_probe", "args": []}, timeout=120)
+    except httpx.HTTPError as exc:  # a hung collective would hang every later probe too: stop probing
+        PROBE = False
+        log(label, "moe probe failed; no more probes this call:", repr(exc))
+        return {"status": None, "ranks": None, "error": repr(exc)}
+    ranks = data.get("results") if code == 200 else None
+    errors = [r.get("error") for r in ranks or [] if r.get("error")]
+    log(label, "moe probe", code, f"{ms:.0f} ms", "errors", errors or None)
+    return {"status": code, "ms": ms, "ranks": ranks, "error": None if ranks else data}
 
 
 def measure(srv: Server, rid: str | None, d1=(256, 3), d8=(128, 3)) -> dict:
@@ -205,8 +228,10 @@ def arm_stock(argv, name, out, uva_gib, res, d1=(256, 3), d8=(128, 3)):
     extra = [] if uva_gib is None else ["--offload-backend", "uva", "--cpu-offload-gb", f"{uva_gib:.3f}",
                                         "--cpu-offload-params", "w13_weight", "w2_weight"]
     global REFERENCE
-    with Server(name, argv + extra, out, port=serving.free_port()) as srv:
+    extra += PROBE_EXTENSION if PROBE else []
+    with Server(name, argv + extra, out, env=DEV if PROBE else None, port=serving.free_port()) as srv:
         res[name] = {"startup_s": srv.startup_s, "argv": srv.command, **measure(srv, None, d1, d8)}
+        res[name]["moe_probe"] = moe_probe(srv, name)
     if name == "stock-gpu":
         REFERENCE = res[name]["greedy"]
 
@@ -337,6 +362,7 @@ def arm_tp(reap, out, shape, res, save):
     r = res.setdefault("reap-tp", {})
     with routed_server("reap-tp", reap, out, 0.5) as srv:
         core_and_counters(srv, shape, r, (128, 2), 2)
+        r["core"]["moe_probe"] = moe_probe(srv, "reap-tp core")
         save()
         quarter = shape["experts"] // 4
         half = first_experts(shape, quarter, start=quarter)          # core 0..31 + 32..63 = 50 %
@@ -344,15 +370,18 @@ def arm_tp(reap, out, shape, res, save):
         r["swap_50"] = swap(srv, "p050", half)
         r["status_50"] = status(srv)
         r["at_50"] = measure(srv, "p050", d1=(256, 3), d8=(128, 3))
+        r["at_50"]["moe_probe"] = moe_probe(srv, "reap-tp 50 %")
         save()
         # a failure injected on rank 1, mid-swap (after one admission): both ranks must stay at 50 %
         r["fault_arm"] = collective_rpc(srv, "reap_arm_swap_fault", [1])
         r["fault_swap"] = swap(srv, "fault", other_half)
         r["status_after_fault"] = status(srv)
         r["after_fault"] = measure(srv, "p050", d1=None, d8=None)
+        r["after_fault"]["moe_probe"] = moe_probe(srv, "reap-tp after fault")
         r["swap_back_25"] = swap(srv, "p025", {})
         r["status_25"] = status(srv)
         r["at_25"] = measure(srv, "p025", d1=None, d8=None)
+        r["at_25"]["moe_probe"] = moe_probe(srv, "reap-tp 25 %")
         timings = []
         for i in range(3):
             timings.append({"in": swap(srv, f"t50-{i}", half), "out": swap(srv, f"t25-{i}", {})})
@@ -370,10 +399,10 @@ def main():
     ap.add_argument("--common", help="replace the engine arguments every arm gets (a shell-quoted string; "
                                      "e.g. to smoke-test this driver on vLLM's CPU build)")
     ap.add_argument("--quick", action="store_true", help="tiny decode measurements (smoke tests)")
+    ap.add_argument("--moe-probe", action="store_true", help="record bitwise MoE-layer output digests")
     args = ap.parse_args()
-    if args.quick:
-        global QUICK
-        QUICK = True
+    global QUICK, PROBE
+    QUICK, PROBE = args.quick, args.moe_probe
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = Path(args.model)

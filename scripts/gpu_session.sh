@@ -2,7 +2,7 @@
 # One device session's measurements (issues 4, 8, 9) on a 2xH200 machine, run in the background so
 # that they outlive one 10-minute device call; see research.md "Re-running the GPU measurements".
 #
-#   bash scripts/gpu_session.sh start [main|followup]   # after the kit is installed and /tmp/model exists
+#   bash scripts/gpu_session.sh start [main|followup|tp]   # after the kit is installed and /tmp/model exists
 #   bash scripts/gpu_session.sh wait 540   # wait up to N s, print progress, pack results into $OUT
 #
 # Two single-GPU lanes run at once (GPU 0 and GPU 1, each its own servers, one at a time per
@@ -84,6 +84,23 @@ followup_b() {  # GPU 1: counters vs routed experts (unique prompts), GPU tests,
   step B done
 }
 
+tp_session() {  # issue 9's remaining items: stock UVA TP=2 references, bitwise MoE-layer probes
+  export CUDA_VISIBLE_DEVICES=1
+  step tp "pytest tests/gpu (GPU 1, before any server: nothing else allocates while vLLM profiles)"
+  $PY -m pytest -q tests/gpu -p no:cacheprovider > $S/gpu_tests.log 2>&1; tail -3 $S/gpu_tests.log
+  export CUDA_VISIBLE_DEVICES=0,1
+  step tp "e2e tp: stock-gpu,reap-tp,stock-uva-half,stock-uva-all with MoE probes"
+  $PY scripts/gpu_e2e.py --model /tmp/model --out $S/tp --tp 2 --moe-probe \
+    --arms stock-gpu,reap-tp,stock-uva-half,stock-uva-all
+  step tp done
+}
+
+tp_lanes() {
+  tp_session > $S/lane_tp.log 2>&1
+  touch $S/all.done
+  step main "all done"
+}
+
 followup_lanes() {
   followup_a > $S/lane0.log 2>&1 &
   followup_b > $S/lane1.log 2>&1 &
@@ -110,13 +127,14 @@ pack() {
 }
 
 case "${1:-}" in
-  start)  # start [main|followup]
+  start)  # start [main|followup|tp]
     mkdir -p $S
     setsid nohup bash "$0" "${2:-main}" > $S/main.log 2>&1 < /dev/null &
     sleep 2; step start "background session started (${2:-main})"
     ;;
   main) main_lanes ;;
   followup) followup_lanes ;;
+  tp) tp_lanes ;;
   wait)
     limit=${2:-540}; t0=$(date +%s)
     while [ ! -e $S/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 10; done

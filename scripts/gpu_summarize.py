@@ -170,6 +170,30 @@ def skew_section(sess: Path) -> list[str]:
     return lines
 
 
+def probe_section(ref: dict | None, entries: list[tuple[str, dict]]) -> list[str]:
+    """Bitwise MoE-block comparison per rank: equal digests / all (layer, size) pairs."""
+    from reap_swap.moe_probe import compare_probes
+
+    if not ref or not ref.get("ranks"):
+        return ["(no reference probe)"]
+    lines = ["", "| run | rank | equal (layer, tokens) | differ | ranks agree |", "|---|---|---|---|---|"]
+    rows = [("reference", ref)] + entries
+    for name, probe in rows:
+        ranks = probe.get("ranks") or []
+        if not ranks:
+            lines.append(f"| {name} | | failed: {json.dumps(probe.get('error'))[:200]} | | |")
+            continue
+        agree = all(x.get("layers") == ranks[0].get("layers") for x in ranks)
+        for i, got in enumerate(ranks):
+            if got.get("error"):
+                lines.append(f"| {name} | {i} | error: {got['error'][:200]} | | |")
+                continue
+            c = compare_probes(ref["ranks"][min(i, len(ref["ranks"]) - 1)], got)
+            cell = f"{c['equal']}/{c['of']}" if c["comparable"] else c["why"]
+            lines.append(f"| {name} | {got.get('tp_rank', i)} | {cell} | {', '.join(c.get('differ', [])[:6])} | {agree} |")
+    return lines
+
+
 def tp_section(tp: dict) -> list[str]:
     r = tp.get("reap-tp") or {}
     stock = tp.get("stock-gpu") or {}
@@ -189,9 +213,12 @@ def tp_section(tp: dict) -> list[str]:
                      f"workers {[(w.get('tp_rank'), w.get('signature')) for w in sw.get('workers') or []]}, "
                      f"error {json.dumps(sw.get('error'))[:400] if sw.get('error') else None}")
     lines.append(f"- fault armed: {json.dumps(r.get('fault_arm'))[:300]}")
+    half = tp.get("stock-uva-half") or {}
     lines.append(f"- decode at 50 %: 1 stream {span((r.get('at_50') or {}).get('decode_1'))}, 8 streams "
                  f"{span((r.get('at_50') or {}).get('decode_8'))}; stock TP=2 all in HBM: "
-                 f"{span(stock.get('decode_1'))}")
+                 f"{span(stock.get('decode_1'))}, 8 streams {span(stock.get('decode_8'))}; stock UVA TP=2 "
+                 f"with half the expert bytes offloaded: {span(half.get('decode_1'))}, 8 streams "
+                 f"{span(half.get('decode_8'))}")
     lines.append(f"- hit rate at 50 %: {((r.get('at_50') or {}).get('router_misses') or {}).get('totals')}")
     t = r.get("swap_timings_25_50") or []
     if t:
@@ -200,7 +227,16 @@ def tp_section(tp: dict) -> list[str]:
                      f"{t[0]['in'].get('bytes_copied_per_worker')}")
     ref = stock.get("greedy")
     entries = [(k, (r.get(k) or {}).get("greedy")) for k in ("core", "at_50", "after_fault", "at_25")]
-    lines += [""] + greedy_section("stock vLLM TP=2, all experts in HBM", ref, entries)
+    stock_uva = [(k, (tp.get(k) or {}).get("greedy")) for k in ("stock-uva-all", "stock-uva-half") if k in tp]
+    lines += [""] + greedy_section("stock vLLM TP=2, all experts in HBM", ref, stock_uva + entries)
+    uva = (tp.get("stock-uva-all") or {}).get("greedy")
+    if uva:
+        lines += ["", "Against stock vLLM TP=2 with the launcher's UVA flags:"]
+        lines += greedy_section("stock-uva-all TP=2", uva, entries)
+    probes = [(k, (tp.get(k) or {}).get("moe_probe")) for k in ("stock-uva-all", "stock-uva-half")]
+    probes += [(f"reap-tp {k}", (r.get(k) or {}).get("moe_probe")) for k in ("core", "at_50", "after_fault", "at_25")]
+    lines += ["", "MoE-layer outputs (reap_moe_probe digests) vs stock vLLM TP=2, all experts in HBM:"]
+    lines += probe_section(stock.get("moe_probe"), [(k, p) for k, p in probes if p])
     lines += ["", "Counters vs vLLM routed experts (TP=2):"] + counter_section(r.get("counter_check"))
     return lines
 

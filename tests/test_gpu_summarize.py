@@ -38,3 +38,19 @@ def test_run4_counters_equal(tmp_path, capsys):
     out = _summarize(tmp_path, {"e2e0": "run4-clean-e2e.json", "e2e1": "run4-counters-e2e.json"}, capsys)
     assert "all requests equal: **True**" in out
     assert "reap-swap at 100 % / stock: 0.946 (1 stream), 1.006 (8 streams)" in out
+
+
+def test_probe_section_counts_bitwise_equal_layers_per_rank():
+    mod = load_script("gpu_summarize")
+
+    def rank(i, d1="a"):
+        return {"tp_rank": i, "inputs": {"1": "x"}, "layers": {"L0": {"1": d1}, "L1": {"1": "b"}}}
+    ref = {"ranks": [rank(0), rank(1)]}
+    lines = mod.probe_section(ref, [("same", {"ranks": [rank(0), rank(1)]}),
+                                    ("off", {"ranks": [rank(0, "z"), rank(1, "z")]}),
+                                    ("dead", {"ranks": None, "error": {"text": "boom"}})])
+    text = "\n".join(lines)
+    assert "| same | 0 | 2/2 |  | True |" in text and "| same | 1 | 2/2 |  | True |" in text
+    assert "| off | 1 | 1/2 | L0@1 | True |" in text
+    assert "| dead | | failed:" in text
+    assert mod.probe_section(None, []) == ["(no reference probe)"]

@@ -66,3 +66,35 @@ def test_tp2_a_swap_failing_on_rank_1_leaves_both_ranks_on_the_previous_set(tp2)
         st = status(api)
         assert st["signature"] == new and st["workers_consistent"]
         assert [w["signature"] for w in st["workers"]] == [new, new]
+
+
+def test_tp2_moe_probe_ranks_agree_match_transformers_and_survive_a_swap(tp2, recount):
+    """reap_moe_probe (the bitwise MoE-layer comparison used on the GPU): both ranks see the same
+    all-reduced block outputs, which are transformers' own MoE blocks' outputs for that input."""
+    import torch
+
+    from reap_swap import moe_probe
+
+    def probe(api):
+        r = api.post("/collective_rpc", json={"method": "reap_moe_probe", "args": [[1, 8, 64]]})
+        assert r.status_code == 200, r.text
+        ranks = r.json()["results"]
+        assert [x["tp_rank"] for x in ranks] == [0, 1] and not [x for x in ranks if x.get("error")]
+        return ranks
+
+    with tp2.client() as api:
+        ranks = probe(api)
+        assert ranks[0]["layers"] == ranks[1]["layers"] and ranks[0]["inputs"] == ranks[1]["inputs"]
+        assert list(ranks[0]["layers"]) == [f"model.layers.{i}.mlp.experts" for i in range(4)]
+        for i, layer in enumerate(recount.model.model.layers):
+            for n in (1, 8, 64):
+                x = moe_probe.probe_input(n, recount.model.config.hidden_size, 0, torch.float32, "cpu")
+                with torch.no_grad():
+                    y = layer.mlp(x[None])
+                y = y[0] if isinstance(y, tuple) else y
+                ours = ranks[0]["absmax"][f"model.layers.{i}.mlp.experts"][str(n)]
+                assert ours == pytest.approx(float(y.abs().max()), rel=1e-5), (i, n)
+        swap(api, "tp2-probe", {"layer_0": ["layer_0_slice_00"], "layer_2": ["layer_2_slice_01"]})
+        after = probe(api)
+        assert moe_probe.compare_probes(ranks[0], after[0]) == {"comparable": True, "equal": 12, "of": 12,
+                                                                "differ": []}
