@@ -2,7 +2,7 @@
 # One device session's measurements (issues 4, 8, 9) on a 2xH200 machine, run in the background so
 # that they outlive one 10-minute device call; see research.md "Re-running the GPU measurements".
 #
-#   bash scripts/gpu_session.sh start [main|followup|tp]   # after the kit is installed and /tmp/model exists
+#   bash scripts/gpu_session.sh start [main|followup|tp|tp-reap]   # after the kit is installed and /tmp/model exists
 #   bash scripts/gpu_session.sh wait 540   # wait up to N s, print progress, pack results into $OUT
 #
 # Two single-GPU lanes run at once (GPU 0 and GPU 1, each its own servers, one at a time per
@@ -95,6 +95,21 @@ tp_session() {  # issue 9's remaining items: stock UVA TP=2 references, bitwise 
   step tp done
 }
 
+tp_reap_session() {  # after a fix: GPU tests, then reap-tp alone, compared with an earlier call's stock arms
+  export CUDA_VISIBLE_DEVICES=1
+  step tp "pytest tests/gpu"
+  $PY -m pytest -q tests/gpu -p no:cacheprovider > $S/gpu_tests.log 2>&1; tail -3 $S/gpu_tests.log
+  export CUDA_VISIBLE_DEVICES=0,1
+  mkdir -p $S/tp
+  if [ -n "${TP_REFERENCE:-}" ]; then  # an earlier gpu_e2e.json: its stock arms (not its reap-tp)
+    $PY -c "import json,sys; d=json.load(open(sys.argv[1])); d.pop('reap-tp',None); json.dump(d,open(sys.argv[2],'w'))" \
+      "$TP_REFERENCE" $S/tp/gpu_e2e.json
+  fi
+  step tp "e2e tp: reap-tp with MoE probes"
+  $PY scripts/gpu_e2e.py --model /tmp/model --out $S/tp --tp 2 --moe-probe --arms reap-tp
+  step tp done
+}
+
 tp_lanes() {
   tp_session > $S/lane_tp.log 2>&1
   touch $S/all.done
@@ -127,7 +142,7 @@ pack() {
 }
 
 case "${1:-}" in
-  start)  # start [main|followup|tp]
+  start)  # start [main|followup|tp|tp-reap]
     mkdir -p $S
     setsid nohup bash "$0" "${2:-main}" > $S/main.log 2>&1 < /dev/null &
     sleep 2; step start "background session started (${2:-main})"
@@ -135,6 +150,7 @@ case "${1:-}" in
   main) main_lanes ;;
   followup) followup_lanes ;;
   tp) tp_lanes ;;
+  tp-reap) tp_reap_session > $S/lane_tp.log 2>&1; touch $S/all.done ;;
   wait)
     limit=${2:-540}; t0=$(date +%s)
     while [ ! -e $S/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 10; done

@@ -13,7 +13,11 @@ LAYERS, EXPERTS = 3, 8
 
 
 class FakeStore:
-    """Host masters, HBM slots and a per-expert mapping, like the VMM store, in Python objects."""
+    """Host masters, HBM slots and a per-expert mapping, like the VMM store, in Python objects.
+
+    Like the CUDA store, a remapped expert is unreadable until publish(): a copy from it (or a
+    kernel reading it) before then is a fault -- on the H200 a segfault in cuMemcpyDtoDAsync.
+    """
 
     bytes_per_expert = 100
 
@@ -24,6 +28,7 @@ class FakeStore:
         self.events: list[tuple] = []
         self.fail_at_map = fail_at_map
         self.maps = 0
+        self.unpublished: set[tuple[int, int]] = set()
 
     def quiesce(self):
         self.events.append(("quiesce",))
@@ -31,10 +36,12 @@ class FakeStore:
     def map_host(self, layer, expert):
         self.events.append(("evict", layer, expert))
         self.mapping[(layer, expert)] = None
+        self.unpublished.add((layer, expert))
 
     def start_copy(self, layer, expert, slot):
         # a slot that some expert is still mapped to must never be overwritten
         assert slot not in self.mapping.values(), f"copy into slot {slot} that is still mapped"
+        assert (layer, expert) not in self.unpublished, f"copy from unpublished expert {layer}.{expert}"
         self.slots[slot] = self.master[(layer, expert)]
         self.events.append(("copy", layer, expert, slot))
         return (layer, expert, slot)
@@ -48,11 +55,14 @@ class FakeStore:
             raise RuntimeError("injected remap failure")
         assert self.slots[slot] == self.master[(layer, expert)]
         self.mapping[(layer, expert)] = slot
+        self.unpublished.add((layer, expert))
 
     def publish(self):
         self.events.append(("publish",))
+        self.unpublished.clear()
 
     def read(self, layer, expert):
+        assert (layer, expert) not in self.unpublished, f"kernel read of unpublished expert {layer}.{expert}"
         slot = self.mapping[(layer, expert)]
         return self.master[(layer, expert)] if slot is None else self.slots[slot]
 
@@ -123,6 +133,23 @@ def test_failure_mid_swap_restores_previous_set(fail_at):
         apply_swap(table, store, {0: {3}, 1: {4, 5}, 2: {6}})
     assert err.value.rolled_back
     assert table.resident() == before == err.value.resident
+    _check_consistent(table, store)
+
+
+def test_a_failed_swap_publishes_before_its_rollback_copies():
+    """The H200 case: evict 0.0 (remapped to its host master, unpublished), fail on the first
+    admission; the rollback re-admits 0.0 by copying from its range, which must be readable."""
+    table, store = SlotTable(2), FakeStore(2)
+    apply_swap(table, store, {0: {0, 1}})
+    store.events.clear()
+    store.fail_at_map = store.maps + 2  # the second admission fails, after one was mapped
+    with pytest.raises(SwapFailed) as err:
+        apply_swap(table, store, {0: {2, 3}})
+    assert err.value.rolled_back and table.resident() == {0: frozenset({0, 1})}
+    kinds = [e[0] for e in store.events]
+    first_rollback_copy = next(i for i, e in enumerate(store.events) if e[:3] in (("copy", 0, 0), ("copy", 0, 1)))
+    assert "publish" in kinds[:first_rollback_copy]
+    assert store.events[-1] == ("publish",) and not store.unpublished
     _check_consistent(table, store)
 
 

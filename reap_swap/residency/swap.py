@@ -41,7 +41,8 @@ class ExpertStore(Protocol):
         """Back the expert by HBM slot `slot` (readable by kernels after publish())."""
 
     def publish(self) -> None:
-        """Make every remap of this swap readable (the CUDA store sets access per run of units)."""
+        """Make every remap so far readable (the CUDA store sets access per run of units); called
+        at the end of every swap, also of one that failed mid-way."""
 
 
 class SwapFailed(RuntimeError):
@@ -69,22 +70,30 @@ def _execute(table: SlotTable, store: ExpertStore, plan: SwapPlan) -> SwapResult
     # and the admission remaps of experts whose copies have already landed. A slot freed by an
     # eviction is written only after that eviction, so a failure never leaves a stale mapping.
     free_now = set(range(table.num_slots)) - {table.slot_of(s.layer, s.expert) for s in plan.evict}
-    tokens = {s: store.start_copy(s.layer, s.expert, s.slot) for s in plan.admit if s.slot in free_now}
-    t2 = time.perf_counter()
-    for step in plan.evict:
-        store.map_host(step.layer, step.expert)
-        table.commit_evict(step)
-    t3 = time.perf_counter()
-    for step in plan.admit:
-        if step not in tokens:
-            tokens[step] = store.start_copy(step.layer, step.expert, step.slot)
-    for step in plan.admit:
-        store.wait_copy(tokens[step])
-        store.map_slot(step.layer, step.expert, step.slot)
-        table.commit_admit(step)
-        result.bytes_copied += store.bytes_per_expert
-    t4 = time.perf_counter()
-    store.publish()  # no kernel runs during a swap; access is set once per run of remapped units
+    tokens: dict = {}
+    t2 = t3 = t4 = t1
+    try:
+        tokens.update({s: store.start_copy(s.layer, s.expert, s.slot) for s in plan.admit if s.slot in free_now})
+        t2 = time.perf_counter()
+        for step in plan.evict:
+            store.map_host(step.layer, step.expert)
+            table.commit_evict(step)
+        t3 = time.perf_counter()
+        for step in plan.admit:
+            if step not in tokens:
+                tokens[step] = store.start_copy(step.layer, step.expert, step.slot)
+        for step in plan.admit:
+            store.wait_copy(tokens[step])
+            store.map_slot(step.layer, step.expert, step.slot)
+            table.commit_admit(step)
+            result.bytes_copied += store.bytes_per_expert
+        t4 = time.perf_counter()
+    finally:
+        # no kernel runs during a swap, so access is set once per run of remapped units -- and
+        # also when a step failed: every remap done so far must be readable before the rollback
+        # copies from those ranges (unreadable, the copy faults: a segfault on the H200) and
+        # before the next forward pass
+        store.publish()
     t5 = time.perf_counter()
     result.phases = {
         "quiesce": t1 - t0,
