@@ -54,3 +54,12 @@ def test_probe_section_counts_bitwise_equal_layers_per_rank():
     assert "| off | 1 | 1/2 | L0@1 | True |" in text
     assert "| dead | | failed:" in text
     assert mod.probe_section(None, []) == ["(no reference probe)"]
+
+
+def test_run6_tp2_tables(tmp_path, capsys):
+    out = _summarize(tmp_path, {"tp": "run6-tp2-e2e.json"}, capsys)
+    assert "| reap-tp after_fault | 1 | 48/48 |  | True |" in out
+    assert "| after_fault | 8/8 |" in out and "| stock-uva-half | 8/8 |" in out
+    assert "swap 25 % -> 50 % (server ms): [80.5, 80.0, 81.3]" in out
+    assert "stock UVA TP=2 with half the expert bytes offloaded: 183.5 (183.3–184.3)" in out
+    assert "all requests equal: **True**" in out
