@@ -39,6 +39,17 @@ def _copy(stats: Mapping) -> dict[str, list]:
     return {"counts": [int(c) for c in stats["counts"]], "weights": [float(w) for w in stats["weights"]]}
 
 
+def _accumulate(into: dict[int, dict], layer_stats: Mapping[Any, Mapping], where: str) -> None:
+    """Add each layer of ``layer_stats`` into ``into`` (a layer new to ``into`` is copied);
+    ``where`` names the sum in a width-mismatch error."""
+    for key, stats in layer_stats.items():
+        layer = int(key)
+        if layer in into:
+            _add_into(into[layer], stats, f"{where}layer {layer}")
+        else:
+            into[layer] = _copy(stats)
+
+
 def tp_groups(reports: Sequence[Mapping]) -> dict[int, list[Mapping]]:
     """dp_rank -> that data-parallel group's reports, lowest tp rank first (the reference rank)."""
     groups: dict[int, list[Mapping]] = {}
@@ -95,12 +106,7 @@ def mask_outside(layer_stats: Mapping[Any, Mapping], keep: Mapping[int, frozense
 def add_stats(a: Mapping[Any, Mapping] | None, b: Mapping[Any, Mapping]) -> dict[int, dict]:
     """Layer-wise sum of two statistics maps (a layer in only one of them is copied)."""
     out = {int(k): _copy(v) for k, v in (a or {}).items()}
-    for key, stats in b.items():
-        layer = int(key)
-        if layer in out:
-            _add_into(out[layer], stats, f"layer {layer}")
-        else:
-            out[layer] = _copy(stats)
+    _accumulate(out, b, "")
     return out
 
 
@@ -156,12 +162,7 @@ class StatsLedger:
 
     def close_into(self, request_id: str, layer_stats: Mapping[Any, Mapping]) -> None:
         entry = self._entries.get(request_id, {})
-        for key, stats in layer_stats.items():
-            layer = int(key)
-            if layer in entry:
-                _add_into(entry[layer], stats, f"request {request_id!r}, layer {layer}")
-            else:
-                entry[layer] = _copy(stats)
+        _accumulate(entry, layer_stats, f"request {request_id!r}, ")
         self._entries[request_id] = entry
 
     def get(self, request_id: str) -> LayerStats | None:
