@@ -70,10 +70,8 @@ def _execute(table: SlotTable, store: ExpertStore, plan: SwapPlan) -> SwapResult
     # and the admission remaps of experts whose copies have already landed. A slot freed by an
     # eviction is written only after that eviction, so a failure never leaves a stale mapping.
     free_now = set(range(table.num_slots)) - {table.slot_of(s.layer, s.expert) for s in plan.evict}
-    tokens: dict = {}
-    t2 = t3 = t4 = t1
     try:
-        tokens.update({s: store.start_copy(s.layer, s.expert, s.slot) for s in plan.admit if s.slot in free_now})
+        tokens = {s: store.start_copy(s.layer, s.expert, s.slot) for s in plan.admit if s.slot in free_now}
         t2 = time.perf_counter()
         for step in plan.evict:
             store.map_host(step.layer, step.expert)
