@@ -13,6 +13,8 @@ PY=python3
 ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-num-seqs 8 --gpu-memory-utilization 0.35 --moe-backend triton)
 stamp() { date +%H:%M:%S; }
 step() { echo "$(stamp) [$1] $2"; }
+gpu_tests() { $PY -m pytest -q tests/gpu -p no:cacheprovider > $S/gpu_tests.log 2>&1; tail -3 $S/gpu_tests.log; }
+finish() { touch $S/all.done; step main "all done"; }  # what `wait` waits for
 
 lane0() {  # random model: correctness, mechanism cost, swap speed; then the 25 % bench budget
   export CUDA_VISIBLE_DEVICES=0
@@ -31,7 +33,7 @@ lane0() {  # random model: correctness, mechanism cost, swap speed; then the 25 
 lane1() {  # GPU tests; the skewed model: observe, plan, the 50 % bench budget; counters check
   export CUDA_VISIBLE_DEVICES=1
   step lane1 "pytest tests/gpu"
-  $PY -m pytest -q tests/gpu -p no:cacheprovider > $S/gpu_tests.log 2>&1; tail -3 $S/gpu_tests.log
+  gpu_tests
   step lane1 "skewed model"
   $PY scripts/make_skewed_moe.py /tmp/model /tmp/skew > $S/skew.log 2>&1 || { touch $S/lane1.failed; tail $S/skew.log; }
   cp /tmp/skew/skew_construction.json $S/ 2>/dev/null
@@ -78,7 +80,7 @@ followup_b() {  # GPU 1: counters vs routed experts (unique prompts), GPU tests,
   $PY scripts/gpu_e2e.py --model /tmp/model --out $S/e2e1 --arms reap-routed
   touch $S/quiet
   step B "pytest tests/gpu"
-  $PY -m pytest -q tests/gpu -p no:cacheprovider > $S/gpu_tests.log 2>&1; tail -3 $S/gpu_tests.log
+  gpu_tests
   step B "swap bench"
   $PY scripts/gpu_swap_bench.py --layers 8 --out $S/swap_bench.json > $S/swap_bench.log 2>&1; tail -3 $S/swap_bench.log
   step B done
@@ -87,7 +89,7 @@ followup_b() {  # GPU 1: counters vs routed experts (unique prompts), GPU tests,
 tp_session() {  # issue 9's remaining items: stock UVA TP=2 references, bitwise MoE-layer probes
   export CUDA_VISIBLE_DEVICES=1
   step tp "pytest tests/gpu (GPU 1, before any server: nothing else allocates while vLLM profiles)"
-  $PY -m pytest -q tests/gpu -p no:cacheprovider > $S/gpu_tests.log 2>&1; tail -3 $S/gpu_tests.log
+  gpu_tests
   export CUDA_VISIBLE_DEVICES=0,1
   step tp "e2e tp: stock-gpu,reap-tp,stock-uva-half,stock-uva-all with MoE probes"
   $PY scripts/gpu_e2e.py --model /tmp/model --out $S/tp --tp 2 --moe-probe \
@@ -98,7 +100,7 @@ tp_session() {  # issue 9's remaining items: stock UVA TP=2 references, bitwise 
 tp_reap_session() {  # after a fix: GPU tests, then reap-tp alone, compared with an earlier call's stock arms
   export CUDA_VISIBLE_DEVICES=1
   step tp "pytest tests/gpu"
-  $PY -m pytest -q tests/gpu -p no:cacheprovider > $S/gpu_tests.log 2>&1; tail -3 $S/gpu_tests.log
+  gpu_tests
   export CUDA_VISIBLE_DEVICES=0,1
   mkdir -p $S/tp
   if [ -n "${TP_REFERENCE:-}" ]; then  # an earlier gpu_e2e.json: its stock arms (not its reap-tp)
@@ -110,18 +112,11 @@ tp_reap_session() {  # after a fix: GPU tests, then reap-tp alone, compared with
   step tp done
 }
 
-tp_lanes() {
-  tp_session > $S/lane_tp.log 2>&1
-  touch $S/all.done
-  step main "all done"
-}
-
 followup_lanes() {
   followup_a > $S/lane0.log 2>&1 &
   followup_b > $S/lane1.log 2>&1 &
   wait
-  touch $S/all.done
-  step main "all done"
+  finish
 }
 
 main_lanes() {
@@ -131,8 +126,7 @@ main_lanes() {
   step main "single-GPU lanes done; TP lane"
   lane_tp > $S/lane_tp.log 2>&1
   [ -e $S/extra.sh ] && bash $S/extra.sh > $S/extra.log 2>&1
-  touch $S/all.done
-  step main "all done"
+  finish
 }
 
 pack() {
@@ -149,8 +143,8 @@ case "${1:-}" in
     ;;
   main) main_lanes ;;
   followup) followup_lanes ;;
-  tp) tp_lanes ;;
-  tp-reap) tp_reap_session > $S/lane_tp.log 2>&1; touch $S/all.done ;;
+  tp) tp_session > $S/lane_tp.log 2>&1; finish ;;
+  tp-reap) tp_reap_session > $S/lane_tp.log 2>&1; finish ;;
   wait)
     limit=${2:-540}; t0=$(date +%s)
     while [ ! -e $S/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 10; done
