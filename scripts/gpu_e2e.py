@@ -169,9 +169,9 @@ def misses(srv: Server, rid: str) -> dict:
                        for k, v in (r.get("layers") or {}).items()}}
 
 
-def collective_rpc(srv: Server, method: str, args=()) -> dict:
-    code, data, _ = post(srv, "/collective_rpc", {"method": method, "args": list(args)}, timeout=300)
-    return {"status": code, "result": data}
+def collective_rpc(srv: Server, method: str, args=(), timeout=300) -> dict:
+    code, data, ms = post(srv, "/collective_rpc", {"method": method, "args": list(args)}, timeout=timeout)
+    return {"status": code, "result": data, "ms": ms}
 
 
 REFERENCE: list[dict] | None = None  # stock-gpu's greedy outputs, when this call measured them
@@ -185,15 +185,15 @@ def moe_probe(srv: Server, label: str) -> dict | None:
     if not PROBE:
         return None
     try:
-        code, data, ms = post(srv, "/collective_rpc", {"method": "reap_moe_probe", "args": []}, timeout=120)
+        rpc = collective_rpc(srv, "reap_moe_probe", timeout=120)
     except httpx.HTTPError as exc:  # a hung collective would hang every later probe too: stop probing
         PROBE = False
         log(label, "moe probe failed; no more probes this call:", repr(exc))
         return {"status": None, "ranks": None, "error": repr(exc)}
-    ranks = data.get("results") if code == 200 else None
+    ranks = rpc["result"].get("results") if rpc["status"] == 200 else None
     errors = [r.get("error") for r in ranks or [] if r.get("error")]
-    log(label, "moe probe", code, f"{ms:.0f} ms", "errors", errors or None)
-    return {"status": code, "ms": ms, "ranks": ranks, "error": None if ranks else data}
+    log(label, "moe probe", rpc["status"], f"{rpc['ms']:.0f} ms", "errors", errors or None)
+    return {"status": rpc["status"], "ms": rpc["ms"], "ranks": ranks, "error": None if ranks else rpc["result"]}
 
 
 def measure(srv: Server, rid: str | None, d1=(256, 3), d8=(128, 3)) -> dict:
