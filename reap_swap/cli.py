@@ -24,13 +24,34 @@ from reap_swap import __version__
 
 # name -> (module, one-line help). Keep alphabetical; one line per subcommand.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("reap_swap.commands.bench", "stock vLLM vs UVA offload vs the plan, one server per arm: speed, hit rate, outputs"),
-    "chat": ("reap_swap.commands.chat", "run one chat request end to end: select, swap, complete, print misses"),
-    "evaluate": ("reap_swap.commands.evaluate", "coverage of a plan on held-out observations (core, slices, oracles)"),
-    "observe": ("reap_swap.observe", "run a corpus through vLLM and record routing per layer, tag and request"),
-    "plan": ("reap_swap.commands.plan", "build a plan from observation files (ours or REAP's) within a budget"),
-    "select": ("reap_swap.commands.select", "choose the active set for a prompt (static, prior, probe); print the payload"),
-    "validate": ("reap_swap.commands.validate", "check a plan file: schema, semantics, optionally a model's shape"),
+    "bench": (
+        "reap_swap.commands.bench",
+        "stock vLLM vs UVA offload vs the plan, one server per arm: speed, hit rate, outputs",
+    ),
+    "chat": (
+        "reap_swap.commands.chat",
+        "run one chat request end to end: select, swap, complete, print misses",
+    ),
+    "evaluate": (
+        "reap_swap.commands.evaluate",
+        "coverage of a plan on held-out observations (core, slices, oracles)",
+    ),
+    "observe": (
+        "reap_swap.observe",
+        "run a corpus through vLLM and record routing per layer, tag and request",
+    ),
+    "plan": (
+        "reap_swap.commands.plan",
+        "build a plan from observation files (ours or REAP's) within a budget",
+    ),
+    "select": (
+        "reap_swap.commands.select",
+        "choose the active set for a prompt (static, prior, probe); print the payload",
+    ),
+    "validate": (
+        "reap_swap.commands.validate",
+        "check a plan file: schema, semantics, optionally a model's shape",
+    ),
 }
 
 

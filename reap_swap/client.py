@@ -57,7 +57,9 @@ class ReapHTTPError(RuntimeError):
         self.method, self.path, self.status, self.body = method, path, status, body
         err = body.get("error") if isinstance(body, Mapping) else None
         self.error = err if isinstance(err, Mapping) else (body if isinstance(body, Mapping) else {})
-        message = self.error.get("message") or (body if isinstance(body, str) else orjson.dumps(body).decode())
+        message = self.error.get("message") or (
+            body if isinstance(body, str) else orjson.dumps(body).decode()
+        )
         self.type = self.error.get("type")
         self.field = self.error.get("field")
         super().__init__(f"{method} {path} -> {status}: {message}")
@@ -104,10 +106,18 @@ class ChatResult:
         return 1.0 - totals.get("missed_selections", 0) / observed if observed else None
 
     def to_dict(self) -> dict:
-        return {"request_id": self.request_id, "answer": self.answer, "completion": self.completion,
-                "selection": self.selection.to_dict(), "swap": self.swap, "probe": self.probe,
-                "refreshes": self.refreshes, "router_misses": self.router_misses,
-                "hit_rate": self.hit_rate, "timings_ms": self.timings_ms}
+        return {
+            "request_id": self.request_id,
+            "answer": self.answer,
+            "completion": self.completion,
+            "selection": self.selection.to_dict(),
+            "swap": self.swap,
+            "probe": self.probe,
+            "refreshes": self.refreshes,
+            "router_misses": self.router_misses,
+            "hit_rate": self.hit_rate,
+            "timings_ms": self.timings_ms,
+        }
 
 
 def swap_summary(response: Mapping[str, Any], opened_with: str) -> dict:
@@ -115,14 +125,21 @@ def swap_summary(response: Mapping[str, Any], opened_with: str) -> dict:
     timing = response.get("timing") or {}
     validation = response.get("validation") or {}
     return {
-        "opened_with": opened_with, "kind": response.get("kind"), "phase": response.get("phase"),
-        "signature": response.get("signature"), "previous_signature": response.get("previous_signature"),
-        "noop": response.get("noop"), "bytes_copied": response.get("bytes_copied"),
+        "opened_with": opened_with,
+        "kind": response.get("kind"),
+        "phase": response.get("phase"),
+        "signature": response.get("signature"),
+        "previous_signature": response.get("previous_signature"),
+        "noop": response.get("noop"),
+        "bytes_copied": response.get("bytes_copied"),
         "delta": (response.get("delta") or {}).get("totals"),
         "changed_layers": (response.get("delta") or {}).get("changed_layers"),
-        "resident_bytes": validation.get("resident_bytes"), "budget_bytes": validation.get("budget_bytes"),
-        "refresh_count": response.get("refresh_count"), "mode": response.get("mode"),
-        "server_seconds": timing.get("total_seconds"), "note": response.get("note") or None,
+        "resident_bytes": validation.get("resident_bytes"),
+        "budget_bytes": validation.get("budget_bytes"),
+        "refresh_count": response.get("refresh_count"),
+        "mode": response.get("mode"),
+        "server_seconds": timing.get("total_seconds"),
+        "note": response.get("note") or None,
     }
 
 
@@ -166,18 +183,35 @@ class _Assembler:
 
     def completion(self) -> dict:
         first = self.first or {}
-        return {"id": first.get("id"), "object": "chat.completion", "created": first.get("created"),
-                "model": first.get("model"),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(self.content)},
-                             "finish_reason": self.finish_reason}],
-                "usage": self.usage}
+        return {
+            "id": first.get("id"),
+            "object": "chat.completion",
+            "created": first.get("created"),
+            "model": first.get("model"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(self.content)},
+                    "finish_reason": self.finish_reason,
+                }
+            ],
+            "usage": self.usage,
+        }
 
 
 class _Base:
     """State and flows shared by the sync and async clients (no I/O here)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, *, plan: str | Path | Mapping | Plan | None = None,
-                 strategy: str = "prior", budget_bytes: int | None = None, model: str | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        plan: str | Path | Mapping | Plan | None = None,
+        strategy: str = "prior",
+        budget_bytes: int | None = None,
+        model: str | None = None,
+    ):
         get_strategy(strategy)  # fail early on a typo
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
@@ -194,8 +228,12 @@ class _Base:
 
     def _note(self, response: Any) -> Any:
         """Remember the resident signature a swap reported (a validate-only swap changes nothing)."""
-        if (isinstance(response, Mapping) and isinstance(response.get("signature"), str) and "kind" in response
-                and not response.get("validate_only")):
+        if (
+            isinstance(response, Mapping)
+            and isinstance(response.get("signature"), str)
+            and "kind" in response
+            and not response.get("validate_only")
+        ):
             self.known_signature = response["signature"]
         return response
 
@@ -211,12 +249,16 @@ class _Base:
             if source is None:
                 source = status.get("plan_file")
                 if not source or not Path(source).is_file():
-                    raise ValueError(f"no plan given and the server's plan file {source!r} is not readable "
-                                     "here: pass plan=PATH")
+                    raise ValueError(
+                        f"no plan given and the server's plan file {source!r} is not readable "
+                        "here: pass plan=PATH"
+                    )
             self._plan = load_plan(source)
         if status.get("plan_identity") and status["plan_identity"] != self._plan.identity:
-            raise ValueError(f"the server serves plan {status['plan_identity'][:12]}, this client has "
-                             f"{self._plan.identity[:12]}: selections would not match what the server checks")
+            raise ValueError(
+                f"the server serves plan {status['plan_identity'][:12]}, this client has "
+                f"{self._plan.identity[:12]}: selections would not match what the server checks"
+            )
         self._plan_checked = True
         return self._plan
 
@@ -241,9 +283,14 @@ class _Base:
         summary["client_ms"] = _ms(t0)
         return summary
 
-    def _select_flow(self, messages: Messages | str, strategy: str, budget_bytes: int | None,
-                     request_id: str, completion_body: dict | None
-                     ) -> Generator[_Call, Any, tuple[Selection, dict | None]]:
+    def _select_flow(
+        self,
+        messages: Messages | str,
+        strategy: str,
+        budget_bytes: int | None,
+        request_id: str,
+        completion_body: dict | None,
+    ) -> Generator[_Call, Any, tuple[Selection, dict | None]]:
         plan = yield from self._plan_flow()
         chosen = get_strategy(strategy)
         probe_info = None
@@ -260,9 +307,14 @@ class _Base:
             t2 = time.perf_counter()
             probe_misses = yield _Call("GET", f"/router_misses/{probe_id}")
             misses = missed_mass(probe_misses)
-            probe_info = {"request_id": probe_id, "open": opened, "totals": probe_misses.get("totals"),
-                          "open_ms": round((t1 - t0) * 1000, 3), "prefill_ms": round((t2 - t1) * 1000, 3),
-                          "misses_ms": _ms(t2)}
+            probe_info = {
+                "request_id": probe_id,
+                "open": opened,
+                "totals": probe_misses.get("totals"),
+                "open_ms": round((t1 - t0) * 1000, 3),
+                "prefill_ms": round((t2 - t1) * 1000, 3),
+                "misses_ms": _ms(t2),
+            }
         t3 = time.perf_counter()
         selection = chosen.select(plan, messages, budget_bytes=budget_bytes, probe=misses)
         if probe_info is not None:
@@ -270,9 +322,14 @@ class _Base:
             probe_info["total_ms"] = _ms(t0)  # everything the probe added before the real swap
         return selection, probe_info
 
-    def _select_only_flow(self, messages: Messages | str, strategy: str | None, budget_bytes: int | None,
-                          request_id: str | None, kwargs: Mapping[str, Any]
-                          ) -> Generator[_Call, Any, tuple[Selection, dict | None]]:
+    def _select_only_flow(
+        self,
+        messages: Messages | str,
+        strategy: str | None,
+        budget_bytes: int | None,
+        request_id: str | None,
+        kwargs: Mapping[str, Any],
+    ) -> Generator[_Call, Any, tuple[Selection, dict | None]]:
         strategy = strategy or self.strategy
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
         rid = request_id or f"reap-{uuid.uuid4().hex[:16]}"
@@ -283,9 +340,16 @@ class _Base:
             body = _completion_body(msgs, model, {k: v for k, v in kwargs.items() if k != "model"})
         return (yield from self._select_flow(messages, strategy, budget, rid, body))
 
-    def _chat_flow(self, messages: Messages, strategy: str | None, request_id: str | None,
-                   budget_bytes: int | None, refresh_every: int | None, kwargs: dict,
-                   given: Selection | None = None) -> Generator[Any, Any, ChatResult]:
+    def _chat_flow(
+        self,
+        messages: Messages,
+        strategy: str | None,
+        request_id: str | None,
+        budget_bytes: int | None,
+        refresh_every: int | None,
+        kwargs: dict,
+        given: Selection | None = None,
+    ) -> Generator[Any, Any, ChatResult]:
         rid = request_id or f"reap-{uuid.uuid4().hex[:16]}"
         strategy = strategy or self.strategy
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
@@ -322,10 +386,14 @@ class _Base:
                 t1 = time.perf_counter()
                 # the running request's misses so far, measured against what is resident now
                 running = yield _Call("GET", f"/router_misses/{rid}")
-                new = refresh(self._plan, current, missed_mass(running), used, messages,
-                              routed=routed_share(running))
-                record = {"after_chunks": assembler.chunks, "misses_so_far": running.get("totals"),
-                          "swapped": new is not None}
+                new = refresh(
+                    self._plan, current, missed_mass(running), used, messages, routed=routed_share(running)
+                )
+                record = {
+                    "after_chunks": assembler.chunks,
+                    "misses_so_far": running.get("totals"),
+                    "swapped": new is not None,
+                }
                 if new is not None:
                     record["swap"] = yield from self._open_flow(new.payload(rid), new.signature)
                     record["selection"] = new.to_dict()
@@ -342,18 +410,35 @@ class _Base:
         timings["total_ms"] = _ms(t_all)
         if probe is not None:
             timings["probe_ms"] = probe["total_ms"]
-        return ChatResult(request_id=rid, completion=completion, selection=selection, swap=swap,
-                          router_misses=misses, probe=probe, refreshes=refreshes, timings_ms=timings)
+        return ChatResult(
+            request_id=rid,
+            completion=completion,
+            selection=selection,
+            swap=swap,
+            router_misses=misses,
+            probe=probe,
+            refreshes=refreshes,
+            timings_ms=timings,
+        )
 
 
-def _swap_body(active_set: Mapping[str, Sequence[int | str]] | Selection, request_id: str, phase: str,
-               budget_bytes: int | None, reset_router_stats: bool) -> dict:
+def _swap_body(
+    active_set: Mapping[str, Sequence[int | str]] | Selection,
+    request_id: str,
+    phase: str,
+    budget_bytes: int | None,
+    reset_router_stats: bool,
+) -> dict:
     if isinstance(active_set, Selection):
         body = active_set.payload(request_id, phase=phase, reset_router_stats=reset_router_stats)
         if budget_bytes is not None:
             body["budget_bytes"] = budget_bytes
         return body
-    body = {"request_id": request_id, "phase": phase, "active_set": {str(k): list(v) for k, v in active_set.items()}}
+    body = {
+        "request_id": request_id,
+        "phase": phase,
+        "active_set": {str(k): list(v) for k, v in active_set.items()},
+    }
     if budget_bytes is not None:
         body["budget_bytes"] = budget_bytes
     if reset_router_stats:
@@ -390,11 +475,19 @@ _DONE = object()
 class ReapClient(_Base):
     """Blocking client (httpx.Client). Use as a context manager or call close()."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, *, timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
-                 transport: httpx.BaseTransport | None = None, **options: Any):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        transport: httpx.BaseTransport | None = None,
+        **options: Any,
+    ):
         super().__init__(base_url, api_key, **options)
-        self._http = httpx.Client(base_url=self.base_url, headers=self._headers(), timeout=timeout,
-                                  transport=transport)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=self._headers(), timeout=timeout, transport=transport
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -437,14 +530,28 @@ class ReapClient(_Base):
             return stop.value
 
     # -- endpoints ---------------------------------------------------------------------------
-    def swap(self, active_set: Mapping[str, Sequence[int | str]] | Selection, request_id: str, *,
-             phase: str = "prefill", budget_bytes: int | None = None, reset_router_stats: bool = False) -> dict:
+    def swap(
+        self,
+        active_set: Mapping[str, Sequence[int | str]] | Selection,
+        request_id: str,
+        *,
+        phase: str = "prefill",
+        budget_bytes: int | None = None,
+        reset_router_stats: bool = False,
+    ) -> dict:
         """POST /swap_active_set. ``active_set``: {"layer_N": [ids or sliceIds]} or a Selection."""
         body = _swap_body(active_set, request_id, phase, budget_bytes, reset_router_stats)
         return self._note(self._call(_Call("POST", "/swap_active_set", body)))
 
-    def warm(self, active_set: Mapping[str, Sequence[int | str]] | Selection, request_id: str, *,
-             phase: str = "prefill", budget_bytes: int | None = None, reset_router_stats: bool = False) -> dict:
+    def warm(
+        self,
+        active_set: Mapping[str, Sequence[int | str]] | Selection,
+        request_id: str,
+        *,
+        phase: str = "prefill",
+        budget_bytes: int | None = None,
+        reset_router_stats: bool = False,
+    ) -> dict:
         """POST /warm_active_set."""
         body = _swap_body(active_set, request_id, phase, budget_bytes, reset_router_stats)
         return self._note(self._call(_Call("POST", "/warm_active_set", body)))
@@ -454,10 +561,19 @@ class ReapClient(_Base):
         resident (chat's own open step); the swap_summary, with client_ms of this call."""
         return self._drive(self._open_flow(selection.payload(request_id), selection.signature))
 
-    def swap_cartridge(self, cartridge_id: str, request_id: str | None = None, *, phase: str = "prefill",
-                       budget_bytes: int | None = None) -> dict:
-        body = {k: v for k, v in {"request_id": request_id, "phase": phase, "budget_bytes": budget_bytes}.items()
-                if v is not None}
+    def swap_cartridge(
+        self,
+        cartridge_id: str,
+        request_id: str | None = None,
+        *,
+        phase: str = "prefill",
+        budget_bytes: int | None = None,
+    ) -> dict:
+        body = {
+            k: v
+            for k, v in {"request_id": request_id, "phase": phase, "budget_bytes": budget_bytes}.items()
+            if v is not None
+        }
         return self._note(self._call(_Call("POST", f"/swap_cartridge/{cartridge_id}", body)))
 
     def router_misses(self, request_id: str, reset: bool = False) -> dict:
@@ -479,19 +595,39 @@ class ReapClient(_Base):
         """The model name chat completions use (the first of /v1/models unless model= was given)."""
         return self._drive(self._model_flow({}))
 
-    def select(self, messages: Messages | str, *, strategy: str | None = None, budget_bytes: int | None = None,
-               request_id: str | None = None, **openai_kwargs: Any) -> tuple[Selection, dict | None]:
+    def select(
+        self,
+        messages: Messages | str,
+        *,
+        strategy: str | None = None,
+        budget_bytes: int | None = None,
+        request_id: str | None = None,
+        **openai_kwargs: Any,
+    ) -> tuple[Selection, dict | None]:
         """(selection, probe info) for a prompt; ``probe`` runs its prefill pass on the server
         (under ``<request_id>:probe``), the others need only the plan."""
-        return self._drive(self._select_only_flow(messages, strategy, budget_bytes, request_id, openai_kwargs))
+        return self._drive(
+            self._select_only_flow(messages, strategy, budget_bytes, request_id, openai_kwargs)
+        )
 
-    def chat(self, messages: Messages, *, strategy: str | None = None, request_id: str | None = None,
-             budget_bytes: int | None = None, refresh_every: int | None = None, selection: Selection | None = None,
-             **openai_kwargs: Any) -> ChatResult:
+    def chat(
+        self,
+        messages: Messages,
+        *,
+        strategy: str | None = None,
+        request_id: str | None = None,
+        budget_bytes: int | None = None,
+        refresh_every: int | None = None,
+        selection: Selection | None = None,
+        **openai_kwargs: Any,
+    ) -> ChatResult:
         """Select, open (swap/warm), complete, read the misses. ``openai_kwargs`` go into the
         chat completion body (model, max_tokens, temperature, ...); ``selection`` skips selecting."""
-        return self._drive(self._chat_flow(messages, strategy, request_id, budget_bytes, refresh_every,
-                                           dict(openai_kwargs), selection))
+        return self._drive(
+            self._chat_flow(
+                messages, strategy, request_id, budget_bytes, refresh_every, dict(openai_kwargs), selection
+            )
+        )
 
 
 # ----------------------------------------------------------------------------- async
@@ -500,11 +636,19 @@ class ReapClient(_Base):
 class AsyncReapClient(_Base):
     """asyncio client (httpx.AsyncClient); same methods as ReapClient, awaitable."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, *, timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
-                 transport: httpx.AsyncBaseTransport | None = None, **options: Any):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,
+        **options: Any,
+    ):
         super().__init__(base_url, api_key, **options)
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers(), timeout=timeout,
-                                       transport=transport)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=self._headers(), timeout=timeout, transport=transport
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -546,23 +690,46 @@ class AsyncReapClient(_Base):
         except StopIteration as stop:
             return stop.value
 
-    async def swap(self, active_set: Mapping[str, Sequence[int | str]] | Selection, request_id: str, *,
-                   phase: str = "prefill", budget_bytes: int | None = None, reset_router_stats: bool = False) -> dict:
+    async def swap(
+        self,
+        active_set: Mapping[str, Sequence[int | str]] | Selection,
+        request_id: str,
+        *,
+        phase: str = "prefill",
+        budget_bytes: int | None = None,
+        reset_router_stats: bool = False,
+    ) -> dict:
         body = _swap_body(active_set, request_id, phase, budget_bytes, reset_router_stats)
         return self._note(await self._call(_Call("POST", "/swap_active_set", body)))
 
-    async def warm(self, active_set: Mapping[str, Sequence[int | str]] | Selection, request_id: str, *,
-                   phase: str = "prefill", budget_bytes: int | None = None, reset_router_stats: bool = False) -> dict:
+    async def warm(
+        self,
+        active_set: Mapping[str, Sequence[int | str]] | Selection,
+        request_id: str,
+        *,
+        phase: str = "prefill",
+        budget_bytes: int | None = None,
+        reset_router_stats: bool = False,
+    ) -> dict:
         body = _swap_body(active_set, request_id, phase, budget_bytes, reset_router_stats)
         return self._note(await self._call(_Call("POST", "/warm_active_set", body)))
 
     async def open(self, selection: Selection, request_id: str) -> dict:
         return await self._drive(self._open_flow(selection.payload(request_id), selection.signature))
 
-    async def swap_cartridge(self, cartridge_id: str, request_id: str | None = None, *, phase: str = "prefill",
-                             budget_bytes: int | None = None) -> dict:
-        body = {k: v for k, v in {"request_id": request_id, "phase": phase, "budget_bytes": budget_bytes}.items()
-                if v is not None}
+    async def swap_cartridge(
+        self,
+        cartridge_id: str,
+        request_id: str | None = None,
+        *,
+        phase: str = "prefill",
+        budget_bytes: int | None = None,
+    ) -> dict:
+        body = {
+            k: v
+            for k, v in {"request_id": request_id, "phase": phase, "budget_bytes": budget_bytes}.items()
+            if v is not None
+        }
         return self._note(await self._call(_Call("POST", f"/swap_cartridge/{cartridge_id}", body)))
 
     async def router_misses(self, request_id: str, reset: bool = False) -> dict:
@@ -583,17 +750,35 @@ class AsyncReapClient(_Base):
     async def served_model(self) -> str:
         return await self._drive(self._model_flow({}))
 
-    async def select(self, messages: Messages | str, *, strategy: str | None = None,
-                     budget_bytes: int | None = None, request_id: str | None = None,
-                     **openai_kwargs: Any) -> tuple[Selection, dict | None]:
-        return await self._drive(self._select_only_flow(messages, strategy, budget_bytes, request_id,
-                                                        openai_kwargs))
+    async def select(
+        self,
+        messages: Messages | str,
+        *,
+        strategy: str | None = None,
+        budget_bytes: int | None = None,
+        request_id: str | None = None,
+        **openai_kwargs: Any,
+    ) -> tuple[Selection, dict | None]:
+        return await self._drive(
+            self._select_only_flow(messages, strategy, budget_bytes, request_id, openai_kwargs)
+        )
 
-    async def chat(self, messages: Messages, *, strategy: str | None = None, request_id: str | None = None,
-                   budget_bytes: int | None = None, refresh_every: int | None = None,
-                   selection: Selection | None = None, **openai_kwargs: Any) -> ChatResult:
-        return await self._drive(self._chat_flow(messages, strategy, request_id, budget_bytes, refresh_every,
-                                                 dict(openai_kwargs), selection))
+    async def chat(
+        self,
+        messages: Messages,
+        *,
+        strategy: str | None = None,
+        request_id: str | None = None,
+        budget_bytes: int | None = None,
+        refresh_every: int | None = None,
+        selection: Selection | None = None,
+        **openai_kwargs: Any,
+    ) -> ChatResult:
+        return await self._drive(
+            self._chat_flow(
+                messages, strategy, request_id, budget_bytes, refresh_every, dict(openai_kwargs), selection
+            )
+        )
 
 
 __all__ = ["AsyncReapClient", "ChatResult", "ReapClient", "ReapHTTPError", "swap_summary"]

@@ -71,8 +71,14 @@ class SwapFailed(RuntimeError):
     read from "rank N" in the text); `workers`: each rank's brief after the rollback.
     """
 
-    def __init__(self, message: str, rolled_back: bool, rollback_error: str | None = None,
-                 failed_ranks: list[int] | None = None, workers: list[dict] | None = None):
+    def __init__(
+        self,
+        message: str,
+        rolled_back: bool,
+        rollback_error: str | None = None,
+        failed_ranks: list[int] | None = None,
+        workers: list[dict] | None = None,
+    ):
         super().__init__(message)
         self.rolled_back = rolled_back
         self.rollback_error = rollback_error
@@ -115,8 +121,9 @@ def load_cartridges(plan: Plan, plan_file: str | Path | None) -> dict[str, Mappi
     The file holds {"cartridges": {id: {layer: [ids or sliceIds]}}} (or the inner mapping alone).
     A cartridge id defined in both places is an error rather than a silent choice.
     """
-    found: dict[str, Mapping[str, list]] = {k: {lk: list(v) for lk, v in sel.items()}
-                                            for k, sel in plan.cartridges.items()}
+    found: dict[str, Mapping[str, list]] = {
+        k: {lk: list(v) for lk, v in sel.items()} for k, sel in plan.cartridges.items()
+    }
     if plan_file is not None:
         path = Path(plan_file).resolve().parent / CARTRIDGES_FILE
         if path.is_file():
@@ -152,10 +159,17 @@ class Metrics:
 
 
 class SwapController:
-    def __init__(self, plan: Plan, rpc: Rpc, *, plan_file: str | Path | None = None,
-                 validate_only: bool = False, max_loaded_cartridges: int = 8,
-                 cartridges: Mapping[str, Mapping[str, list]] | None = None,
-                 metrics: Metrics | None = None):
+    def __init__(
+        self,
+        plan: Plan,
+        rpc: Rpc,
+        *,
+        plan_file: str | Path | None = None,
+        validate_only: bool = False,
+        max_loaded_cartridges: int = 8,
+        cartridges: Mapping[str, Mapping[str, list]] | None = None,
+        metrics: Metrics | None = None,
+    ):
         self.plan = plan
         self.plan_file = str(plan_file) if plan_file is not None else None
         self._rpc = rpc
@@ -168,7 +182,7 @@ class SwapController:
         self.open_request: str | None = None
         self.open_keep: KeepSets = self.keep
         self.observed = _Ledger()  # everything routed, per request
-        self.missed = _Ledger()    # the part routed to experts outside the keep-set then resident
+        self.missed = _Ledger()  # the part routed to experts outside the keep-set then resident
         self.forensics = ForensicsLog()
         self.refreshes = RefreshLedger(plan.max_refreshes_per_request)
         self.cartridge_defs = dict(cartridges if cartridges is not None else load_cartridges(plan, plan_file))
@@ -226,16 +240,19 @@ class SwapController:
         async with self.lock:
             return await self._apply(req, kind, keep, details, t0, t_validate)
 
-    async def swap_cartridge(self, cartridge_id: str, request_id: str, phase: str = "prefill",
-                             budget_bytes: int | None = None) -> dict:
+    async def swap_cartridge(
+        self, cartridge_id: str, request_id: str, phase: str = "prefill", budget_bytes: int | None = None
+    ) -> dict:
         t0 = time.perf_counter()
         if cartridge_id not in self.cartridge_defs:
             raise UnknownCartridge(cartridge_id)
         loaded = cartridge_id in self.cartridges
         if loaded:
             keep = self.cartridges[cartridge_id]
-            details = {"resident_experts": sum(len(v) for v in keep.values()),
-                       "resident_bytes": resident_bytes(self.plan, keep)}
+            details = {
+                "resident_experts": sum(len(v) for v in keep.values()),
+                "resident_bytes": resident_bytes(self.plan, keep),
+            }
             details["budget_bytes"] = check_budget(self.plan, keep, budget_bytes)
         else:
             keep, _b, details = self.prepare(self.cartridge_defs[cartridge_id], budget_bytes)
@@ -246,18 +263,24 @@ class SwapController:
         async with self.lock:
             return await self._apply(req, "cartridge", keep, details, t0, t_validate)
 
-    async def _apply(self, req: SwapRequest, kind: str, keep: KeepSets, details: dict,
-                     t0: float, t_validate: float) -> dict:
+    async def _apply(
+        self, req: SwapRequest, kind: str, keep: KeepSets, details: dict, t0: float, t_validate: float
+    ) -> dict:
         rid, phase = req.request_id, req.phase
         if phase == "decode_refresh" and self.refreshes.count(rid) + 1 > self.refreshes.limit:
             raise RefreshLimitExceeded(rid, self.refreshes.limit)
         new_sig = signature(keep)
         d = delta(self.keep, keep)
         base = {
-            "request_id": rid, "phase": phase, "kind": kind,
+            "request_id": rid,
+            "phase": phase,
+            "kind": kind,
             "warm_start_only": bool(req.warm_start_only or kind == "warm"),
-            "signature": new_sig, "previous_signature": self.sig,
-            "delta": delta_summary(d), "validation": details, "mode": self.mode,
+            "signature": new_sig,
+            "previous_signature": self.sig,
+            "delta": delta_summary(d),
+            "validation": details,
+            "mode": self.mode,
             "max_refreshes_per_request": self.refreshes.limit,
         }
         if self.validate_only:
@@ -265,15 +288,22 @@ class SwapController:
             results = await self.rpc("reap_apply_residency", keep_to_wire(keep), True, False)
             failed = _errors(results)
             if failed:  # a dry run changes nothing: there is nothing to roll back
-                raise SwapFailed("dry run failed: " + "; ".join(r["error"] for r in failed), True,
-                                 failed_ranks=sorted(int(r["rank"]) for r in failed),
-                                 workers=[_brief(r) for r in results])
-            base.update(validate_only=True, noop=new_sig == self.sig, bytes_copied=0,
-                        refresh_count=self.refreshes.count(rid),
-                        note="REAP_SWAP_VALIDATE_ONLY: validated by the plan and dry-run on every "
-                             "worker; nothing changed",
-                        workers=[_brief(r) for r in results],
-                        timing=_timing(t0, {"validate": t_validate, "workers": time.perf_counter() - t1}))
+                raise SwapFailed(
+                    "dry run failed: " + "; ".join(r["error"] for r in failed),
+                    True,
+                    failed_ranks=sorted(int(r["rank"]) for r in failed),
+                    workers=[_brief(r) for r in results],
+                )
+            base.update(
+                validate_only=True,
+                noop=new_sig == self.sig,
+                bytes_copied=0,
+                refresh_count=self.refreshes.count(rid),
+                note="REAP_SWAP_VALIDATE_ONLY: validated by the plan and dry-run on every "
+                "worker; nothing changed",
+                workers=[_brief(r) for r in results],
+                timing=_timing(t0, {"validate": t_validate, "workers": time.perf_counter() - t1}),
+            )
             self.metrics.swap(kind, "validated", time.perf_counter() - t0, 0)
             return base
 
@@ -292,8 +322,14 @@ class SwapController:
             self.failed_count += 1
             self.metrics.swap(kind, "failed", time.perf_counter() - t0, 0)
             rolled, rb_err, after = await self._rollback(old)
-            log.error("reap-swap: swap to %s failed on rank(s) %s (%s); rollback to %s %s",
-                      new_sig, failed_ranks or "?", message, self.sig, "done" if rolled else "FAILED")
+            log.error(
+                "reap-swap: swap to %s failed on rank(s) %s (%s); rollback to %s %s",
+                new_sig,
+                failed_ranks or "?",
+                message,
+                self.sig,
+                "done" if rolled else "FAILED",
+            )
             raise SwapFailed(f"worker call failed: {message}", rolled, rb_err, failed_ranks, after) from cause
         t_workers = time.perf_counter() - t1
         sigs = {r.get("signature") for r in results}
@@ -324,20 +360,46 @@ class SwapController:
         notes = sorted({r.get("note", "") for r in results} - {""})
         worker_phases = [r.get("phases", {}) for r in results]
         base.update(
-            validate_only=False, noop=noop, refresh_count=refresh_count, swap_seq=self.swap_count,
-            bytes_copied=bytes_copied, bytes_copied_per_worker=[int(r.get("bytes_copied", 0)) for r in results],
-            note=("no-op: this active set (signature %s) is already resident; nothing was applied. " % new_sig
-                  if noop else "") + " ".join(notes),
-            workers=[_brief(r) for r in results], workers_consistent=len(sigs) == 1,
-            timing=_timing(t0, {"validate": t_validate, "workers": t_workers, "statistics": t_stats},
-                           worker_phases),
+            validate_only=False,
+            noop=noop,
+            refresh_count=refresh_count,
+            swap_seq=self.swap_count,
+            bytes_copied=bytes_copied,
+            bytes_copied_per_worker=[int(r.get("bytes_copied", 0)) for r in results],
+            note=(
+                f"no-op: this active set (signature {new_sig}) is already resident; nothing was applied. "
+                if noop
+                else ""
+            )
+            + " ".join(notes),
+            workers=[_brief(r) for r in results],
+            workers_consistent=len(sigs) == 1,
+            timing=_timing(
+                t0, {"validate": t_validate, "workers": t_workers, "statistics": t_stats}, worker_phases
+            ),
         )
         record = self.forensics.update(
-            rid, last_swap={k: base[k] for k in ("kind", "phase", "signature", "previous_signature", "noop",
-                                                 "delta", "validation", "bytes_copied", "timing")},
+            rid,
+            last_swap={
+                k: base[k]
+                for k in (
+                    "kind",
+                    "phase",
+                    "signature",
+                    "previous_signature",
+                    "noop",
+                    "delta",
+                    "validation",
+                    "bytes_copied",
+                    "timing",
+                )
+            },
             last_active_set=dict(req.active_set) if req.active_set else None,
-            refresh_count=refresh_count, plan_identity=self.plan.identity,
-            swaps=(self.forensics.get(rid) or {}).get("swaps", 0) + 1, updated_at=self.last_swap_time)
+            refresh_count=refresh_count,
+            plan_identity=self.plan.identity,
+            swaps=(self.forensics.get(rid) or {}).get("swaps", 0) + 1,
+            updated_at=self.last_swap_time,
+        )
         base["forensics"] = record
         self.metrics.swap(kind, "noop" if noop else "applied", total, bytes_copied)
         return base
@@ -384,22 +446,33 @@ class SwapController:
             if is_open:
                 reads = await self.rpc("reap_read_stats", bool(reset))
                 live = aggregate_workers(reads)
-                disagreement = [dict(layer=k, **x) for k, v in live.items() for x in v.get("tp_disagreement", [])]
+                disagreement = [
+                    dict(layer=k, **x) for k, v in live.items() for x in v.get("tp_disagreement", [])
+                ]
                 clean = {int(k): {"counts": v["counts"], "weights": v["weights"]} for k, v in live.items()}
                 outside = mask_outside(clean, self.open_keep)
                 if reset:
-                    self.metrics.selections(sum(sum(v["counts"]) for v in clean.values()),
-                                            sum(sum(v["counts"]) for v in outside.values()))
+                    self.metrics.selections(
+                        sum(sum(v["counts"]) for v in clean.values()),
+                        sum(sum(v["counts"]) for v in outside.values()),
+                    )
                 observed = add_stats(observed, clean)
                 missed = add_stats(missed, outside)
             out = summarize_router_misses(observed, missed)
             if reset:
                 self.observed.reset(request_id)
                 self.missed.reset(request_id)
-            return {"request_id": request_id, "open": is_open, "reset": reset,
-                    "signature": self.sig if is_open else (self.forensics.get(request_id) or {}).get(
-                        "last_swap", {}).get("signature"),
-                    "workers": self.workers, "tp_disagreement": disagreement, **out}
+            return {
+                "request_id": request_id,
+                "open": is_open,
+                "reset": reset,
+                "signature": self.sig
+                if is_open
+                else (self.forensics.get(request_id) or {}).get("last_swap", {}).get("signature"),
+                "workers": self.workers,
+                "tp_disagreement": disagreement,
+                **out,
+            }
 
     async def status(self) -> dict:
         async with self.lock:
@@ -407,27 +480,64 @@ class SwapController:
             mine = keep_to_wire(self.keep)
             consistent = all(s.get("layers") == mine for s in statuses)
             return {
-                "plan_identity": self.plan.identity, "plan_file": self.plan_file, "model": self.plan.model,
-                "mode": self.mode, "validate_only": self.validate_only,
-                "signature": self.sig, "layers": mine,
+                "plan_identity": self.plan.identity,
+                "plan_file": self.plan_file,
+                "model": self.plan.model,
+                "mode": self.mode,
+                "validate_only": self.validate_only,
+                "signature": self.sig,
+                "layers": mine,
                 "resident_experts": sum(len(v) for v in self.keep.values()),
                 "resident_bytes": resident_bytes(self.plan, self.keep),
                 "budget_bytes": self.plan.swappable_budget_bytes,
-                "swap_count": self.swap_count, "noop_count": self.noop_count, "failed_count": self.failed_count,
-                "last_swap_time": self.last_swap_time, "last_swap_seconds": self.last_swap_seconds,
-                "open_request": self.open_request, "unattributed_selections": self.unattributed_selections,
-                "cartridges": {"defined": sorted(self.cartridge_defs), "loaded": list(self.cartridges),
-                               "max_loaded": self.cartridges.max_entries},
-                "workers": [{k: s.get(k) for k in ("rank", "tp_rank", "tp_size", "dp_rank", "mode",
-                                                    "resident_bytes", "signature", "resident_experts")}
-                            for s in statuses],
+                "swap_count": self.swap_count,
+                "noop_count": self.noop_count,
+                "failed_count": self.failed_count,
+                "last_swap_time": self.last_swap_time,
+                "last_swap_seconds": self.last_swap_seconds,
+                "open_request": self.open_request,
+                "unattributed_selections": self.unattributed_selections,
+                "cartridges": {
+                    "defined": sorted(self.cartridge_defs),
+                    "loaded": list(self.cartridges),
+                    "max_loaded": self.cartridges.max_entries,
+                },
+                "workers": [
+                    {
+                        k: s.get(k)
+                        for k in (
+                            "rank",
+                            "tp_rank",
+                            "tp_size",
+                            "dp_rank",
+                            "mode",
+                            "resident_bytes",
+                            "signature",
+                            "resident_experts",
+                        )
+                    }
+                    for s in statuses
+                ],
                 "workers_consistent": consistent,
             }
 
 
 def _brief(r: Mapping) -> dict:
-    return {k: r[k] for k in ("rank", "tp_rank", "dp_rank", "bytes_copied", "seconds", "signature",
-                              "resident_experts", "error", "rolled_back_locally") if k in r}
+    return {
+        k: r[k]
+        for k in (
+            "rank",
+            "tp_rank",
+            "dp_rank",
+            "bytes_copied",
+            "seconds",
+            "signature",
+            "resident_experts",
+            "error",
+            "rolled_back_locally",
+        )
+        if k in r
+    }
 
 
 def _timing(t0: float, phases: dict, worker_phases: list | None = None) -> dict:

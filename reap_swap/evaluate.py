@@ -51,7 +51,7 @@ def best_slices_cover(counts: np.ndarray, slices: list[np.ndarray], capacity: in
         if cost == 0 or cost > capacity:
             continue
         gain = counts[:, experts].sum(axis=1)
-        shifted = dp[:, :capacity + 1 - cost] + gain[:, None]
+        shifted = dp[:, : capacity + 1 - cost] + gain[:, None]
         dp[:, cost:] = np.maximum(dp[:, cost:], shifted)
     return dp[:, capacity]
 
@@ -97,18 +97,29 @@ def evaluate(plan: Plan, layers: Mapping[int, LayerStats], records=None) -> dict
     RecordCounts of the held-out files or None."""
     common = sorted(set(plan.layers) & set(layers))
     if not common:
-        raise EvaluationError(f"plan layers {sorted(plan.layers)} and observation layers {sorted(layers)} "
-                              "have nothing in common")
+        raise EvaluationError(
+            f"plan layers {sorted(plan.layers)} and observation layers {sorted(layers)} "
+            "have nothing in common"
+        )
     for i in common:
         if layers[i].num_experts != plan.layers[i].num_experts:
-            raise EvaluationError(f"layer {i}: plan has {plan.layers[i].num_experts} experts, "
-                                  f"observations {layers[i].num_experts}")
+            raise EvaluationError(
+                f"layer {i}: plan has {plan.layers[i].num_experts} experts, "
+                f"observations {layers[i].num_experts}"
+            )
     capacity = _capacities(plan)
     record_layer = {l: n for n, l in enumerate(records.layers)} if records is not None else {}
 
     rows = []
-    totals = dict(selections=0, core=0, oracle_core=0, in_plan=0,
-                  req_selections=0, core_plus_slices=0, oracle_per_request=0)
+    totals = dict(
+        selections=0,
+        core=0,
+        oracle_core=0,
+        in_plan=0,
+        req_selections=0,
+        core_plus_slices=0,
+        oracle_per_request=0,
+    )
     for i in common:
         lp = plan.layers[i]
         freq = np.asarray(layers[i].expert_frequency, dtype=np.int64)
@@ -118,8 +129,12 @@ def evaluate(plan: Plan, layers: Mapping[int, LayerStats], records=None) -> dict
         oracle = int(_top_sum(freq, len(core)))
         in_plan = int(freq[np.array(sorted(lp.candidates), dtype=np.int64)].sum())
         row: dict[str, Any] = {
-            "layer": i, "selections": n, "core_experts": len(core), "specialist_capacity": capacity[i],
-            "core": _share(core_cov, n), "oracle_core": _share(oracle, n),
+            "layer": i,
+            "selections": n,
+            "core_experts": len(core),
+            "specialist_capacity": capacity[i],
+            "core": _share(core_cov, n),
+            "oracle_core": _share(oracle, n),
             "in_plan": _share(in_plan, n),
         }
         totals["selections"] += n
@@ -133,8 +148,11 @@ def evaluate(plan: Plan, layers: Mapping[int, LayerStats], records=None) -> dict
             extra = best_slices_cover(counts, _disjoint_noncore(lp), capacity[i])
             cps = int((base + extra).sum())
             orq = int(_top_sum(counts, len(core) + capacity[i]).sum())
-            row.update(requests=int(counts.shape[0]), core_plus_slices=_share(cps, req_n),
-                       oracle_per_request=_share(orq, req_n))
+            row.update(
+                requests=int(counts.shape[0]),
+                core_plus_slices=_share(cps, req_n),
+                oracle_per_request=_share(orq, req_n),
+            )
             totals["req_selections"] += req_n
             totals["core_plus_slices"] += cps
             totals["oracle_per_request"] += orq
@@ -153,16 +171,23 @@ def evaluate(plan: Plan, layers: Mapping[int, LayerStats], records=None) -> dict
     }
     notes = []
     if records is None:
-        notes.append("no per-record counts in the observations (observe --per-request): "
-                     "core_plus_slices and oracle_per_request not computed")
+        notes.append(
+            "no per-record counts in the observations (observe --per-request): "
+            "core_plus_slices and oracle_per_request not computed"
+        )
     skipped = sorted(set(layers) - set(plan.layers))
     if skipped:
         notes.append(f"observation layers not in the plan, not evaluated: {skipped}")
     unobserved = sorted(set(plan.layers) - set(layers))
     if unobserved:
         notes.append(f"plan layers without observations, not evaluated: {unobserved}")
-    return {"plan_identity": plan.identity, "model": plan.model, "overall": overall, "layers": rows,
-            "notes": notes}
+    return {
+        "plan_identity": plan.identity,
+        "model": plan.model,
+        "overall": overall,
+        "layers": rows,
+        "notes": notes,
+    }
 
 
 def evaluate_observations(plan: Plan, observations: list[Observations]) -> dict[str, Any]:
@@ -178,7 +203,8 @@ def evaluate_observations(plan: Plan, observations: list[Observations]) -> dict[
             counts=np.concatenate([p.counts for p in parts]),
             tags=tuple(t for p in parts for t in p.tags),
             tokens=np.concatenate([p.tokens for p in parts]),
-            lines=np.concatenate([p.lines for p in parts]))
+            lines=np.concatenate([p.lines for p in parts]),
+        )
     report = evaluate(plan, layers, records)
     report["inputs"] = [{"label": o.label, "sha256": o.digest} for o in observations]
     if parts and records is None:
@@ -188,19 +214,26 @@ def evaluate_observations(plan: Plan, observations: list[Observations]) -> dict[
 
 def format_report(report: Mapping[str, Any]) -> str:
     """A fixed-width table for the terminal."""
+
     def pct(x):
         return "   -  " if x is None else f"{100 * x:5.1f}%"
 
-    lines = [f"plan {report['plan_identity'][:16]}  model {report['model'] or '-'}",
-             f"{'layer':>6} {'core#':>5} {'spec#':>5} {'core':>7} {'oracle':>7} {'core+sl':>7} "
-             f"{'oracleR':>7} {'inplan':>7}"]
+    lines = [
+        f"plan {report['plan_identity'][:16]}  model {report['model'] or '-'}",
+        f"{'layer':>6} {'core#':>5} {'spec#':>5} {'core':>7} {'oracle':>7} {'core+sl':>7} "
+        f"{'oracleR':>7} {'inplan':>7}",
+    ]
     for r in report["layers"]:
-        lines.append(f"{r['layer']:>6} {r['core_experts']:>5} {r['specialist_capacity']:>5} {pct(r['core']):>7} "
-                     f"{pct(r['oracle_core']):>7} {pct(r['core_plus_slices']):>7} "
-                     f"{pct(r['oracle_per_request']):>7} {pct(r['in_plan']):>7}")
+        lines.append(
+            f"{r['layer']:>6} {r['core_experts']:>5} {r['specialist_capacity']:>5} {pct(r['core']):>7} "
+            f"{pct(r['oracle_core']):>7} {pct(r['core_plus_slices']):>7} "
+            f"{pct(r['oracle_per_request']):>7} {pct(r['in_plan']):>7}"
+        )
     o = report["overall"]
-    lines.append(f"{'all':>6} {'':>5} {'':>5} {pct(o['core']):>7} {pct(o['oracle_core']):>7} "
-                 f"{pct(o['core_plus_slices']):>7} {pct(o['oracle_per_request']):>7} {pct(o['in_plan']):>7}")
+    lines.append(
+        f"{'all':>6} {'':>5} {'':>5} {pct(o['core']):>7} {pct(o['oracle_core']):>7} "
+        f"{pct(o['core_plus_slices']):>7} {pct(o['oracle_per_request']):>7} {pct(o['in_plan']):>7}"
+    )
     lines.append(f"selections {o['selections']:,}; requests {o['requests']:,}")
     lines.extend(f"note: {n}" for n in report["notes"])
     return "\n".join(lines)

@@ -25,7 +25,9 @@ def _same(a: Mapping, b: Mapping) -> bool:
     if len(a["weights"]) != len(b["weights"]):
         return False
     return list(a["counts"]) == list(b["counts"]) and all(
-        math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9) for x, y in zip(a["weights"], b["weights"], strict=True))
+        math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9)
+        for x, y in zip(a["weights"], b["weights"], strict=True)
+    )
 
 
 def _add_into(total: dict[str, list], stats: Mapping, where: str) -> None:
@@ -55,7 +57,9 @@ def tp_groups(reports: Sequence[Mapping]) -> dict[int, list[Mapping]]:
     groups: dict[int, list[Mapping]] = {}
     for report in reports:
         groups.setdefault(int(report.get("dp_rank", 0)), []).append(report)
-    return {dp: sorted(members, key=lambda r: int(r.get("tp_rank", 0))) for dp, members in sorted(groups.items())}
+    return {
+        dp: sorted(members, key=lambda r: int(r.get("tp_rank", 0))) for dp, members in sorted(groups.items())
+    }
 
 
 def aggregate_workers(reports: Sequence[Mapping]) -> dict[int, dict]:
@@ -82,7 +86,9 @@ def aggregate_workers(reports: Sequence[Mapping]) -> dict[int, dict]:
                 if layer not in out:  # only this non-reference rank saw the layer: count nothing
                     width = len(layers[layer]["counts"])
                     out[layer] = {"counts": [0] * width, "weights": [0.0] * width, "tp_disagreement": []}
-                out[layer]["tp_disagreement"].append({"dp_rank": dp_rank, "tp_rank": int(other.get("tp_rank", 0))})
+                out[layer]["tp_disagreement"].append(
+                    {"dp_rank": dp_rank, "tp_rank": int(other.get("tp_rank", 0))}
+                )
     return dict(sorted(out.items()))
 
 
@@ -98,8 +104,10 @@ def mask_outside(layer_stats: Mapping[Any, Mapping], keep: Mapping[int, frozense
         if resident is None:
             out[int(layer)] = {"counts": [0] * len(counts), "weights": [0.0] * len(weights)}
         else:
-            out[int(layer)] = {"counts": [0 if e in resident else c for e, c in enumerate(counts)],
-                               "weights": [0.0 if e in resident else w for e, w in enumerate(weights)]}
+            out[int(layer)] = {
+                "counts": [0 if e in resident else c for e, c in enumerate(counts)],
+                "weights": [0.0 if e in resident else w for e, w in enumerate(weights)],
+            }
     return out
 
 
@@ -120,8 +128,13 @@ def summarize_router_misses(observed: Mapping[Any, Mapping], missed: Mapping[Any
     """
     missed = {int(k): v for k, v in missed.items()}
     layers: dict[str, dict] = {}
-    totals = {"observed_selections": 0, "missed_selections": 0, "observed_mass": 0.0, "inactive_mass": 0.0,
-              "inactive_experts": 0}
+    totals = {
+        "observed_selections": 0,
+        "missed_selections": 0,
+        "observed_mass": 0.0,
+        "inactive_mass": 0.0,
+        "inactive_experts": 0,
+    }
     for key, stats in sorted(observed.items(), key=lambda kv: int(kv[0])):
         layer = int(key)
         counts, weights = list(stats["counts"]), list(stats["weights"])
@@ -142,8 +155,12 @@ def summarize_router_misses(observed: Mapping[Any, Mapping], missed: Mapping[Any
         for name in ("observed_selections", "missed_selections", "observed_mass", "inactive_mass"):
             totals[name] += layers[str(layer)][name]
         totals["inactive_experts"] += len(inactive)
-    totals["miss_ratio"] = totals["missed_selections"] / totals["observed_selections"] if totals["observed_selections"] else 0.0
-    totals["inactive_mass_ratio"] = totals["inactive_mass"] / totals["observed_mass"] if totals["observed_mass"] else 0.0
+    totals["miss_ratio"] = (
+        totals["missed_selections"] / totals["observed_selections"] if totals["observed_selections"] else 0.0
+    )
+    totals["inactive_mass_ratio"] = (
+        totals["inactive_mass"] / totals["observed_mass"] if totals["observed_mass"] else 0.0
+    )
     return {"layers": layers, "totals": totals}
 
 

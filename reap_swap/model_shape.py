@@ -23,9 +23,19 @@ import orjson
 
 # torch dtype names as they appear in config.json -> bytes per element.
 DTYPE_BYTES = {
-    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-    "float32": 4, "fp32": 4, "float": 4,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "int8": 1, "uint8": 1,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "fp8": 1,
+    "int8": 1,
+    "uint8": 1,
 }
 DEFAULT_DTYPE = "bfloat16"
 
@@ -100,21 +110,32 @@ def read_model_shape(source: str | os.PathLike | Mapping) -> ModelShape:
     config = text if isinstance(text, Mapping) else outer
 
     architectures = _first(outer, "architectures") or _first(config, "architectures") or []
-    architecture = architectures[0] if architectures else str(
-        _first(config, "model_type") or _first(outer, "model_type") or "unknown")
+    architecture = (
+        architectures[0]
+        if architectures
+        else str(_first(config, "model_type") or _first(outer, "model_type") or "unknown")
+    )
 
     num_experts = _first(config, "num_experts", "num_local_experts")
     if not num_experts:
         raise ModelShapeError(
-            f"{architecture}: no num_experts / num_local_experts in config; not a MoE model")
+            f"{architecture}: no num_experts / num_local_experts in config; not a MoE model"
+        )
     num_layers = _first(config, "num_hidden_layers")
     hidden_size = _first(config, "hidden_size")
     top_k = _first(config, "num_experts_per_tok")
     # Mixtral names the expert width intermediate_size; Qwen MoE keeps that name for dense MLPs.
     moe_intermediate = _first(config, "moe_intermediate_size", "intermediate_size")
-    missing = [name for name, value in [("num_hidden_layers", num_layers), ("hidden_size", hidden_size),
-                                        ("num_experts_per_tok", top_k),
-                                        ("moe_intermediate_size", moe_intermediate)] if value is None]
+    missing = [
+        name
+        for name, value in [
+            ("num_hidden_layers", num_layers),
+            ("hidden_size", hidden_size),
+            ("num_experts_per_tok", top_k),
+            ("moe_intermediate_size", moe_intermediate),
+        ]
+        if value is None
+    ]
     if missing:
         raise ModelShapeError(f"{architecture}: config lacks {', '.join(missing)}")
 

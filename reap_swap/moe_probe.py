@@ -56,8 +56,9 @@ def moe_blocks(model: torch.nn.Module, moe_layer_names: Sequence[str]) -> list[t
     return out
 
 
-def run_probe(model: torch.nn.Module, vllm_config: Any, tokens: Sequence[int] = DEFAULT_TOKENS,
-              seed: int = 0) -> dict:
+def run_probe(
+    model: torch.nn.Module, vllm_config: Any, tokens: Sequence[int] = DEFAULT_TOKENS, seed: int = 0
+) -> dict:
     """{"layers": {name: {"<tokens>": digest}}, "inputs": {"<tokens>": digest}, ...}.
 
     One forward context per input size, blocks called once each in registration order (vLLM may
@@ -80,8 +81,15 @@ def run_probe(model: torch.nn.Module, vllm_config: Any, tokens: Sequence[int] = 
                     y = block(x.clone())
                     layers[name][str(n)] = digest(y)
                     absmax.setdefault(name, {})[str(n)] = float(y.float().abs().max())
-    return {"seed": int(seed), "tokens": [int(n) for n in tokens], "dtype": str(dtype),
-            "device": str(device), "inputs": inputs, "layers": layers, "absmax": absmax}
+    return {
+        "seed": int(seed),
+        "tokens": [int(n) for n in tokens],
+        "dtype": str(dtype),
+        "device": str(device),
+        "inputs": inputs,
+        "layers": layers,
+        "absmax": absmax,
+    }
 
 
 def _activation_device(model: torch.nn.Module) -> torch.device:
@@ -97,8 +105,12 @@ def compare_probes(reference: dict, other: dict) -> dict:
     """Which (layer, size) digests differ between two probes (of one rank each)."""
     if reference.get("inputs") != other.get("inputs"):
         return {"comparable": False, "why": "different probe inputs (seed, sizes, dtype)"}
-    differ = [f"{name}@{n}" for name, row in reference["layers"].items()
-              for n, d in row.items() if (other["layers"].get(name) or {}).get(n) != d]
+    differ = [
+        f"{name}@{n}"
+        for name, row in reference["layers"].items()
+        for n, d in row.items()
+        if (other["layers"].get(name) or {}).get(n) != d
+    ]
     total = sum(len(row) for row in reference["layers"].values())
     return {"comparable": True, "equal": total - len(differ), "of": total, "differ": differ}
 

@@ -106,9 +106,13 @@ def _layers(obj: Mapping, where: str) -> tuple[dict[int, LayerStats], tuple[str,
             continue
         index = _layer_index(key)
         if index is None or not isinstance(value, Mapping):
-            raise ObservationError(f"{where}: top-level key {key!r} is not a layer index with a dict of fields")
+            raise ObservationError(
+                f"{where}: top-level key {key!r} is not a layer index with a dict of fields"
+            )
         if index in out:
-            raise ObservationError(f"{where}: layer {index} appears twice (keys {out[index].raw_key!r}, {key!r})")
+            raise ObservationError(
+                f"{where}: layer {index} appears twice (keys {out[index].raw_key!r}, {key!r})"
+            )
         out[index] = layer_stats_from_fields(value, f"{where}[{key!r}]", str(key))
         fields = fields or tuple(sorted(str(k) for k in value))
     if not out:
@@ -128,7 +132,9 @@ def load_observations(path: str | os.PathLike, allow_pickle: bool = False) -> Ob
         hint = "" if allow_pickle else " (if it is a trusted file with pickled objects, allow pickle)"
         raise ObservationError(f"{path}: cannot load with torch.load: {exc}{hint}") from exc
     if not isinstance(obj, Mapping):
-        raise ObservationError(f"{path}: expected a dict {{layer_idx: {{field: tensor}}}}, got {type(obj).__name__}")
+        raise ObservationError(
+            f"{path}: expected a dict {{layer_idx: {{field: tensor}}}}, got {type(obj).__name__}"
+        )
     layers, fields = _layers(obj, str(path))
     meta = obj.get(META_KEY) or {}
     tags: dict[str, dict[int, LayerStats]] = {}
@@ -147,10 +153,14 @@ def load_observations(path: str | os.PathLike, allow_pickle: bool = False) -> Ob
                 tokens=_array(per["tokens"], f"{where}.tokens", np.int64, 1),
                 lines=_array(per["lines"], f"{where}.lines", np.int64, 1),
             )
-            if not (counts.shape[0] == len(records.tags) == len(records.tokens) == len(records.lines)
-                    and counts.shape[1] == len(records.layers)):
-                raise ObservationError(f"{where}: lengths disagree (counts {counts.shape}, "
-                                       f"{len(records.tags)} tags, {len(records.layers)} layers)")
+            if not (
+                counts.shape[0] == len(records.tags) == len(records.tokens) == len(records.lines)
+                and counts.shape[1] == len(records.layers)
+            ):
+                raise ObservationError(
+                    f"{where}: lengths disagree (counts {counts.shape}, "
+                    f"{len(records.tags)} tags, {len(records.layers)} layers)"
+                )
     plain_meta = {k: v for k, v in meta.items() if k not in ("tags", "per_record")}
     return Observations(
         label=path.name.removesuffix(".pt"),
@@ -175,22 +185,29 @@ def _fields(stats: LayerStats) -> dict[str, torch.Tensor]:
     }
     if stats.weighted_frequency is not None:
         out["weighted_expert_frequency_sum"] = torch.from_numpy(
-            np.asarray(stats.weighted_frequency, dtype=np.float64).copy())
+            np.asarray(stats.weighted_frequency, dtype=np.float64).copy()
+        )
     if stats.coactivation is not None:
         out["coactivation"] = torch.from_numpy(np.asarray(stats.coactivation, dtype=np.int64).copy())
     return out
 
 
-def save_observations(path: str | os.PathLike, layers: Mapping[int, LayerStats], *,
-                      tags: Mapping[str, Mapping[int, LayerStats]] | None = None,
-                      records: RecordCounts | None = None, meta: Mapping[str, Any] | None = None,
-                      reap_layout_only: bool = False) -> str:
+def save_observations(
+    path: str | os.PathLike,
+    layers: Mapping[int, LayerStats],
+    *,
+    tags: Mapping[str, Mapping[int, LayerStats]] | None = None,
+    records: RecordCounts | None = None,
+    meta: Mapping[str, Any] | None = None,
+    reap_layout_only: bool = False,
+) -> str:
     """Write the file (atomically: temp file + rename); returns its sha256."""
     obj: dict[Any, Any] = {int(i): _fields(s) for i, s in sorted(layers.items())}
     if not reap_layout_only:
         extra: dict[str, Any] = {"format": FORMAT, "version": VERSION, **dict(meta or {})}
-        extra["tags"] = {t: {int(i): _fields(s) for i, s in sorted(ls.items())}
-                         for t, ls in sorted((tags or {}).items())}
+        extra["tags"] = {
+            t: {int(i): _fields(s) for i, s in sorted(ls.items())} for t, ls in sorted((tags or {}).items())
+        }
         if records is not None:
             width = np.int32 if records.counts.size == 0 or records.counts.max() < 2**31 else np.int64
             extra["per_record"] = {

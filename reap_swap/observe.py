@@ -130,15 +130,18 @@ def read_corpus(path: str | os.PathLike) -> tuple[list[CorpusRecord], list[Corpu
     return records, issues
 
 
-def tokenize_records(tokenizer, records: Sequence[CorpusRecord], max_len: int
-                     ) -> tuple[list[tuple[CorpusRecord, list[int]]], list[CorpusIssue]]:
+def tokenize_records(
+    tokenizer, records: Sequence[CorpusRecord], max_len: int
+) -> tuple[list[tuple[CorpusRecord, list[int]]], list[CorpusIssue]]:
     """Token ids per record: chat -> the model's chat template (no generation prompt: the corpus
     is what is observed); text -> the tokenizer's own special tokens, as vLLM would add them."""
     out, issues = [], []
     for rec in records:
         try:
             if rec.messages is not None:
-                text = tokenizer.apply_chat_template(rec.messages, tokenize=False, add_generation_prompt=False)
+                text = tokenizer.apply_chat_template(
+                    rec.messages, tokenize=False, add_generation_prompt=False
+                )
                 ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
             else:
                 ids = list(tokenizer(rec.text)["input_ids"])
@@ -148,7 +151,9 @@ def tokenize_records(tokenizer, records: Sequence[CorpusRecord], max_len: int
         if not ids:
             issues.append(CorpusIssue(rec.line, "no tokens"))
         elif len(ids) > max_len:
-            issues.append(CorpusIssue(rec.line, f"{len(ids)} tokens, over the model's max_model_len {max_len}"))
+            issues.append(
+                CorpusIssue(rec.line, f"{len(ids)} tokens, over the model's max_model_len {max_len}")
+            )
         else:
             out.append((rec, ids))
     return out, issues
@@ -182,8 +187,10 @@ def worker_layers(reports: Sequence[Mapping]) -> dict[int, dict[str, np.ndarray]
                 coact[int(key)] = coact[int(key)] + m if int(key) in coact else m
     out = {}
     for layer, stats in agg.items():
-        item = {"counts": np.asarray(stats["counts"], dtype=np.int64),
-                "weights": np.asarray(stats["weights"], dtype=np.float64)}
+        item = {
+            "counts": np.asarray(stats["counts"], dtype=np.int64),
+            "weights": np.asarray(stats["weights"], dtype=np.float64),
+        }
         if layer in coact:
             item["coact"] = coact[layer]
         out[layer] = item
@@ -207,14 +214,21 @@ class _Accumulator:
     def layer_stats(self):
         from reap_swap.planner import LayerStats
 
-        return {layer: LayerStats(total_tokens=self.tokens, expert_frequency=s["counts"],
-                                  weighted_frequency=s["weights"], coactivation=s.get("coact"),
-                                  raw_key=str(layer))
-                for layer, s in sorted(self.layers.items())}
+        return {
+            layer: LayerStats(
+                total_tokens=self.tokens,
+                expert_frequency=s["counts"],
+                weighted_frequency=s["weights"],
+                coactivation=s.get("coact"),
+                raw_key=str(layer),
+            )
+            for layer, s in sorted(self.layers.items())
+        }
 
 
-def check_counts(layers: Mapping[int, Mapping[str, np.ndarray]], tokens: int, top_k: int,
-                 expected_layers: Iterable[int]) -> None:
+def check_counts(
+    layers: Mapping[int, Mapping[str, np.ndarray]], tokens: int, top_k: int, expected_layers: Iterable[int]
+) -> None:
     missing = sorted(set(expected_layers) - set(layers))
     if missing:
         raise CountMismatch(f"no counters for MoE layers {missing}: is the worker extension counting?")
@@ -223,7 +237,8 @@ def check_counts(layers: Mapping[int, Mapping[str, np.ndarray]], tokens: int, to
         if got != tokens * top_k:
             raise CountMismatch(
                 f"layer {layer}: {got} routed selections for {tokens} tokens x top_k {top_k} = {tokens * top_k}"
-                " (prefix caching, preemption recompute or a second forward of the same tokens?)")
+                " (prefix caching, preemption recompute or a second forward of the same tokens?)"
+            )
         if "coact" in s and not np.array_equal(np.diag(s["coact"]), s["counts"]):
             raise CountMismatch(f"layer {layer}: co-activation diagonal != counts")
 
@@ -238,26 +253,42 @@ def _engine_kwargs(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     from vllm.engine.arg_utils import EngineArgs
 
     names = {f.name for f in dataclasses.fields(EngineArgs)}
-    return {k: v for k, v in vars(args).items()
-            if k in names and k != "model" and v != parser.get_default(k)}
+    return {k: v for k, v in vars(args).items() if k in names and k != "model" and v != parser.get_default(k)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     ours = parser.add_argument_group("reap-swap observe")
-    ours.add_argument("--corpus", required=True, type=Path, help="JSONL corpus (chat, prompt or text records)")
+    ours.add_argument(
+        "--corpus", required=True, type=Path, help="JSONL corpus (chat, prompt or text records)"
+    )
     ours.add_argument("--out", required=True, type=Path, help="observation file to write (.pt)")
-    ours.add_argument("--per-request", action="store_true",
-                      help="run records one at a time and also store per-record counts (slower)")
-    ours.add_argument("--batch-size", type=int, default=32, help="records per engine call (ignored with --per-request)")
-    ours.add_argument("--strict-corpus", action="store_true",
-                      help="refuse the whole corpus if any line is malformed (default: report and skip)")
+    ours.add_argument(
+        "--per-request",
+        action="store_true",
+        help="run records one at a time and also store per-record counts (slower)",
+    )
+    ours.add_argument(
+        "--batch-size", type=int, default=32, help="records per engine call (ignored with --per-request)"
+    )
+    ours.add_argument(
+        "--strict-corpus",
+        action="store_true",
+        help="refuse the whole corpus if any line is malformed (default: report and skip)",
+    )
     ours.add_argument("--max-records", type=int, help="observe only the first N usable records")
-    ours.add_argument("--no-coactivation", dest="coactivation", action="store_false",
-                      help="skip the E x E co-activation counters (saves E*E*8 bytes per layer)")
-    ours.add_argument("--reap-layout-only", action="store_true",
-                      help="write only REAP's {layer_idx: {field: tensor}} (no tags, records, metadata)")
+    ours.add_argument(
+        "--no-coactivation",
+        dest="coactivation",
+        action="store_false",
+        help="skip the E x E co-activation counters (saves E*E*8 bytes per layer)",
+    )
+    ours.add_argument(
+        "--reap-layout-only",
+        action="store_true",
+        help="write only REAP's {layer_idx: {field: tensor}} (no tags, records, metadata)",
+    )
     ours.add_argument("--no-progress", dest="progress", action="store_false")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(_parser=parser)
@@ -267,8 +298,9 @@ def _hf_config(args: argparse.Namespace) -> dict:
     """The model's config as a dict (a local folder or a hub id, via transformers)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(args.model, revision=args.revision,
-                                      trust_remote_code=args.trust_remote_code).to_dict()
+    return AutoConfig.from_pretrained(
+        args.model, revision=args.revision, trust_remote_code=args.trust_remote_code
+    ).to_dict()
 
 
 def _rpc_stats(llm) -> list[dict]:
@@ -286,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {args.corpus}: no usable records", file=sys.stderr)
         return 2
     if args.max_records is not None:
-        records = records[:args.max_records]
+        records = records[: args.max_records]
 
     from reap_swap.model_shape import read_model_shape
     from reap_swap.observations import file_digest, save_observations
@@ -299,14 +331,23 @@ def run(args: argparse.Namespace) -> int:
         for issue in tok_issues[:MAX_LISTED_ISSUES]:
             print(f"{args.corpus}: {issue}", file=sys.stderr)
         if tok_issues and args.strict_corpus:
-            print(f"error: {len(tok_issues)} record(s) cannot be tokenized; --strict-corpus: nothing observed",
-                  file=sys.stderr)
+            print(
+                f"error: {len(tok_issues)} record(s) cannot be tokenized; --strict-corpus: nothing observed",
+                file=sys.stderr,
+            )
             return 2
         if not tokenized:
             print("error: no record could be tokenized", file=sys.stderr)
             return 2
-        result = observe_records(llm, tokenized, shape.top_k, shape.moe_layers, per_request=args.per_request,
-                                 batch_size=args.batch_size, progress=args.progress)
+        result = observe_records(
+            llm,
+            tokenized,
+            shape.top_k,
+            shape.moe_layers,
+            per_request=args.per_request,
+            batch_size=args.batch_size,
+            progress=args.progress,
+        )
     except CountMismatch as exc:
         print(f"error: {exc}; nothing written", file=sys.stderr)
         return 1
@@ -316,22 +357,41 @@ def run(args: argparse.Namespace) -> int:
 
     skipped = [{"line": i.line, "reason": i.reason} for i in (issues + tok_issues)[:MAX_LISTED_ISSUES]]
     meta = {
-        "model": args.model, "top_k": shape.top_k, "num_experts": shape.num_experts,
-        "records": len(tokenized), "skipped_count": len(issues) + len(tok_issues), "skipped": skipped,
+        "model": args.model,
+        "top_k": shape.top_k,
+        "num_experts": shape.num_experts,
+        "records": len(tokenized),
+        "skipped_count": len(issues) + len(tok_issues),
+        "skipped": skipped,
         "corpus": {"name": args.corpus.name, "sha256": file_digest(args.corpus)},
         "per_request": bool(args.per_request),
     }
     total, tags, per_record = result
-    digest = save_observations(args.out, total.layer_stats(),
-                               tags={t: acc.layer_stats() for t, acc in tags.items()},
-                               records=per_record, meta=meta, reap_layout_only=args.reap_layout_only)
-    print(f"wrote {args.out}: {len(tokenized)} records, {total.tokens:,} tokens, {len(total.layers)} MoE layers, "
-          f"{len(tags)} tag(s); skipped {len(issues) + len(tok_issues)} line(s); sha256 {digest[:16]}")
+    digest = save_observations(
+        args.out,
+        total.layer_stats(),
+        tags={t: acc.layer_stats() for t, acc in tags.items()},
+        records=per_record,
+        meta=meta,
+        reap_layout_only=args.reap_layout_only,
+    )
+    print(
+        f"wrote {args.out}: {len(tokenized)} records, {total.tokens:,} tokens, {len(total.layers)} MoE layers, "
+        f"{len(tags)} tag(s); skipped {len(issues) + len(tok_issues)} line(s); sha256 {digest[:16]}"
+    )
     return 0
 
 
-def observe_records(llm, tokenized: Sequence[tuple[CorpusRecord, list[int]]], top_k: int,
-                    moe_layers: Sequence[int], *, per_request: bool, batch_size: int, progress: bool = True):
+def observe_records(
+    llm,
+    tokenized: Sequence[tuple[CorpusRecord, list[int]]],
+    top_k: int,
+    moe_layers: Sequence[int],
+    *,
+    per_request: bool,
+    batch_size: int,
+    progress: bool = True,
+):
     """Drive the engine; returns (overall accumulator, {tag: accumulator}, RecordCounts | None)."""
     from tqdm import tqdm
     from vllm import SamplingParams
@@ -344,18 +404,30 @@ def observe_records(llm, tokenized: Sequence[tuple[CorpusRecord, list[int]]], to
     total = _Accumulator()
     tags: dict[str, _Accumulator] = {}
     # one tag at a time (untagged last) so a counter read never mixes tags; file order within a tag
-    order = sorted(range(len(tokenized)), key=lambda i: (tokenized[i][0].tag is None, tokenized[i][0].tag or "", i))
+    order = sorted(
+        range(len(tokenized)), key=lambda i: (tokenized[i][0].tag is None, tokenized[i][0].tag or "", i)
+    )
     size = 1 if per_request else max(1, batch_size)
     rows: list[np.ndarray] = []
     row_meta: list[tuple[str, int, int]] = []
     layer_order = tuple(sorted(moe_layers))
-    bar = tqdm(total=sum(len(ids) for _, ids in tokenized), unit="tok", unit_scale=True,
-               desc="observe", disable=not progress, file=sys.stderr)
+    bar = tqdm(
+        total=sum(len(ids) for _, ids in tokenized),
+        unit="tok",
+        unit_scale=True,
+        desc="observe",
+        disable=not progress,
+        file=sys.stderr,
+    )
     i = 0
     while i < len(order):
         tag = tokenized[order[i]][0].tag
         batch = [order[i]]
-        while len(batch) < size and i + len(batch) < len(order) and tokenized[order[i + len(batch)]][0].tag == tag:
+        while (
+            len(batch) < size
+            and i + len(batch) < len(order)
+            and tokenized[order[i + len(batch)]][0].tag == tag
+        ):
             batch.append(order[i + len(batch)])
         i += len(batch)
         prompts = [TokensPrompt(prompt_token_ids=tokenized[j][1]) for j in batch]
@@ -374,9 +446,13 @@ def observe_records(llm, tokenized: Sequence[tuple[CorpusRecord, list[int]]], to
     bar.close()
     per_record = None
     if per_request:
-        per_record = RecordCounts(layers=layer_order, counts=np.stack(rows), tags=tuple(t for t, _, _ in row_meta),
-                                  tokens=np.array([n for _, n, _ in row_meta], dtype=np.int64),
-                                  lines=np.array([ln for _, _, ln in row_meta], dtype=np.int64))
+        per_record = RecordCounts(
+            layers=layer_order,
+            counts=np.stack(rows),
+            tags=tuple(t for t, _, _ in row_meta),
+            tokens=np.array([n for _, n, _ in row_meta], dtype=np.int64),
+            lines=np.array([ln for _, _, ln in row_meta], dtype=np.int64),
+        )
     return total, tags, per_record
 
 
@@ -385,7 +461,9 @@ def _start_engine(args: argparse.Namespace, shape, workdir: Path):
 
     kwargs = _engine_kwargs(args._parser, args)
     if kwargs.pop("enable_prefix_caching", None):
-        print("note: prefix caching forced off (each corpus token must be routed exactly once)", file=sys.stderr)
+        print(
+            "note: prefix caching forced off (each corpus token must be routed exactly once)", file=sys.stderr
+        )
     if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
         raise SystemExit(f"error: observe needs --worker-extension-cls {WORKER_EXTENSION}")
     kwargs["worker_extension_cls"] = WORKER_EXTENSION
@@ -410,10 +488,13 @@ def observe_worker_config(shape, coactivation: bool, workdir: Path) -> dict[str,
     everything = list(range(shape.num_experts))
     total = shape.total_expert_bytes
     doc = {
-        "mode": MODE, "model": "reap-swap observe (all experts resident)",
+        "mode": MODE,
+        "model": "reap-swap observe (all experts resident)",
         "budget": {"per_expert_bytes": shape.expert_bytes, "swappable_expert_budget_bytes": total},
-        "perLayer": {f"layer_{i}": {"numExperts": shape.num_experts, "coreExperts": everything}
-                     for i in shape.moe_layers},
+        "perLayer": {
+            f"layer_{i}": {"numExperts": shape.num_experts, "coreExperts": everything}
+            for i in shape.moe_layers
+        },
     }
     path = workdir / "observe-all-resident-plan.json"
     path.write_bytes(plan_bytes(doc))

@@ -67,8 +67,10 @@ class ValidationReport:
     def format_text(self) -> str:
         lines = [f"error   {issue}" for issue in self.errors]
         lines += [f"warning {issue}" for issue in self.warnings]
-        lines.append(f"{'INVALID' if self.errors else 'valid'}: "
-                     f"{len(self.errors)} error(s), {len(self.warnings)} warning(s)")
+        lines.append(
+            f"{'INVALID' if self.errors else 'valid'}: "
+            f"{len(self.errors)} error(s), {len(self.warnings)} warning(s)"
+        )
         lines += _format_summary(self.summary)
         return "\n".join(lines)
 
@@ -109,8 +111,13 @@ def _format_summary(s: Mapping[str, Any]) -> list[str]:
         rows.append(("resident bytes", resident))
         rows.append(("core ∪ slices bytes", size(s["candidate_bytes"])))
     if s.get("total_experts"):
-        rows.append(("coverage", f"{s['covered_experts']:,} of {s['total_experts']:,} experts in core ∪ "
-                                 f"slices ({100 * s['coverage']:.1f} %)"))
+        rows.append(
+            (
+                "coverage",
+                f"{s['covered_experts']:,} of {s['total_experts']:,} experts in core ∪ "
+                f"slices ({100 * s['coverage']:.1f} %)",
+            )
+        )
     return ["summary:"] + [f"  {name:<20} {value}" for name, value in rows]
 
 
@@ -148,7 +155,8 @@ class Plan:
     swappable_budget_bytes: int
     max_refreshes_per_request: int
     cartridges: Mapping[str, Mapping[str, tuple[int | str, ...]]] = field(
-        default_factory=lambda: MappingProxyType({}))  # named active sets
+        default_factory=lambda: MappingProxyType({})
+    )  # named active sets
 
     def core_sets(self) -> dict[int, frozenset[int]]:
         return {index: layer.core for index, layer in self.layers.items()}
@@ -230,7 +238,9 @@ def _unknown_keys(parts: list, instance: Mapping, schema: Mapping) -> list[PlanI
             expected = ", ".join(known)
         else:
             hint, expected = "", " or ".join(_PATTERN_NAMES.get(p, f"/{p}/") for p in patterns)
-        issues.append(PlanIssue(json_path([*parts, key]), f"unknown key {key!r}{hint}; expected keys: {expected}"))
+        issues.append(
+            PlanIssue(json_path([*parts, key]), f"unknown key {key!r}{hint}; expected keys: {expected}")
+        )
     return issues
 
 
@@ -256,8 +266,12 @@ def _check_ids(path: str, ids: Any, num_experts: int | None, errors: list[PlanIs
         if _int(expert) is None:
             continue
         if num_experts is not None and not 0 <= expert < num_experts:
-            errors.append(PlanIssue(f"{path}[{i}]", f"{expert} is not < numExperts {num_experts}"
-                                    if expert >= 0 else f"{expert} is negative"))
+            errors.append(
+                PlanIssue(
+                    f"{path}[{i}]",
+                    f"{expert} is not < numExperts {num_experts}" if expert >= 0 else f"{expert} is negative",
+                )
+            )
         if expert in seen:
             errors.append(PlanIssue(f"{path}[{i}]", f"duplicate expert id {expert}"))
         seen.add(expert)
@@ -268,8 +282,9 @@ def _raw_layer_index(raw: str) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
-def _semantic_issues(doc: Mapping, shape: ModelShape | None, summary: dict,
-                     schema_clean: bool) -> tuple[list[PlanIssue], list[PlanIssue]]:
+def _semantic_issues(
+    doc: Mapping, shape: ModelShape | None, summary: dict, schema_clean: bool
+) -> tuple[list[PlanIssue], list[PlanIssue]]:
     """Defensive about types (the schema pass reports those); fills ``summary`` as it goes."""
     errors: list[PlanIssue] = []
     warnings: list[PlanIssue] = []
@@ -294,17 +309,22 @@ def _semantic_issues(doc: Mapping, shape: ModelShape | None, summary: dict,
 
         raw = layer.get("rawLayerKey")
         if isinstance(raw, str) and _raw_layer_index(raw) != index:
-            errors.append(PlanIssue(f"{path}.rawLayerKey",
-                                    f"{raw!r} does not name layer {index} (key {key!r})"))
+            errors.append(
+                PlanIssue(f"{path}.rawLayerKey", f"{raw!r} does not name layer {index} (key {key!r})")
+            )
 
         core = _ints(layer.get("coreExperts"))
         _check_ids(f"{path}.coreExperts", layer.get("coreExperts"), num, errors)
         total_core += len(set(core))
         cost = _int(layer.get("coreByteCost"))
         if pe and cost is not None and "coreExperts" in layer and cost != len(set(core)) * pe:
-            warnings.append(PlanIssue(f"{path}.coreByteCost",
-                                      f"{cost:,} != {len(set(core))} core experts x per_expert_bytes "
-                                      f"{pe:,} = {len(set(core)) * pe:,}"))
+            warnings.append(
+                PlanIssue(
+                    f"{path}.coreByteCost",
+                    f"{cost:,} != {len(set(core))} core experts x per_expert_bytes "
+                    f"{pe:,} = {len(set(core)) * pe:,}",
+                )
+            )
 
         candidates = set(core)
         slice_ids: dict[str, int] = {}
@@ -320,51 +340,82 @@ def _semantic_issues(doc: Mapping, shape: ModelShape | None, summary: dict,
             sid = item.get("sliceId")
             if isinstance(sid, str):
                 if sid in slice_ids:
-                    errors.append(PlanIssue(f"{spath}.sliceId", f"duplicate sliceId {sid!r} "
-                                            f"(also sliceCatalog[{slice_ids[sid]}])"))
+                    errors.append(
+                        PlanIssue(
+                            f"{spath}.sliceId",
+                            f"duplicate sliceId {sid!r} (also sliceCatalog[{slice_ids[sid]}])",
+                        )
+                    )
                 slice_ids.setdefault(sid, s)
             cost = _int(item.get("byteCost"))
             if pe and cost is not None and cost != len(set(experts)) * pe:
-                warnings.append(PlanIssue(f"{spath}.byteCost",
-                                          f"{cost:,} != {len(set(experts))} experts x per_expert_bytes "
-                                          f"{pe:,} = {len(set(experts)) * pe:,}"))
+                warnings.append(
+                    PlanIssue(
+                        f"{spath}.byteCost",
+                        f"{cost:,} != {len(set(experts))} experts x per_expert_bytes "
+                        f"{pe:,} = {len(set(experts)) * pe:,}",
+                    )
+                )
         in_range = {e for e in candidates if num is None or 0 <= e < num}
         covered += len(in_range)
         candidate_experts += len(candidates)
 
         if shape is not None:
             if index not in shape.moe_layers:
-                errors.append(PlanIssue(path, f"model {shape.architecture} has no MoE layer {index} "
-                                        f"(MoE layers: {format_ranges(shape.moe_layers)})"))
+                errors.append(
+                    PlanIssue(
+                        path,
+                        f"model {shape.architecture} has no MoE layer {index} "
+                        f"(MoE layers: {format_ranges(shape.moe_layers)})",
+                    )
+                )
             if num is not None and num != shape.num_experts:
-                errors.append(PlanIssue(f"{path}.numExperts",
-                                        f"{num} != model's {shape.num_experts} experts per layer"))
+                errors.append(
+                    PlanIssue(f"{path}.numExperts", f"{num} != model's {shape.num_experts} experts per layer")
+                )
 
     core_bytes = total_core * pe if pe else 0
     swappable = _swappable_budget(budget, core_bytes, candidate_experts * (pe or 0))
     for name in ("core_budget_bytes", "swappable_expert_budget_bytes"):
         limit = _int(budget.get(name))
         if pe and limit is not None and core_bytes > limit:
-            errors.append(PlanIssue(f"budget.{name}", f"core experts need {core_bytes:,} bytes "
-                                    f"({total_core:,} x {pe:,}), over this budget of {limit:,} "
-                                    f"by {core_bytes - limit:,}"))
+            errors.append(
+                PlanIssue(
+                    f"budget.{name}",
+                    f"core experts need {core_bytes:,} bytes "
+                    f"({total_core:,} x {pe:,}), over this budget of {limit:,} "
+                    f"by {core_bytes - limit:,}",
+                )
+            )
 
     if shape is not None:
         if pe is not None and pe != shape.expert_bytes:
-            errors.append(PlanIssue("budget.per_expert_bytes",
-                                    f"{pe:,} != model's expert size {shape.expert_bytes:,} "
-                                    f"(3 x hidden {shape.hidden_size} x moe_intermediate "
-                                    f"{shape.moe_intermediate_size} x {shape.dtype_bytes} bytes)"))
+            errors.append(
+                PlanIssue(
+                    "budget.per_expert_bytes",
+                    f"{pe:,} != model's expert size {shape.expert_bytes:,} "
+                    f"(3 x hidden {shape.hidden_size} x moe_intermediate "
+                    f"{shape.moe_intermediate_size} x {shape.dtype_bytes} bytes)",
+                )
+            )
         missing = sorted(set(shape.moe_layers) - set(layer_indices))
         if len(layer_indices) != len(shape.moe_layers) or missing:
-            errors.append(PlanIssue("perLayer", f"plan has {len(layer_indices)} layers, model "
-                                    f"{shape.architecture} has {len(shape.moe_layers)} MoE layers"
-                                    + (f" (missing: {format_ranges(missing)})" if missing else "")))
+            errors.append(
+                PlanIssue(
+                    "perLayer",
+                    f"plan has {len(layer_indices)} layers, model "
+                    f"{shape.architecture} has {len(shape.moe_layers)} MoE layers"
+                    + (f" (missing: {format_ranges(missing)})" if missing else ""),
+                )
+            )
 
     # A broken layer would make every count disagree; compare the summary only on a clean schema pass.
     declared = doc.get("summary") if schema_clean and isinstance(doc.get("summary"), Mapping) else {}
-    for name, actual in (("layerCount", len(layer_indices)), ("totalCoreExperts", total_core),
-                         ("totalSlices", total_slices)):
+    for name, actual in (
+        ("layerCount", len(layer_indices)),
+        ("totalCoreExperts", total_core),
+        ("totalSlices", total_slices),
+    ):
         if name in declared and declared[name] != actual:
             errors.append(PlanIssue(f"summary.{name}", f"says {declared[name]!r}, plan has {actual}"))
     lo, hi = declared.get("residentFractionPctMin"), declared.get("residentFractionPctMax")
@@ -375,8 +426,9 @@ def _semantic_issues(doc: Mapping, shape: ModelShape | None, summary: dict,
         model=doc.get("model") if isinstance(doc.get("model"), str) else None,
         layers=len(layer_indices),
         layer_indices=format_ranges(sorted(layer_indices)),
-        experts_per_layer=(next(iter(experts_per_layer)) if len(experts_per_layer) == 1
-                           else sorted(experts_per_layer)),
+        experts_per_layer=(
+            next(iter(experts_per_layer)) if len(experts_per_layer) == 1 else sorted(experts_per_layer)
+        ),
         core_experts=total_core,
         slices=total_slices,
         per_expert_bytes=pe,
@@ -442,7 +494,9 @@ def _validate(doc: Any, model_shape: ModelShape | None, build: bool) -> tuple[Va
     """The report and, when the document is valid and `build` (or its cartridges need checking
     against the built plan), the plan: built at most once."""
     if not isinstance(doc, Mapping):
-        return ValidationReport((PlanIssue("$", f"a plan is a JSON object, not {type(doc).__name__}"),), ()), None
+        return ValidationReport(
+            (PlanIssue("$", f"a plan is a JSON object, not {type(doc).__name__}"),), ()
+        ), None
     if not isinstance(doc, dict):
         doc = _thaw(doc)  # a frozen Plan.document: jsonschema's "object" and "array" mean dict and list
     errors = _schema_issues(doc)
@@ -477,17 +531,26 @@ def _build_plan(doc: Mapping, identity: str) -> Plan:
     layers = {}
     for key, raw in sorted(doc["perLayer"].items(), key=lambda kv: int(kv[0].removeprefix("layer_"))):
         slices = tuple(
-            Slice(slice_id=s["sliceId"], experts=tuple(s["experts"]),
-                  byte_cost=s.get("byteCost", len(set(s["experts"])) * pe),
-                  activation_mass=float(s.get("activationMass", 0.0)),
-                  task_priors=MappingProxyType({k: float(v) for k, v in s.get("taskPriors", {}).items()}))
-            for s in raw.get("sliceCatalog", ()))
+            Slice(
+                slice_id=s["sliceId"],
+                experts=tuple(s["experts"]),
+                byte_cost=s.get("byteCost", len(set(s["experts"])) * pe),
+                activation_mass=float(s.get("activationMass", 0.0)),
+                task_priors=MappingProxyType({k: float(v) for k, v in s.get("taskPriors", {}).items()}),
+            )
+            for s in raw.get("sliceCatalog", ())
+        )
         core = frozenset(raw["coreExperts"])
         index = int(key.removeprefix("layer_"))
         layers[index] = LayerPlan(
-            index=index, key=key, num_experts=raw["numExperts"], core=core, slices=slices,
+            index=index,
+            key=key,
+            num_experts=raw["numExperts"],
+            core=core,
+            slices=slices,
             slice_by_id=MappingProxyType({s.slice_id: s for s in slices}),
-            candidates=core.union(*(s.experts for s in slices)))
+            candidates=core.union(*(s.experts for s in slices)),
+        )
     core_bytes = sum(len(layer.core) for layer in layers.values()) * pe
     candidate_bytes = sum(len(layer.candidates) for layer in layers.values()) * pe
     return Plan(

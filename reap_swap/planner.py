@@ -135,8 +135,9 @@ def merge_layers(maps: Sequence[Mapping[int, LayerStats]]) -> dict[int, LayerSta
     """Per layer merge of several files' layer maps; every file must have the same layers."""
     keys = [frozenset(m) for m in maps]
     if len(set(keys)) > 1:
-        raise PlannerError("observation files cover different layers: "
-                           + "; ".join(str(sorted(k)) for k in keys))
+        raise PlannerError(
+            "observation files cover different layers: " + "; ".join(str(sorted(k)) for k in keys)
+        )
     return {i: merge_layer_stats([m[i] for m in maps]) for i in sorted(keys[0])} if maps else {}
 
 
@@ -152,8 +153,9 @@ class PlannerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    budget_ratio: float | None = Field(default=None, gt=0, le=1,
-                                       description="resident budget as a fraction of all expert bytes")
+    budget_ratio: float | None = Field(
+        default=None, gt=0, le=1, description="resident budget as a fraction of all expert bytes"
+    )
     budget_gib: float | None = Field(default=None, gt=0, description="resident budget in GiB")
     core_fraction: float = Field(default=0.75, ge=0, le=1)
     signal: Literal["frequency", "router_mass", "reap"] = "frequency"
@@ -198,8 +200,9 @@ def layer_values(stats: LayerStats, signal: str) -> np.ndarray:
         return _share(stats.expert_frequency)
     if signal == "router_mass":
         if stats.weighted_frequency is None:
-            raise PlannerError(f"signal router_mass needs weighted_expert_frequency_sum "
-                               f"(missing in layer {stats.raw_key!r})")
+            raise PlannerError(
+                f"signal router_mass needs weighted_expert_frequency_sum (missing in layer {stats.raw_key!r})"
+            )
         return _share(stats.weighted_frequency)
     if stats.reap is None:
         raise PlannerError(f"signal reap needs REAP's 'reap' field (missing in layer {stats.raw_key!r})")
@@ -212,7 +215,9 @@ def _order(values: np.ndarray, secondary: np.ndarray) -> list[int]:
     return sorted(range(n), key=lambda e: (-values[e], -secondary[e], e))
 
 
-def find_super_experts(layers: Mapping[int, LayerStats], quantile: float, max_divisor: float) -> dict[int, list[int]]:
+def find_super_experts(
+    layers: Mapping[int, LayerStats], quantile: float, max_divisor: float
+) -> dict[int, list[int]]:
     """Outliers of max_activations over all layers: above the quantile and above global max / divisor."""
     have = {i: s.max_activations for i, s in layers.items() if s.max_activations is not None}
     if not have:
@@ -292,7 +297,7 @@ def _allocate_specialists(work: dict[int, _LayerWork], slots: int, slice_size: i
         rest[w.index] = [e for e in w.order if e not in w.core]
 
     def push(layer: int, unit: int) -> None:
-        group = rest[layer][unit * slice_size:(unit + 1) * slice_size]
+        group = rest[layer][unit * slice_size : (unit + 1) * slice_size]
         if group:
             gain = float(sum(work[layer].values[e] for e in group))
             heapq.heappush(heap, (-gain, layer, unit, len(group)))
@@ -336,9 +341,14 @@ def group_by_coactivation(experts: list[int], affinity: np.ndarray, size: int) -
     return groups
 
 
-def _slice_entries(w: _LayerWork, groups: list[list[int]], pe: int,
-                   sources: Sequence[tuple[str, LayerStats]],
-                   tags: Mapping[str, LayerStats], affinity: np.ndarray | None) -> list[dict]:
+def _slice_entries(
+    w: _LayerWork,
+    groups: list[list[int]],
+    pe: int,
+    sources: Sequence[tuple[str, LayerStats]],
+    tags: Mapping[str, LayerStats],
+    affinity: np.ndarray | None,
+) -> list[dict]:
     s = w.stats
     freq_share = _share(s.expert_frequency)
     mass_share = _share(s.weighted_frequency)
@@ -386,14 +396,17 @@ def budget_bytes(shape: ModelShape, config: PlannerConfig) -> int:
     return int(math.floor(config.budget_gib * GIB))
 
 
-def build_plan(observations: Sequence[Observations], shape: ModelShape, config: PlannerConfig,
-               model_name: str) -> dict:
+def build_plan(
+    observations: Sequence[Observations], shape: ModelShape, config: PlannerConfig, model_name: str
+) -> dict:
     """The plan document (a dict that passes reap_swap.plan.validate_plan_document for `shape`)."""
     if not observations:
         raise PlannerError("no observation files given")
     digests = [o.digest for o in observations]
     if len(set(digests)) != len(digests):
-        raise PlannerError("the same observation file is given twice (equal sha256): it would be counted twice")
+        raise PlannerError(
+            "the same observation file is given twice (equal sha256): it would be counted twice"
+        )
     layers = merge_layers([o.layers for o in observations])
     _check_shape(layers, shape)
     labels = _unique_labels([o.label for o in observations])
@@ -422,8 +435,10 @@ def build_plan(observations: Sequence[Observations], shape: ModelShape, config: 
         supers = find_super_experts(layers, config.super_expert_quantile, config.super_expert_max_divisor)
         n_super = sum(len(v) for v in supers.values())
         if n_super > core_slots:
-            raise PlannerError(f"{n_super} super experts need {n_super * pe:,} bytes, over the core budget "
-                               f"of {core_slots * pe:,} bytes; raise the budget or pass --no-super-experts")
+            raise PlannerError(
+                f"{n_super} super experts need {n_super * pe:,} bytes, over the core budget "
+                f"of {core_slots * pe:,} bytes; raise the budget or pass --no-super-experts"
+            )
         for i, experts in supers.items():
             for e in experts:
                 work[i].core.add(e)
@@ -433,8 +448,10 @@ def build_plan(observations: Sequence[Observations], shape: ModelShape, config: 
 
     guarded: list[tuple[float, int, int]] = []
     if config.reap_guard and any(s.reap is not None for s in layers.values()):
-        cap = min(int(math.floor(config.reap_guard_max_fraction * core_slots)),
-                  core_slots - sum(len(w.core) for w in work.values()))
+        cap = min(
+            int(math.floor(config.reap_guard_max_fraction * core_slots)),
+            core_slots - sum(len(w.core) for w in work.values()),
+        )
         for impact, i, e in find_reap_guarded(layers, config.reap_guard_multiple):
             if len(guarded) >= cap:
                 break
@@ -448,15 +465,19 @@ def build_plan(observations: Sequence[Observations], shape: ModelShape, config: 
 
     _allocate_core(work, core_slots, config.layer_allocation == "uniform")
 
-    slice_size = config.slice_size or max(1, math.ceil(specialist_slots / (n_layers * config.slices_per_request)))
+    slice_size = config.slice_size or max(
+        1, math.ceil(specialist_slots / (n_layers * config.slices_per_request))
+    )
     if specialist_slots > 0:
         _allocate_specialists(work, specialist_slots, slice_size)
 
     have_coact = all(s.coactivation is not None for s in layers.values())
     slice_method = "coactivation_greedy_ochiai" if have_coact else "frequency_rank_buckets"
     if not have_coact:
-        notes.append("no true co-activation in the inputs (REAP's pairwise_expert_frequency is "
-                     "freq[i] + freq[j]): slices are consecutive experts in value order")
+        notes.append(
+            "no true co-activation in the inputs (REAP's pairwise_expert_frequency is "
+            "freq[i] + freq[j]): slices are consecutive experts in value order"
+        )
 
     per_layer: dict[str, Any] = {}
     for i, w in sorted(work.items()):
@@ -467,10 +488,11 @@ def build_plan(observations: Sequence[Observations], shape: ModelShape, config: 
             if affinity is not None:
                 groups = group_by_coactivation(rest, affinity, slice_size)
             else:
-                groups = [rest[k:k + slice_size] for k in range(0, len(rest), slice_size)]
+                groups = [rest[k : k + slice_size] for k in range(0, len(rest), slice_size)]
         sources = [(label, o.layers[i]) for label, o in zip(labels, observations)]
-        catalog = _slice_entries(w, groups, pe, sources, {t: tags[t][i] for t in tag_names if i in tags[t]},
-                                 affinity)
+        catalog = _slice_entries(
+            w, groups, pe, sources, {t: tags[t][i] for t in tag_names if i in tags[t]}, affinity
+        )
         core = sorted(w.core)
         cidx = np.array(core, dtype=np.int64)
         freq_share = _share(w.stats.expert_frequency)
@@ -482,7 +504,8 @@ def build_plan(observations: Sequence[Observations], shape: ModelShape, config: 
             "coreExperts": core,
             "coreActivationMass": _r(freq_share[cidx].sum()) if core else 0.0,
             "coreRawActivationMass": _r((mass_share if mass_share is not None else freq_share)[cidx].sum())
-            if core else 0.0,
+            if core
+            else 0.0,
             "coreByteCost": len(core) * pe,
             "specialistActiveExpertTarget": w.specialist,
             "specialistCandidateExpertTarget": candidates,
@@ -512,33 +535,55 @@ def build_plan(observations: Sequence[Observations], shape: ModelShape, config: 
         "total_active_expert_capacity": total_bytes // pe,
     }
     layer_keys = [f"layer_{i}" for i in sorted(work)]
-    slice_priors = {"global": {k: [s["sliceId"] for s in per_layer[k].get("sliceCatalog", [])]
-                               for k in layer_keys}}
+    slice_priors = {
+        "global": {k: [s["sliceId"] for s in per_layer[k].get("sliceCatalog", [])] for k in layer_keys}
+    }
     for tag in tag_names:
         slice_priors[tag] = {
-            k: [s["sliceId"] for s in sorted(per_layer[k].get("sliceCatalog", []),
-                                              key=lambda s: (-s["taskPriors"].get(tag, 0.0), s["sliceId"]))]
-            for k in layer_keys}
+            k: [
+                s["sliceId"]
+                for s in sorted(
+                    per_layer[k].get("sliceCatalog", []),
+                    key=lambda s: (-s["taskPriors"].get(tag, 0.0), s["sliceId"]),
+                )
+            ]
+            for k in layer_keys
+        }
     artifacts = {
         "planner": "reap_swap.planner",
         "plannerVersion": PLANNER_VERSION,
         "selectionStrategy": SELECTION_STRATEGY,
         "parameters": config.model_dump(mode="json"),
         "inputs": [_input_artifact(label, o) for label, o in zip(labels, observations)],
-        "model": {"architecture": shape.architecture, "moeLayers": list(shape.moe_layers),
-                  "numExperts": shape.num_experts, "topK": shape.top_k, "expertBytes": pe},
-        "slots": {"core": core_slots, "specialist": specialist_slots, "sliceSize": slice_size,
-                  "coreUsed": total_core,
-                  "specialistUsed": sum(w.specialist for w in work.values())},
+        "model": {
+            "architecture": shape.architecture,
+            "moeLayers": list(shape.moe_layers),
+            "numExperts": shape.num_experts,
+            "topK": shape.top_k,
+            "expertBytes": pe,
+        },
+        "slots": {
+            "core": core_slots,
+            "specialist": specialist_slots,
+            "sliceSize": slice_size,
+            "coreUsed": total_core,
+            "specialistUsed": sum(w.specialist for w in work.values()),
+        },
         "signal": _signal_description(config.signal),
         "sliceMethod": slice_method,
         "superExperts": {f"layer_{i}": v for i, v in sorted(supers.items())},
-        "reapGuarded": {f"layer_{i}": sorted(e for _, li, e in guarded if li == i)
-                        for i in sorted({li for _, li, _ in guarded})},
+        "reapGuarded": {
+            f"layer_{i}": sorted(e for _, li, e in guarded if li == i)
+            for i in sorted({li for _, li, _ in guarded})
+        },
         "layerBudgetTargets": {
             "coreExpertsPerLayer": {k: len(per_layer[k]["coreExperts"]) for k in layer_keys},
-            "specialistExpertsPerLayer": {k: per_layer[k]["specialistActiveExpertTarget"] for k in layer_keys},
-            "candidateExpertsPerLayer": {k: per_layer[k]["specialistCandidateExpertTarget"] for k in layer_keys},
+            "specialistExpertsPerLayer": {
+                k: per_layer[k]["specialistActiveExpertTarget"] for k in layer_keys
+            },
+            "candidateExpertsPerLayer": {
+                k: per_layer[k]["specialistCandidateExpertTarget"] for k in layer_keys
+            },
         },
         "taskFamilySlicePriors": slice_priors,
         "corpusTags": tag_names,
@@ -547,16 +592,22 @@ def build_plan(observations: Sequence[Observations], shape: ModelShape, config: 
     source_summaries = []
     for label, o in zip(labels, observations):
         first = o.layers[min(o.layers)]
-        item = {"label": label, "workflow": "reap-swap observe" if o.fmt == "reap-swap" else "reap observer",
-                "totalTokens": int(first.total_tokens)}
+        item = {
+            "label": label,
+            "workflow": "reap-swap observe" if o.fmt == "reap-swap" else "reap observer",
+            "totalTokens": int(first.total_tokens),
+        }
         if isinstance(o.meta.get("records"), int):
             item["processedSamples"] = o.meta["records"]
         source_summaries.append(item)
     return {
         "mode": MODE,
         "model": model_name,
-        "signalKey": {"frequency": "expert_frequency", "router_mass": "weighted_expert_frequency_sum",
-                      "reap": "reap"}[config.signal],
+        "signalKey": {
+            "frequency": "expert_frequency",
+            "router_mass": "weighted_expert_frequency_sum",
+            "reap": "reap",
+        }[config.signal],
         "selectionStrategy": SELECTION_STRATEGY,
         "sourceSummaries": source_summaries,
         "budget": budget,
@@ -598,12 +649,17 @@ def _check_shape(layers: Mapping[int, LayerStats], shape: ModelShape) -> None:
     missing = sorted(set(shape.moe_layers) - set(layers))
     extra = sorted(set(layers) - set(shape.moe_layers))
     if missing or extra:
-        raise PlannerError(f"observations cover layers {sorted(layers)}, model {shape.architecture} has "
-                           f"MoE layers {list(shape.moe_layers)}"
-                           + (f"; missing {missing}" if missing else "") + (f"; not MoE: {extra}" if extra else ""))
+        raise PlannerError(
+            f"observations cover layers {sorted(layers)}, model {shape.architecture} has "
+            f"MoE layers {list(shape.moe_layers)}"
+            + (f"; missing {missing}" if missing else "")
+            + (f"; not MoE: {extra}" if extra else "")
+        )
     for i, s in layers.items():
         if s.num_experts != shape.num_experts:
-            raise PlannerError(f"layer {i}: observations have {s.num_experts} experts, model has {shape.num_experts}")
+            raise PlannerError(
+                f"layer {i}: observations have {s.num_experts} experts, model has {shape.num_experts}"
+            )
 
 
 def _unique_labels(labels: Sequence[str]) -> list[str]:
@@ -618,6 +674,13 @@ def _unique_labels(labels: Sequence[str]) -> list[str]:
 
 def _input_artifact(label: str, o: Observations) -> dict:
     first = o.layers[min(o.layers)]
-    return {"label": label, "sha256": o.digest, "format": o.fmt, "fields": list(o.fields),
-            "layers": len(o.layers), "totalTokens": int(first.total_tokens),
-            "tags": sorted(o.tags), "records": o.records.counts.shape[0] if o.records is not None else 0}
+    return {
+        "label": label,
+        "sha256": o.digest,
+        "format": o.fmt,
+        "fields": list(o.fields),
+        "layers": len(o.layers),
+        "totalTokens": int(first.total_tokens),
+        "tags": sorted(o.tags),
+        "records": o.records.counts.shape[0] if o.records is not None else 0,
+    }

@@ -35,9 +35,9 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, TypeAdapter, ValidationError
 
 from reap_swap import compat
-from reap_swap.logs import get_logger
 from reap_swap.active_set import ActiveSetError, BudgetExceeded, RefreshLimitExceeded, SwapRequest
 from reap_swap.controller import Metrics, SwapController, SwapFailed, UnknownCartridge
+from reap_swap.logs import get_logger
 from reap_swap.plan import json_path
 from reap_swap.settings import load_configured_plan, reap_config
 
@@ -46,8 +46,12 @@ log = get_logger("reap_swap.routes")
 PLUGIN_NAME = "reap_swap"
 
 SWAPS = Counter("reap_swap_swaps", "REAP swap requests by kind and outcome", ["kind", "outcome"])
-SWAP_SECONDS = Histogram("reap_swap_swap_seconds", "REAP swap latency (validation to response)", ["kind"],
-                         buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+SWAP_SECONDS = Histogram(
+    "reap_swap_swap_seconds",
+    "REAP swap latency (validation to response)",
+    ["kind"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
 BYTES_COPIED = Counter("reap_swap_bytes_copied", "Expert bytes copied into device memory by swaps")
 ROUTED = Counter("reap_swap_routed_selections", "Routed (token, expert) selections read from the workers")
 MISSED = Counter("reap_swap_missed_selections", "Routed selections of experts outside the resident set")
@@ -102,8 +106,9 @@ def _loc_field(loc: tuple) -> str:
 def _validation_error(exc: ValidationError) -> ReapError:
     errors = [{"field": _loc_field(tuple(e["loc"])), "message": e["msg"]} for e in exc.errors()]
     first = errors[0]
-    return ReapError(422, "invalid_request", f"{first['field']}: {first['message']}", first["field"],
-                     errors=errors[:10])
+    return ReapError(
+        422, "invalid_request", f"{first['field']}: {first['message']}", first["field"], errors=errors[:10]
+    )
 
 
 async def _json_body(request: Request, allow_empty: bool = False) -> Any:
@@ -146,31 +151,55 @@ def _check_auth(request: Request) -> None:
         for key in keys:  # no early exit: constant time over the key list
             ok |= secrets.compare_digest(digest, key)
     if not ok:
-        raise ReapError(401, "unauthorized", "Authorization: a valid 'Bearer <api key>' is required "
-                        "(the server runs with --api-key)", "Authorization")
+        raise ReapError(
+            401,
+            "unauthorized",
+            "Authorization: a valid 'Bearer <api key>' is required (the server runs with --api-key)",
+            "Authorization",
+        )
 
 
 async def _run_swap(controller: SwapController, coro) -> ORJSONResponse:
     try:
         return ORJSONResponse(await coro)
     except BudgetExceeded as exc:
-        raise ReapError(422, "budget_exceeded", str(exc), exc.field, needed_bytes=exc.needed_bytes,
-                        budget_bytes=exc.budget_bytes, overflow_bytes=exc.overflow_bytes) from None
+        raise ReapError(
+            422,
+            "budget_exceeded",
+            str(exc),
+            exc.field,
+            needed_bytes=exc.needed_bytes,
+            budget_bytes=exc.budget_bytes,
+            overflow_bytes=exc.overflow_bytes,
+        ) from None
     except ActiveSetError as exc:
         raise ReapError(422, "invalid_active_set", str(exc), exc.field) from None
     except RefreshLimitExceeded as exc:
-        raise ReapError(429, "refresh_limit", f"phase: {exc}", "phase", limit=exc.limit,
-                        request_id=exc.request_id) from None
+        raise ReapError(
+            429, "refresh_limit", f"phase: {exc}", "phase", limit=exc.limit, request_id=exc.request_id
+        ) from None
     except SwapFailed as exc:
-        raise ReapError(500, "worker_failed", str(exc), None, rolled_back=exc.rolled_back,
-                        rollback_error=exc.rollback_error, signature=controller.sig,
-                        failed_ranks=exc.failed_ranks, workers=exc.workers,
-                        workers_consistent=exc.workers_consistent) from None
+        raise ReapError(
+            500,
+            "worker_failed",
+            str(exc),
+            None,
+            rolled_back=exc.rolled_back,
+            rollback_error=exc.rollback_error,
+            signature=controller.sig,
+            failed_ranks=exc.failed_ranks,
+            workers=exc.workers,
+            workers_consistent=exc.workers_consistent,
+        ) from None
 
 
 router = APIRouter(tags=["reap-swap"])
-_SWAP_BODY = {"requestBody": {"required": True, "content": {"application/json": {
-    "schema": SwapRequest.model_json_schema()}}}}
+_SWAP_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": SwapRequest.model_json_schema()}},
+    }
+}
 
 
 @router.post("/swap_active_set", openapi_extra=_SWAP_BODY)
@@ -196,11 +225,16 @@ async def swap_cartridge(cartridge_id: str, request: Request):
     body = _parse(CartridgeSwap, await _json_body(request, allow_empty=True))
     rid = body.request_id or f"cartridge:{cartridge_id}"
     try:
-        return await _run_swap(controller, controller.swap_cartridge(cartridge_id, rid, body.phase,
-                                                                     body.budget_bytes))
+        return await _run_swap(
+            controller, controller.swap_cartridge(cartridge_id, rid, body.phase, body.budget_bytes)
+        )
     except UnknownCartridge:
-        raise ReapError(404, "not_found", f"cartridge_id: unknown cartridge {cartridge_id!r}; defined: "
-                        f"{sorted(controller.cartridge_defs)}", "cartridge_id") from None
+        raise ReapError(
+            404,
+            "not_found",
+            f"cartridge_id: unknown cartridge {cartridge_id!r}; defined: {sorted(controller.cartridge_defs)}",
+            "cartridge_id",
+        ) from None
 
 
 _BOOL = TypeAdapter(bool)
@@ -214,11 +248,18 @@ async def router_misses(request_id: str, request: Request):
     try:
         reset = _BOOL.validate_python(raw)
     except ValidationError:
-        raise ReapError(422, "invalid_request", f"reset: expected true or false, got {raw!r}", "reset") from None
+        raise ReapError(
+            422, "invalid_request", f"reset: expected true or false, got {raw!r}", "reset"
+        ) from None
     out = await controller.router_misses(request_id, reset)
     if out is None:
-        raise ReapError(404, "not_found", f"request_id: no statistics for request {request_id!r} "
-                        "(never opened by a swap or warm, or evicted)", "request_id")
+        raise ReapError(
+            404,
+            "not_found",
+            f"request_id: no statistics for request {request_id!r} "
+            "(never opened by a swap or warm, or evicted)",
+            "request_id",
+        )
     return ORJSONResponse(out)
 
 
@@ -229,8 +270,13 @@ async def forensics(request_id: str, request: Request):
     record = controller.forensics.get(request_id)
     if record is None:
         raise ReapError(404, "not_found", f"request_id: no forensic record for {request_id!r}", "request_id")
-    return ORJSONResponse({**record, "refresh_count": controller.refreshes.count(request_id),
-                           "plan_identity": controller.plan.identity})
+    return ORJSONResponse(
+        {
+            **record,
+            "refresh_count": controller.refreshes.count(request_id),
+            "plan_identity": controller.plan.identity,
+        }
+    )
 
 
 @router.get("/reap/status")
@@ -265,8 +311,10 @@ class ReapEndpointPlugin:
             return
         cfg = reap_config(compat.engine_client_vllm_config(engine_client).additional_config)
         if not cfg:
-            state.reap_error = ("reap-swap endpoint plugin loaded without its configuration: start the "
-                                "server with `python -m reap_swap.server ... --reap-plan PLAN`")
+            state.reap_error = (
+                "reap-swap endpoint plugin loaded without its configuration: start the "
+                "server with `python -m reap_swap.server ... --reap-plan PLAN`"
+            )
             log.error("reap-swap: %s", state.reap_error)
             return
         settings, plan = load_configured_plan(cfg)
@@ -274,16 +322,25 @@ class ReapEndpointPlugin:
         async def rpc(method: str, *rpc_args):
             return await engine_client.collective_rpc(method, args=tuple(rpc_args))
 
-        controller = SwapController(plan, rpc, plan_file=settings.plan_file,
-                                    validate_only=settings.validate_only,
-                                    max_loaded_cartridges=settings.max_loaded_cartridges,
-                                    metrics=PrometheusMetrics())
+        controller = SwapController(
+            plan,
+            rpc,
+            plan_file=settings.plan_file,
+            validate_only=settings.validate_only,
+            max_loaded_cartridges=settings.max_loaded_cartridges,
+            metrics=PrometheusMetrics(),
+        )
         started = await controller.start()
         state.reap = controller
-        log.info("reap-swap ready: plan %s (%s), %d worker(s), residency %s, signature %s, "
-                 "REAP routes %s", plan.identity[:12], settings.plan_file, started["workers"],
-                 started["mode"], started["signature"],
-                 "require the API key" if state.reap_api_keys else "are open (no --api-key)")
+        log.info(
+            "reap-swap ready: plan %s (%s), %d worker(s), residency %s, signature %s, REAP routes %s",
+            plan.identity[:12],
+            settings.plan_file,
+            started["workers"],
+            started["mode"],
+            started["signature"],
+            "require the API key" if state.reap_api_keys else "are open (no --api-key)",
+        )
 
 
 def endpoint_plugin() -> ReapEndpointPlugin:

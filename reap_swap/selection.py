@@ -61,51 +61,125 @@ class SelectionError(ValueError):
 # data/corpus/calibration.jsonl (never on the held-out split the measurements use).
 _M = re.MULTILINE
 _DETECTORS: dict[str, tuple[tuple[re.Pattern[str], float], ...]] = {
-    "python": tuple((re.compile(p, f), w) for p, f, w in (
-        (r"^\s*def \w+\(", _M, 3.0), (r"^\s*class \w+[(:]", _M, 3.0),
-        (r"^\s*(?:from [\w.]+ )?import \w+", _M, 2.0), (r"\bself\.", 0, 1.0), (r"\b__\w+__\b", 0, 1.0),
-        (r"^\s*(?:elif|except|try:|with |raise |return\b|yield\b)", _M, 1.0),
-        (r"\b(?:None|True|False|lambda|isinstance|kwargs)\b", 0, 1.0), (r":\s*$", _M, 0.5),
-        (r'"""|\'\'\'', 0, 1.0), (r"\bpython\b|\.py\b", re.IGNORECASE, 1.0),
-        (r"'\\[xu][0-9a-fA-F]{2,4}'", 0, 1.0), (r"^\s*#(?!\s*(?:include|define|if|endif|undef|pragma)\b|!)", _M, 0.3))),
-    "c": tuple((re.compile(p, f), w) for p, f, w in (
-        (r"^\s*#\s*(?:include|define|ifn?def|endif|if|undef|pragma)\b", _M, 2.0),
-        (r"\b(?:struct|typedef|unsigned|const|static|extern|enum|union|sizeof|void)\b", 0, 1.0),
-        (r"\b(?:int|char|long|size_t|uint\d+_t|int\d+_t)\b\s*\**\s*\w+", 0, 1.0),
-        (r"\bNULL\b|/\*|\*/", 0, 1.0), (r"->", 0, 0.3), (r";\s*$", _M, 0.5), (r"\b\w+\.h\b", 0, 1.0),
-        (r"^\s\*(?:\s|$)", _M, 0.5))),
-    "shell": tuple((re.compile(p, f), w) for p, f, w in (
-        (r"^#!\s*/(?:usr/)?bin/(?:env\s+)?(?:ba|da|k|z)?sh\b", _M, 5.0),
-        (r"\$\{?\w+|\$\(|\$@|\$#|\$\?", 0, 1.0),
-        (r"\b(?:fi|esac|done|then|elif|echo|export|local|shift|exit|case|in)\b", 0, 0.6),
-        (r"\[\[? -[a-z] |2>&1|>\s*/dev/null|\|\s*(?:grep|sed|awk|sort|cut|tr|xargs)\b", 0, 2.0),
-        (r"\b(?:bash|shell|sudo|apt(?:-get)?|chmod|mkdir|systemctl)\b", 0, 1.0))),
-    "prose": tuple((re.compile(p, f), w) for p, f, w in (
-        (r"\b(?:the|and|of|to|is|are|was|for|that|with|this|which|be|it|or|by|an|as|on|can|not|you|your)\b",
-         0, 0.35),
-        (r"^(?:NAME|SYNOPSIS|DESCRIPTION|OPTIONS|SEE ALSO|EXAMPLES?|AUTHORS?|BUGS)\s*$", _M, 3.0),
-        (r"[a-z]{3,}[.!?]\s+[A-Z]", 0, 1.0))),
-    "math": tuple((re.compile(p, f), w) for p, f, w in (
-        (r"\b(?:solve|equation|integral|derivative|prove|theorem|lemma|matrix|probability|sum of)\b",
-         re.IGNORECASE, 2.0), (r"\d\s*[-+*/^=]\s*\d", 0, 1.0), (r"\\(?:frac|sum|int|sqrt)\b", 0, 2.0))),
-    "writing": tuple((re.compile(p, f), w) for p, f, w in (
-        (r"\b(?:write|rewrite|essay|story|poem|email|letter|draft|summari[sz]e|paragraph|tone)\b",
-         re.IGNORECASE, 2.0),)),
-    "research": tuple((re.compile(p, f), w) for p, f, w in (
-        (r"\b(?:paper|study|survey|literature|citation|hypothesis|experiment|findings|arxiv)\b",
-         re.IGNORECASE, 2.0),)),
-    "ops": tuple((re.compile(p, f), w) for p, f, w in (
-        (r"\b(?:docker|kubectl|kubernetes|deploy|nginx|systemd|systemctl|terraform|ansible|cron|logs?)\b",
-         re.IGNORECASE, 2.0),)),
-    "code": tuple((re.compile(p, f), w) for p, f, w in (
-        (r"```|\b(?:function|compile|bug|stack trace|refactor|variable|api)\b", re.IGNORECASE, 2.0),)),
+    "python": tuple(
+        (re.compile(p, f), w)
+        for p, f, w in (
+            (r"^\s*def \w+\(", _M, 3.0),
+            (r"^\s*class \w+[(:]", _M, 3.0),
+            (r"^\s*(?:from [\w.]+ )?import \w+", _M, 2.0),
+            (r"\bself\.", 0, 1.0),
+            (r"\b__\w+__\b", 0, 1.0),
+            (r"^\s*(?:elif|except|try:|with |raise |return\b|yield\b)", _M, 1.0),
+            (r"\b(?:None|True|False|lambda|isinstance|kwargs)\b", 0, 1.0),
+            (r":\s*$", _M, 0.5),
+            (r'"""|\'\'\'', 0, 1.0),
+            (r"\bpython\b|\.py\b", re.IGNORECASE, 1.0),
+            (r"'\\[xu][0-9a-fA-F]{2,4}'", 0, 1.0),
+            (r"^\s*#(?!\s*(?:include|define|if|endif|undef|pragma)\b|!)", _M, 0.3),
+        )
+    ),
+    "c": tuple(
+        (re.compile(p, f), w)
+        for p, f, w in (
+            (r"^\s*#\s*(?:include|define|ifn?def|endif|if|undef|pragma)\b", _M, 2.0),
+            (r"\b(?:struct|typedef|unsigned|const|static|extern|enum|union|sizeof|void)\b", 0, 1.0),
+            (r"\b(?:int|char|long|size_t|uint\d+_t|int\d+_t)\b\s*\**\s*\w+", 0, 1.0),
+            (r"\bNULL\b|/\*|\*/", 0, 1.0),
+            (r"->", 0, 0.3),
+            (r";\s*$", _M, 0.5),
+            (r"\b\w+\.h\b", 0, 1.0),
+            (r"^\s\*(?:\s|$)", _M, 0.5),
+        )
+    ),
+    "shell": tuple(
+        (re.compile(p, f), w)
+        for p, f, w in (
+            (r"^#!\s*/(?:usr/)?bin/(?:env\s+)?(?:ba|da|k|z)?sh\b", _M, 5.0),
+            (r"\$\{?\w+|\$\(|\$@|\$#|\$\?", 0, 1.0),
+            (r"\b(?:fi|esac|done|then|elif|echo|export|local|shift|exit|case|in)\b", 0, 0.6),
+            (r"\[\[? -[a-z] |2>&1|>\s*/dev/null|\|\s*(?:grep|sed|awk|sort|cut|tr|xargs)\b", 0, 2.0),
+            (r"\b(?:bash|shell|sudo|apt(?:-get)?|chmod|mkdir|systemctl)\b", 0, 1.0),
+        )
+    ),
+    "prose": tuple(
+        (re.compile(p, f), w)
+        for p, f, w in (
+            (
+                r"\b(?:the|and|of|to|is|are|was|for|that|with|this|which|be|it|or|by|an|as|on|can|not|you|your)\b",
+                0,
+                0.35,
+            ),
+            (r"^(?:NAME|SYNOPSIS|DESCRIPTION|OPTIONS|SEE ALSO|EXAMPLES?|AUTHORS?|BUGS)\s*$", _M, 3.0),
+            (r"[a-z]{3,}[.!?]\s+[A-Z]", 0, 1.0),
+        )
+    ),
+    "math": tuple(
+        (re.compile(p, f), w)
+        for p, f, w in (
+            (
+                r"\b(?:solve|equation|integral|derivative|prove|theorem|lemma|matrix|probability|sum of)\b",
+                re.IGNORECASE,
+                2.0,
+            ),
+            (r"\d\s*[-+*/^=]\s*\d", 0, 1.0),
+            (r"\\(?:frac|sum|int|sqrt)\b", 0, 2.0),
+        )
+    ),
+    "writing": tuple(
+        (re.compile(p, f), w)
+        for p, f, w in (
+            (
+                r"\b(?:write|rewrite|essay|story|poem|email|letter|draft|summari[sz]e|paragraph|tone)\b",
+                re.IGNORECASE,
+                2.0,
+            ),
+        )
+    ),
+    "research": tuple(
+        (re.compile(p, f), w)
+        for p, f, w in (
+            (
+                r"\b(?:paper|study|survey|literature|citation|hypothesis|experiment|findings|arxiv)\b",
+                re.IGNORECASE,
+                2.0,
+            ),
+        )
+    ),
+    "ops": tuple(
+        (re.compile(p, f), w)
+        for p, f, w in (
+            (
+                r"\b(?:docker|kubectl|kubernetes|deploy|nginx|systemd|systemctl|terraform|ansible|cron|logs?)\b",
+                re.IGNORECASE,
+                2.0,
+            ),
+        )
+    ),
+    "code": tuple(
+        (re.compile(p, f), w)
+        for p, f, w in (
+            (r"```|\b(?:function|compile|bug|stack trace|refactor|variable|api)\b", re.IGNORECASE, 2.0),
+        )
+    ),
 }
 # plan family name -> detectors whose best score it takes; a name not listed is matched literally
 _ALIASES: dict[str, tuple[str, ...]] = {
-    "python": ("python",), "py": ("python",), "c": ("c",), "cpp": ("c",), "c++": ("c",),
-    "shell": ("shell",), "bash": ("shell",), "sh": ("shell",), "ops": ("ops", "shell"),
-    "prose": ("prose",), "docs": ("prose",), "writing": ("writing", "prose"), "math": ("math",),
-    "research": ("research",), "code": ("code", "python", "c", "shell"), "general": (),
+    "python": ("python",),
+    "py": ("python",),
+    "c": ("c",),
+    "cpp": ("c",),
+    "c++": ("c",),
+    "shell": ("shell",),
+    "bash": ("shell",),
+    "sh": ("shell",),
+    "ops": ("ops", "shell"),
+    "prose": ("prose",),
+    "docs": ("prose",),
+    "writing": ("writing", "prose"),
+    "math": ("math",),
+    "research": ("research",),
+    "code": ("code", "python", "c", "shell"),
+    "general": (),
 }
 _LENGTH_HALF = 8  # tokens at which length alone halves the trust in the classified family
 _TOKEN = re.compile(r"\S+")
@@ -121,9 +195,12 @@ class PromptFeatures:
     weights: Mapping[str, float]  # prior name -> weight in the slice value; sums to 1
 
     def to_dict(self) -> dict:
-        return {"length_tokens": self.length_tokens, "family": self.family,
-                "scores": {k: round(v, 6) for k, v in self.scores.items()},
-                "weights": {k: round(v, 6) for k, v in self.weights.items()}}
+        return {
+            "length_tokens": self.length_tokens,
+            "family": self.family,
+            "scores": {k: round(v, 6) for k, v in self.scores.items()},
+            "weights": {k: round(v, 6) for k, v in self.weights.items()},
+        }
 
 
 def prompt_text(prompt: str | Sequence[Mapping[str, Any]]) -> str:
@@ -136,7 +213,9 @@ def prompt_text(prompt: str | Sequence[Mapping[str, Any]]) -> str:
         if isinstance(content, str):
             parts.append(content)
         elif isinstance(content, Sequence):
-            parts.extend(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+            parts.extend(
+                p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"
+            )
     return "\n".join(parts)
 
 
@@ -243,10 +322,16 @@ def slice_priors(plan: Plan, weights: Mapping[str, float]) -> dict[int, list[flo
                 ranked = _ranked_lists(plan, name, layer.key)
                 by_mass = sorted(glob, reverse=True)
                 rank = {sid: r for r, sid in enumerate(ranked or ())}
-                values = [s.task_priors[name] if name in s.task_priors
-                          else (by_mass[rank[s.slice_id]] if s.slice_id in rank and rank[s.slice_id] < len(by_mass)
-                                else (glob[i] if ranked is None else 0.0))
-                          for i, s in enumerate(layer.slices)]
+                values = [
+                    s.task_priors[name]
+                    if name in s.task_priors
+                    else (
+                        by_mass[rank[s.slice_id]]
+                        if s.slice_id in rank and rank[s.slice_id] < len(by_mass)
+                        else (glob[i] if ranked is None else 0.0)
+                    )
+                    for i, s in enumerate(layer.slices)
+                ]
             total = [t + w * v for t, v in zip(total, values)]
         out[index] = total
     return out
@@ -338,8 +423,11 @@ class Selection:
 
     def payload(self, request_id: str, *, phase: str | None = None, reset_router_stats: bool = False) -> dict:
         """A SwapRequest body (validated here, so a bad one fails before it reaches the server)."""
-        body: dict[str, Any] = {"request_id": request_id, "phase": phase or self.phase,
-                                "active_set": self.active_set()}
+        body: dict[str, Any] = {
+            "request_id": request_id,
+            "phase": phase or self.phase,
+            "active_set": self.active_set(),
+        }
         if self.request_budget_bytes is not None:  # as applied: never above the plan's (the pool)
             body["budget_bytes"] = self.budget_bytes
         if reset_router_stats:
@@ -349,10 +437,14 @@ class Selection:
 
     def to_dict(self) -> dict:
         return {
-            "strategy": self.strategy, "phase": self.phase, "signature": self.signature,
+            "strategy": self.strategy,
+            "phase": self.phase,
+            "signature": self.signature,
             "slices": {f"layer_{k}": list(v) for k, v in sorted(self.slices.items()) if v},
-            "slice_count": self.slice_count, "resident_experts": sum(len(v) for v in self.keep.values()),
-            "resident_bytes": self.resident_bytes, "budget_bytes": self.budget_bytes,
+            "slice_count": self.slice_count,
+            "resident_experts": sum(len(v) for v in self.keep.values()),
+            "resident_bytes": self.resident_bytes,
+            "budget_bytes": self.budget_bytes,
             "values": {k: round(v, 8) for k, v in self.values.items()},
             "features": self.features.to_dict() if self.features else None,
         }
@@ -360,11 +452,15 @@ class Selection:
 
 def effective_budget(plan: Plan, budget_bytes: int | None) -> int:
     """The request's budget, never above the plan's; must hold the core."""
-    budget = plan.swappable_budget_bytes if budget_bytes is None else min(int(budget_bytes),
-                                                                          plan.swappable_budget_bytes)
+    budget = (
+        plan.swappable_budget_bytes
+        if budget_bytes is None
+        else min(int(budget_bytes), plan.swappable_budget_bytes)
+    )
     if budget < plan.core_bytes():
-        raise SelectionError(f"budget {budget:,} bytes does not hold the plan's core "
-                             f"({plan.core_bytes():,} bytes)")
+        raise SelectionError(
+            f"budget {budget:,} bytes does not hold the plan's core ({plan.core_bytes():,} bytes)"
+        )
     return budget
 
 
@@ -421,25 +517,42 @@ def _greedy(plan: Plan, budget: int, value: Any) -> tuple[dict[int, list[str]], 
     return chosen, values
 
 
-def _finish(plan: Plan, strategy: str, phase: str, chosen: Mapping[int, Sequence[str]], budget: int,
-            request_budget: int | None, values: Mapping[str, float],
-            features: PromptFeatures | None) -> Selection:
+def _finish(
+    plan: Plan,
+    strategy: str,
+    phase: str,
+    chosen: Mapping[int, Sequence[str]],
+    budget: int,
+    request_budget: int | None,
+    values: Mapping[str, float],
+    features: PromptFeatures | None,
+) -> Selection:
     """Build the keep-set exactly as the server will and check it against the budget."""
     slices = {index: tuple(ids) for index, ids in sorted(chosen.items()) if ids}
     requested = normalize_active_set(plan, {f"layer_{k}": list(v) for k, v in slices.items()})
     keep = keep_sets(plan, requested)
     check_budget(plan, keep, budget)
-    return Selection(strategy=strategy, phase=phase, slices=slices, keep=keep,
-                     resident_bytes=resident_bytes(plan, keep), budget_bytes=budget,
-                     request_budget_bytes=request_budget, signature=signature(keep),
-                     values=dict(values), features=features)
+    return Selection(
+        strategy=strategy,
+        phase=phase,
+        slices=slices,
+        keep=keep,
+        resident_bytes=resident_bytes(plan, keep),
+        budget_bytes=budget,
+        request_budget_bytes=request_budget,
+        signature=signature(keep),
+        values=dict(values),
+        features=features,
+    )
 
 
 def _share_value(priors: Mapping[int, Sequence[float]], plan: Plan):
     """A slice's prior, pro rata for the part of it not yet resident."""
+
     def value(index: int, i: int, new: frozenset[int]) -> tuple[float]:
         s = plan.layers[index].slices[i]
         return (priors[index][i] * len(new) / len(set(s.experts)),)
+
     return value
 
 
@@ -448,16 +561,21 @@ def select_static(plan: Plan, budget_bytes: int | None = None) -> Selection:
     return _finish(plan, "static", "prefill", {}, budget, budget_bytes, {}, None)
 
 
-def select_prior(plan: Plan, prompt: str | Sequence[Mapping[str, Any]],
-                 budget_bytes: int | None = None) -> Selection:
+def select_prior(
+    plan: Plan, prompt: str | Sequence[Mapping[str, Any]], budget_bytes: int | None = None
+) -> Selection:
     budget = effective_budget(plan, budget_bytes)
     features = prompt_features(plan, prompt)
     chosen, values = _greedy(plan, budget, _share_value(slice_priors(plan, features.weights), plan))
     return _finish(plan, "prior", "prefill", chosen, budget, budget_bytes, values, features)
 
 
-def _miss_then_prior(plan: Plan, misses: MissedMass, priors: Mapping[int, Sequence[float]],
-                     current: Mapping[int, frozenset[int]] | None = None):
+def _miss_then_prior(
+    plan: Plan,
+    misses: MissedMass,
+    priors: Mapping[int, Sequence[float]],
+    current: Mapping[int, frozenset[int]] | None = None,
+):
     """(missed mass of the new experts, prior share of them): misses first, the prior fills.
 
     ``current`` (refresh): experts resident during the measurement show no misses however much
@@ -474,21 +592,33 @@ def _miss_then_prior(plan: Plan, misses: MissedMass, priors: Mapping[int, Sequen
             was = new & current.get(index, frozenset())
             mass += priors[index][i] * len(was) / len(set(s.experts))
         return mass, p
+
     return value
 
 
-def select_probe(plan: Plan, misses: MissedMass, prompt: str | Sequence[Mapping[str, Any]] = "",
-                 budget_bytes: int | None = None) -> Selection:
+def select_probe(
+    plan: Plan,
+    misses: MissedMass,
+    prompt: str | Sequence[Mapping[str, Any]] = "",
+    budget_bytes: int | None = None,
+) -> Selection:
     """``misses``: :func:`missed_mass` of a prefill-only pass run with only the core resident."""
     budget = effective_budget(plan, budget_bytes)
     features = prompt_features(plan, prompt)
-    chosen, values = _greedy(plan, budget, _miss_then_prior(plan, misses, slice_priors(plan, features.weights)))
+    chosen, values = _greedy(
+        plan, budget, _miss_then_prior(plan, misses, slice_priors(plan, features.weights))
+    )
     return _finish(plan, "probe", "prefill", chosen, budget, budget_bytes, values, features)
 
 
-def refresh(plan: Plan, current: Selection, misses: MissedMass, refresh_count: int,
-            prompt: str | Sequence[Mapping[str, Any]] = "", routed: MissedMass | None = None
-            ) -> Selection | None:
+def refresh(
+    plan: Plan,
+    current: Selection,
+    misses: MissedMass,
+    refresh_count: int,
+    prompt: str | Sequence[Mapping[str, Any]] = "",
+    routed: MissedMass | None = None,
+) -> Selection | None:
     """Decode-time re-selection from what the running request has routed so far.
 
     With ``routed`` (:func:`routed_share`: every expert's share, resident or not) slices are
@@ -508,8 +638,16 @@ def refresh(plan: Plan, current: Selection, misses: MissedMass, refresh_count: i
         chosen_now = {index: frozenset(ids) - plan.layers[index].core for index, ids in current.keep.items()}
         value = _miss_then_prior(plan, misses, priors, chosen_now)
     chosen, values = _greedy(plan, budget, value)
-    new = _finish(plan, current.strategy, "decode_refresh", chosen, budget, current.request_budget_bytes,
-                  values, features)
+    new = _finish(
+        plan,
+        current.strategy,
+        "decode_refresh",
+        chosen,
+        budget,
+        current.request_budget_bytes,
+        values,
+        features,
+    )
     return None if new.signature == current.signature else new
 
 
@@ -520,8 +658,14 @@ class Strategy(Protocol):
     name: str
     needs_probe: bool  # True: select() wants the misses of a core-only prefill pass
 
-    def select(self, plan: Plan, prompt: str | Sequence[Mapping[str, Any]], *,
-               budget_bytes: int | None = None, probe: MissedMass | None = None) -> Selection: ...
+    def select(
+        self,
+        plan: Plan,
+        prompt: str | Sequence[Mapping[str, Any]],
+        *,
+        budget_bytes: int | None = None,
+        probe: MissedMass | None = None,
+    ) -> Selection: ...
 
 
 @dataclass(frozen=True)
@@ -563,8 +707,14 @@ def get_strategy(name: str) -> Strategy:
         raise SelectionError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}") from None
 
 
-def select(plan: Plan, strategy: str, prompt: str | Sequence[Mapping[str, Any]], *,
-           budget_bytes: int | None = None, probe: MissedMass | None = None) -> Selection:
+def select(
+    plan: Plan,
+    strategy: str,
+    prompt: str | Sequence[Mapping[str, Any]],
+    *,
+    budget_bytes: int | None = None,
+    probe: MissedMass | None = None,
+) -> Selection:
     return get_strategy(strategy).select(plan, prompt, budget_bytes=budget_bytes, probe=probe)
 
 
@@ -575,7 +725,26 @@ def core_probe_payload(request_id: str) -> dict:
     return body
 
 
-__all__ = ["STRATEGIES", "MissedMass", "PromptFeatures", "Selection", "SelectionError", "Strategy",
-           "classify", "core_probe_payload", "effective_budget", "get_strategy", "missed_mass", "plan_families",
-           "prompt_features", "prompt_text", "refresh", "routed_share", "select", "select_prior", "select_probe",
-           "select_static", "slice_priors"]
+__all__ = [
+    "STRATEGIES",
+    "MissedMass",
+    "PromptFeatures",
+    "Selection",
+    "SelectionError",
+    "Strategy",
+    "classify",
+    "core_probe_payload",
+    "effective_budget",
+    "get_strategy",
+    "missed_mass",
+    "plan_families",
+    "prompt_features",
+    "prompt_text",
+    "refresh",
+    "routed_share",
+    "select",
+    "select_prior",
+    "select_probe",
+    "select_static",
+    "slice_priors",
+]

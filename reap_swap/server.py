@@ -41,8 +41,12 @@ PROG = "python -m reap_swap.server"
 WORKER_EXTENSION = "reap_swap.worker.ReapWorkerExtension"
 PLUGIN_NAME = "reap_swap"
 # groups VLLM_PLUGINS allowlists once it is set (endpoint plugins load only when named anyway)
-_ALLOWLISTED_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins", "vllm.stat_logger_plugins",
-                       "vllm.io_processor_plugins")
+_ALLOWLISTED_GROUPS = (
+    "vllm.general_plugins",
+    "vllm.platform_plugins",
+    "vllm.stat_logger_plugins",
+    "vllm.io_processor_plugins",
+)
 
 
 class LaunchError(RuntimeError):
@@ -69,11 +73,13 @@ def model_config_source(args: argparse.Namespace) -> str | Path:
     try:
         from huggingface_hub import hf_hub_download
 
-        return hf_hub_download(repo_id=str(candidate), filename="config.json",
-                               revision=getattr(args, "revision", None))
+        return hf_hub_download(
+            repo_id=str(candidate), filename="config.json", revision=getattr(args, "revision", None)
+        )
     except Exception as exc:  # noqa: BLE001 - any failure: we cannot validate the plan
-        raise LaunchError(f"cannot read the config of model {candidate!r} to validate the plan: "
-                          f"{type(exc).__name__}: {exc}") from None
+        raise LaunchError(
+            f"cannot read the config of model {candidate!r} to validate the plan: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def check_topology(args: argparse.Namespace) -> None:
@@ -83,15 +89,21 @@ def check_topology(args: argparse.Namespace) -> None:
     if getattr(args, "grpc", False):
         raise LaunchError("--grpc is not supported: the REAP endpoints are HTTP routes")
     if (getattr(args, "api_server_count", None) or 1) > 1:
-        raise LaunchError("--api-server-count > 1 is not supported: the resident set, statistics "
-                          "ledger and refresh counts live in one API process")
+        raise LaunchError(
+            "--api-server-count > 1 is not supported: the resident set, statistics "
+            "ledger and refresh counts live in one API process"
+        )
     if (getattr(args, "data_parallel_size", 1) or 1) > 1:
-        raise LaunchError("--data-parallel-size > 1 is not supported: collective_rpc answers with "
-                          "engine 0's workers only, so router statistics would miss other engines")
+        raise LaunchError(
+            "--data-parallel-size > 1 is not supported: collective_rpc answers with "
+            "engine 0's workers only, so router statistics would miss other engines"
+        )
     ext = getattr(args, "worker_extension_cls", "") or ""
     if ext and ext != WORKER_EXTENSION:
-        raise LaunchError(f"--worker-extension-cls {ext} conflicts with reap-swap's {WORKER_EXTENSION} "
-                          "(vLLM takes one extension class)")
+        raise LaunchError(
+            f"--worker-extension-cls {ext} conflicts with reap-swap's {WORKER_EXTENSION} "
+            "(vLLM takes one extension class)"
+        )
 
 
 def load_validated_plan(settings: Settings, args: argparse.Namespace):
@@ -108,8 +120,9 @@ def load_validated_plan(settings: Settings, args: argparse.Namespace):
     try:
         plan = load_plan(str(plan_file), shape)
     except PlanError as exc:
-        raise LaunchError(f"invalid plan {plan_file} for model {args.model}:\n"
-                          f"{exc.report.format_text()}") from None
+        raise LaunchError(
+            f"invalid plan {plan_file} for model {args.model}:\n{exc.report.format_text()}"
+        ) from None
     try:
         cartridges = load_cartridges(plan, plan_file)
     except (ValueError, OSError) as exc:
@@ -145,8 +158,11 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
         args.offload_backend = "uva"
         args.cpu_offload_gb = round(gib, 3)
         args.cpu_offload_params = {"w13_weight", "w2_weight"}
-        log.info("reap-swap: experts load into pinned host memory (--offload-backend uva "
-                 "--cpu-offload-gb %.3f --cpu-offload-params w13_weight w2_weight)", gib)
+        log.info(
+            "reap-swap: experts load into pinned host memory (--offload-backend uva "
+            "--cpu-offload-gb %.3f --cpu-offload-params w13_weight w2_weight)",
+            gib,
+        )
 
 
 def settings_help() -> str:
@@ -156,8 +172,11 @@ def settings_help() -> str:
 
 
 def log_settings(resolved: Resolved) -> None:
-    log.info("%s (sources: %s)", resolved.settings.log_line(),
-             ", ".join(f"{k}={v}" for k, v in resolved.sources.items() if v != "default") or "all defaults")
+    log.info(
+        "%s (sources: %s)",
+        resolved.settings.log_line(),
+        ", ".join(f"{k}={v}" for k, v in resolved.sources.items() if v != "default") or "all defaults",
+    )
     for sentence in resolved.overrides:
         log.info("reap-swap: %s", sentence)
 
@@ -184,8 +203,14 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     check_topology(args)
     shape, plan, cartridges = load_validated_plan(settings, args)
     log_settings(Resolved(settings, resolved.sources, resolved.overrides))
-    log.info("reap-swap plan %s: %s, %d layers, %d cartridge(s), identity %s", settings.plan_file, plan.mode,
-             len(plan.layers), len(cartridges), plan.identity[:12])
+    log.info(
+        "reap-swap plan %s: %s, %d layers, %d cartridge(s), identity %s",
+        settings.plan_file,
+        plan.mode,
+        len(plan.layers),
+        len(cartridges),
+        plan.identity[:12],
+    )
     install(args, settings, plan)
     gpu_engine_args(settings, args, shape)
     return args, cmd

@@ -46,8 +46,9 @@ def group_alive(pgid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def kill_group(proc: subprocess.Popen, grace_s: float = 30.0,
-               members: Callable[[], set[int]] | None = None) -> list[int]:
+def kill_group(
+    proc: subprocess.Popen, grace_s: float = 30.0, members: Callable[[], set[int]] | None = None
+) -> list[int]:
     """SIGTERM, then SIGKILL, the process group of ``proc``; returns the pids that survived both.
 
     ``members`` (default: the group's live pids) names every process that must be gone; those of
@@ -86,8 +87,17 @@ class Server:
     ``outdir/<name>.server.log``.
     """
 
-    def __init__(self, name: str, argv: list[str], outdir: Path, env: dict | None = None, port: int = 8100,
-                 startup_timeout_s: float = 420.0, headers: Mapping[str, str] | None = None, announce=None):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        outdir: Path,
+        env: dict | None = None,
+        port: int = 8100,
+        startup_timeout_s: float = 420.0,
+        headers: Mapping[str, str] | None = None,
+        announce=None,
+    ):
         self.name, self.argv, self.outdir, self.port = name, list(argv), Path(outdir), port
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout_s = startup_timeout_s
@@ -112,13 +122,16 @@ class Server:
         self.outdir.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         with open(self.log_path, "w") as logf:
-            self.proc = subprocess.Popen(self.command, stdout=logf, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command, stdout=logf, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         while time.time() - t0 < self.startup_timeout_s:
             if self.proc.poll() is not None:
                 self.stop()
-                raise ServerError(f"{self.name}: server exited with {self.proc.returncode} during startup; "
-                                  f"log {self.log_path}:\n{self.log_tail()}")
+                raise ServerError(
+                    f"{self.name}: server exited with {self.proc.returncode} during startup; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     self.startup_s = time.time() - t0
@@ -128,8 +141,10 @@ class Server:
                 pass
             time.sleep(2)
         self.stop()
-        raise ServerError(f"{self.name}: not healthy after {self.startup_timeout_s:.0f}s; log {self.log_path}:\n"
-                          f"{self.log_tail()}")
+        raise ServerError(
+            f"{self.name}: not healthy after {self.startup_timeout_s:.0f}s; log {self.log_path}:\n"
+            f"{self.log_tail()}"
+        )
 
     def stop(self) -> None:
         """Kill the whole process group; ServerError if any of it survives (never start another then)."""
@@ -149,18 +164,31 @@ class Server:
 # ----------------------------------------------------------------------------- requests
 
 
-def greedy_completions(url: str, prompts: Sequence[str], model: str = "m", max_tokens: int = 48,
-                       headers: Mapping[str, str] | None = None) -> list[dict]:
+def greedy_completions(
+    url: str,
+    prompts: Sequence[str],
+    model: str = "m",
+    max_tokens: int = 48,
+    headers: Mapping[str, str] | None = None,
+) -> list[dict]:
     """Greedy /v1/completions of each prompt: text, tokens and their logprobs."""
     out = []
     for p in prompts:
-        r = httpx.post(url + "/v1/completions", json={
-            "model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
-            "logprobs": 1}, headers=headers, timeout=120)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1},
+            headers=headers,
+            timeout=120,
+        )
         r.raise_for_status()
         ch = r.json()["choices"][0]
-        out.append({"text": ch["text"], "tokens": ch["logprobs"]["tokens"],
-                    "logprobs": ch["logprobs"]["token_logprobs"]})
+        out.append(
+            {
+                "text": ch["text"],
+                "tokens": ch["logprobs"]["tokens"],
+                "logprobs": ch["logprobs"]["token_logprobs"],
+            }
+        )
     return out
 
 
@@ -168,11 +196,13 @@ def chat_greedy_record(completion: Mapping[str, Any]) -> dict:
     """A chat completion requested with ``logprobs: true`` -> text, tokens, logprobs, usage."""
     choice = (completion.get("choices") or [{}])[0]
     content = ((choice.get("logprobs") or {}).get("content")) or []
-    return {"text": (choice.get("message") or {}).get("content") or "",
-            "tokens": [c.get("token") for c in content],
-            "logprobs": [c.get("logprob") for c in content],
-            "finish_reason": choice.get("finish_reason"),
-            "usage": completion.get("usage")}
+    return {
+        "text": (choice.get("message") or {}).get("content") or "",
+        "tokens": [c.get("token") for c in content],
+        "logprobs": [c.get("logprob") for c in content],
+        "finish_reason": choice.get("finish_reason"),
+        "usage": completion.get("usage"),
+    }
 
 
 def compare(ref: Sequence[Mapping], got: Sequence[Mapping]) -> dict:
@@ -234,24 +264,41 @@ class StreamResult:
         return self.prompt_tokens / ttft if self.prompt_tokens and ttft else None
 
     def to_dict(self) -> dict:
-        return {"ttft_s": self.ttft_s, "decode_tok_s": self.decode_tok_s, "prefill_tok_s": self.prefill_tok_s,
-                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "chunks": self.chunks, "tokens_at_first": self.tokens_at_first, "tokens_at_last": self.tokens_at_last,
-                "first_to_last_s": (self.t_last - self.t_first)
-                if self.t_first is not None and self.t_last is not None else None}
+        return {
+            "ttft_s": self.ttft_s,
+            "decode_tok_s": self.decode_tok_s,
+            "prefill_tok_s": self.prefill_tok_s,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "chunks": self.chunks,
+            "tokens_at_first": self.tokens_at_first,
+            "tokens_at_last": self.tokens_at_last,
+            "first_to_last_s": (self.t_last - self.t_first)
+            if self.t_first is not None and self.t_last is not None
+            else None,
+        }
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, path: str, body: Mapping[str, Any],
-                         headers: Mapping[str, str] | None = None, timeout: float = 600) -> StreamResult:
+async def stream_request(
+    client: httpx.AsyncClient,
+    url: str,
+    path: str,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 600,
+) -> StreamResult:
     """POST ``body`` with ``stream: true`` to ``url + path`` and time its chunks."""
     import json
 
     res = StreamResult(t_sent=time.perf_counter())
-    async with client.stream("POST", url + path, json={**body, "stream": True}, headers=headers,
-                             timeout=timeout) as r:
+    async with client.stream(
+        "POST", url + path, json={**body, "stream": True}, headers=headers, timeout=timeout
+    ) as r:
         if r.status_code >= 400:
             await r.aread()
-            raise httpx.HTTPStatusError(f"{path} -> {r.status_code}: {r.text[:500]}", request=r.request, response=r)
+            raise httpx.HTTPStatusError(
+                f"{path} -> {r.status_code}: {r.text[:500]}", request=r.request, response=r
+            )
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line.strip() == "data: [DONE]":
                 continue
@@ -284,25 +331,43 @@ def batch_decode_tok_s(results: Sequence[StreamResult]) -> float | None:
     return sum(r.tokens_after_first for r in results) / (max(lasts) - min(firsts))
 
 
-def stream_all(url: str, path: str, bodies: Sequence[Mapping[str, Any]], headers: Mapping[str, str] | None = None,
-               timeout: float = 600) -> list[StreamResult]:
+def stream_all(
+    url: str,
+    path: str,
+    bodies: Sequence[Mapping[str, Any]],
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 600,
+) -> list[StreamResult]:
     """Stream ``bodies`` to ``url + path`` concurrently (a connection each) and time every one."""
+
     async def go():
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(bodies) + 2)) as client:
-            return await asyncio.gather(*[stream_request(client, url, path, b, headers, timeout) for b in bodies])
+            return await asyncio.gather(
+                *[stream_request(client, url, path, b, headers, timeout) for b in bodies]
+            )
+
     return asyncio.run(go())
 
 
-def decode_speed(url: str, prompts: Sequence[str], batch: int, n: int = 256, repeats: int = 3,
-                 model: str = "m") -> dict:
+def decode_speed(
+    url: str, prompts: Sequence[str], batch: int, n: int = 256, repeats: int = 3, model: str = "m"
+) -> dict:
     """Streamed greedy decode tok/s of ``batch`` concurrent completions: one warm-up, then
     ``repeats`` runs (prompts rotate); median, min and max (batch_decode_tok_s of each run)."""
+
     def body(prompt: str, tokens: int) -> dict:
         return {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
 
     stream_all(url, "/v1/completions", [body("warm up", 16)], timeout=300)
-    rates = sorted(batch_decode_tok_s(stream_all(url, "/v1/completions",
-                                                 [body(prompts[(rep + i) % len(prompts)], n) for i in range(batch)],
-                                                 timeout=300))
-                   for rep in range(repeats))
+    rates = sorted(
+        batch_decode_tok_s(
+            stream_all(
+                url,
+                "/v1/completions",
+                [body(prompts[(rep + i) % len(prompts)], n) for i in range(batch)],
+                timeout=300,
+            )
+        )
+        for rep in range(repeats)
+    )
     return {"median": rates[len(rates) // 2], "min": rates[0], "max": rates[-1]}

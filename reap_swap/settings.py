@@ -31,8 +31,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 ADDITIONAL_CONFIG_KEY = "reap_swap"
-CPU_REASON = ("vLLM's CPU build keeps every expert in host memory and its fused-MoE kernel "
-              "ignores expert_map, so experts cannot move between memories")
+CPU_REASON = (
+    "vLLM's CPU build keeps every expert in host memory and its fused-MoE kernel "
+    "ignores expert_map, so experts cannot move between memories"
+)
 
 
 class SettingsError(ValueError):
@@ -58,7 +60,7 @@ class Settings(BaseModel):
         return {**self.model_dump(mode="json"), **extra}
 
     @classmethod
-    def from_worker_config(cls, cfg: Mapping[str, Any]) -> "Settings":
+    def from_worker_config(cls, cfg: Mapping[str, Any]) -> Settings:
         return cls(**{k: v for k, v in cfg.items() if k in cls.model_fields})
 
     def accounting_reason(self, platform: str) -> str | None:
@@ -77,22 +79,44 @@ class Settings(BaseModel):
 # field -> (environment variable, flag, argparse kwargs)
 _SPEC: dict[str, tuple[str, str, dict]] = {
     "plan_file": ("REAP_PLAN_FILE", "--reap-plan", {"metavar": "PATH", "help": "the REAP plan JSON"}),
-    "validate_only": ("REAP_SWAP_VALIDATE_ONLY", "--reap-validate-only",
-                      {"action": "store_const", "const": True,
-                       "help": "validate swap payloads, change nothing"}),
-    "masks_only": ("REAP_SWAP_MASKS_ONLY", "--reap-masks-only",
-                   {"action": "store_const", "const": True,
-                    "help": "swaps change the active set only; no expert weights move"}),
-    "router_masks": ("REAP_ENABLE_ROUTER_MASKS", "--reap-enable-router-masks",
-                     {"action": "store_const", "const": True,
-                      "help": "not implemented (destroys output quality); refused"}),
-    "max_loaded_cartridges": ("REAP_MAX_LOADED_CARTRIDGES", "--reap-max-loaded-cartridges",
-                              {"type": int, "metavar": "N", "help": "prepared cartridges kept (LRU)"}),
-    "coactivation": ("REAP_COACTIVATION", "--reap-coactivation",
-                     {"action": "store_const", "const": True,
-                      "help": "count expert co-activation (E*E per layer)"}),
-    "residency": ("REAP_RESIDENCY", "--reap-residency",
-                  {"choices": ["auto", "accounting", "cuda"], "help": "residency backend"}),
+    "validate_only": (
+        "REAP_SWAP_VALIDATE_ONLY",
+        "--reap-validate-only",
+        {"action": "store_const", "const": True, "help": "validate swap payloads, change nothing"},
+    ),
+    "masks_only": (
+        "REAP_SWAP_MASKS_ONLY",
+        "--reap-masks-only",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "swaps change the active set only; no expert weights move",
+        },
+    ),
+    "router_masks": (
+        "REAP_ENABLE_ROUTER_MASKS",
+        "--reap-enable-router-masks",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "not implemented (destroys output quality); refused",
+        },
+    ),
+    "max_loaded_cartridges": (
+        "REAP_MAX_LOADED_CARTRIDGES",
+        "--reap-max-loaded-cartridges",
+        {"type": int, "metavar": "N", "help": "prepared cartridges kept (LRU)"},
+    ),
+    "coactivation": (
+        "REAP_COACTIVATION",
+        "--reap-coactivation",
+        {"action": "store_const", "const": True, "help": "count expert co-activation (E*E per layer)"},
+    ),
+    "residency": (
+        "REAP_RESIDENCY",
+        "--reap-residency",
+        {"choices": ["auto", "accounting", "cuda"], "help": "residency backend"},
+    ),
 }
 ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())
 FLAG_NAMES: tuple[str, ...] = tuple(spec[1] for spec in _SPEC.values())
@@ -118,8 +142,10 @@ def load_configured_plan(cfg: Mapping[str, Any]):
     settings = Settings.from_worker_config(cfg)
     plan = load_plan(str(settings.plan_file))
     if cfg.get("plan_identity") and cfg["plan_identity"] != plan.identity:
-        raise RuntimeError(f"plan {settings.plan_file} changed since the launcher validated it "
-                           f"(identity {plan.identity[:12]} != {cfg['plan_identity'][:12]})")
+        raise RuntimeError(
+            f"plan {settings.plan_file} changed since the launcher validated it "
+            f"(identity {plan.identity[:12]} != {cfg['plan_identity'][:12]})"
+        )
     return settings, plan
 
 
@@ -143,7 +169,7 @@ def split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 @dataclass
 class Resolved:
     settings: Settings
-    sources: dict[str, str]                       # field -> "env" | "flag" | "default"
+    sources: dict[str, str]  # field -> "env" | "flag" | "default"
     overrides: list[str] = field(default_factory=list)  # "REAP_X overrides --reap-x" sentences
 
 
@@ -151,15 +177,17 @@ def unknown_env(environ: Mapping[str, str]) -> list[str]:
     return sorted(k for k in environ if k.startswith("REAP_") and k not in ENV_NAMES)
 
 
-def resolve(flags: argparse.Namespace | Mapping[str, Any] | None = None,
-            environ: Mapping[str, str] | None = None) -> Resolved:
+def resolve(
+    flags: argparse.Namespace | Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> Resolved:
     """Merge environment > flags > defaults into a validated Settings."""
     environ = os.environ if environ is None else environ
     given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
     unknown = unknown_env(environ)
     if unknown:
-        raise SettingsError(f"unknown REAP_* environment variable(s) {', '.join(unknown)}; "
-                            f"known: {', '.join(ENV_NAMES)}")
+        raise SettingsError(
+            f"unknown REAP_* environment variable(s) {', '.join(unknown)}; known: {', '.join(ENV_NAMES)}"
+        )
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     overrides: list[str] = []

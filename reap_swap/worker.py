@@ -38,8 +38,9 @@ class ResidencyBackend(Protocol):
 
     mode: str
 
-    def apply(self, keep: KeepSets, *, dry_run: bool = False,
-              fault: SwapFault | None = None) -> dict: ...  # bytes_copied, seconds, phases, note
+    def apply(
+        self, keep: KeepSets, *, dry_run: bool = False, fault: SwapFault | None = None
+    ) -> dict: ...  # bytes_copied, seconds, phases, note
     def resident(self) -> KeepSets: ...
     def status(self) -> dict: ...
 
@@ -70,23 +71,34 @@ class _WorkerState:
         vllm_config = worker.vllm_config
         cfg = reap_config(vllm_config.additional_config)
         if not cfg:
-            raise RuntimeError("reap-swap worker extension loaded without additional_config"
-                               f"[{ADDITIONAL_CONFIG_KEY!r}]; start the server with python -m reap_swap.server")
+            raise RuntimeError(
+                "reap-swap worker extension loaded without additional_config"
+                f"[{ADDITIONAL_CONFIG_KEY!r}]; start the server with python -m reap_swap.server"
+            )
         self.settings, self.plan = load_configured_plan(cfg)
         self.rank = int(getattr(worker, "rank", 0))
         self.ranks = compat.parallel_ranks(vllm_config)
         self.layers = _experts.find_layers(worker.get_model())
         missing = sorted(set(self.plan.layers) - set(self.layers))
         if missing:
-            raise RuntimeError(f"plan layers {missing} have no MoE layer counted by reap-swap in this "
-                               f"model (found {sorted(self.layers)})")
+            raise RuntimeError(
+                f"plan layers {missing} have no MoE layer counted by reap-swap in this "
+                f"model (found {sorted(self.layers)})"
+            )
         uncountable = [i for i, m in self.layers.items() if not m.reap_countable]
         if uncountable:
-            log.error("reap-swap: layers %s use a monolithic MoE kernel that routes internally; "
-                      "router statistics for them are unavailable (counts stay 0)", uncountable)
+            log.error(
+                "reap-swap: layers %s use a monolithic MoE kernel that routes internally; "
+                "router statistics for them are unavailable (counts stay 0)",
+                uncountable,
+            )
         self.backend = make_residency_backend(worker, self.plan, self.settings)
-        log.info("reap-swap worker rank %d: %d MoE layers counted, residency %s", self.rank,
-                 len(self.layers), self.backend.mode)
+        log.info(
+            "reap-swap worker rank %d: %d MoE layers counted, residency %s",
+            self.rank,
+            len(self.layers),
+            self.backend.mode,
+        )
 
         self.fault: SwapFault | None = None  # armed by reap_arm_swap_fault, taken by the next apply
 
@@ -147,9 +159,15 @@ class ReapWorkerExtension(MoeProbeExtension):
                     counters.zero(m)
         except Exception as exc:  # noqa: BLE001 - reported to the controller, which rolls back
             log.error("reap-swap rank %d: apply failed: %s: %s", s.rank, type(exc).__name__, exc)
-            return {**s.header(), "dry_run": bool(dry_run), "bytes_copied": 0, "stats": {},
-                    "error": f"rank {s.rank}: {type(exc).__name__}: {exc}",
-                    "rolled_back_locally": getattr(exc, "rolled_back", None), **s.resident_summary()}
+            return {
+                **s.header(),
+                "dry_run": bool(dry_run),
+                "bytes_copied": 0,
+                "stats": {},
+                "error": f"rank {s.rank}: {type(exc).__name__}: {exc}",
+                "rolled_back_locally": getattr(exc, "rolled_back", None),
+                **s.resident_summary(),
+            }
         return {**s.header(), "dry_run": bool(dry_run), **result, "stats": stats, **s.resident_summary()}
 
     def reap_arm_swap_fault(self, rank: int, after_admissions: int = 1) -> dict:
@@ -164,22 +182,41 @@ class ReapWorkerExtension(MoeProbeExtension):
             if after_admissions < 0:
                 raise ValueError("must be >= 0")
         except (TypeError, ValueError) as exc:
-            return {**s.header(), "armed": False, "error": f"rank={rank!r}, after_admissions="
-                    f"{after_admissions!r}: expected integers, after_admissions >= 0 ({exc})"}
+            return {
+                **s.header(),
+                "armed": False,
+                "error": f"rank={rank!r}, after_admissions="
+                f"{after_admissions!r}: expected integers, after_admissions >= 0 ({exc})",
+            }
         if rank != s.rank:
-            return {**s.header(), "armed": False, "note": f"ignored: this worker is rank {s.rank}, not {rank}"}
+            return {
+                **s.header(),
+                "armed": False,
+                "note": f"ignored: this worker is rank {s.rank}, not {rank}",
+            }
         s.fault = SwapFault(rank, after_admissions)
-        log.warning("reap-swap rank %d: swap fault armed (test seam; fires on the next apply, "
-                    "after %d admission(s) on CUDA)", s.rank, after_admissions)
-        return {**s.header(), "armed": True, "after_admissions": after_admissions,
-                "note": f"the next non-dry-run swap on rank {s.rank} fails once"}
+        log.warning(
+            "reap-swap rank %d: swap fault armed (test seam; fires on the next apply, "
+            "after %d admission(s) on CUDA)",
+            s.rank,
+            after_admissions,
+        )
+        return {
+            **s.header(),
+            "armed": True,
+            "after_admissions": after_admissions,
+            "note": f"the next non-dry-run swap on rank {s.rank} fails once",
+        }
 
     def reap_selfcheck(self) -> dict:
         """Engine self-check (CUDA only): pointers, HBM backings and a timed call per memory."""
         s = self._reap_state()
         check = getattr(s.backend, "selfcheck", None)
-        return {**s.header(), "mode": s.backend.mode,
-                **(check() if check else {"note": "no self-check for this residency backend"})}
+        return {
+            **s.header(),
+            "mode": s.backend.mode,
+            **(check() if check else {"note": "no self-check for this residency backend"}),
+        }
 
     def reap_read_stats(self, reset: bool = False) -> dict:
         s = self._reap_state()

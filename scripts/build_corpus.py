@@ -28,6 +28,7 @@ built them; data/corpus/manifest.json records counts and sha256 of each split.
 
 usage: python scripts/build_corpus.py [--out-dir data/corpus] [--train-out .cache/corpus/train.jsonl]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,12 +47,13 @@ PY_LIB = "/root/.pyenv/versions/3.11.7/lib/python3.11"
 SHEBANG = re.compile(rb"^#!\s*(/usr)?/bin/(env\s+)?(ba|da|k)?sh\b")
 MAN_DIRS = ["/usr/share/man/man1", "/usr/share/man/man5", "/usr/share/man/man7", "/usr/share/man/man8"]
 DOC_ROOT = "/usr/share/doc"
-DOC_NAME = re.compile(r"^(README|FAQ|COPYING|LICEN[CS]E|copyright|AUTHORS|THANKS|TODO|HACKING|"
-                      r"CONTRIBUTING|INSTALL|USAGE)([._-].*)?$|.*\.(md|txt|rst|text)(\.gz)?$",
-                      re.IGNORECASE)
+DOC_NAME = re.compile(
+    r"^(README|FAQ|COPYING|LICEN[CS]E|copyright|AUTHORS|THANKS|TODO|HACKING|"
+    r"CONTRIBUTING|INSTALL|USAGE)([._-].*)?$|.*\.(md|txt|rst|text)(\.gz)?$",
+    re.IGNORECASE,
+)
 DOC_SKIP = re.compile(r"(changelog|ChangeLog|CHANGELOG|NEWS|CMakeLists|/html/|/examples?/|\.py|\.c$)")
-SHELL_ROOTS = ["/usr/bin", "/usr/sbin", "/etc", "/usr/share", "/usr/lib", "/usr/libexec",
-               "/root/.pyenv"]
+SHELL_ROOTS = ["/usr/bin", "/usr/sbin", "/etc", "/usr/share", "/usr/lib", "/usr/libexec", "/root/.pyenv"]
 
 
 def walk_sorted(root):
@@ -81,14 +83,18 @@ def read_text(path, limit):
 
 # ---------------------------------------------------------------- domain sources
 
+
 def gather_python(a):
     paths = sorted(p for p in os.listdir(PY_LIB) if p.endswith(".py"))
     out = [os.path.join(PY_LIB, p) for p in paths]
     # packages (sorted), tests and bundled third-party code excluded
     for p in walk_sorted(PY_LIB):
         rel = os.path.relpath(p, PY_LIB)
-        if ("/" in rel and p.endswith(".py") and not re.search(
-                r"(^|/)(test|tests|idle_test|site-packages|lib2to3/tests|__phello__)(/|$)", rel)):
+        if (
+            "/" in rel
+            and p.endswith(".py")
+            and not re.search(r"(^|/)(test|tests|idle_test|site-packages|lib2to3/tests|__phello__)(/|$)", rel)
+        ):
             out.append(p)
     for p in out:
         t = read_text(p, a.max_file_bytes)
@@ -99,8 +105,7 @@ def gather_python(a):
 def render_man(path):
     env = dict(os.environ, MANWIDTH="80", GROFF_NO_SGR="1", LANG="C.UTF-8", LC_ALL="C.UTF-8")
     try:
-        r = subprocess.run(["man", "--nh", "--nj", "-l", path], capture_output=True, env=env,
-                           timeout=20)
+        r = subprocess.run(["man", "--nh", "--nj", "-l", path], capture_output=True, env=env, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if r.returncode != 0:
@@ -124,8 +129,11 @@ def gather_prose(a):
     for d in MAN_DIRS:
         if os.path.isdir(d):
             # gcloud's ~16k generated pages would swamp the sample: leave them out
-            man += [p for p in walk_sorted(d) if os.path.getsize(p) > 600
-                    and not os.path.basename(p).startswith("gcloud")]
+            man += [
+                p
+                for p in walk_sorted(d)
+                if os.path.getsize(p) > 600 and not os.path.basename(p).startswith("gcloud")
+            ]
     rng = random.Random(a.seed)
     if len(man) > a.man_pages:
         man = sorted(rng.sample(man, a.man_pages))
@@ -187,17 +195,22 @@ GATHER = {"python": gather_python, "prose": gather_prose, "shell": gather_shell,
 
 # ---------------------------------------------------------------- chunking and splits
 
+
 def chunks_of(text, max_chars, min_chars):
     """Cut text into chunks of <= max_chars at line boundaries (long lines are cut)."""
     out, cur, n = [], [], 0
     for ln in text.splitlines(keepends=True):
         while len(ln) > max_chars:
             if cur:
-                out.append("".join(cur)); cur, n = [], 0
-            out.append(ln[:max_chars]); ln = ln[max_chars:]
+                out.append("".join(cur))
+                cur, n = [], 0
+            out.append(ln[:max_chars])
+            ln = ln[max_chars:]
         if n + len(ln) > max_chars and cur:
-            out.append("".join(cur)); cur, n = [], 0
-        cur.append(ln); n += len(ln)
+            out.append("".join(cur))
+            cur, n = [], 0
+        cur.append(ln)
+        n += len(ln)
     if cur:
         out.append("".join(cur))
     res = []
@@ -291,7 +304,9 @@ def main(argv=None):
             for r in by_file[p]:
                 if fb >= a.train_file_bytes or tot >= a.train_bytes:
                     break
-                train.append(r); fb += len(r["text"]); tot += len(r["text"])
+                train.append(r)
+                fb += len(r["text"])
+                tot += len(r["text"])
             if tot >= a.train_bytes:
                 break
         cal = sample_split(per["calibration"], a.per_domain, a.per_file, rng)
@@ -299,18 +314,24 @@ def main(argv=None):
         splits["train"] += train
         splits["calibration"] += cal
         splits["heldout"] += held
-        stats[dom] = {"files_read": n_files,
-                      "chunks": {k: len(v) for k, v in per.items()},
-                      "train_records": len(train), "train_chars": tot,
-                      "calibration_records": len(cal), "heldout_records": len(held)}
+        stats[dom] = {
+            "files_read": n_files,
+            "chunks": {k: len(v) for k, v in per.items()},
+            "train_records": len(train),
+            "train_chars": tot,
+            "calibration_records": len(cal),
+            "heldout_records": len(held),
+        }
         print(f"[{time.time() - t0:6.1f}s] {dom}: {json.dumps(stats[dom])}", flush=True)
 
     os.makedirs(a.out_dir, exist_ok=True)
     os.makedirs(os.path.dirname(a.train_out) or ".", exist_ok=True)
     rng = random.Random(a.seed)
-    outs = {"train": a.train_out,
-            "calibration": os.path.join(a.out_dir, "calibration.jsonl"),
-            "heldout": os.path.join(a.out_dir, "heldout.jsonl")}
+    outs = {
+        "train": a.train_out,
+        "calibration": os.path.join(a.out_dir, "calibration.jsonl"),
+        "heldout": os.path.join(a.out_dir, "heldout.jsonl"),
+    }
     for name, recs in splits.items():
         if name == "train":
             rng.shuffle(recs)
@@ -321,10 +342,12 @@ def main(argv=None):
         "built_by": "scripts/build_corpus.py",
         "args": vars(a),
         "domains": stats,
-        "files": {k: {"path": v, "records": len(splits[k]), "bytes": os.path.getsize(v),
-                      "sha256": sha256_file(v)} for k, v in outs.items()},
+        "files": {
+            k: {"path": v, "records": len(splits[k]), "bytes": os.path.getsize(v), "sha256": sha256_file(v)}
+            for k, v in outs.items()
+        },
         "note": "Split by file (hash of domain:path): no source file contributes to two splits. "
-                "train.jsonl is not shipped; re-derive it with this script.",
+        "train.jsonl is not shipped; re-derive it with this script.",
     }
     with open(os.path.join(a.out_dir, "manifest.json"), "w") as fh:
         json.dump(manifest, fh, indent=1)

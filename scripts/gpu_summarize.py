@@ -45,13 +45,24 @@ def divergence_detail(ref: list[dict], got: list[dict]) -> list:
     for i, (a, b) in enumerate(zip(ref, got)):
         d = next((j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
         if d is not None:
-            out.append({"prompt": i, "at": d, "ref": [a["tokens"][d], a["logprobs"][d]],
-                        "got": [b["tokens"][d], b["logprobs"][d]]})
+            out.append(
+                {
+                    "prompt": i,
+                    "at": d,
+                    "ref": [a["tokens"][d], a["logprobs"][d]],
+                    "got": [b["tokens"][d], b["logprobs"][d]],
+                }
+            )
     return out
 
 
 def greedy_section(ref_name: str, ref: list[dict] | None, entries: list[tuple[str, list[dict]]]) -> list[str]:
-    lines = [f"Reference: {ref_name}.", "", "| run | identical | first divergence per prompt |", "|---|---|---|"]
+    lines = [
+        f"Reference: {ref_name}.",
+        "",
+        "| run | identical | first divergence per prompt |",
+        "|---|---|---|",
+    ]
     details = {}
     for name, got in entries:
         if not ref or not got:
@@ -64,8 +75,10 @@ def greedy_section(ref_name: str, ref: list[dict] | None, entries: list[tuple[st
             details[name] = det
     for name, det in details.items():
         lines.append("")
-        lines.append(f"{name}: at the first divergence (token, its logprob) ref vs this run: " +
-                     "; ".join(f"prompt {d['prompt']} @ {d['at']}: {d['ref']} vs {d['got']}" for d in det))
+        lines.append(
+            f"{name}: at the first divergence (token, its logprob) ref vs this run: "
+            + "; ".join(f"prompt {d['prompt']} @ {d['at']}: {d['ref']} vs {d['got']}" for d in det)
+        )
     return lines
 
 
@@ -73,12 +86,16 @@ def sweep_section(sweep: dict, stock: dict) -> tuple[list[str], dict]:
     phases = sweep.get("phases", {})
     rows, derived = [], {}
     d = {k: phases.get(k, {}) for k in ("0", "25", "50", "100")}
-    lines = ["| resident | hit rate h | 1 stream tok/s | bound | ratio | 8 streams tok/s | bound | ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| resident | hit rate h | 1 stream tok/s | bound | ratio | 8 streams tok/s | bound | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for metric in ("decode_1", "decode_8"):
         t100, t0 = med(d["100"].get(metric)), med(d["0"].get(metric))
-        derived[metric] = {"t_resident_ms": 1000 / t100 if t100 else None,
-                           "t_all_missed_ms": (1000 / t0 - 1000 / t100) if t0 and t100 else None}
+        derived[metric] = {
+            "t_resident_ms": 1000 / t100 if t100 else None,
+            "t_all_missed_ms": (1000 / t0 - 1000 / t100) if t0 and t100 else None,
+        }
     for k in ("100", "50", "25", "0"):
         p = d[k]
         miss = ((p.get("router_misses") or {}).get("totals") or {}).get("miss_ratio")
@@ -94,18 +111,25 @@ def sweep_section(sweep: dict, stock: dict) -> tuple[list[str], dict]:
     lines += rows
     s1, s100 = med(stock.get("decode_1")), med(d["100"].get("decode_1"))
     s8, s100b = med(stock.get("decode_8")), med(d["100"].get("decode_8"))
-    lines += ["", f"stock vLLM, every expert in HBM: 1 stream {span(stock.get('decode_1'))}, 8 streams "
-                  f"{span(stock.get('decode_8'))}; reap-swap at 100 % / stock: "
-                  f"{fmt(s100 / s1 if s1 and s100 else None, 3)} (1 stream), "
-                  f"{fmt(s100b / s8 if s8 and s100b else None, 3)} (8 streams)."]
-    lines.append(f"t_resident = {fmt(derived['decode_1']['t_resident_ms'], 3)} ms, t_all_missed = "
-                 f"{fmt(derived['decode_1']['t_all_missed_ms'], 3)} ms per token (1 stream).")
+    lines += [
+        "",
+        f"stock vLLM, every expert in HBM: 1 stream {span(stock.get('decode_1'))}, 8 streams "
+        f"{span(stock.get('decode_8'))}; reap-swap at 100 % / stock: "
+        f"{fmt(s100 / s1 if s1 and s100 else None, 3)} (1 stream), "
+        f"{fmt(s100b / s8 if s8 and s100b else None, 3)} (8 streams).",
+    ]
+    lines.append(
+        f"t_resident = {fmt(derived['decode_1']['t_resident_ms'], 3)} ms, t_all_missed = "
+        f"{fmt(derived['decode_1']['t_all_missed_ms'], 3)} ms per token (1 stream)."
+    )
     return lines, derived
 
 
 def swap_section(sweep: dict) -> list[str]:
-    lines = ["| swap-in | experts | bytes | server total ms | worker ms | GB/s (worker) | evict back ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| swap-in | experts | bytes | server total ms | worker ms | GB/s (worker) | evict back ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for label, entry in (sweep.get("swaps") or {}).items():
         runs = entry["runs"]
         ins = [r["in"] for r in runs if r["in"]["status"] == 200]
@@ -119,25 +143,39 @@ def swap_section(sweep: dict) -> list[str]:
 
         def m(v):
             return f"{statistics.median(v):.1f} ({min(v):.1f}–{max(v):.1f})" if v else "n/a"
-        lines.append(f"| {label} | {entry['experts']} | {ins[0].get('bytes_copied'):,} | {m(total)} | {m(work)} | "
-                     f"{m(gbps)} | {m(outs)} |")
+
+        lines.append(
+            f"| {label} | {entry['experts']} | {ins[0].get('bytes_copied'):,} | {m(total)} | {m(work)} | "
+            f"{m(gbps)} | {m(outs)} |"
+        )
         noops = [r["noop"] for r in runs if r.get("noop")]
         if noops:
-            lines.append(f"| no-op (same set again) | 0 | {noops[0].get('bytes_copied')} | "
-                         f"{m([n['timing']['total_seconds'] * 1000 for n in noops])} | | client round trip "
-                         f"{m([n['client_ms'] for n in noops])} ms | |")
+            lines.append(
+                f"| no-op (same set again) | 0 | {noops[0].get('bytes_copied')} | "
+                f"{m([n['timing']['total_seconds'] * 1000 for n in noops])} | | client round trip "
+                f"{m([n['client_ms'] for n in noops])} ms | |"
+            )
     return lines
 
 
 def counter_section(check: dict | None) -> list[str]:
     if not check:
         return ["(not run)"]
-    lines = [f"all requests equal: **{check.get('all_equal')}**", "",
-             "| request | routed_experts shape | ours (observed, missed) | theirs (observed, missed) | equal |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"all requests equal: **{check.get('all_equal')}**",
+        "",
+        "| request | routed_experts shape | ours (observed, missed) | theirs (observed, missed) | equal |",
+        "|---|---|---|---|---|",
+    ]
     for r in check["requests"]:
-        ours = (sum(sum(p["ours_counts"] or []) for p in r["layers"]), sum(p["ours_missed"] or 0 for p in r["layers"]))
-        theirs = (sum(sum(p["theirs_counts"]) for p in r["layers"]), sum(p["theirs_missed"] for p in r["layers"]))
+        ours = (
+            sum(sum(p["ours_counts"] or []) for p in r["layers"]),
+            sum(p["ours_missed"] or 0 for p in r["layers"]),
+        )
+        theirs = (
+            sum(sum(p["theirs_counts"]) for p in r["layers"]),
+            sum(p["theirs_missed"] for p in r["layers"]),
+        )
         lines.append(f"| {r['request']} | {r['routed_experts_shape']} | {ours} | {theirs} | {r['equal']} |")
     return lines
 
@@ -151,8 +189,10 @@ def skew_section(sess: Path) -> list[str]:
 
     data = torch.load(obs, weights_only=False)
     meta = data.get("__reap_swap__", {})
-    lines = ["| layer | top 25 % share | top 50 % share | per-tag top 25 % (own top) | tags' top-25 % overlap (Jaccard, mean) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| layer | top 25 % share | top 50 % share | per-tag top 25 % (own top) | tags' top-25 % overlap (Jaccard, mean) |",
+        "|---|---|---|---|---|",
+    ]
     tags = meta.get("tags") or {}
     for layer in sorted(k for k in data if isinstance(k, int)):
         f = np.asarray(data[layer]["expert_frequency"], dtype=np.float64)
@@ -164,9 +204,11 @@ def skew_section(sess: Path) -> list[str]:
             st = np.sort(ft)[::-1]
             per_tag.append(f"{t} {st[:q].sum() / st.sum():.2f}")
             tops.append(set(np.argsort(-ft)[:q].tolist()))
-        jac = [len(a & b) / len(a | b) for i, a in enumerate(tops) for b in tops[i + 1:]]
-        lines.append(f"| {layer} | {s[:q].sum() / s.sum():.3f} | {s[:2 * q].sum() / s.sum():.3f} | "
-                     f"{', '.join(per_tag)} | {fmt(statistics.mean(jac) if jac else None, 2)} |")
+        jac = [len(a & b) / len(a | b) for i, a in enumerate(tops) for b in tops[i + 1 :]]
+        lines.append(
+            f"| {layer} | {s[:q].sum() / s.sum():.3f} | {s[: 2 * q].sum() / s.sum():.3f} | "
+            f"{', '.join(per_tag)} | {fmt(statistics.mean(jac) if jac else None, 2)} |"
+        )
     return lines
 
 
@@ -190,7 +232,9 @@ def probe_section(ref: dict | None, entries: list[tuple[str, dict]]) -> list[str
                 continue
             c = compare_probes(ref["ranks"][min(i, len(ref["ranks"]) - 1)], got)
             cell = f"{c['equal']}/{c['of']}" if c["comparable"] else c["why"]
-            lines.append(f"| {name} | {got.get('tp_rank', i)} | {cell} | {', '.join(c.get('differ', [])[:6])} | {agree} |")
+            lines.append(
+                f"| {name} | {got.get('tp_rank', i)} | {cell} | {', '.join(c.get('differ', [])[:6])} | {agree} |"
+            )
     return lines
 
 
@@ -202,29 +246,41 @@ def tp_section(tp: dict) -> list[str]:
         lines.append(f"reap-tp error: {r['error'][:500]}")
 
     def workers(st):
-        return [(w.get("tp_rank"), w.get("signature"), w.get("resident_experts")) for w in (st or {}).get("workers", [])]
+        return [
+            (w.get("tp_rank"), w.get("signature"), w.get("resident_experts"))
+            for w in (st or {}).get("workers", [])
+        ]
+
     for key in ("status_start", "status_50", "status_after_fault", "status_25", "status_end"):
         st = r.get(key) or {}
-        lines.append(f"- {key}: signature {st.get('signature')}, consistent {st.get('workers_consistent')}, "
-                     f"workers {workers(st)}")
+        lines.append(
+            f"- {key}: signature {st.get('signature')}, consistent {st.get('workers_consistent')}, "
+            f"workers {workers(st)}"
+        )
     for key in ("swap_50", "fault_swap", "swap_back_25"):
         sw = r.get(key) or {}
-        lines.append(f"- {key}: HTTP {sw.get('status')}, bytes {sw.get('bytes_copied_per_worker')}, "
-                     f"workers {[(w.get('tp_rank'), w.get('signature')) for w in sw.get('workers') or []]}, "
-                     f"error {json.dumps(sw.get('error'))[:400] if sw.get('error') else None}")
+        lines.append(
+            f"- {key}: HTTP {sw.get('status')}, bytes {sw.get('bytes_copied_per_worker')}, "
+            f"workers {[(w.get('tp_rank'), w.get('signature')) for w in sw.get('workers') or []]}, "
+            f"error {json.dumps(sw.get('error'))[:400] if sw.get('error') else None}"
+        )
     lines.append(f"- fault armed: {json.dumps(r.get('fault_arm'))[:300]}")
     half = tp.get("stock-uva-half") or {}
-    lines.append(f"- decode at 50 %: 1 stream {span((r.get('at_50') or {}).get('decode_1'))}, 8 streams "
-                 f"{span((r.get('at_50') or {}).get('decode_8'))}; stock TP=2 all in HBM: "
-                 f"{span(stock.get('decode_1'))}, 8 streams {span(stock.get('decode_8'))}; stock UVA TP=2 "
-                 f"with half the expert bytes offloaded: {span(half.get('decode_1'))}, 8 streams "
-                 f"{span(half.get('decode_8'))}")
+    lines.append(
+        f"- decode at 50 %: 1 stream {span((r.get('at_50') or {}).get('decode_1'))}, 8 streams "
+        f"{span((r.get('at_50') or {}).get('decode_8'))}; stock TP=2 all in HBM: "
+        f"{span(stock.get('decode_1'))}, 8 streams {span(stock.get('decode_8'))}; stock UVA TP=2 "
+        f"with half the expert bytes offloaded: {span(half.get('decode_1'))}, 8 streams "
+        f"{span(half.get('decode_8'))}"
+    )
     lines.append(f"- hit rate at 50 %: {((r.get('at_50') or {}).get('router_misses') or {}).get('totals')}")
     t = r.get("swap_timings_25_50") or []
     if t:
         ins = [x["in"]["timing"]["total_seconds"] * 1000 for x in t if x["in"]["status"] == 200]
-        lines.append(f"- swap 25 % -> 50 % (server ms): {[round(v, 1) for v in ins]}, bytes per rank "
-                     f"{t[0]['in'].get('bytes_copied_per_worker')}")
+        lines.append(
+            f"- swap 25 % -> 50 % (server ms): {[round(v, 1) for v in ins]}, bytes per rank "
+            f"{t[0]['in'].get('bytes_copied_per_worker')}"
+        )
     ref = stock.get("greedy")
     entries = [(k, (r.get(k) or {}).get("greedy")) for k in ("core", "at_50", "after_fault", "at_25")]
     stock_uva = [(k, (tp.get(k) or {}).get("greedy")) for k in ("stock-uva-all", "stock-uva-half") if k in tp]
@@ -234,7 +290,9 @@ def tp_section(tp: dict) -> list[str]:
         lines += ["", "Against stock vLLM TP=2 with the launcher's UVA flags:"]
         lines += greedy_section("stock-uva-all TP=2", uva, entries)
     probes = [(k, (tp.get(k) or {}).get("moe_probe")) for k in ("stock-uva-all", "stock-uva-half")]
-    probes += [(f"reap-tp {k}", (r.get(k) or {}).get("moe_probe")) for k in ("core", "at_50", "after_fault", "at_25")]
+    probes += [
+        (f"reap-tp {k}", (r.get(k) or {}).get("moe_probe")) for k in ("core", "at_50", "after_fault", "at_25")
+    ]
     lines += ["", "MoE-layer outputs (reap_moe_probe digests) vs stock vLLM TP=2, all experts in HBM:"]
     lines += probe_section(stock.get("moe_probe"), [(k, p) for k, p in probes if p])
     lines += ["", "Counters vs vLLM routed experts (TP=2):"] + counter_section(r.get("counter_check"))
@@ -251,8 +309,10 @@ def main() -> int:
     sweep = e0.get("reap-sweep") or e0.get("reap-clean") or {}
     routed = e1.get("reap-routed") or {}
     out = ["## Greedy text (random model, single H200)", ""]
-    entries = [(f"reap-sweep {k} %", (sweep.get("phases", {}).get(k) or {}).get("greedy"))
-               for k in ("0", "25", "50", "100", "0b")]
+    entries = [
+        (f"reap-sweep {k} %", (sweep.get("phases", {}).get(k) or {}).get("greedy"))
+        for k in ("0", "25", "50", "100", "0b")
+    ]
     entries.append(("reap-routed (core 25 % from startup)", (routed.get("core") or {}).get("greedy")))
     for name in ("stock-uva-all",):
         for src in (e0, e1):
@@ -261,7 +321,10 @@ def main() -> int:
     out += greedy_section("stock vLLM, all experts in HBM", stock.get("greedy"), entries)
     uva = (e0.get("stock-uva-all") or e1.get("stock-uva-all") or {}).get("greedy")
     if uva:
-        out += ["", "Against stock vLLM with the launcher's UVA flags (same kernels, every expert in host memory):"]
+        out += [
+            "",
+            "Against stock vLLM with the launcher's UVA flags (same kernels, every expert in host memory):",
+        ]
         out += greedy_section("stock-uva-all", uva, entries[:-1])
     out += ["", "## Decode vs the bound", ""]
     lines, derived = sweep_section(sweep, stock)
@@ -269,7 +332,9 @@ def main() -> int:
     out += ["", "## Swap speed (server, end to end)", ""] + swap_section(sweep)
     sc = (sweep.get("selfcheck_25") or {}).get("result")
     out += ["", f"Self-check at 25 %: {json.dumps(sc)[:1500]}"]
-    out += ["", "## Counters vs --enable-return-routed-experts", ""] + counter_section(routed.get("counter_check"))
+    out += ["", "## Counters vs --enable-return-routed-experts", ""] + counter_section(
+        routed.get("counter_check")
+    )
     out += ["", "## Skewed model routing (observe on the calibration split)", ""] + skew_section(a.session)
     out += ["", "## TP=2", ""] + tp_section(tp)
     print("\n".join(out))

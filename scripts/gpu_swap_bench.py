@@ -45,7 +45,13 @@ def bench_swaps(num_layers: int) -> dict:
         "1GiB_delta": -(-(2**30) // unit),
         "100pct_pool": pool_experts,
     }
-    out = {"layers": num_layers, "unit_bytes": unit, "pool_slots": pool_experts, "setup_s": setup, "cases": {}}
+    out = {
+        "layers": num_layers,
+        "unit_bytes": unit,
+        "pool_slots": pool_experts,
+        "setup_s": setup,
+        "cases": {},
+    }
     for name, n in cases.items():
         runs = []
         for rep in range(3):
@@ -58,8 +64,15 @@ def bench_swaps(num_layers: int) -> dict:
             t = time.perf_counter()
             res = swap_state(st, target)
             dt = time.perf_counter() - t
-            runs.append({"experts": n, "bytes": res.bytes_copied, "s": dt,
-                         "gbps": res.bytes_copied / dt / 1e9, "phases": res.phases})
+            runs.append(
+                {
+                    "experts": n,
+                    "bytes": res.bytes_copied,
+                    "s": dt,
+                    "gbps": res.bytes_copied / dt / 1e9,
+                    "phases": res.phases,
+                }
+            )
         out["cases"][name] = runs
     t = time.perf_counter()
     for _ in range(10):
@@ -92,8 +105,11 @@ def bench_remap() -> dict:
             rng.map_host(u, defer_access=defer)
         rng.flush_access()
         t_out = time.perf_counter() - t
-        out[label] = {"map_device_us_per_unit": t_in / E * 1e6, "map_host_us_per_unit": t_out / E * 1e6,
-                      "set_access_calls": E if not defer else calls}
+        out[label] = {
+            "map_device_us_per_unit": t_in / E * 1e6,
+            "map_host_us_per_unit": t_out / E * 1e6,
+            "set_access_calls": E if not defer else calls,
+        }
     rng.release()
     pool.release()
     return out
@@ -115,7 +131,7 @@ def bench_kernel() -> dict:
         tw, ti, _ = fused_topk(x, torch.randn(m, E, device="cuda", generator=gen), TOPK, renormalize=True)
         distinct = ti.flatten().unique().tolist()
 
-        def timed(a, b):
+        def timed(a, b, x=x, tw=tw, ti=ti):
             fused_experts(x, a, b, tw, ti)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
@@ -141,8 +157,13 @@ def bench_kernel() -> dict:
             hit_distinct = sum(1 for e in distinct if e in set(resident)) / len(distinct)
             t = timed(v13, v2)
             bound = row["hbm_us"] + (1 - hit_distinct) * (row["uva_us"] - row["hbm_us"])
-            row[f"vmm_{int(frac * 100)}"] = {"us": t, "hit": hit, "hit_distinct": hit_distinct,
-                                              "bound_us": bound, "of_bound": bound / t}
+            row[f"vmm_{int(frac * 100)}"] = {
+                "us": t,
+                "hit": hit,
+                "hit_distinct": hit_distinct,
+                "bound_us": bound,
+                "of_bound": bound / t,
+            }
         res[f"M{m}"] = row
     st.layers[0].rng.release()
     st.pool.release()
@@ -157,6 +178,7 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:
         import vllm
+
         result["vllm"] = vllm.__version__
     except ImportError:
         pass

@@ -26,6 +26,7 @@ torch.Generator). Streams one shard at a time; no GPU needed.
 usage: make_skewed_moe.py SRC DST [--seed 0] [--amp 3] [--zipf 0.6] [--marker 0.125]
        make_skewed_moe.py SRC DST --construction-only   # writes only DST/skew_construction.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,7 @@ CLASS_RULES = {
 }
 # rms of the residual entering each layer's MoE of the 12-layer kit model (median over tokens),
 # measured by scripts/simulate_skew.py with this construction (research-notes/skew-simulation.json)
-RHO_KIT = (0.3311, 0.8648, 1.3185, 1.6979, 2.0053, 2.2669, 2.5222, 2.7558, 2.9583, 3.1568, 3.3501,
-           3.5373)
+RHO_KIT = (0.3311, 0.8648, 1.3185, 1.6979, 2.0053, 2.2669, 2.5222, 2.7558, 2.9583, 3.1568, 3.3501, 3.5373)
 DEFAULTS = {"seed": 0, "amp": 3.0, "zipf": 0.6, "marker": 0.125}
 _PUNCT = set(string.punctuation)
 
@@ -77,8 +77,7 @@ def token_classes(tokenizer_json: str | os.PathLike) -> list[int]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_json))
-    return [token_class(tok.decode([i], skip_special_tokens=False))
-            for i in range(tok.get_vocab_size())]
+    return [token_class(tok.decode([i], skip_special_tokens=False)) for i in range(tok.get_vocab_size())]
 
 
 @dataclass
@@ -88,13 +87,13 @@ class Construction:
     hidden: int
     experts: int
     layers: int
-    classes: torch.Tensor                 # [vocab] int64 class id per token
-    channels: list[int]                   # reserved hidden channel of class c
-    marker: float                         # C, the embedding value on the own class channel
+    classes: torch.Tensor  # [vocab] int64 class id per token
+    channels: list[int]  # reserved hidden channel of class c
+    marker: float  # C, the embedding value on the own class channel
     amp: float
     zipf: float
     seed: int
-    rho: list[float]                      # per-layer rms compensation
+    rho: list[float]  # per-layer rms compensation
     ranks: list[list[list[int]]] = field(default_factory=list)  # [l][c] -> experts by rank
     gate_cols: list[torch.Tensor] = field(default_factory=list)  # [l] -> [E, K] bf16
 
@@ -103,49 +102,91 @@ class Construction:
         sizes = torch.bincount(self.classes, minlength=len(CLASS_NAMES)).tolist()
         return {
             "what": "router skew by token-class marker channels (scripts/make_skewed_moe.py)",
-            "params": {"seed": self.seed, "amp_A": self.amp, "zipf_z": self.zipf,
-                       "marker_C": self.marker, "rho_per_layer": self.rho,
-                       "hidden": self.hidden, "experts": self.experts, "layers": self.layers,
-                       "vocab": vocab},
-            "formula": ("gate.weight[e, d_c] = bf16(A * rank_{l,c}(e)^(-z) * rho_l / C); "
-                        "logit bias ~= A * rank^(-z) * rho_l / rms(residual)"),
+            "params": {
+                "seed": self.seed,
+                "amp_A": self.amp,
+                "zipf_z": self.zipf,
+                "marker_C": self.marker,
+                "rho_per_layer": self.rho,
+                "hidden": self.hidden,
+                "experts": self.experts,
+                "layers": self.layers,
+                "vocab": vocab,
+            },
+            "formula": (
+                "gate.weight[e, d_c] = bf16(A * rank_{l,c}(e)^(-z) * rho_l / C); "
+                "logit bias ~= A * rank^(-z) * rho_l / rms(residual)"
+            ),
             "channels": {n: ch for n, ch in zip(CLASS_NAMES, self.channels)},
             "zeroed_rows": "rows d_c of every self_attn.o_proj.weight and experts.*.down_proj.weight",
             "embedding": "embed_tokens[t, d_c] = C if class(t) == c else 0",
             "token_classes": {
-                n: {"rule": CLASS_RULES[n], "size": sizes[c],
-                    "ids": [[first, first + count - 1] for first, count in
-                        contiguous_runs((self.classes == c).nonzero().flatten().tolist())]}
-                for c, n in enumerate(CLASS_NAMES)},
+                n: {
+                    "rule": CLASS_RULES[n],
+                    "size": sizes[c],
+                    "ids": [
+                        [first, first + count - 1]
+                        for first, count in contiguous_runs((self.classes == c).nonzero().flatten().tolist())
+                    ],
+                }
+                for c, n in enumerate(CLASS_NAMES)
+            },
             "layers": [
-                {"layer": layer, "rho": self.rho[layer], "classes": {
-                    n: {"experts_by_rank": self.ranks[layer][c],
-                        "gate_value_by_rank": [
-                            float(v) for v in
-                            self.gate_cols[layer][self.ranks[layer][c], c].float().tolist()]}
-                    for c, n in enumerate(CLASS_NAMES)}}
-                for layer in range(self.layers)],
+                {
+                    "layer": layer,
+                    "rho": self.rho[layer],
+                    "classes": {
+                        n: {
+                            "experts_by_rank": self.ranks[layer][c],
+                            "gate_value_by_rank": [
+                                float(v)
+                                for v in self.gate_cols[layer][self.ranks[layer][c], c].float().tolist()
+                            ],
+                        }
+                        for c, n in enumerate(CLASS_NAMES)
+                    },
+                }
+                for layer in range(self.layers)
+            ],
         }
 
 
-def build_construction(classes, *, hidden, experts, layers, seed=DEFAULTS["seed"],
-                       amp=DEFAULTS["amp"], zipf=DEFAULTS["zipf"],
-                       marker=DEFAULTS["marker"], rho=None) -> Construction:
+def build_construction(
+    classes,
+    *,
+    hidden,
+    experts,
+    layers,
+    seed=DEFAULTS["seed"],
+    amp=DEFAULTS["amp"],
+    zipf=DEFAULTS["zipf"],
+    marker=DEFAULTS["marker"],
+    rho=None,
+) -> Construction:
     """Seeded per-(layer, class) permutations and the bf16 router column values."""
     k = len(CLASS_NAMES)
     if rho is None:
         rho = list(RHO_KIT) if layers == len(RHO_KIT) and all(RHO_KIT) else [1.0] * layers
     classes = torch.as_tensor(classes, dtype=torch.int64)
-    con = Construction(hidden=hidden, experts=experts, layers=layers, classes=classes,
-                       channels=list(range(hidden - k, hidden)), marker=marker, amp=amp,
-                       zipf=zipf, seed=seed, rho=[float(r) for r in rho])
+    con = Construction(
+        hidden=hidden,
+        experts=experts,
+        layers=layers,
+        classes=classes,
+        channels=list(range(hidden - k, hidden)),
+        marker=marker,
+        amp=amp,
+        zipf=zipf,
+        seed=seed,
+        rho=[float(r) for r in rho],
+    )
     strength = amp * torch.arange(1, experts + 1, dtype=torch.float64) ** (-zipf)
     for layer in range(layers):
         cols = torch.zeros(experts, k, dtype=torch.float64)
         by_rank = []
         for c in range(k):
             g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 101 + c)
-            perm = torch.randperm(experts, generator=g)       # perm[r] = expert of rank r+1
+            perm = torch.randperm(experts, generator=g)  # perm[r] = expert of rank r+1
             cols[perm, c] = strength * con.rho[layer] / marker
             by_rank.append(perm.tolist())
         con.ranks.append(by_rank)
@@ -153,8 +194,10 @@ def build_construction(classes, *, hidden, experts, layers, seed=DEFAULTS["seed"
     return con
 
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn\.o_proj\.weight|mlp\.gate\.weight|"
-                    r"mlp\.experts\.\d+\.down_proj\.weight)$")
+_LAYER = re.compile(
+    r"model\.layers\.(\d+)\.(self_attn\.o_proj\.weight|mlp\.gate\.weight|"
+    r"mlp\.experts\.\d+\.down_proj\.weight)$"
+)
 
 
 def skew_tensors(tensors: dict[str, torch.Tensor], con: Construction) -> dict[str, torch.Tensor]:
@@ -176,7 +219,7 @@ def skew_tensors(tensors: dict[str, torch.Tensor], con: Construction) -> dict[st
         t = t.clone()
         if kind == "mlp.gate.weight":
             t[:, ch] = con.gate_cols[layer].to(t.dtype)
-        else:                                   # o_proj / down_proj: nothing writes d_c
+        else:  # o_proj / down_proj: nothing writes d_c
             t[ch, :] = 0
         out[name] = t
     return out
@@ -194,9 +237,13 @@ def class_shares(tokenizer_json, classes, corpus_jsonl) -> dict:
         ids = torch.tensor(tok.encode(r["text"]).ids, dtype=torch.int64)
         c = torch.bincount(cls[ids], minlength=len(CLASS_NAMES))
         counts[r["source"]] = counts.get(r["source"], 0) + c
-    return {d: {"tokens": int(c.sum()),
-                **{n: round(float(c[i]) / float(c.sum()), 4) for i, n in enumerate(CLASS_NAMES)}}
-            for d, c in sorted(counts.items())}
+    return {
+        d: {
+            "tokens": int(c.sum()),
+            **{n: round(float(c[i]) / float(c.sum()), 4) for i, n in enumerate(CLASS_NAMES)},
+        }
+        for d, c in sorted(counts.items())
+    }
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -216,11 +263,14 @@ def main(argv=None) -> int:
     ap.add_argument("--amp", type=float, default=DEFAULTS["amp"], help="A (logit units)")
     ap.add_argument("--zipf", type=float, default=DEFAULTS["zipf"], help="Zipf exponent z")
     ap.add_argument("--marker", type=float, default=DEFAULTS["marker"], help="C")
-    ap.add_argument("--corpus", default=str(Path(__file__).resolve().parent.parent
-                                            / "data/corpus/calibration.jsonl"),
-                    help="jsonl (text, source) for the per-domain class shares, if present")
-    ap.add_argument("--construction-only", action="store_true",
-                    help="write only DST/skew_construction.json (no weights)")
+    ap.add_argument(
+        "--corpus",
+        default=str(Path(__file__).resolve().parent.parent / "data/corpus/calibration.jsonl"),
+        help="jsonl (text, source) for the per-domain class shares, if present",
+    )
+    ap.add_argument(
+        "--construction-only", action="store_true", help="write only DST/skew_construction.json (no weights)"
+    )
     ap.add_argument("--workers", type=int, default=4, help="shards in flight")
     a = ap.parse_args(argv)
     t0 = time.time()
@@ -230,14 +280,22 @@ def main(argv=None) -> int:
     classes = token_classes(src / "tokenizer.json")
     if len(classes) != cfg["vocab_size"]:
         sys.exit(f"tokenizer has {len(classes)} ids, config vocab_size {cfg['vocab_size']}")
-    con = build_construction(classes, hidden=cfg["hidden_size"],
-                             experts=cfg.get("num_experts") or cfg["num_local_experts"],
-                             layers=cfg["num_hidden_layers"], seed=a.seed, amp=a.amp,
-                             zipf=a.zipf, marker=a.marker)
+    con = build_construction(
+        classes,
+        hidden=cfg["hidden_size"],
+        experts=cfg.get("num_experts") or cfg["num_local_experts"],
+        layers=cfg["num_hidden_layers"],
+        seed=a.seed,
+        amp=a.amp,
+        zipf=a.zipf,
+        marker=a.marker,
+    )
     desc = con.describe()
     if Path(a.corpus).is_file():
-        desc["corpus_class_shares"] = {"corpus": str(a.corpus), **class_shares(
-            src / "tokenizer.json", classes, a.corpus)}
+        desc["corpus_class_shares"] = {
+            "corpus": str(a.corpus),
+            **class_shares(src / "tokenizer.json", classes, a.corpus),
+        }
     index = json.loads((src / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     if not a.construction_only:
@@ -259,9 +317,16 @@ def main(argv=None) -> int:
                 _link_or_copy(p, dst / p.name)
     desc["seconds"] = round(time.time() - t0, 1)
     (dst / "skew_construction.json").write_text(json.dumps(desc, indent=1))
-    print(json.dumps({"dst": str(dst), "seconds": desc["seconds"],
-                      "class_sizes": {n: v["size"] for n, v in desc["token_classes"].items()},
-                      **{k: desc["params"][k] for k in ("amp_A", "zipf_z", "marker_C", "seed")}}))
+    print(
+        json.dumps(
+            {
+                "dst": str(dst),
+                "seconds": desc["seconds"],
+                "class_sizes": {n: v["size"] for n, v in desc["token_classes"].items()},
+                **{k: desc["params"][k] for k in ("amp_A", "zipf_z", "marker_C", "seed")},
+            }
+        )
+    )
     return 0
 
 

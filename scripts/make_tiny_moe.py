@@ -15,6 +15,7 @@ Idempotent: a stamp records the recipe hash; a matching stamp means nothing is r
 
 usage: python scripts/make_tiny_moe.py [--out DIR] [--force]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,7 +85,9 @@ def build_tokenizer(out: Path, vocab: int) -> dict[str, int]:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab - 64, special_tokens=SPECIALS, show_progress=False,
+        vocab_size=vocab - 64,
+        special_tokens=SPECIALS,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS * 8, trainer)
@@ -94,23 +97,35 @@ def build_tokenizer(out: Path, vocab: int) -> dict[str, int]:
     assert tok.get_vocab_size() == vocab, tok.get_vocab_size()
     tok.save(str(out / "tokenizer.json"))
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "model_max_length": 2048,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-        "added_tokens_decoder": {
-            str(i): {"content": s, "special": True, "normalized": False, "lstrip": False,
-                     "rstrip": False, "single_word": False}
-            for s, i in ids.items()
-        },
-    }, indent=2))
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "model_max_length": 2048,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
+                "added_tokens_decoder": {
+                    str(i): {
+                        "content": s,
+                        "special": True,
+                        "normalized": False,
+                        "lstrip": False,
+                        "rstrip": False,
+                        "single_word": False,
+                    }
+                    for s, i in ids.items()
+                },
+            },
+            indent=2,
+        )
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2)
+    )
     return ids
 
 
@@ -183,8 +198,11 @@ def write_config(out: Path, r: dict, special: dict[str, int]) -> None:
         "use_cache": True,
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": special["<|im_end|>"], "pad_token_id": special["<|endoftext|>"]}, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {"eos_token_id": special["<|im_end|>"], "pad_token_id": special["<|endoftext|>"]}, indent=2
+        )
+    )
 
 
 def build_plan(r: dict, model_name: str) -> dict:
@@ -198,24 +216,26 @@ def build_plan(r: dict, model_name: str) -> dict:
         order = [(e + 5 * L) % E for e in range(E)]
         order = [e for e in order if e not in excluded]
         core = sorted(order[: r["core"]])
-        rest = order[r["core"]:]
+        rest = order[r["core"] :]
         slices = []
         for s in range(0, len(rest), k):
-            ex = sorted(rest[s:s + k])
+            ex = sorted(rest[s : s + k])
             mass = round(0.3 - 0.05 * (s // k), 6)
-            slices.append({
-                "sliceId": f"layer_{L}_slice_{s // k:02d}",
-                "experts": ex,
-                "byteCost": len(ex) * per_expert,
-                "activationMass": mass,
-                "rawActivationMass": mass,
-                "reapMass": mass,
-                "weightedEanMass": 0.0,
-                "expertFrequencyMass": 0.0,
-                "coactivationScore": 1.0,
-                "signalsBySummary": {"tiny": mass},
-                "taskPriors": {"global": mass, "tiny": mass},
-            })
+            slices.append(
+                {
+                    "sliceId": f"layer_{L}_slice_{s // k:02d}",
+                    "experts": ex,
+                    "byteCost": len(ex) * per_expert,
+                    "activationMass": mass,
+                    "rawActivationMass": mass,
+                    "reapMass": mass,
+                    "weightedEanMass": 0.0,
+                    "expertFrequencyMass": 0.0,
+                    "coactivationScore": 1.0,
+                    "signalsBySummary": {"tiny": mass},
+                    "taskPriors": {"global": mass, "tiny": mass},
+                }
+            )
         per_layer[f"layer_{L}"] = {
             "rawLayerKey": str(L),
             "numExperts": E,
@@ -229,8 +249,9 @@ def build_plan(r: dict, model_name: str) -> dict:
     n_layers = r["num_hidden_layers"]
     core_bytes = total_core * per_expert
     # the budget fits every candidate: an all-resident swap is legal, a payload budget can lower it
-    candidates = sum(len(v["coreExperts"]) + sum(len(s["experts"]) for s in v["sliceCatalog"])
-                     for v in per_layer.values())
+    candidates = sum(
+        len(v["coreExperts"]) + sum(len(s["experts"]) for s in v["sliceCatalog"]) for v in per_layer.values()
+    )
     swappable = candidates * per_expert
     return {
         "mode": "dynamic_core_specialist",
@@ -238,8 +259,9 @@ def build_plan(r: dict, model_name: str) -> dict:
         "signalKey": "reap",
         "selectionStrategy": "support_v1",
         "rotationPolicy": "late_prompt_hash",
-        "sourceSummaries": [{"label": "tiny", "workflow": "make_tiny_moe", "processedSamples": 0,
-                             "totalTokens": 0}],
+        "sourceSummaries": [
+            {"label": "tiny", "workflow": "make_tiny_moe", "processedSamples": 0, "totalTokens": 0}
+        ],
         "budget": {
             "max_resident_ratio": 1.0,
             "requested_max_resident_ratio": 1.0,
@@ -256,10 +278,12 @@ def build_plan(r: dict, model_name: str) -> dict:
             "specialist_experts_per_layer_target": E - r["core"],
         },
         "perLayer": per_layer,
-        "scorerArtifacts": {"selectionStrategy": "support_v1", "rotationPolicy": "late_prompt_hash",
-                            "layerImportance": {}},
-        "summary": {"layerCount": n_layers, "totalCoreExperts": total_core,
-                    "totalSlices": total_slices},
+        "scorerArtifacts": {
+            "selectionStrategy": "support_v1",
+            "rotationPolicy": "late_prompt_hash",
+            "layerImportance": {},
+        },
+        "summary": {"layerCount": n_layers, "totalCoreExperts": total_core, "totalSlices": total_slices},
     }
 
 

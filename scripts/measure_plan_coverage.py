@@ -62,8 +62,20 @@ def split_corpus(corpus: Path, work: Path) -> tuple[Path, Path]:
 def observe(model: str, corpus: Path, out: Path, per_request: bool, engine: list[str], force: bool) -> None:
     if out.exists() and not force:
         return
-    cmd = [sys.executable, "-m", "reap_swap.cli", "observe", "--model", model, "--corpus", str(corpus),
-           "--out", str(out), *(["--per-request"] if per_request else []), *engine]
+    cmd = [
+        sys.executable,
+        "-m",
+        "reap_swap.cli",
+        "observe",
+        "--model",
+        model,
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(out),
+        *(["--per-request"] if per_request else []),
+        *engine,
+    ]
     print("+", " ".join(cmd), file=sys.stderr)
     subprocess.run(cmd, check=True)
 
@@ -92,14 +104,17 @@ def reap_saliency(model_dir: str, corpus: Path, out: Path, force: bool) -> None:
             logits = torch.nn.functional.linear(x, block.gate.weight.float())
             probs = torch.softmax(logits, dim=-1)
             selected = torch.topk(logits, k, dim=-1).indices
-            s = state.setdefault(layer, {
-                "total_tokens": torch.tensor(0, dtype=torch.long),
-                "expert_frequency": torch.zeros(E, dtype=torch.long),
-                "ean_sum": torch.zeros(E, dtype=torch.float64),
-                "weighted_ean_sum": torch.zeros(E, dtype=torch.float64),
-                "weighted_expert_frequency_sum": torch.zeros(E, dtype=torch.float64),
-                "max_activations": torch.zeros(E, dtype=torch.float32),
-            })
+            s = state.setdefault(
+                layer,
+                {
+                    "total_tokens": torch.tensor(0, dtype=torch.long),
+                    "expert_frequency": torch.zeros(E, dtype=torch.long),
+                    "ean_sum": torch.zeros(E, dtype=torch.float64),
+                    "weighted_ean_sum": torch.zeros(E, dtype=torch.float64),
+                    "weighted_expert_frequency_sum": torch.zeros(E, dtype=torch.float64),
+                    "max_activations": torch.zeros(E, dtype=torch.float32),
+                },
+            )
             s["total_tokens"] += x.shape[0]
             s["expert_frequency"] += torch.bincount(selected.reshape(-1), minlength=E)
             experts = block.experts
@@ -107,7 +122,9 @@ def reap_saliency(model_dir: str, corpus: Path, out: Path, force: bool) -> None:
                 rows = (selected == e).any(dim=-1)
                 if not rows.any():
                     continue
-                gate, up = torch.nn.functional.linear(x[rows], experts.gate_up_proj[e].float()).chunk(2, dim=-1)
+                gate, up = torch.nn.functional.linear(x[rows], experts.gate_up_proj[e].float()).chunk(
+                    2, dim=-1
+                )
                 y = torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e].float())
                 norms = y.norm(dim=-1).double()
                 g = probs[rows, e].double()
@@ -115,6 +132,7 @@ def reap_saliency(model_dir: str, corpus: Path, out: Path, force: bool) -> None:
                 s["weighted_ean_sum"][e] += (norms * g).sum()
                 s["weighted_expert_frequency_sum"][e] += g.sum()
                 s["max_activations"][e] = torch.maximum(s["max_activations"][e], y.max().float())
+
         return pre_hook
 
     handles = []
@@ -143,7 +161,10 @@ def methods(calib, calib_reap):
 
     def strip_coact(o: Observations) -> Observations:
         layers = {i: dataclasses.replace(s, coactivation=None) for i, s in o.layers.items()}
-        tags = {t: {i: dataclasses.replace(s, coactivation=None) for i, s in ls.items()} for t, ls in o.tags.items()}
+        tags = {
+            t: {i: dataclasses.replace(s, coactivation=None) for i, s in ls.items()}
+            for t, ls in o.tags.items()
+        }
         return dataclasses.replace(o, layers=layers, tags=tags)
 
     off = dict(reap_guard=False, super_experts=False)
@@ -165,15 +186,18 @@ def main() -> int:
     ap.add_argument("--corpus", type=Path, help="one corpus, split into halves by line hash")
     ap.add_argument("--budget-ratios", type=float, nargs="+", default=[0.125, 0.25, 0.375, 0.5])
     ap.add_argument("--core-fraction", type=float, default=0.75)
-    ap.add_argument("--slice-size", type=int, help="experts per slice for every method (default: the planner's)")
+    ap.add_argument(
+        "--slice-size", type=int, help="experts per slice for every method (default: the planner's)"
+    )
     ap.add_argument("--work-dir", type=Path, default=ROOT / "artifacts/coverage")
     ap.add_argument("--force", action="store_true")
     args, engine = ap.parse_known_args()
     engine = [a for a in engine if a != "--"] or DEFAULT_ENGINE
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
-    calib_corpus, held_corpus = (split_corpus(args.corpus, work) if args.corpus
-                                 else (args.calibration, args.heldout))
+    calib_corpus, held_corpus = (
+        split_corpus(args.corpus, work) if args.corpus else (args.calibration, args.heldout)
+    )
 
     observe(args.model, calib_corpus, work / "calib.pt", False, engine, args.force)
     observe(args.model, held_corpus, work / "heldout.pt", True, engine, args.force)
@@ -189,20 +213,33 @@ def main() -> int:
     calib, calib_reap = load_observations(work / "calib.pt"), load_observations(work / "calib_reap.pt")
     held = load_observations(work / "heldout.pt")
     # share of calibration selections on which vLLM's and transformers' routing differ (near-ties)
-    disagree = max(float(np.abs(calib.layers[i].expert_frequency - calib_reap.layers[i].expert_frequency).sum())
-                   / 2 / max(1, int(calib.layers[i].expert_frequency.sum())) for i in calib.layers)
+    disagree = max(
+        float(np.abs(calib.layers[i].expert_frequency - calib_reap.layers[i].expert_frequency).sum())
+        / 2
+        / max(1, int(calib.layers[i].expert_frequency.sum()))
+        for i in calib.layers
+    )
     rows, per_layer_core = [], {}
     for ratio in args.budget_ratios:
         for name, (obs, extra) in methods(calib, calib_reap).items():
-            config = PlannerConfig(budget_ratio=ratio, core_fraction=args.core_fraction,
-                                   slice_size=args.slice_size, **extra)
+            config = PlannerConfig(
+                budget_ratio=ratio, core_fraction=args.core_fraction, slice_size=args.slice_size, **extra
+            )
             doc = build_plan([obs], shape, config, args.model)
             report = evaluate_observations(load_plan(doc, shape), [held])
             o = report["overall"]
-            rows.append({"budget_ratio": ratio, "method": name, "core": o["core"], "oracle_core": o["oracle_core"],
-                         "core_plus_slices": o["core_plus_slices"], "oracle_per_request": o["oracle_per_request"],
-                         "core_experts": doc["summary"]["totalCoreExperts"],
-                         "layer_core": [r["core"] for r in report["layers"]]})
+            rows.append(
+                {
+                    "budget_ratio": ratio,
+                    "method": name,
+                    "core": o["core"],
+                    "oracle_core": o["oracle_core"],
+                    "core_plus_slices": o["core_plus_slices"],
+                    "oracle_per_request": o["oracle_per_request"],
+                    "core_experts": doc["summary"]["totalCoreExperts"],
+                    "layer_core": [r["core"] for r in report["layers"]],
+                }
+            )
             if name == "ours":
                 per_layer_core[ratio] = {k: len(v["coreExperts"]) for k, v in doc["perLayer"].items()}
     flatness = {}
@@ -210,16 +247,21 @@ def main() -> int:
         p = s.expert_frequency / s.expert_frequency.sum()
         flatness[f"layer_{i}"] = round(float(-(p[p > 0] * np.log(p[p > 0])).sum() / np.log(len(p))), 4)
     result = {
-        "model": args.model, "calibration": str(calib_corpus), "heldout": str(held_corpus),
+        "model": args.model,
+        "calibration": str(calib_corpus),
+        "heldout": str(held_corpus),
         "calibration_tokens": calib.layers[min(calib.layers)].total_tokens,
         "heldout_tokens": held.layers[min(held.layers)].total_tokens,
         "heldout_requests": int(held.records.counts.shape[0]),
         "max_layer_share_routed_differently_vllm_vs_transformers": disagree,
-        "core_fraction": args.core_fraction, "slice_size": args.slice_size, "engine_args": engine,
+        "core_fraction": args.core_fraction,
+        "slice_size": args.slice_size,
+        "engine_args": engine,
         "heldout_normalised_entropy_per_layer": flatness,
         "ours_core_experts_per_layer": per_layer_core,
-        "super_experts": build_plan([calib_reap], shape, PlannerConfig(budget_ratio=max(args.budget_ratios)),
-                                    args.model)["scorerArtifacts"]["superExperts"],
+        "super_experts": build_plan(
+            [calib_reap], shape, PlannerConfig(budget_ratio=max(args.budget_ratios)), args.model
+        )["scorerArtifacts"]["superExperts"],
         "rows": rows,
     }
     suffix = f"-slice{args.slice_size}" if args.slice_size else ""
@@ -234,11 +276,15 @@ def table(result: dict) -> str:
     def pct(x):
         return "-" if x is None else f"{100 * x:.1f}"
 
-    lines = ["| budget | method | core experts | core % | oracle core % | core+slices % | oracle/request % |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| budget | method | core experts | core % | oracle core % | core+slices % | oracle/request % |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['budget_ratio']} | {r['method']} | {r['core_experts']} | {pct(r['core'])} | "
-                     f"{pct(r['oracle_core'])} | {pct(r['core_plus_slices'])} | {pct(r['oracle_per_request'])} |")
+        lines.append(
+            f"| {r['budget_ratio']} | {r['method']} | {r['core_experts']} | {pct(r['core'])} | "
+            f"{pct(r['oracle_core'])} | {pct(r['core_plus_slices'])} | {pct(r['oracle_per_request'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -252,15 +298,24 @@ def plot(result: dict, path: Path) -> None:
     names = list(dict.fromkeys(r["method"] for r in result["rows"]))
     for name in names:
         rs = [r for r in result["rows"] if r["method"] == name]
-        ax.plot([r["budget_ratio"] for r in rs], [100 * r["core"] for r in rs], marker="o", label=f"{name} core")
+        ax.plot(
+            [r["budget_ratio"] for r in rs], [100 * r["core"] for r in rs], marker="o", label=f"{name} core"
+        )
     rs = [r for r in result["rows"] if r["method"] == "ours"]
     ax.plot([r["budget_ratio"] for r in rs], [100 * r["oracle_core"] for r in rs], "k--", label="oracle core")
-    ax.plot([r["budget_ratio"] for r in rs], [100 * r["core_plus_slices"] for r in rs], "k:", marker="s",
-            label="ours core + best slices")
+    ax.plot(
+        [r["budget_ratio"] for r in rs],
+        [100 * r["core_plus_slices"] for r in rs],
+        "k:",
+        marker="s",
+        label="ours core + best slices",
+    )
     ax.set_xlabel("budget (share of all expert bytes)")
     ax.set_ylabel("held-out routed selections covered (%)")
-    ax.set_title(f"held-out coverage, core fraction {result['core_fraction']}"
-                 + (f", slice size {result['slice_size']}" if result["slice_size"] else ""))
+    ax.set_title(
+        f"held-out coverage, core fraction {result['core_fraction']}"
+        + (f", slice size {result['slice_size']}" if result["slice_size"] else "")
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -75,15 +75,19 @@ def pooled(rows: list[dict]) -> dict:
     miss = sum(r["missed"] for r in rows)
     mass = sum(r["observed_mass"] for r in rows)
     imass = sum(r["inactive_mass"] for r in rows)
-    out = {"requests": len(rows), "observed_selections": obs, "missed_selections": miss,
-           "hit_rate": 1 - miss / obs if obs else None,
-           "mass_hit_rate": 1 - imass / mass if mass else None,
-           "mean_request_hit_rate": sum(r["hit_rate"] for r in rows) / len(rows) if rows else None,
-           "mean_completion_ms": sum(r["completion_ms"] for r in rows) / len(rows) if rows else None,
-           "mean_slices": sum(r["slices"] for r in rows) / len(rows) if rows else None,
-           "refreshes": sum(r.get("refreshes", 0) for r in rows),
-           "routing_differs_from_static": sum(1 for r in rows if r.get("same_routing_as_static") is False),
-           "mean_resident_bytes": sum(r["resident_bytes"] for r in rows) / len(rows) if rows else None}
+    out = {
+        "requests": len(rows),
+        "observed_selections": obs,
+        "missed_selections": miss,
+        "hit_rate": 1 - miss / obs if obs else None,
+        "mass_hit_rate": 1 - imass / mass if mass else None,
+        "mean_request_hit_rate": sum(r["hit_rate"] for r in rows) / len(rows) if rows else None,
+        "mean_completion_ms": sum(r["completion_ms"] for r in rows) / len(rows) if rows else None,
+        "mean_slices": sum(r["slices"] for r in rows) / len(rows) if rows else None,
+        "refreshes": sum(r.get("refreshes", 0) for r in rows),
+        "routing_differs_from_static": sum(1 for r in rows if r.get("same_routing_as_static") is False),
+        "mean_resident_bytes": sum(r["resident_bytes"] for r in rows) / len(rows) if rows else None,
+    }
     probes = [r["probe_ms"] for r in rows if r.get("probe_ms") is not None]
     if probes:
         s = sorted(probes)
@@ -103,14 +107,20 @@ def main() -> int:
     ap.add_argument("--prompt-chars", type=int, default=600)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--budget-bytes", type=int)
-    ap.add_argument("--budget-fraction", type=float,
-                    help="core + this fraction of (plan budget - core), whole experts")
-    ap.add_argument("--strategies", default=",".join(STRATEGIES),
-                    help="arms: static, prior, probe; 'global' (prior without the classifier) and "
-                         "'oracle' (slices chosen from the static run's own routing of the same request: "
-                         "greedy decoding routes identically, so this is the hindsight bound); "
-                         "'NAME+refresh' streams and allows decode refreshes (--refresh-every)")
-    ap.add_argument("--refresh-every", type=int, default=8, help="chunks between refresh checks (+refresh arms)")
+    ap.add_argument(
+        "--budget-fraction", type=float, help="core + this fraction of (plan budget - core), whole experts"
+    )
+    ap.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="arms: static, prior, probe; 'global' (prior without the classifier) and "
+        "'oracle' (slices chosen from the static run's own routing of the same request: "
+        "greedy decoding routes identically, so this is the hindsight bound); "
+        "'NAME+refresh' streams and allows decode refreshes (--refresh-every)",
+    )
+    ap.add_argument(
+        "--refresh-every", type=int, default=8, help="chunks between refresh checks (+refresh arms)"
+    )
     ap.add_argument("--out", help="write per-request rows and the summary here (JSON)")
     args = ap.parse_args()
 
@@ -139,15 +149,24 @@ def main() -> int:
                     if static_misses is None:
                         raise SystemExit("the oracle arm needs the static arm to run before it")
                     given = select_probe(plan, routed_share(static_misses), "", budget)
-                r = client.chat(messages, strategy=base if given is None else "static", request_id=rid,
-                                max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, selection=given,
-                                refresh_every=args.refresh_every if extra == "refresh" else None)
+                r = client.chat(
+                    messages,
+                    strategy=base if given is None else "static",
+                    request_id=rid,
+                    max_tokens=args.max_tokens,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    selection=given,
+                    refresh_every=args.refresh_every if extra == "refresh" else None,
+                )
                 if base == "static":
                     static_misses = r.router_misses
                 same_routing = None
                 if static_misses is not None and base != "static":
-                    same_routing = all(row.get("expert_counts") == static_misses["layers"][k].get("expert_counts")
-                                       for k, row in r.router_misses["layers"].items())
+                    same_routing = all(
+                        row.get("expert_counts") == static_misses["layers"][k].get("expert_counts")
+                        for k, row in r.router_misses["layers"].items()
+                    )
                 totals = r.router_misses["totals"]
                 usage = r.completion.get("usage") or {}
                 routed_tokens = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0) - 1
@@ -156,48 +175,86 @@ def main() -> int:
                     top_k = next(iter(per_layer.values())) // routed_tokens
                 expected = routed_tokens * (top_k or 0)
                 if any(v != expected for v in per_layer.values()):
-                    mismatches.append({"request_id": rid, "expected_per_layer": expected, "observed": per_layer})
-                rows.append({
-                    "request_id": rid, "strategy": strategy, "domain": prompt["domain"],
-                    "family": features.family, "prompt_tokens": usage.get("prompt_tokens"),
-                    "completion_tokens": usage.get("completion_tokens"),
-                    "observed": totals["observed_selections"], "missed": totals["missed_selections"],
-                    "observed_mass": totals["observed_mass"], "inactive_mass": totals["inactive_mass"],
-                    "hit_rate": r.hit_rate, "slices": r.selection.slice_count,
-                    "resident_bytes": r.selection.resident_bytes, "signature": r.selection.signature,
-                    "swap_noop": r.swap.get("noop"), "completion_ms": r.timings_ms["completion_ms"],
-                    "probe_ms": r.probe["total_ms"] if r.probe else None,
-                    "probe_prefill_ms": r.probe["prefill_ms"] if r.probe else None,
-                    "refreshes": sum(1 for x in r.refreshes if x["swapped"]),
-                    "same_routing_as_static": same_routing,
-                })
+                    mismatches.append(
+                        {"request_id": rid, "expected_per_layer": expected, "observed": per_layer}
+                    )
+                rows.append(
+                    {
+                        "request_id": rid,
+                        "strategy": strategy,
+                        "domain": prompt["domain"],
+                        "family": features.family,
+                        "prompt_tokens": usage.get("prompt_tokens"),
+                        "completion_tokens": usage.get("completion_tokens"),
+                        "observed": totals["observed_selections"],
+                        "missed": totals["missed_selections"],
+                        "observed_mass": totals["observed_mass"],
+                        "inactive_mass": totals["inactive_mass"],
+                        "hit_rate": r.hit_rate,
+                        "slices": r.selection.slice_count,
+                        "resident_bytes": r.selection.resident_bytes,
+                        "signature": r.selection.signature,
+                        "swap_noop": r.swap.get("noop"),
+                        "completion_ms": r.timings_ms["completion_ms"],
+                        "probe_ms": r.probe["total_ms"] if r.probe else None,
+                        "probe_prefill_ms": r.probe["prefill_ms"] if r.probe else None,
+                        "refreshes": sum(1 for x in r.refreshes if x["swapped"]),
+                        "same_routing_as_static": same_routing,
+                    }
+                )
             if (i + 1) % 10 == 0:
                 print(f"{i + 1}/{len(prompts)} prompts, {time.time() - t_start:.0f} s", file=sys.stderr)
 
-    summary: dict = {"server": args.server, "model": model, "plan": args.plan, "plan_identity": plan.identity,
-                     "residency_mode": status.get("mode"), "budget_bytes": budget or plan.swappable_budget_bytes,
-                     "core_bytes": plan.core_bytes(), "plan_budget_bytes": plan.swappable_budget_bytes,
-                     "per_expert_bytes": plan.per_expert_bytes, "prompts": len(prompts),
-                     "max_tokens": args.max_tokens, "prompt_chars": args.prompt_chars, "top_k": top_k,
-                     "counter_mismatches": len(mismatches), "seconds": round(time.time() - t_start, 1),
-                     "arms": {}, "by_domain": {}}
+    summary: dict = {
+        "server": args.server,
+        "model": model,
+        "plan": args.plan,
+        "plan_identity": plan.identity,
+        "residency_mode": status.get("mode"),
+        "budget_bytes": budget or plan.swappable_budget_bytes,
+        "core_bytes": plan.core_bytes(),
+        "plan_budget_bytes": plan.swappable_budget_bytes,
+        "per_expert_bytes": plan.per_expert_bytes,
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "prompt_chars": args.prompt_chars,
+        "top_k": top_k,
+        "counter_mismatches": len(mismatches),
+        "seconds": round(time.time() - t_start, 1),
+        "arms": {},
+        "by_domain": {},
+    }
     for strategy in strategies:
         arm = [r for r in rows if r["strategy"] == strategy]
         summary["arms"][strategy] = pooled(arm)
-        summary["by_domain"][strategy] = {d: pooled([r for r in arm if r["domain"] == d])["hit_rate"]
-                                          for d in sorted({r["domain"] for r in arm})}
+        summary["by_domain"][strategy] = {
+            d: pooled([r for r in arm if r["domain"] == d])["hit_rate"]
+            for d in sorted({r["domain"] for r in arm})
+        }
     fam = [r for r in rows if r["strategy"] == strategies[0]]
-    summary["classifier"] = {"accuracy": sum(r["family"] == r["domain"] for r in fam) / len(fam) if fam else None,
-                             "confusion": {d: {f or "-": sum(1 for r in fam if r["domain"] == d and r["family"] == f)
-                                               for f in sorted({r["family"] for r in fam}, key=str)}
-                                           for d in sorted({r["domain"] for r in fam})}}
+    summary["classifier"] = {
+        "accuracy": sum(r["family"] == r["domain"] for r in fam) / len(fam) if fam else None,
+        "confusion": {
+            d: {
+                f or "-": sum(1 for r in fam if r["domain"] == d and r["family"] == f)
+                for f in sorted({r["family"] for r in fam}, key=str)
+            }
+            for d in sorted({r["domain"] for r in fam})
+        },
+    }
     print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
     if mismatches:
-        print(f"WARNING: {len(mismatches)} request(s) whose counters do not match their token counts "
-              f"(first: {mismatches[0]})", file=sys.stderr)
+        print(
+            f"WARNING: {len(mismatches)} request(s) whose counters do not match their token counts "
+            f"(first: {mismatches[0]})",
+            file=sys.stderr,
+        )
     if args.out:
-        Path(args.out).write_bytes(orjson.dumps({"summary": summary, "rows": rows, "mismatches": mismatches},
-                                                option=orjson.OPT_INDENT_2))
+        Path(args.out).write_bytes(
+            orjson.dumps(
+                {"summary": summary, "rows": rows, "mismatches": mismatches}, option=orjson.OPT_INDENT_2
+            )
+        )
     return 0
 
 

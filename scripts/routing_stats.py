@@ -23,6 +23,7 @@ usage: python scripts/routing_stats.py --model models/reap-mini-moe \
            --data data/corpus/heldout.jsonl [--calib data/corpus/calibration.jsonl] \
            [--random-init] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,6 +54,7 @@ def load_jsonl(path, per_domain=None):
 
 def load_model(path, random_init=False, seed=0, dtype=torch.bfloat16):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(path)
     if random_init:
         cfg = AutoConfig.from_pretrained(path)
@@ -87,13 +89,16 @@ def route_counts(model, tok, records, max_tokens=256, key=None):
 
 def js_div(p, q):
     """Jensen-Shannon divergence, base 2 (0 = identical, 1 = disjoint)."""
-    p = np.asarray(p, dtype=np.float64); q = np.asarray(q, dtype=np.float64)
-    p = p / p.sum(); q = q / q.sum()
+    p = np.asarray(p, dtype=np.float64)
+    q = np.asarray(q, dtype=np.float64)
+    p = p / p.sum()
+    q = q / q.sum()
     m = 0.5 * (p + q)
 
     def kl(a, b):
         nz = a > 0
         return float(np.sum(a[nz] * np.log2(a[nz] / b[nz])))
+
     return 0.5 * kl(p, m) + 0.5 * kl(q, m)
 
 
@@ -104,7 +109,8 @@ def top_share(c, frac=0.25):
 
 
 def entropy_ratio(c):
-    p = np.asarray(c, dtype=np.float64); p = p[p > 0] / p.sum()
+    p = np.asarray(c, dtype=np.float64)
+    p = p[p > 0] / p.sum()
     return float(-(p * np.log2(p)).sum() / math.log2(len(c)))
 
 
@@ -131,8 +137,9 @@ def summarize(counts, calib_counts=None, frac=0.25, half_counts=None):
     L, E = counts[doms[0]].shape
     layers = []
     for layer in range(L):
-        pairs = {f"{a}/{b}": js_div(counts[a][layer], counts[b][layer])
-                 for a, b in itertools.combinations(doms, 2)}
+        pairs = {
+            f"{a}/{b}": js_div(counts[a][layer], counts[b][layer]) for a, b in itertools.combinations(doms, 2)
+        }
         pooled = sum(counts[d][layer] for d in doms)
         row = {
             "layer": layer,
@@ -146,8 +153,15 @@ def summarize(counts, calib_counts=None, frac=0.25, half_counts=None):
         }
         row["top25_per_domain_mean"] = float(np.mean(list(row["top25_per_domain"].values())))
         if half_counts is not None:
-            row["js_within"] = float(np.mean([js_div(half_counts[f"{d}#0"][layer], half_counts[f"{d}#1"][layer])
-                                              for d in doms if f"{d}#1" in half_counts]))
+            row["js_within"] = float(
+                np.mean(
+                    [
+                        js_div(half_counts[f"{d}#0"][layer], half_counts[f"{d}#1"][layer])
+                        for d in doms
+                        if f"{d}#1" in half_counts
+                    ]
+                )
+            )
         row["entropy_ratio_mean"] = float(np.mean(list(row["entropy_ratio_per_domain"].values())))
         if calib_counts is not None:
             n = max(1, int(round(frac * E)))
@@ -168,53 +182,101 @@ def summarize(counts, calib_counts=None, frac=0.25, half_counts=None):
             row["calib_top25_cover_per_domain"] = cover
             row["calib_other_top25_cover_mean"] = float(np.mean(other)) if other else float("nan")
             row["calib_top25_cover_mean"] = float(np.mean(list(cover.values())))
-            row["calib_pooled_top25_cover_mean"] = float(np.mean(
-                [counts[d][layer][keep].sum() / counts[d][layer].sum() for d in doms]))
+            row["calib_pooled_top25_cover_mean"] = float(
+                np.mean([counts[d][layer][keep].sum() / counts[d][layer].sum() for d in doms])
+            )
         layers.append(row)
-    return {"domains": doms, "experts": int(E), "layers": layers,
-            "tokens_per_domain": {d: int(counts[d][0].sum()) for d in doms},
-            "js_mean_over_layers": float(np.mean([r["js_mean"] for r in layers])),
-            **({"js_within_mean_over_layers": float(np.mean([r["js_within"] for r in layers]))}
-               if half_counts is not None else {}),
-            "top25_per_domain_mean_over_layers": float(np.mean([r["top25_per_domain_mean"] for r in layers])),
-            "top25_pooled_mean_over_layers": float(np.mean([r["top25_pooled"] for r in layers])),
-            **({"calib_cover_own_mean_over_layers": float(np.mean([r["calib_top25_cover_mean"] for r in layers])),
-                "calib_cover_other_mean_over_layers": float(np.mean([r["calib_other_top25_cover_mean"] for r in layers])),
-                "calib_cover_pooled_mean_over_layers": float(np.mean([r["calib_pooled_top25_cover_mean"] for r in layers]))}
-               if calib_counts is not None else {})}
+    return {
+        "domains": doms,
+        "experts": int(E),
+        "layers": layers,
+        "tokens_per_domain": {d: int(counts[d][0].sum()) for d in doms},
+        "js_mean_over_layers": float(np.mean([r["js_mean"] for r in layers])),
+        **(
+            {"js_within_mean_over_layers": float(np.mean([r["js_within"] for r in layers]))}
+            if half_counts is not None
+            else {}
+        ),
+        "top25_per_domain_mean_over_layers": float(np.mean([r["top25_per_domain_mean"] for r in layers])),
+        "top25_pooled_mean_over_layers": float(np.mean([r["top25_pooled"] for r in layers])),
+        **(
+            {
+                "calib_cover_own_mean_over_layers": float(
+                    np.mean([r["calib_top25_cover_mean"] for r in layers])
+                ),
+                "calib_cover_other_mean_over_layers": float(
+                    np.mean([r["calib_other_top25_cover_mean"] for r in layers])
+                ),
+                "calib_cover_pooled_mean_over_layers": float(
+                    np.mean([r["calib_pooled_top25_cover_mean"] for r in layers])
+                ),
+            }
+            if calib_counts is not None
+            else {}
+        ),
+    }
 
 
 def markdown(summary, title):
     doms = summary["domains"]
     pairs = [f"{a}/{b}" for a, b in itertools.combinations(doms, 2)]
     calib = "calib_top25_cover_mean" in summary["layers"][0]
-    lines = [f"**{title}** (selections per domain: "
-             + ", ".join(f"{d} {n}" for d, n in summary["tokens_per_domain"].items()) + ")", ""]
+    lines = [
+        f"**{title}** (selections per domain: "
+        + ", ".join(f"{d} {n}" for d, n in summary["tokens_per_domain"].items())
+        + ")",
+        "",
+    ]
     within = "js_within" in summary["layers"][0]
-    head = ["layer", "JS mean", "JS min", "JS max"] + (["JS within a domain (noise floor)"] if within else []) + [
-            "top-25 % share, pooled",
-            "top-25 % share, per domain (mean)", "H/Hmax per domain (mean)"]
+    head = (
+        ["layer", "JS mean", "JS min", "JS max"]
+        + (["JS within a domain (noise floor)"] if within else [])
+        + ["top-25 % share, pooled", "top-25 % share, per domain (mean)", "H/Hmax per domain (mean)"]
+    )
     if calib:
-        head += ["held-out cover by own domain's calib top-25 %", "… by another domain's",
-                 "… by pooled calib top-25 %"]
+        head += [
+            "held-out cover by own domain's calib top-25 %",
+            "… by another domain's",
+            "… by pooled calib top-25 %",
+        ]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in summary["layers"]:
-        cells = [str(r["layer"]), f"{r['js_mean']:.3f}", f"{r['js_min']:.3f}", f"{r['js_max']:.3f}"] + (
-                 [f"{r['js_within']:.3f}"] if within else []) + [
-                 f"{r['top25_pooled']:.3f}", f"{r['top25_per_domain_mean']:.3f}",
-                 f"{r['entropy_ratio_mean']:.3f}"]
+        cells = (
+            [str(r["layer"]), f"{r['js_mean']:.3f}", f"{r['js_min']:.3f}", f"{r['js_max']:.3f}"]
+            + ([f"{r['js_within']:.3f}"] if within else [])
+            + [
+                f"{r['top25_pooled']:.3f}",
+                f"{r['top25_per_domain_mean']:.3f}",
+                f"{r['entropy_ratio_mean']:.3f}",
+            ]
+        )
         if calib:
-            cells += [f"{r['calib_top25_cover_mean']:.3f}", f"{r['calib_other_top25_cover_mean']:.3f}",
-                      f"{r['calib_pooled_top25_cover_mean']:.3f}"]
+            cells += [
+                f"{r['calib_top25_cover_mean']:.3f}",
+                f"{r['calib_other_top25_cover_mean']:.3f}",
+                f"{r['calib_pooled_top25_cover_mean']:.3f}",
+            ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "JS per domain pair and layer:", "",
-              "| layer | " + " | ".join(pairs) + " |", "|" + "---|" * (len(pairs) + 1)]
+    lines += [
+        "",
+        "JS per domain pair and layer:",
+        "",
+        "| layer | " + " | ".join(pairs) + " |",
+        "|" + "---|" * (len(pairs) + 1),
+    ]
     for r in summary["layers"]:
         lines.append(f"| {r['layer']} | " + " | ".join(f"{r['js_pairs'][p]:.3f}" for p in pairs) + " |")
-    lines += ["", "Top-25 % share per domain and layer:", "",
-              "| layer | " + " | ".join(doms) + " |", "|" + "---|" * (len(doms) + 1)]
+    lines += [
+        "",
+        "Top-25 % share per domain and layer:",
+        "",
+        "| layer | " + " | ".join(doms) + " |",
+        "|" + "---|" * (len(doms) + 1),
+    ]
     for r in summary["layers"]:
-        lines.append(f"| {r['layer']} | " + " | ".join(f"{r['top25_per_domain'][d]:.3f}" for d in doms) + " |")
+        lines.append(
+            f"| {r['layer']} | " + " | ".join(f"{r['top25_per_domain'][d]:.3f}" for d in doms) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -241,7 +303,7 @@ def main(argv=None):
     if a.calib:
         calib_counts = route_counts(model, tok, load_jsonl(a.calib, a.per_domain), a.max_tokens)
     summary = summarize(counts, calib_counts, half_counts=half_counts)
-    title = ("random-init (seed %d) " % a.seed if a.random_init else "trained ") + a.model
+    title = (f"random-init (seed {a.seed}) " if a.random_init else "trained ") + a.model
     print(markdown(summary, f"{title} on {a.data}"))
     if a.json:
         summary["counts"] = {d: c.tolist() for d, c in counts.items()}

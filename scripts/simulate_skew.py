@@ -17,6 +17,7 @@ mixed corpus, the same per domain, the overlap of the domains' top-25 % expert s
 
 usage: simulate_skew.py [--per-domain 8] [--tokens 256] [--amp 3] [--zipf 0.6] [--grid]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_skewed_moe as msk  # noqa: E402
 
-KIT = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, inter=768, layers=12,
-           topk=8, vocab=32000, eps=1e-6, rope_theta=10000.0, std=0.02)
+KIT = dict(
+    hidden=2048,
+    heads=32,
+    kv_heads=4,
+    head_dim=128,
+    experts=128,
+    inter=768,
+    layers=12,
+    topk=8,
+    vocab=32000,
+    eps=1e-6,
+    rope_theta=10000.0,
+    std=0.02,
+)
 
 
 def _rms_norm(x, eps=KIT["eps"]):
@@ -48,7 +61,7 @@ def _rope(x, theta):
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     ang = torch.outer(torch.arange(t, dtype=torch.float32), inv)
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
@@ -56,8 +69,10 @@ def share_stats(counts: torch.Tensor) -> dict:
     """Top-25 % / top-50 % of experts' share of routed selections."""
     s = counts.double().sort(descending=True).values
     e, tot = s.numel(), float(s.sum())
-    return {"top25": round(float(s[: e // 4].sum()) / tot, 4),
-            "top50": round(float(s[: e // 2].sum()) / tot, 4)}
+    return {
+        "top25": round(float(s[: e // 4].sum()) / tot, 4),
+        "top50": round(float(s[: e // 2].sum()) / tot, 4),
+    }
 
 
 def _top_set(counts, frac=0.25):
@@ -109,7 +124,7 @@ def main(argv=None) -> int:
         if len(ids) >= a.tokens and len(recs.setdefault(r["source"], [])) < a.per_domain:
             recs[r["source"]].append(ids[: a.tokens])
     domains = sorted(recs)
-    ids = torch.tensor([s for d in domains for s in recs[d]])              # [S, T]
+    ids = torch.tensor([s for d in domains for s in recs[d]])  # [S, T]
     S, T = ids.shape
     dom = torch.tensor([i for i, d in enumerate(domains) for _ in recs[d]]).repeat_interleave(T)
     cls = torch.as_tensor(classes)[ids.flatten()]
@@ -120,26 +135,30 @@ def main(argv=None) -> int:
         rho = [1.0] * L
     else:
         rho = [float(x) for x in a.rho.split(",")]
-    con = msk.build_construction(classes, hidden=H, experts=E, layers=L, seed=a.seed,
-                                 amp=a.amp, zipf=a.zipf, marker=a.marker, rho=rho)
+    con = msk.build_construction(
+        classes, hidden=H, experts=E, layers=L, seed=a.seed, amp=a.amp, zipf=a.zipf, marker=a.marker, rho=rho
+    )
 
     g = torch.Generator().manual_seed(a.model_seed)
 
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * k["std"]).to(torch.bfloat16)
 
-    emb = msk.skew_tensors({"model.embed_tokens.weight": rnd(k["vocab"], H)},
-                           con)["model.embed_tokens.weight"]
-    h = emb[ids].float()                                                     # [S, T, H]
+    emb = msk.skew_tensors({"model.embed_tokens.weight": rnd(k["vocab"], H)}, con)[
+        "model.embed_tokens.weight"
+    ]
+    h = emb[ids].float()  # [S, T, H]
     q_dim, kv_dim, hd = k["heads"] * k["head_dim"], k["kv_heads"] * k["head_dim"], k["head_dim"]
     layers_out, noises, rms_all = [], [], []
     for layer in range(L):
         p = f"model.layers.{layer}."
-        w = {p + "self_attn.q_proj.weight": rnd(q_dim, H),
-             p + "self_attn.k_proj.weight": rnd(kv_dim, H),
-             p + "self_attn.v_proj.weight": rnd(kv_dim, H),
-             p + "self_attn.o_proj.weight": rnd(H, q_dim),
-             p + "mlp.gate.weight": rnd(E, H)}
+        w = {
+            p + "self_attn.q_proj.weight": rnd(q_dim, H),
+            p + "self_attn.k_proj.weight": rnd(kv_dim, H),
+            p + "self_attn.v_proj.weight": rnd(kv_dim, H),
+            p + "self_attn.o_proj.weight": rnd(H, q_dim),
+            p + "mlp.gate.weight": rnd(E, H),
+        }
         for e in range(E):
             pe = f"{p}mlp.experts.{e}."
             w[pe + "gate_proj.weight"] = rnd(I, H)
@@ -171,38 +190,57 @@ def main(argv=None) -> int:
                 continue
             xe = x[tok_i]
             pe = f"{p}mlp.experts.{e}."
-            y = (F.silu(xe @ w[pe + "gate_proj.weight"].T) * (xe @ w[pe + "up_proj.weight"].T)
-                 ) @ w[pe + "down_proj.weight"].T
+            y = (F.silu(xe @ w[pe + "gate_proj.weight"].T) * (xe @ w[pe + "up_proj.weight"].T)) @ w[
+                pe + "down_proj.weight"
+            ].T
             out.index_add_(0, tok_i, y * topw[tok_i, slot][:, None])
         h = h + out.view(S, T, H)
         assert torch.equal(hf[:, con.channels], emb[ids].float().reshape(S * T, H)[:, con.channels])
         counts = torch.bincount(topi.flatten(), minlength=E)
         per_dom = [torch.bincount(topi[dom == i].flatten(), minlength=E) for i in range(len(domains))]
         sets = [_top_set(c) for c in per_dom]
-        layers_out.append({
-            "layer": layer, "rho_used": rho[layer], "rho_measured": round(float(r.median()), 4),
-            "rms_p10_p90": [round(float(r.quantile(0.1)), 4), round(float(r.quantile(0.9)), 4)],
-            "pooled": share_stats(counts),
-            "per_domain": {d: share_stats(c) for d, c in zip(domains, per_dom)},
-            "per_class": {n: share_stats(torch.bincount(topi[cls == c].flatten(), minlength=E))
-                          for c, n in enumerate(msk.CLASS_NAMES) if (cls == c).any()},
-            "domain_top25_overlap": {f"{domains[i]}~{domains[j]}": len(sets[i] & sets[j]) / len(sets[i])
-                                     for i in range(len(domains)) for j in range(i + 1, len(domains))},
-            "noise_logit_std": round(float(noises[-1].std()), 4),
-        })
+        layers_out.append(
+            {
+                "layer": layer,
+                "rho_used": rho[layer],
+                "rho_measured": round(float(r.median()), 4),
+                "rms_p10_p90": [round(float(r.quantile(0.1)), 4), round(float(r.quantile(0.9)), 4)],
+                "pooled": share_stats(counts),
+                "per_domain": {d: share_stats(c) for d, c in zip(domains, per_dom)},
+                "per_class": {
+                    n: share_stats(torch.bincount(topi[cls == c].flatten(), minlength=E))
+                    for c, n in enumerate(msk.CLASS_NAMES)
+                    if (cls == c).any()
+                },
+                "domain_top25_overlap": {
+                    f"{domains[i]}~{domains[j]}": len(sets[i] & sets[j]) / len(sets[i])
+                    for i in range(len(domains))
+                    for j in range(i + 1, len(domains))
+                },
+                "noise_logit_std": round(float(noises[-1].std()), 4),
+            }
+        )
         print(json.dumps(layers_out[-1]), f"({time.time() - t0:.0f}s)", flush=True)
         del w
 
     res = {
         "what": "simulated routing of the skewed kit model (scripts/simulate_skew.py)",
-        "setup": {"records_per_domain": a.per_domain, "tokens_per_record": T,
-                  "tokens": S * T, "domains": domains, "corpus": str(Path(a.corpus).relative_to(ROOT))
-                  if Path(a.corpus).is_relative_to(ROOT) else a.corpus,
-                  "model_seed": a.model_seed, "kit": k, "dtype": "float32 on bf16 weights"},
-        "construction": {"seed": a.seed, "amp_A": a.amp, "zipf_z": a.zipf, "marker_C": a.marker,
-                         "rho": rho},
-        "mean_over_layers": {key: round(sum(x["pooled"][key] for x in layers_out) / L, 4)
-                             for key in ("top25", "top50")},
+        "setup": {
+            "records_per_domain": a.per_domain,
+            "tokens_per_record": T,
+            "tokens": S * T,
+            "domains": domains,
+            "corpus": str(Path(a.corpus).relative_to(ROOT))
+            if Path(a.corpus).is_relative_to(ROOT)
+            else a.corpus,
+            "model_seed": a.model_seed,
+            "kit": k,
+            "dtype": "float32 on bf16 weights",
+        },
+        "construction": {"seed": a.seed, "amp_A": a.amp, "zipf_z": a.zipf, "marker_C": a.marker, "rho": rho},
+        "mean_over_layers": {
+            key: round(sum(x["pooled"][key] for x in layers_out) / L, 4) for key in ("top25", "top50")
+        },
         "layers": layers_out,
         "rho_measured": [x["rho_measured"] for x in layers_out],
         "seconds": round(time.time() - t0, 1),
@@ -210,32 +248,57 @@ def main(argv=None) -> int:
     if a.grid:
         grid = []
         for amp in (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
-            for zipf in ((0.3, 0.6, 1.0) if amp else (0.6,)):
+            for zipf in (0.3, 0.6, 1.0) if amp else (0.6,):
                 st, ov = [], []
                 for i in range(L):
-                    sel = route(noises[i], cls, rms_all[i], con, i, amp, zipf,
-                                float(rms_all[i].median()), k["topk"])
+                    sel = route(
+                        noises[i], cls, rms_all[i], con, i, amp, zipf, float(rms_all[i].median()), k["topk"]
+                    )
                     st.append(share_stats(torch.bincount(sel.flatten(), minlength=E)))
-                    sets = [_top_set(torch.bincount(sel[dom == j].flatten(), minlength=E))
-                            for j in range(len(domains))]
-                    ov += [len(sets[x] & sets[y]) / len(sets[x])
-                           for x in range(len(sets)) for y in range(x + 1, len(sets))]
-                grid.append({"amp_A": amp, "zipf_z": zipf,
-                             "top25_min_mean_max": [min(s["top25"] for s in st),
-                                                    round(sum(s["top25"] for s in st) / L, 4),
-                                                    max(s["top25"] for s in st)],
-                             "top50_min_mean_max": [min(s["top50"] for s in st),
-                                                    round(sum(s["top50"] for s in st) / L, 4),
-                                                    max(s["top50"] for s in st)],
-                             "domain_top25_overlap_mean": round(sum(ov) / len(ov), 4)})
+                    sets = [
+                        _top_set(torch.bincount(sel[dom == j].flatten(), minlength=E))
+                        for j in range(len(domains))
+                    ]
+                    ov += [
+                        len(sets[x] & sets[y]) / len(sets[x])
+                        for x in range(len(sets))
+                        for y in range(x + 1, len(sets))
+                    ]
+                grid.append(
+                    {
+                        "amp_A": amp,
+                        "zipf_z": zipf,
+                        "top25_min_mean_max": [
+                            min(s["top25"] for s in st),
+                            round(sum(s["top25"] for s in st) / L, 4),
+                            max(s["top25"] for s in st),
+                        ],
+                        "top50_min_mean_max": [
+                            min(s["top50"] for s in st),
+                            round(sum(s["top50"] for s in st) / L, 4),
+                            max(s["top50"] for s in st),
+                        ],
+                        "domain_top25_overlap_mean": round(sum(ov) / len(ov), 4),
+                    }
+                )
                 print(json.dumps(grid[-1]), flush=True)
-        res["grid_note"] = ("pooled shares recomputed from the recorded noise logits with the bias "
-                            "for (A, z) and rho = measured median; hidden states not re-run")
+        res["grid_note"] = (
+            "pooled shares recomputed from the recorded noise logits with the bias "
+            "for (A, z) and rho = measured median; hidden states not re-run"
+        )
         res["grid"] = grid
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps({"out": a.out, "mean_over_layers": res["mean_over_layers"],
-                      "rho_measured": res["rho_measured"], "seconds": res["seconds"]}))
+    print(
+        json.dumps(
+            {
+                "out": a.out,
+                "mean_over_layers": res["mean_over_layers"],
+                "rho_measured": res["rho_measured"],
+                "seconds": res["seconds"],
+            }
+        )
+    )
     return 0
 
 

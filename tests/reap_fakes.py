@@ -40,9 +40,15 @@ class FakeWorker:
 
     def reap_status(self):
         res = self.backend.resident()
-        return {**self.header(), "mode": "accounting", "plan_identity": PLAN.identity,
-                "layers": {str(k): sorted(v) for k, v in sorted(res.items())}, "resident_bytes": 0,
-                "signature": signature(res), "resident_experts": sum(len(v) for v in res.values())}
+        return {
+            **self.header(),
+            "mode": "accounting",
+            "plan_identity": PLAN.identity,
+            "layers": {str(k): sorted(v) for k, v in sorted(res.items())},
+            "resident_bytes": 0,
+            "signature": signature(res),
+            "resident_experts": sum(len(v) for v in res.values()),
+        }
 
     def reap_apply_residency(self, keep, dry_run=False, read_stats=False):
         from reap_swap.worker import _parse_keep  # imports vLLM: only when a swap runs

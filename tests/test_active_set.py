@@ -34,12 +34,23 @@ def small_plan_doc() -> dict:
     """Four layers of 16 experts: core {0,1,2}, slices a={3,4}, b={5,6,7}, c={7,8}; 9..15 not offered."""
     return {
         "mode": "dynamic_core_specialist",
-        "budget": {"per_expert_bytes": PE, "swappable_expert_budget_bytes": 4 * 8 * PE,
-                   "max_refreshes_per_request": 2},
-        "perLayer": {f"layer_{i}": {
-            "numExperts": E, "coreExperts": [0, 1, 2],
-            "sliceCatalog": [{"sliceId": "a", "experts": [3, 4]}, {"sliceId": "b", "experts": [5, 6, 7]},
-                             {"sliceId": "c", "experts": [7, 8]}]} for i in range(4)},
+        "budget": {
+            "per_expert_bytes": PE,
+            "swappable_expert_budget_bytes": 4 * 8 * PE,
+            "max_refreshes_per_request": 2,
+        },
+        "perLayer": {
+            f"layer_{i}": {
+                "numExperts": E,
+                "coreExperts": [0, 1, 2],
+                "sliceCatalog": [
+                    {"sliceId": "a", "experts": [3, 4]},
+                    {"sliceId": "b", "experts": [5, 6, 7]},
+                    {"sliceId": "c", "experts": [7, 8]},
+                ],
+            }
+            for i in range(4)
+        },
     }
 
 
@@ -52,20 +63,28 @@ CANDIDATES = sorted(PLAN.layers[0].candidates)  # 0..8
 
 def test_swap_request_defaults_and_strict_types():
     req = SwapRequest(request_id="r1", active_set={"layer_3": [3, "b"]})
-    assert (req.phase, req.budget_bytes, req.reset_router_stats, req.warm_start_only) == ("prefill", None, False, False)
+    assert (req.phase, req.budget_bytes, req.reset_router_stats, req.warm_start_only) == (
+        "prefill",
+        None,
+        False,
+        False,
+    )
     assert req.active_set == {"layer_3": [3, "b"]}  # ints stay ids, strings stay slice ids
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"request_id": "", "active_set": {}}, "request_id"),
-    ({"request_id": "r", "active_set": {}, "phase": "decode"}, "phase"),
-    ({"request_id": "r", "active_set": {"0": [True]}}, "active_set"),
-    ({"request_id": "r", "active_set": {"0": [3.0]}}, "active_set"),
-    ({"request_id": "r", "active_set": {"0": 3}}, "active_set"),
-    ({"request_id": "r", "active_set": {}, "budget_bytes": -1}, "budget_bytes"),
-    ({"request_id": "r", "active_set": {}, "budgetBytes": 5}, "budgetBytes"),
-    ({"request_id": "r"}, "active_set"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"request_id": "", "active_set": {}}, "request_id"),
+        ({"request_id": "r", "active_set": {}, "phase": "decode"}, "phase"),
+        ({"request_id": "r", "active_set": {"0": [True]}}, "active_set"),
+        ({"request_id": "r", "active_set": {"0": [3.0]}}, "active_set"),
+        ({"request_id": "r", "active_set": {"0": 3}}, "active_set"),
+        ({"request_id": "r", "active_set": {}, "budget_bytes": -1}, "budget_bytes"),
+        ({"request_id": "r", "active_set": {}, "budgetBytes": 5}, "budgetBytes"),
+        ({"request_id": "r"}, "active_set"),
+    ],
+)
 def test_swap_request_rejects_bad_bodies_naming_the_field(body, field):
     with pytest.raises(pydantic.ValidationError) as info:
         SwapRequest.model_validate(body)
@@ -102,7 +121,9 @@ def test_id_outside_core_and_slices_names_layer_and_id():
         normalize_active_set(PLAN, {"0": [True]})
 
 
-layer_sets = st.dictionaries(st.integers(0, 3), st.lists(st.sampled_from(CANDIDATES + ["a", "b", "c"])), max_size=4)
+layer_sets = st.dictionaries(
+    st.integers(0, 3), st.lists(st.sampled_from(CANDIDATES + ["a", "b", "c"])), max_size=4
+)
 
 
 @settings(max_examples=100, deadline=None)
@@ -117,7 +138,12 @@ def test_layer_key_spellings_are_equivalent(sets, spellings):
 
 def test_keep_sets_are_dense_core_plus_requested():
     keep = keep_sets(PLAN, normalize_active_set(PLAN, {"1": ["a"]}))
-    assert keep == {0: frozenset({0, 1, 2}), 1: frozenset({0, 1, 2, 3, 4}), 2: frozenset({0, 1, 2}), 3: frozenset({0, 1, 2})}
+    assert keep == {
+        0: frozenset({0, 1, 2}),
+        1: frozenset({0, 1, 2, 3, 4}),
+        2: frozenset({0, 1, 2}),
+        3: frozenset({0, 1, 2}),
+    }
     assert resident_bytes(PLAN, keep) == 14 * PE
 
 
@@ -176,8 +202,10 @@ def test_real_plan_two_slices_per_layer_fit_three_do_not():
 @given(a=requested_sets, b=requested_sets, data=st.data())
 def test_signature_is_order_independent_and_tells_sets_apart(a, b, data):
     ka, kb = keep_sets(PLAN, a), keep_sets(PLAN, b)
-    shuffled = {layer: frozenset(data.draw(st.permutations(sorted(ids))))
-                for layer, ids in data.draw(st.permutations(list(ka.items())))}
+    shuffled = {
+        layer: frozenset(data.draw(st.permutations(sorted(ids))))
+        for layer, ids in data.draw(st.permutations(list(ka.items())))
+    }
     sig = signature(ka)
     assert len(sig) == 16 and int(sig, 16) >= 0
     assert signature(shuffled) == sig
@@ -189,8 +217,10 @@ def test_signature_depends_on_layer_placement():
 
 
 @settings(max_examples=150, deadline=None)
-@given(old=st.dictionaries(st.integers(0, 5), st.frozensets(st.integers(0, 20))),
-       new=st.dictionaries(st.integers(0, 5), st.frozensets(st.integers(0, 20))))
+@given(
+    old=st.dictionaries(st.integers(0, 5), st.frozensets(st.integers(0, 20))),
+    new=st.dictionaries(st.integers(0, 5), st.frozensets(st.integers(0, 20))),
+)
 def test_delta_partitions_old_and_new(old, new):
     d = delta(old, new)
     assert set(d) == set(old) | set(new)
@@ -209,8 +239,13 @@ def test_delta_summary_example():
     d = delta({0: frozenset({1, 2}), 1: frozenset({5})}, {0: frozenset({2, 3, 4}), 1: frozenset({5})})
     assert d[0] == LayerDelta(added=(3, 4), removed=(1,), reused=(2,))
     assert delta_summary(d) == {
-        "layers": {"0": {"added": 2, "removed": 1, "reused": 1}, "1": {"added": 0, "removed": 0, "reused": 1}},
-        "totals": {"added": 2, "removed": 1, "reused": 2}, "changed_layers": 1}
+        "layers": {
+            "0": {"added": 2, "removed": 1, "reused": 1},
+            "1": {"added": 0, "removed": 0, "reused": 1},
+        },
+        "totals": {"added": 2, "removed": 1, "reused": 2},
+        "changed_layers": 1,
+    }
 
 
 # ----------------------------------------------------------------------------- refresh ledger

@@ -9,6 +9,7 @@ import math
 
 import httpx
 import pytest
+from script_modules import load_script
 
 from reap_swap import bench, bench_report, serving
 from reap_swap.bench_report import (
@@ -26,8 +27,6 @@ from reap_swap.bench_report import (
 )
 from reap_swap.model_shape import read_model_shape
 from reap_swap.plan import load_plan
-from script_modules import load_script
-
 
 
 def _tiny():
@@ -53,9 +52,11 @@ def test_ratio_of_medians_and_missing_values():
 
 
 def test_ratio_matrix_pairwise_from_the_same_run():
-    runs = [{"label": "x", "stats": {"m": summarize([100.0, 90.0, 110.0])}},
-            {"label": "y", "stats": {"m": summarize([50.0])}},
-            {"label": "z", "stats": {"m": None}}]
+    runs = [
+        {"label": "x", "stats": {"m": summarize([100.0, 90.0, 110.0])}},
+        {"label": "y", "stats": {"m": summarize([50.0])}},
+        {"label": "z", "stats": {"m": None}},
+    ]
     m = ratio_matrix(runs, "m")
     assert set(m) == {"x", "y"}  # z measured nothing
     assert m["x"]["y"] == pytest.approx(2.0)
@@ -64,9 +65,11 @@ def test_ratio_matrix_pairwise_from_the_same_run():
 
 
 def test_pooled_hit_rate_weights_by_selections():
-    reqs = [{"observed_selections": 100, "missed_selections": 50, "observed_mass": 10.0, "inactive_mass": 4.0},
-            {"observed_selections": 300, "missed_selections": 30, "observed_mass": 30.0, "inactive_mass": 3.0},
-            {"observed_selections": 0, "missed_selections": 0}]  # no routed tokens: ignored
+    reqs = [
+        {"observed_selections": 100, "missed_selections": 50, "observed_mass": 10.0, "inactive_mass": 4.0},
+        {"observed_selections": 300, "missed_selections": 30, "observed_mass": 30.0, "inactive_mass": 3.0},
+        {"observed_selections": 0, "missed_selections": 0},
+    ]  # no routed tokens: ignored
     hit = pooled_hit_rate(reqs)
     assert hit["hit_rate"] == pytest.approx(1 - 80 / 400)
     assert hit["mass_hit_rate"] == pytest.approx(1 - 7 / 40)
@@ -80,22 +83,30 @@ def test_uva_offload_is_parameter_granular_in_layer_order():
     layer = 300  # w13 = 200, w2 = 100 per layer
     layers = [layer] * 4
     assert uva_offloaded_bytes(layers, 0) == 0
-    assert uva_offloaded_bytes(layers, 1) == 200          # one w13 overshoots the limit
+    assert uva_offloaded_bytes(layers, 1) == 200  # one w13 overshoots the limit
     assert uva_offloaded_bytes(layers, 200) == 200
-    assert uva_offloaded_bytes(layers, 201) == 300        # then w2 of the same layer
+    assert uva_offloaded_bytes(layers, 201) == 300  # then w2 of the same layer
     assert uva_offloaded_bytes(layers, 600) == 600
-    assert uva_offloaded_bytes(layers, 10_000) == 1200    # never more than there is
+    assert uva_offloaded_bytes(layers, 10_000) == 1200  # never more than there is
 
 
 def test_run_stats_from_raw_samples():
-    run = {"timing": {"single": [{"ttft_s": 0.02, "prefill_tok_s": 500.0, "decode_tok_s": 100.0, "open_s": 0.01},
-                                 {"ttft_s": 0.04, "prefill_tok_s": 250.0, "decode_tok_s": 80.0, "open_s": 0.03},
-                                 {"ttft_s": 0.03, "prefill_tok_s": 333.0, "decode_tok_s": 90.0, "open_s": 0.02}],
-                      "batch": [{"decode_tok_s": 300.0, "ttft_median_s": 0.05}, {"decode_tok_s": 280.0}]},
-           "swaps": [{"kind": "swap", "noop": False, "bytes_copied": 1000, "server_seconds": 0.010},
-                     {"kind": "warm", "noop": True, "bytes_copied": 0, "server_seconds": 0.001},
-                     {"kind": "refresh", "noop": False, "bytes_copied": 500, "server_seconds": 0.020},
-                     {"kind": "swap", "noop": True, "bytes_copied": 0, "server_seconds": 0.002}]}
+    run = {
+        "timing": {
+            "single": [
+                {"ttft_s": 0.02, "prefill_tok_s": 500.0, "decode_tok_s": 100.0, "open_s": 0.01},
+                {"ttft_s": 0.04, "prefill_tok_s": 250.0, "decode_tok_s": 80.0, "open_s": 0.03},
+                {"ttft_s": 0.03, "prefill_tok_s": 333.0, "decode_tok_s": 90.0, "open_s": 0.02},
+            ],
+            "batch": [{"decode_tok_s": 300.0, "ttft_median_s": 0.05}, {"decode_tok_s": 280.0}],
+        },
+        "swaps": [
+            {"kind": "swap", "noop": False, "bytes_copied": 1000, "server_seconds": 0.010},
+            {"kind": "warm", "noop": True, "bytes_copied": 0, "server_seconds": 0.001},
+            {"kind": "refresh", "noop": False, "bytes_copied": 500, "server_seconds": 0.020},
+            {"kind": "swap", "noop": True, "bytes_copied": 0, "server_seconds": 0.002},
+        ],
+    }
     st = run_stats(run)
     assert st["ttft_s"] == {"median": 0.03, "min": 0.02, "max": 0.04, "n": 3}
     assert st["decode_tok_s_1"]["median"] == 90.0
@@ -112,8 +123,15 @@ def test_run_stats_from_raw_samples():
 
 
 def test_stream_result_uses_running_usage_when_chunks_merge_tokens():
-    r = serving.StreamResult(t_sent=10.0, t_first=10.5, t_last=12.5, chunks=5,
-                             usage={"prompt_tokens": 100, "completion_tokens": 41}, tokens_at_first=1, tokens_at_last=41)
+    r = serving.StreamResult(
+        t_sent=10.0,
+        t_first=10.5,
+        t_last=12.5,
+        chunks=5,
+        usage={"prompt_tokens": 100, "completion_tokens": 41},
+        tokens_at_first=1,
+        tokens_at_last=41,
+    )
     assert r.ttft_s == pytest.approx(0.5)
     assert r.prefill_tok_s == pytest.approx(200.0)
     assert r.decode_tok_s == pytest.approx(40 / 2.0)  # 40 tokens after the first, not 4 chunks
@@ -130,9 +148,11 @@ def test_batch_decode_rate_spans_all_streams():
 
 
 def test_stream_request_parses_sse_chunks_and_usage():
-    chunks = [{"choices": [{"index": 0, "delta": {"content": "He"}}], "usage": {"completion_tokens": 1}},
-              {"choices": [{"index": 0, "delta": {"content": "llo"}}], "usage": {"completion_tokens": 3}},
-              {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}]
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"content": "He"}}], "usage": {"completion_tokens": 1}},
+        {"choices": [{"index": 0, "delta": {"content": "llo"}}], "usage": {"completion_tokens": 3}},
+        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}},
+    ]
     body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
     seen = {}
 
@@ -181,10 +201,18 @@ def test_bench_compare_falls_back_to_text():
 
 
 def test_chat_greedy_record():
-    completion = {"choices": [{"message": {"content": "hi there"}, "finish_reason": "length",
-                               "logprobs": {"content": [{"token": "hi", "logprob": -0.1},
-                                                        {"token": " there", "logprob": -0.2}]}}],
-                  "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    completion = {
+        "choices": [
+            {
+                "message": {"content": "hi there"},
+                "finish_reason": "length",
+                "logprobs": {
+                    "content": [{"token": "hi", "logprob": -0.1}, {"token": " there", "logprob": -0.2}]
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+    }
     rec = serving.chat_greedy_record(completion)
     assert rec["tokens"] == ["hi", " there"] and rec["logprobs"] == [-0.1, -0.2]
     assert rec["text"] == "hi there" and rec["usage"]["completion_tokens"] == 2
@@ -194,13 +222,19 @@ def test_chat_greedy_record():
 
 
 def test_log_numbers_take_the_last_value():
-    text = ("INFO Model loading took 14.17 GiB memory and 30.1 seconds\n"
-            "INFO Total CPU offloaded parameters: 6.59\n"
-            "INFO Available KV cache memory: 30.5 GiB\n"
-            "reap-swap: reserved HBM pool of 512 expert slots (4.50 GiB, unit 9.00 MiB) in 0.2s\n"
-            "INFO Model loading took 14.20 GiB memory and 1.0 seconds\n")
-    assert bench.log_numbers(text) == {"model_loading_gib": 14.20, "uva_offloaded_gib": 6.59,
-                                       "kv_cache_gib": 30.5, "reap_pool_gib": 4.50}
+    text = (
+        "INFO Model loading took 14.17 GiB memory and 30.1 seconds\n"
+        "INFO Total CPU offloaded parameters: 6.59\n"
+        "INFO Available KV cache memory: 30.5 GiB\n"
+        "reap-swap: reserved HBM pool of 512 expert slots (4.50 GiB, unit 9.00 MiB) in 0.2s\n"
+        "INFO Model loading took 14.20 GiB memory and 1.0 seconds\n"
+    )
+    assert bench.log_numbers(text) == {
+        "model_loading_gib": 14.20,
+        "uva_offloaded_gib": 6.59,
+        "kv_cache_gib": 30.5,
+        "reap_pool_gib": 4.50,
+    }
     assert bench.log_numbers("nothing here") == {}
 
 
@@ -214,11 +248,15 @@ def test_flags_in_engine_args():
 
 def test_load_prompts_chat_and_text_records(tmp_path):
     f = tmp_path / "p.jsonl"
-    f.write_text('{"text": "' + "x" * 50 + '", "tag": "t"}\n\n'
-                 '{"messages": [{"role": "user", "content": "hello"}]}\n{"prompt": "abc"}\n')
+    f.write_text(
+        '{"text": "' + "x" * 50 + '", "tag": "t"}\n\n'
+        '{"messages": [{"role": "user", "content": "hello"}]}\n{"prompt": "abc"}\n'
+    )
     prompts = bench.load_prompts(f, limit=2, chars=10)
-    assert [p["messages"] for p in prompts] == [[{"role": "user", "content": "x" * 10}],
-                                               [{"role": "user", "content": "hello"}]]
+    assert [p["messages"] for p in prompts] == [
+        [{"role": "user", "content": "x" * 10}],
+        [{"role": "user", "content": "hello"}],
+    ]
     assert prompts[0]["tag"] == "t" and prompts[1]["line"] == 3
     (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
     with pytest.raises(bench.BenchError, match="line 1"):
@@ -235,17 +273,31 @@ def tiny(tmp_path):
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(doc))
     r = mod.RECIPE
-    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": r["hidden_size"],
-              "moe_intermediate_size": r["moe_intermediate_size"], "num_hidden_layers": r["num_hidden_layers"],
-              "num_experts": r["num_experts"], "num_experts_per_tok": r["num_experts_per_tok"],
-              "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": r["dtype"]}
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": r["hidden_size"],
+        "moe_intermediate_size": r["moe_intermediate_size"],
+        "num_hidden_layers": r["num_hidden_layers"],
+        "num_experts": r["num_experts"],
+        "num_experts_per_tok": r["num_experts_per_tok"],
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "torch_dtype": r["dtype"],
+    }
     shape = read_model_shape(config)
     return plan_path, load_plan(str(plan_path), shape), shape
 
 
 def _cfg(tmp_path, plan_path, **kw):
-    return bench.BenchConfig(model="/models/m", plan=plan_path, prompts=tmp_path / "p.jsonl", out=tmp_path / "out",
-                             engine_args=["--max-model-len", "512"], **kw)
+    return bench.BenchConfig(
+        model="/models/m",
+        plan=plan_path,
+        prompts=tmp_path / "p.jsonl",
+        out=tmp_path / "out",
+        engine_args=["--max-model-len", "512"],
+        **kw,
+    )
 
 
 def test_plan_runs_on_cpu_skips_timing_arms_and_builds_commands(tmp_path, tiny):
@@ -264,10 +316,13 @@ def test_plan_runs_on_cpu_skips_timing_arms_and_builds_commands(tmp_path, tiny):
     uva = by["stock-uva"].argv
     gb = float(uva[uva.index("--cpu-offload-gb") + 1])
     assert gb * GIB == pytest.approx(total - plan.swappable_budget_bytes, abs=GIB * 1e-6)
-    assert uva[uva.index("--cpu-offload-params") + 1:][:2] == ["w13_weight", "w2_weight"]
+    assert uva[uva.index("--cpu-offload-params") + 1 :][:2] == ["w13_weight", "w2_weight"]
     assert uva[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     # --timings on: stock vLLM runs on the CPU build too, UVA never does
-    on = {r.arm: r for r in bench.plan_runs(_cfg(tmp_path, plan_path), plan, shape, total, "cpu", timing_on=True)}
+    on = {
+        r.arm: r
+        for r in bench.plan_runs(_cfg(tmp_path, plan_path), plan, shape, total, "cpu", timing_on=True)
+    }
     assert on["resident"].skip_reason is None and on["stock-uva"].skip_reason is not None
 
 
@@ -275,7 +330,12 @@ def test_plan_runs_several_budgets_derive_plans(tmp_path, tiny):
     plan_path, plan, shape = tiny
     total = shape.expert_bytes * shape.num_experts * len(shape.moe_layers)
     core_gib = plan.core_bytes() / GIB
-    cfg = _cfg(tmp_path, plan_path, budget_gib=[core_gib * 2, core_gib * 3], arms=["plan-static", "plan-swap", "stock-uva"])
+    cfg = _cfg(
+        tmp_path,
+        plan_path,
+        budget_gib=[core_gib * 2, core_gib * 3],
+        arms=["plan-static", "plan-swap", "stock-uva"],
+    )
     runs = bench.plan_runs(cfg, plan, shape, total, "cuda", timing_on=True)
     assert [r.arm for r in runs] == ["plan-static", "plan-swap", "plan-swap", "stock-uva", "stock-uva"]
     assert runs[0].label == "plan-static" and runs[1].label.startswith("plan-swap@")
@@ -287,7 +347,9 @@ def test_plan_runs_several_budgets_derive_plans(tmp_path, tiny):
         assert spec.argv[-1] == str(spec.plan_path)
     assert all(r.skip_reason is None for r in runs)
     with pytest.raises(bench.BenchError, match="core"):
-        bench.plan_runs(_cfg(tmp_path, plan_path, budget_gib=[core_gib / 2]), plan, shape, total, "cpu", False)
+        bench.plan_runs(
+            _cfg(tmp_path, plan_path, budget_gib=[core_gib / 2]), plan, shape, total, "cpu", False
+        )
 
 
 def test_config_rejects_unknown_arms_and_bad_budgets(tmp_path):
@@ -309,8 +371,9 @@ def test_derived_stock_hit_rates(tiny):
     hit = bench._derived_hit_rate(spec, shape, total, {"uva_offloaded_gib": 0.0})
     assert hit["hit_rate"] == pytest.approx(1 - layer / total)  # exactly one layer (w13 + w2) offloaded
     assert hit["source"].startswith("derived") and "vLLM logged 0.0 GiB" in hit["source"]
-    res = bench._derived_hit_rate(bench.RunSpec(arm="resident", label="r", budget_bytes=None,
-                                                budget_dependent=False), shape, total, {})
+    res = bench._derived_hit_rate(
+        bench.RunSpec(arm="resident", label="r", budget_bytes=None, budget_dependent=False), shape, total, {}
+    )
     assert res["hit_rate"] == 1.0
 
 
@@ -318,31 +381,92 @@ def test_derived_stock_hit_rates(tiny):
 
 
 def _synthetic_report(budgets: list[float], timed: bool = True) -> dict:
-    runs = [{"arm": "resident", "label": "resident", "budget_bytes": None, "budget_dependent": False, "reap": False,
-             "status": "ok", "hit_rate": {"hit_rate": 1.0, "source": "derived: all resident"},
-             "greedy_vs_ref": {"identical": 2, "of": 2, "per_prompt": [True, True], "first_divergence": [None, None]},
-             "timing": {"single": [{"decode_tok_s": 400.0 + i, "ttft_s": 0.02, "prefill_tok_s": 900.0} for i in range(3)],
-                        "batch": [{"decode_tok_s": 1500.0}]} if timed else {},
-             "gpu_memory": {"peak_used_bytes": 40 * GIB, "model_loading_gib": 14.2}},
-            {"arm": "stock-uva", "label": "stock-uva", "status": "skipped", "reason": "no CUDA", "budget_bytes": GIB,
-             "budget_dependent": True}]
+    runs = [
+        {
+            "arm": "resident",
+            "label": "resident",
+            "budget_bytes": None,
+            "budget_dependent": False,
+            "reap": False,
+            "status": "ok",
+            "hit_rate": {"hit_rate": 1.0, "source": "derived: all resident"},
+            "greedy_vs_ref": {
+                "identical": 2,
+                "of": 2,
+                "per_prompt": [True, True],
+                "first_divergence": [None, None],
+            },
+            "timing": {
+                "single": [
+                    {"decode_tok_s": 400.0 + i, "ttft_s": 0.02, "prefill_tok_s": 900.0} for i in range(3)
+                ],
+                "batch": [{"decode_tok_s": 1500.0}],
+            }
+            if timed
+            else {},
+            "gpu_memory": {"peak_used_bytes": 40 * GIB, "model_loading_gib": 14.2},
+        },
+        {
+            "arm": "stock-uva",
+            "label": "stock-uva",
+            "status": "skipped",
+            "reason": "no CUDA",
+            "budget_bytes": GIB,
+            "budget_dependent": True,
+        },
+    ]
     for i, b in enumerate(budgets):
         label = f"plan-swap@{b:g}GiB" if len(budgets) > 1 else "plan-swap"
-        runs.append({"arm": "plan-swap", "label": label, "budget_bytes": int(b * GIB), "budget_dependent": True,
-                     "reap": True, "status": "ok",
-                     "hit_rate": {"hit_rate": 0.8 + 0.05 * i, "per_request": summarize([0.7, 0.9]),
-                                  "source": "server counters"},
-                     "greedy_vs_ref": {"identical": 1, "of": 2, "per_prompt": [True, False], "first_divergence": [None, 5]},
-                     "timing": {"single": [{"decode_tok_s": 200.0 + 50 * i}, {"decode_tok_s": 220.0 + 50 * i}],
-                                "batch": [{"decode_tok_s": 700.0 + 100 * i}]} if timed else {},
-                     "swaps": [{"kind": "swap", "noop": False, "bytes_copied": 3 * 2**20, "server_seconds": 0.004}],
-                     "gpu_memory": {"note": "n/a (no GPU)"}})
-    runs.append({"arm": "plan-static", "label": "plan-static", "status": "failed", "reason": "ServerError: boom",
-                 "budget_bytes": None, "budget_dependent": False})
-    report = {"command": "reap-swap bench --model m", "config": {"batch": 4, "prompt_count": 2},
-              "environment": {"vllm_version": "0.32.0", "device": "CPU only"}, "model": {"path": "/m/tiny", "shape": {}},
-              "timing": {"note": "measured" if timed else "not measured: no CUDA device"},
-              "prompts": [{"preview": "first"}, {"preview": "second"}], "runs": runs}
+        runs.append(
+            {
+                "arm": "plan-swap",
+                "label": label,
+                "budget_bytes": int(b * GIB),
+                "budget_dependent": True,
+                "reap": True,
+                "status": "ok",
+                "hit_rate": {
+                    "hit_rate": 0.8 + 0.05 * i,
+                    "per_request": summarize([0.7, 0.9]),
+                    "source": "server counters",
+                },
+                "greedy_vs_ref": {
+                    "identical": 1,
+                    "of": 2,
+                    "per_prompt": [True, False],
+                    "first_divergence": [None, 5],
+                },
+                "timing": {
+                    "single": [{"decode_tok_s": 200.0 + 50 * i}, {"decode_tok_s": 220.0 + 50 * i}],
+                    "batch": [{"decode_tok_s": 700.0 + 100 * i}],
+                }
+                if timed
+                else {},
+                "swaps": [
+                    {"kind": "swap", "noop": False, "bytes_copied": 3 * 2**20, "server_seconds": 0.004}
+                ],
+                "gpu_memory": {"note": "n/a (no GPU)"},
+            }
+        )
+    runs.append(
+        {
+            "arm": "plan-static",
+            "label": "plan-static",
+            "status": "failed",
+            "reason": "ServerError: boom",
+            "budget_bytes": None,
+            "budget_dependent": False,
+        }
+    )
+    report = {
+        "command": "reap-swap bench --model m",
+        "config": {"batch": 4, "prompt_count": 2},
+        "environment": {"vllm_version": "0.32.0", "device": "CPU only"},
+        "model": {"path": "/m/tiny", "shape": {}},
+        "timing": {"note": "measured" if timed else "not measured: no CUDA device"},
+        "prompts": [{"preview": "first"}, {"preview": "second"}],
+        "runs": runs,
+    }
     report["summary"] = summarize_runs(report["runs"], "resident")
     return report
 
@@ -393,8 +517,23 @@ def test_bench_command_is_registered_and_parses_engine_args():
     from reap_swap.commands.bench import engine_args
 
     assert COMMANDS["bench"][0] == "reap_swap.commands.bench"
-    args = build_parser("bench").parse_args(["bench", "--model", "m", "--plan", "p", "--prompts", "f",
-                                             "--budget-gib", "1", "2.5", "--", "--dtype", "float32"])
+    args = build_parser("bench").parse_args(
+        [
+            "bench",
+            "--model",
+            "m",
+            "--plan",
+            "p",
+            "--prompts",
+            "f",
+            "--budget-gib",
+            "1",
+            "2.5",
+            "--",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert args.budget_gib == [1.0, 2.5]
     assert engine_args(args.engine_args) == ["--dtype", "float32"]
     assert bench_report.fmt_bytes(3 * 2**20) == "3.00 MiB"

@@ -54,7 +54,9 @@ def test_cli_merge_writes_table_and_plot(tmp_path, capsys):
         (tmp_path / name / "bench.json").write_text(json.dumps(rep))
     parser = __import__("argparse").ArgumentParser()
     bench_cmd.add_arguments(parser)
-    args = parser.parse_args(["--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")])
+    args = parser.parse_args(
+        ["--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")]
+    )
     assert bench_cmd.run(args) == 0
     assert (tmp_path / "m" / "bench.md").read_text().count("plan-swap@") >= 2
     assert (tmp_path / "m" / "bench.png").stat().st_size > 0

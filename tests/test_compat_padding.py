@@ -29,14 +29,16 @@ def test_model_runner_v2_padding_mask(context):
 
 
 def test_v1_slot_mapping_pad_slots(context):
-    context["ctx"] = SimpleNamespace(is_padding=None,
-                                     slot_mapping={"model.layers.0.self_attn.attn": torch.tensor([7, 8, 9, -1])})
+    context["ctx"] = SimpleNamespace(
+        is_padding=None, slot_mapping={"model.layers.0.self_attn.attn": torch.tensor([7, 8, 9, -1])}
+    )
     assert counters.rows_from_padding(compat.padding_source(4)).tolist() == [True, True, True, False]
 
 
 def test_shape_mismatch_is_unknown(context):
-    context["ctx"] = SimpleNamespace(is_padding=torch.zeros(8, dtype=torch.bool),
-                                     slot_mapping={"a": torch.zeros(8, dtype=torch.long)})
+    context["ctx"] = SimpleNamespace(
+        is_padding=torch.zeros(8, dtype=torch.bool), slot_mapping={"a": torch.zeros(8, dtype=torch.long)}
+    )
     assert counters.rows_from_padding(compat.padding_source(4)) is None
 
 

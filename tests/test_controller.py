@@ -6,12 +6,12 @@ import asyncio
 import json
 
 import pytest
+from reap_fakes import PLAN, FakeEngine, tiny_plan_doc
 
 from reap_swap.active_set import ActiveSetError, RefreshLimitExceeded, SwapRequest
 from reap_swap.controller import SwapController, SwapFailed, UnknownCartridge, load_cartridges
 from reap_swap.forensics import summarize_router_misses
 from reap_swap.plan import load_plan
-from reap_fakes import PLAN, FakeEngine, tiny_plan_doc
 
 
 def run(coro):
@@ -63,10 +63,10 @@ def test_same_set_is_a_noop_that_still_opens_the_request():
 def test_statistics_go_to_the_request_that_was_open_under_its_own_keep_set():
     engine, ctl = make()
     run(ctl.start())
-    run(ctl.swap(req("a")))                        # core only: layer 0 core = 0..3
-    engine.route(0, [0, 1, 8, 9])                  # 2 misses for a
-    run(ctl.swap(req("b", {"layer_0": ["layer_0_slice_01"]})))   # adds 8..11
-    engine.route(0, [8, 9, 12])                    # 1 miss for b (12)
+    run(ctl.swap(req("a")))  # core only: layer 0 core = 0..3
+    engine.route(0, [0, 1, 8, 9])  # 2 misses for a
+    run(ctl.swap(req("b", {"layer_0": ["layer_0_slice_01"]})))  # adds 8..11
+    engine.route(0, [8, 9, 12])  # 1 miss for b (12)
     a, b = run(ctl.router_misses("a")), run(ctl.router_misses("b"))
     assert a["open"] is False and b["open"] is True
     assert a["layers"]["0"]["observed_selections"] == 4 and a["layers"]["0"]["missed_selections"] == 2
@@ -80,10 +80,10 @@ def test_decode_refresh_segments_are_masked_separately_and_the_limit_holds():
     engine, ctl = make()
     run(ctl.start())
     run(ctl.swap(req("r")))
-    engine.route(0, [8])                            # miss under core
+    engine.route(0, [8])  # miss under core
     out = run(ctl.swap(req("r", {"layer_0": ["layer_0_slice_01"]}, phase="decode_refresh")))
     assert out["refresh_count"] == 1
-    engine.route(0, [8])                            # hit under the refreshed set
+    engine.route(0, [8])  # hit under the refreshed set
     m = run(ctl.router_misses("r"))
     assert m["layers"]["0"]["observed_selections"] == 2 and m["layers"]["0"]["missed_selections"] == 1
     sig = ctl.sig
@@ -138,8 +138,12 @@ def test_validate_only_dry_runs_and_changes_nothing():
     before = ctl.sig
     out = run(ctl.swap(req("v", {"layer_0": ["layer_0_slice_00"]})))
     assert out["validate_only"] is True and ctl.sig == before and ctl.swap_count == 0
-    assert all(c == ("reap_apply_residency", (c[1][0], True, False)) for w in engine.workers
-               for c in w.calls if c[0] == "reap_apply_residency")
+    assert all(
+        c == ("reap_apply_residency", (c[1][0], True, False))
+        for w in engine.workers
+        for c in w.calls
+        if c[0] == "reap_apply_residency"
+    )
     assert all(w.backend.resident() == PLAN.core_sets() for w in engine.workers)
 
 

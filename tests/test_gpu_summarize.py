@@ -25,12 +25,18 @@ def _summarize(tmp_path, files: dict[str, str], capsys) -> str:
 
 
 def test_run3_tables(tmp_path, capsys):
-    out = _summarize(tmp_path, {"e2e0": "run3-lane0-e2e.json", "e2e1": "run3-lane1-e2e.json",
-                                "tp": "run3-tp2-e2e.json"}, capsys)
+    out = _summarize(
+        tmp_path,
+        {"e2e0": "run3-lane0-e2e.json", "e2e1": "run3-lane1-e2e.json", "tp": "run3-tp2-e2e.json"},
+        capsys,
+    )
     assert "| reap-sweep 50 % | 8/8 |" in out
     assert "| 50 % | 0.509 | 110.7 (102.0–113.0) | 99.5 | 1.112 |" in out
     assert "| 1GiB | 114 | 1,075,838,976 |" in out
-    assert "fault_swap: HTTP 500" in out and "status_after_fault: signature 32cf2372a05a66e4, consistent True" in out
+    assert (
+        "fault_swap: HTTP 500" in out
+        and "status_after_fault: signature 32cf2372a05a66e4, consistent True" in out
+    )
     assert (tmp_path / "derived.json").exists()
 
 
@@ -45,10 +51,16 @@ def test_probe_section_counts_bitwise_equal_layers_per_rank():
 
     def rank(i, d1="a"):
         return {"tp_rank": i, "inputs": {"1": "x"}, "layers": {"L0": {"1": d1}, "L1": {"1": "b"}}}
+
     ref = {"ranks": [rank(0), rank(1)]}
-    lines = mod.probe_section(ref, [("same", {"ranks": [rank(0), rank(1)]}),
-                                    ("off", {"ranks": [rank(0, "z"), rank(1, "z")]}),
-                                    ("dead", {"ranks": None, "error": {"text": "boom"}})])
+    lines = mod.probe_section(
+        ref,
+        [
+            ("same", {"ranks": [rank(0), rank(1)]}),
+            ("off", {"ranks": [rank(0, "z"), rank(1, "z")]}),
+            ("dead", {"ranks": None, "error": {"text": "boom"}}),
+        ],
+    )
     text = "\n".join(lines)
     assert "| same | 0 | 2/2 |  | True |" in text and "| same | 1 | 2/2 |  | True |" in text
     assert "| off | 1 | 1/2 | L0@1 | True |" in text

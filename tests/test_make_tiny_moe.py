@@ -4,12 +4,15 @@ import hashlib
 import json
 
 from reap_fakes import build_tiny_model
+
 from reap_swap.model_shape import read_model_shape
 from reap_swap.plan import load_plan
 
 
 def digest(root):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def test_build_is_deterministic_idempotent_and_valid(tmp_path):

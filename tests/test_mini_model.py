@@ -3,6 +3,7 @@ routes with measurable per-domain structure on held-out text (issue 6).
 
 Fast (a few seconds on one CPU thread): a handful of held-out records per domain.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,14 @@ def loaded(rs):
 
 
 def test_files_config_and_size():
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json", "README.md"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "README.md",
+    ):
         assert (MODEL / name).is_file(), name
     size = (MODEL / "model.safetensors").stat().st_size
     assert 3_000_000 < size <= 8_000_000, size
@@ -46,7 +53,7 @@ def test_files_config_and_size():
     assert cfg["torch_dtype"] == "bfloat16"
     assert cfg["num_experts"] == 16 and cfg["num_experts_per_tok"] == 2
     assert cfg["norm_topk_prob"] is True
-    assert cfg["head_dim"] >= 32 and cfg["hidden_size"] % 32 == 0      # vLLM CPU kernels
+    assert cfg["head_dim"] >= 32 and cfg["hidden_size"] % 32 == 0  # vLLM CPU kernels
     assert cfg["moe_intermediate_size"] % 32 == 0
     assert cfg["mlp_only_layers"] == [] and cfg["decoder_sparse_step"] == 1
     tc = json.loads((MODEL / "tokenizer_config.json").read_text())
@@ -56,6 +63,7 @@ def test_files_config_and_size():
 
 def test_tensors_bf16_per_expert_layout():
     from safetensors import safe_open
+
     cfg = json.loads((MODEL / "config.json").read_text())
     with safe_open(str(MODEL / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -73,8 +81,9 @@ def test_tensors_bf16_per_expert_layout():
 def test_tokenizer_chat_template(loaded):
     _, tok = loaded
     assert tok.vocab_size + len(tok.get_added_vocab()) >= 4000
-    text = tok.apply_chat_template([{"role": "user", "content": "def f(x):"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "def f(x):"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\ndef f(x):<|im_end|>\n<|im_start|>assistant\n"
     ids = tok.encode(text, add_special_tokens=False)
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
@@ -102,6 +111,7 @@ def _gap(half_counts, n_keep=4):
     domain's half-1 selections that fall on the top n_keep experts of its own half 0, and on
     those of another domain's half 0."""
     import numpy as np
+
     doms = sorted({g.split("#")[0] for g in half_counts})
     own, other = [], []
     for layer in range(half_counts[doms[0] + "#0"].shape[0]):
@@ -132,7 +142,9 @@ def test_routing_is_domain_structured(routing):
     # between-domain JS far above the within-domain noise floor (two halves of one domain's
     # records); thresholds well under what research.md reports
     assert s["js_mean_over_layers"] > 2.5 * s["js_within_mean_over_layers"], (
-        s["js_mean_over_layers"], s["js_within_mean_over_layers"])
+        s["js_mean_over_layers"],
+        s["js_within_mean_over_layers"],
+    )
     assert s["js_mean_over_layers"] > 0.03
     # a domain's own top-25 % experts (chosen on other records) cover its traffic clearly
     # better than another domain's top 25 % do

@@ -57,7 +57,9 @@ def test_plan_was_built_by_the_script_with_its_budget(plan):
 
 def test_plan_has_a_slice_prior_per_corpus_domain(plan):
     """The client's `prior` strategy needs one ranking per domain of the calibration split."""
-    tags = {orjson.loads(line).get("source") for line in CALIBRATION.read_bytes().splitlines() if line.strip()}
+    tags = {
+        orjson.loads(line).get("source") for line in CALIBRATION.read_bytes().splitlines() if line.strip()
+    }
     priors = plan.document["scorerArtifacts"]["taskFamilySlicePriors"]
     assert tags <= set(priors) and "global" in priors
     assert list(plan.document["scorerArtifacts"]["corpusTags"]) == sorted(tags)

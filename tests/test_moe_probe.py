@@ -98,12 +98,20 @@ def test_compare_probes_names_the_differing_layer_and_size(fake_vllm):
     model = _Model([])
     ref = moe_probe.run_probe(model, _Config, tokens=(1, 4))
     assert moe_probe.compare_probes(ref, moe_probe.run_probe(model, _Config, tokens=(1, 4))) == {
-        "comparable": True, "equal": 6, "of": 6, "differ": []}
+        "comparable": True,
+        "equal": 6,
+        "of": 6,
+        "differ": [],
+    }
     with torch.no_grad():
         model.model.layers[2].mlp.experts.weight[0, 0] += 1e-3
     got = moe_probe.compare_probes(ref, moe_probe.run_probe(model, _Config, tokens=(1, 4)))
-    assert got == {"comparable": True, "equal": 4, "of": 6,
-                   "differ": ["model.layers.2.mlp.experts@1", "model.layers.2.mlp.experts@4"]}
+    assert got == {
+        "comparable": True,
+        "equal": 4,
+        "of": 6,
+        "differ": ["model.layers.2.mlp.experts@1", "model.layers.2.mlp.experts@4"],
+    }
     other_seed = moe_probe.run_probe(model, _Config, tokens=(1, 4), seed=1)
     assert moe_probe.compare_probes(ref, other_seed)["comparable"] is False
 
@@ -125,8 +133,12 @@ def test_the_extension_answers_errors_instead_of_raising(fake_vllm, monkeypatch)
             return _Model([])
 
     out = W().reap_moe_probe(tokens=["2"])
-    assert out == {"tp_rank": 0, "tp_size": 1, "dp_rank": 0,
-                   "error": "RuntimeError: this model has no registered MoE layers"}
+    assert out == {
+        "tp_rank": 0,
+        "tp_size": 1,
+        "dp_rank": 0,
+        "error": "RuntimeError: this model has no registered MoE layers",
+    }
 
 
 def test_the_probe_module_does_not_register_the_counting_layer():
@@ -134,7 +146,9 @@ def test_the_probe_module_does_not_register_the_counting_layer():
     import subprocess
     import sys
 
-    code = ("import reap_swap.moe_probe, sys; "
-            "print('reap_swap.worker' in sys.modules, 'reap_swap.residency.experts' in sys.modules)")
+    code = (
+        "import reap_swap.moe_probe, sys; "
+        "print('reap_swap.worker' in sys.modules, 'reap_swap.residency.experts' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

@@ -16,9 +16,16 @@ E, H, TOP_K, LAYERS = 16, 32, 2, 4
 
 
 def tiny_config(tmp_path):
-    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": E,
-           "num_hidden_layers": LAYERS, "hidden_size": H, "num_experts_per_tok": TOP_K,
-           "moe_intermediate_size": 16, "torch_dtype": "bfloat16"}
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": E,
+        "num_hidden_layers": LAYERS,
+        "hidden_size": H,
+        "num_experts_per_tok": TOP_K,
+        "moe_intermediate_size": 16,
+        "torch_dtype": "bfloat16",
+    }
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -93,6 +100,7 @@ def test_reads_reap_exact_layout(reap_file):
     assert np.allclose(layer.max_activations, state[1]["max_activations"].numpy())
     assert obs.tags == {} and obs.records is None
     import hashlib
+
     assert obs.digest == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -118,9 +126,25 @@ def test_plan_from_reap_file_validates_and_is_byte_identical(reap_file, tmp_path
     # wrong model shape: refused with a message, exit 1
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "config.json").write_text((model / "config.json").read_text().replace('"num_experts": 16', '"num_experts": 32'))
-    assert cli.main(["plan", "--observations", str(path), "--model", str(bad), "--budget-ratio", "0.4",
-                     "--out", str(tmp_path / "p3.json")]) == 1
+    (bad / "config.json").write_text(
+        (model / "config.json").read_text().replace('"num_experts": 16', '"num_experts": 32')
+    )
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--observations",
+                str(path),
+                "--model",
+                str(bad),
+                "--budget-ratio",
+                "0.4",
+                "--out",
+                str(tmp_path / "p3.json"),
+            ]
+        )
+        == 1
+    )
     assert "32" in capsys.readouterr().err
 
 
@@ -144,16 +168,22 @@ def make_ours(seed: int, records: int = 5):
         np.put_along_axis(onehot, top, 1, axis=1)
         freq = onehot.sum(axis=0)
         layers[layer] = LayerStats(top.shape[0], freq, freq * 0.5, onehot.T @ onehot, raw_key=str(layer))
-    rec = RecordCounts(tuple(range(LAYERS)), np.array(per_record), tuple("ab"[i % 2] for i in range(records)),
-                       np.array([t for t, _ in layers_rec]), np.arange(1, records + 1))
+    rec = RecordCounts(
+        tuple(range(LAYERS)),
+        np.array(per_record),
+        tuple("ab"[i % 2] for i in range(records)),
+        np.array([t for t, _ in layers_rec]),
+        np.arange(1, records + 1),
+    )
     return layers, rec
 
 
 def test_our_format_round_trips(tmp_path):
     layers, rec = make_ours(1)
     path = tmp_path / "obs.pt"
-    digest = save_observations(path, layers, tags={"a": layers}, records=rec,
-                               meta={"model": "tiny", "top_k": TOP_K, "records": 5})
+    digest = save_observations(
+        path, layers, tags={"a": layers}, records=rec, meta={"model": "tiny", "top_k": TOP_K, "records": 5}
+    )
     obs = load_observations(path)
     assert obs.fmt == "reap-swap" and obs.digest == digest
     assert obs.meta["model"] == "tiny" and obs.meta["records"] == 5
@@ -164,7 +194,12 @@ def test_our_format_round_trips(tmp_path):
     assert np.array_equal(obs.records.counts, rec.counts) and obs.records.tags == rec.tags
     raw = torch.load(path, weights_only=True)  # plain tensors/containers: safe loader suffices
     assert set(raw) == set(range(LAYERS)) | {META_KEY}
-    assert set(raw[0]) == {"total_tokens", "expert_frequency", "weighted_expert_frequency_sum", "coactivation"}
+    assert set(raw[0]) == {
+        "total_tokens",
+        "expert_frequency",
+        "weighted_expert_frequency_sum",
+        "coactivation",
+    }
     assert raw[0]["total_tokens"].dim() == 0 and raw[0]["expert_frequency"].dtype == torch.long
     only = tmp_path / "reap_only.pt"
     save_observations(only, layers, reap_layout_only=True)
@@ -179,12 +214,40 @@ def test_evaluate_cli_on_per_request_file(tmp_path, capsys):
     save_observations(held, layers2, records=rec2)
     model = tiny_config(tmp_path)
     plan = tmp_path / "plan.json"
-    assert cli.main(["plan", "--observations", str(calib), "--model", str(model), "--budget-ratio", "0.5",
-                     "--out", str(plan)]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--observations",
+                str(calib),
+                "--model",
+                str(model),
+                "--budget-ratio",
+                "0.5",
+                "--out",
+                str(plan),
+            ]
+        )
+        == 0
+    )
     assert json.loads(plan.read_bytes())["scorerArtifacts"]["sliceMethod"] == "coactivation_greedy_ochiai"
     report_path = tmp_path / "report.json"
-    assert cli.main(["evaluate", "--plan", str(plan), "--observations", str(held), "--model", str(model),
-                     "--out", str(report_path)]) == 0
+    assert (
+        cli.main(
+            [
+                "evaluate",
+                "--plan",
+                str(plan),
+                "--observations",
+                str(held),
+                "--model",
+                str(model),
+                "--out",
+                str(report_path),
+            ]
+        )
+        == 0
+    )
     report = json.loads(report_path.read_bytes())
     o = report["overall"]
     assert o["requests"] == 8 and o["selections"] == int(rec2.counts.sum())
@@ -203,8 +266,16 @@ def test_malformed_files_are_refused_with_the_field(tmp_path):
     torch.save({"mlp": {"expert_frequency": torch.zeros(4)}}, bad)
     with pytest.raises(ObservationError, match="not a layer index"):
         load_observations(bad)
-    torch.save({0: {"total_tokens": torch.tensor(3), "expert_frequency": torch.zeros(4),
-                    "coactivation": torch.zeros(4, 5)}}, bad)
+    torch.save(
+        {
+            0: {
+                "total_tokens": torch.tensor(3),
+                "expert_frequency": torch.zeros(4),
+                "coactivation": torch.zeros(4, 5),
+            }
+        },
+        bad,
+    )
     with pytest.raises(ObservationError, match="coactivation"):
         load_observations(bad)
     assert cli.main(["evaluate", "--plan", str(tmp_path / "none.json"), "--observations", str(bad)]) == 1

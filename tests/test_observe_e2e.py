@@ -24,7 +24,15 @@ from reap_swap.plan import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "reap_swap.cli"]
-ENGINE = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20)]
+ENGINE = [
+    "--max-model-len",
+    "512",
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--kv-cache-memory-bytes",
+    str(64 << 20),
+]
 
 
 def test_parse_line_kinds_and_issues():
@@ -33,9 +41,14 @@ def test_parse_line_kinds_and_issues():
     assert parse_line(2, b'{"prompt": "p", "tag": "t", "source": "s"}').tag == "t"  # tag wins over source
     assert parse_line(3, b'{"text": "t"}').text == "t"
     assert parse_line(4, b"   \n") is None
-    for raw, words in [(b"{not json", "not valid JSON"), (b"[1, 2]", "JSON object"),
-                       (b'{"messages": []}', "messages"), (b'{"text": ""}', "text"),
-                       (b'{"messages": [{"content": "no role"}]}', "role"), (b'{"other": 1}', "no 'messages'")]:
+    for raw, words in [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"messages": []}', "messages"),
+        (b'{"text": ""}', "text"),
+        (b'{"messages": [{"content": "no role"}]}', "role"),
+        (b'{"other": 1}', "no 'messages'"),
+    ]:
         issue = parse_line(9, raw)
         assert isinstance(issue, CorpusIssue) and words in issue.reason and issue.line == 9
 
@@ -46,8 +59,22 @@ def test_strict_corpus_refuses_before_any_engine(tmp_path):
     records, issues = read_corpus(corpus)
     assert len(records) == 1 and [i.line for i in issues] == [2]
     out = tmp_path / "o.pt"
-    proc = subprocess.run(CLI + ["observe", "--model", str(tmp_path / "no-such-model"), "--corpus", str(corpus),
-                                 "--out", str(out), "--strict-corpus"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        CLI
+        + [
+            "observe",
+            "--model",
+            str(tmp_path / "no-such-model"),
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(out),
+            "--strict-corpus",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "line 2" in proc.stderr and "nothing observed" in proc.stderr
     assert not out.exists()
@@ -55,8 +82,12 @@ def test_strict_corpus_refuses_before_any_engine(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_moe.py")], check=True, timeout=600,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_tiny_moe.py")],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
     return ROOT / ".cache" / "tiny-moe" / "model"
 
 
@@ -64,12 +95,22 @@ def _corpus(path: Path) -> int:
     """Tagged chat / prompt / text records, three malformed lines and one over max-model-len."""
     lines = []
     for i in range(6):
-        lines.append({"messages": [{"role": "user", "content": f"Question {i}: what does expert {i} do?"},
-                                   {"role": "assistant", "content": "It computes a feed-forward block " * (i + 1)}],
-                      "source": "chat"})
+        lines.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"Question {i}: what does expert {i} do?"},
+                    {"role": "assistant", "content": "It computes a feed-forward block " * (i + 1)},
+                ],
+                "source": "chat",
+            }
+        )
         lines.append({"prompt": f"def f{i}(x):\n    return x * {i} + {i * i}\n", "tag": "code"})
-        lines.append({"text": f"Paragraph {i}. The quick brown fox jumps over the lazy dog {i} times.",
-                      "source": "prose"})
+        lines.append(
+            {
+                "text": f"Paragraph {i}. The quick brown fox jumps over the lazy dog {i} times.",
+                "source": "prose",
+            }
+        )
     text = [json.dumps(x) for x in lines]
     text.insert(3, "{not json")
     text.insert(7, json.dumps({"neither": "field"}))
@@ -92,13 +133,19 @@ def _recount(model_dir: Path, corpus: Path, lines: np.ndarray) -> np.ndarray:
     for line in lines:
         rec = by_line[int(line)]
         if rec.messages is not None:
-            ids = tok(tok.apply_chat_template(rec.messages, tokenize=False), add_special_tokens=False)["input_ids"]
+            ids = tok(tok.apply_chat_template(rec.messages, tokenize=False), add_special_tokens=False)[
+                "input_ids"
+            ]
         else:
             ids = tok(rec.text)["input_ids"]
         with torch.no_grad():
             logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
-        out.append([np.bincount(torch.topk(l, top_k, dim=-1).indices.reshape(-1).numpy(), minlength=experts)
-                    for l in logits])
+        out.append(
+            [
+                np.bincount(torch.topk(l, top_k, dim=-1).indices.reshape(-1).numpy(), minlength=experts)
+                for l in logits
+            ]
+        )
     return np.array(out)
 
 
@@ -108,8 +155,23 @@ def observed(tiny_model, tmp_path_factory):
     corpus = work / "corpus.jsonl"
     usable = _corpus(corpus)
     out = work / "obs.pt"
-    proc = subprocess.run(CLI + ["observe", "--model", str(tiny_model), "--corpus", str(corpus), "--out", str(out),
-                                 "--per-request", *ENGINE], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        CLI
+        + [
+            "observe",
+            "--model",
+            str(tiny_model),
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(out),
+            "--per-request",
+            *ENGINE,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return work, corpus, out, usable, proc
 
@@ -145,19 +207,39 @@ def test_plan_validate_evaluate_from_observed(observed, tiny_model):
     work, _corpus_path, out, _usable, _proc = observed
     plan1, plan2 = work / "plan.json", work / "plan2.json"
     for path in (plan1, plan2):
-        proc = subprocess.run(CLI + ["plan", "--observations", str(out), "--model", str(tiny_model),
-                                     "--budget-ratio", "0.5", "--out", str(path)],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            CLI
+            + [
+                "plan",
+                "--observations",
+                str(out),
+                "--model",
+                str(tiny_model),
+                "--budget-ratio",
+                "0.5",
+                "--out",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
     assert plan1.read_bytes() == plan2.read_bytes()
-    proc = subprocess.run(CLI + ["validate", str(plan1), "--model", str(tiny_model)], capture_output=True, text=True)
+    proc = subprocess.run(
+        CLI + ["validate", str(plan1), "--model", str(tiny_model)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout
     doc = json.loads(plan1.read_bytes())
     assert doc["scorerArtifacts"]["sliceMethod"] == "coactivation_greedy_ochiai"
     assert set(doc["scorerArtifacts"]["taskFamilySlicePriors"]) == {"global", "chat", "code", "prose"}
     report = work / "report.json"
-    proc = subprocess.run(CLI + ["evaluate", "--plan", str(plan1), "--observations", str(out), "--out", str(report)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        CLI + ["evaluate", "--plan", str(plan1), "--observations", str(out), "--out", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     overall = json.loads(report.read_bytes())["overall"]
     # evaluated on its own calibration data, the greedy core is the best static set of its size
@@ -177,15 +259,44 @@ def test_planned_plan_is_served(observed, tiny_model):
     pytest.importorskip("reap_swap.server")
     work, _corpus_path, out, _usable, _proc = observed
     plan = work / "plan-serve.json"
-    subprocess.run(CLI + ["plan", "--observations", str(out), "--model", str(tiny_model), "--budget-ratio", "0.5",
-                          "--out", str(plan)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        CLI
+        + [
+            "plan",
+            "--observations",
+            str(out),
+            "--model",
+            str(tiny_model),
+            "--budget-ratio",
+            "0.5",
+            "--out",
+            str(plan),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     doc = json.loads(plan.read_bytes())
     port = _free_port()
     log = open(work / "server.log", "w")
     env = {k: v for k, v in os.environ.items() if not k.startswith("REAP_")}  # the launcher refuses strays
-    server = subprocess.Popen([sys.executable, "-m", "reap_swap.server", str(tiny_model), "--reap-plan", str(plan),
-                               "--port", str(port), *ENGINE], stdout=log, stderr=subprocess.STDOUT,
-                              env=env, start_new_session=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "reap_swap.server",
+            str(tiny_model),
+            "--reap-plan",
+            str(plan),
+            "--port",
+            str(port),
+            *ENGINE,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -200,13 +311,25 @@ def test_planned_plan_is_served(observed, tiny_model):
             time.sleep(1)
         status = httpx.get(f"{base}/reap/status", timeout=30).json()
         assert load_plan(plan).identity in json.dumps(status)
-        active = {k: [v["sliceCatalog"][0]["sliceId"]] for k, v in doc["perLayer"].items() if v.get("sliceCatalog")}
-        r = httpx.post(f"{base}/swap_active_set", json={"request_id": "e2e-1", "active_set": active}, timeout=60)
+        active = {
+            k: [v["sliceCatalog"][0]["sliceId"]] for k, v in doc["perLayer"].items() if v.get("sliceCatalog")
+        }
+        r = httpx.post(
+            f"{base}/swap_active_set", json={"request_id": "e2e-1", "active_set": active}, timeout=60
+        )
         assert r.status_code == 200, r.text
-        r = httpx.post(f"{base}/swap_active_set",
-                       json={"request_id": "e2e-2", "active_set": {k: [s["sliceId"] for s in v["sliceCatalog"]]
-                                                                   for k, v in doc["perLayer"].items()
-                                                                   if v.get("sliceCatalog")}}, timeout=60)
+        r = httpx.post(
+            f"{base}/swap_active_set",
+            json={
+                "request_id": "e2e-2",
+                "active_set": {
+                    k: [s["sliceId"] for s in v["sliceCatalog"]]
+                    for k, v in doc["perLayer"].items()
+                    if v.get("sliceCatalog")
+                },
+            },
+            timeout=60,
+        )
         assert 400 <= r.status_code < 500, r.text  # every slice at once exceeds the planned budget
     finally:
         _kill_group(server)

@@ -40,9 +40,13 @@ def minimal(num_experts=8, core=(0, 1), slices=(("s0", (2, 3)),), pe=100, layers
         "mode": "dynamic_core_specialist",
         "budget": {"per_expert_bytes": pe},
         "perLayer": {
-            f"layer_{i}": {"numExperts": num_experts, "coreExperts": list(core),
-                           "sliceCatalog": [{"sliceId": f"{sid}_{i}", "experts": list(ex)} for sid, ex in slices]}
-            for i in layers},
+            f"layer_{i}": {
+                "numExperts": num_experts,
+                "coreExperts": list(core),
+                "sliceCatalog": [{"sliceId": f"{sid}_{i}", "experts": list(ex)} for sid, ex in slices],
+            }
+            for i in layers
+        },
     }
 
 
@@ -107,13 +111,16 @@ def test_packaged_schema_is_the_published_schema():
 
 
 @needs_fixture
-@pytest.mark.parametrize("where, wrong, right", [
-    ("perLayer.layer_5", "coreExpert", "coreExperts"),
-    ("perLayer.layer_12", "slice_catalog", "sliceCatalog"),
-    ("budget", "per_expert_byte", "per_expert_bytes"),
-    ("perLayer.layer_3.sliceCatalog[4]", "expert", "experts"),
-    ("$", "perlayer", "perLayer"),
-])
+@pytest.mark.parametrize(
+    "where, wrong, right",
+    [
+        ("perLayer.layer_5", "coreExpert", "coreExperts"),
+        ("perLayer.layer_12", "slice_catalog", "sliceCatalog"),
+        ("budget", "per_expert_byte", "per_expert_bytes"),
+        ("perLayer.layer_3.sliceCatalog[4]", "expert", "experts"),
+        ("$", "perlayer", "perLayer"),
+    ],
+)
 def test_misspelled_key_is_refused_naming_offender_and_expected_keys(strict30, where, wrong, right):
     doc = copy.deepcopy(strict30)
     target = _at(doc, where)
@@ -214,8 +221,10 @@ def test_byte_cost_disagreement_is_a_warning_not_an_error():
     doc["perLayer"]["layer_0"]["sliceCatalog"][0]["byteCost"] = 150
     report = validate_plan_document(doc)
     assert report.ok
-    assert [w.path for w in report.warnings] == ["perLayer.layer_0.coreByteCost",
-                                                 "perLayer.layer_0.sliceCatalog[0].byteCost"]
+    assert [w.path for w in report.warnings] == [
+        "perLayer.layer_0.coreByteCost",
+        "perLayer.layer_0.sliceCatalog[0].byteCost",
+    ]
     assert "150 != 2 experts x per_expert_bytes 100 = 200" in report.warnings[1].message
 
 
@@ -229,8 +238,13 @@ def test_core_over_budget_is_an_error():
 
 def test_summary_must_match_content():
     doc = minimal(layers=(0, 1))
-    doc["summary"] = {"layerCount": 2, "totalCoreExperts": 5, "totalSlices": 2,
-                      "residentFractionPctMin": 40.0, "residentFractionPctMax": 30.0}
+    doc["summary"] = {
+        "layerCount": 2,
+        "totalCoreExperts": 5,
+        "totalSlices": 2,
+        "residentFractionPctMin": 40.0,
+        "residentFractionPctMax": 30.0,
+    }
     report = validate_plan_document(doc)
     assert paths(report) == ["summary.residentFractionPctMin", "summary.totalCoreExperts"]
     assert report.errors[1].message == "says 5, plan has 4"
@@ -242,8 +256,12 @@ def test_model_shape_mismatch_is_reported():
     report = validate_plan_document(doc, shape)
     by_path = {i.path: i.message for i in report.errors}
     assert by_path["perLayer.layer_0.numExperts"] == "128 != model's 256 experts per layer"
-    assert by_path["perLayer.layer_45"].startswith("model Qwen3_5MoeForConditionalGeneration has no MoE layer 45")
-    assert by_path["perLayer"].startswith("plan has 3 layers, model Qwen3_5MoeForConditionalGeneration has 40")
+    assert by_path["perLayer.layer_45"].startswith(
+        "model Qwen3_5MoeForConditionalGeneration has no MoE layer 45"
+    )
+    assert by_path["perLayer"].startswith(
+        "plan has 3 layers, model Qwen3_5MoeForConditionalGeneration has 40"
+    )
     assert "missing: 2..39" in by_path["perLayer"]
 
     full = minimal(num_experts=256, pe=4096, layers=range(40))
@@ -254,8 +272,10 @@ def test_model_shape_mismatch_is_reported():
 
 def test_errors_are_in_natural_path_order():
     doc = minimal(layers=(2, 10), core=(0, 99))
-    assert paths(validate_plan_document(doc)) == ["perLayer.layer_2.coreExperts[1]",
-                                                   "perLayer.layer_10.coreExperts[1]"]
+    assert paths(validate_plan_document(doc)) == [
+        "perLayer.layer_2.coreExperts[1]",
+        "perLayer.layer_10.coreExperts[1]",
+    ]
 
 
 def test_cartridges_are_checked_against_the_plan():
@@ -302,10 +322,17 @@ def test_plan_is_immutable():
 
 plan_docs = st.builds(
     lambda n, layers, core_len, seed: minimal(
-        num_experts=n, layers=tuple(sorted(layers)), core=tuple(range(min(core_len, n))),
-        slices=tuple((f"s{j}", (j % n,)) for j in range(seed % 4)), pe=1 + seed),
-    n=st.integers(1, 64), layers=st.sets(st.integers(0, 60), min_size=1, max_size=6),
-    core_len=st.integers(0, 64), seed=st.integers(0, 1000))
+        num_experts=n,
+        layers=tuple(sorted(layers)),
+        core=tuple(range(min(core_len, n))),
+        slices=tuple((f"s{j}", (j % n,)) for j in range(seed % 4)),
+        pe=1 + seed,
+    ),
+    n=st.integers(1, 64),
+    layers=st.sets(st.integers(0, 60), min_size=1, max_size=6),
+    core_len=st.integers(0, 64),
+    seed=st.integers(0, 1000),
+)
 
 
 @settings(max_examples=60, deadline=None)

@@ -23,9 +23,17 @@ from reap_swap.planner import (
 
 
 def shape_for(layers: int, experts: int, top_k: int):
-    return read_model_shape({
-        "architectures": ["Qwen3MoeForCausalLM"], "num_experts": experts, "num_hidden_layers": layers,
-        "hidden_size": 64, "num_experts_per_tok": top_k, "moe_intermediate_size": 32, "torch_dtype": "bfloat16"})
+    return read_model_shape(
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "num_experts": experts,
+            "num_hidden_layers": layers,
+            "hidden_size": 64,
+            "num_experts_per_tok": top_k,
+            "moe_intermediate_size": 32,
+            "torch_dtype": "bfloat16",
+        }
+    )
 
 
 def routed(rng: np.random.Generator, tokens: int, experts: int, top_k: int, sharpness: float) -> np.ndarray:
@@ -35,8 +43,16 @@ def routed(rng: np.random.Generator, tokens: int, experts: int, top_k: int, shar
     return np.argsort(-logits, axis=1, kind="stable")[:, :top_k]
 
 
-def stats_from_routing(top: np.ndarray, experts: int, rng: np.random.Generator | None = None, *,
-                       coact: bool = True, reap: bool = False, max_act: bool = False, key: str = "0") -> LayerStats:
+def stats_from_routing(
+    top: np.ndarray,
+    experts: int,
+    rng: np.random.Generator | None = None,
+    *,
+    coact: bool = True,
+    reap: bool = False,
+    max_act: bool = False,
+    key: str = "0",
+) -> LayerStats:
     freq = np.bincount(top.ravel(), minlength=experts).astype(np.int64)
     c = None
     if coact:
@@ -45,15 +61,19 @@ def stats_from_routing(top: np.ndarray, experts: int, rng: np.random.Generator |
         c = onehot.T @ onehot
     rng = rng or np.random.default_rng(0)
     return LayerStats(
-        total_tokens=top.shape[0], expert_frequency=freq,
+        total_tokens=top.shape[0],
+        expert_frequency=freq,
         weighted_frequency=freq * rng.uniform(0.2, 0.8, size=experts),
         coactivation=c,
         reap=rng.uniform(0.1, 1.0, size=experts) * (freq > 0) if reap else None,
         max_activations=rng.uniform(1, 5, size=experts) if max_act else None,
-        raw_key=key)
+        raw_key=key,
+    )
 
 
-def observations(layer_stats: dict[int, LayerStats], label="calib", digest="0" * 64, tags=None) -> Observations:
+def observations(
+    layer_stats: dict[int, LayerStats], label="calib", digest="0" * 64, tags=None
+) -> Observations:
     return Observations(label=label, digest=digest, layers=layer_stats, tags=tags or {}, fmt="reap-swap")
 
 
@@ -68,17 +88,21 @@ def scenarios(draw):
     layers = {}
     for i in range(n_layers):
         tokens = draw(st.integers(0, 300))
-        layers[i] = stats_from_routing(routed(rng, tokens, experts, top_k, draw(st.floats(0, 3))),
-                                       experts, rng, key=str(i), **flags)
+        layers[i] = stats_from_routing(
+            routed(rng, tokens, experts, top_k, draw(st.floats(0, 3))), experts, rng, key=str(i), **flags
+        )
     tags = {}
     if draw(st.booleans()):
         tags["code"] = {i: s for i, s in layers.items()}
     ratio = draw(st.floats(0.02, 1.0))
     config = PlannerConfig(
-        budget_ratio=ratio, core_fraction=draw(st.floats(0, 1)),
+        budget_ratio=ratio,
+        core_fraction=draw(st.floats(0, 1)),
         layer_allocation=draw(st.sampled_from(["greedy", "uniform"])),
         slices_per_request=draw(st.integers(1, 3)),
-        super_experts=draw(st.booleans()), reap_guard=draw(st.booleans()))
+        super_experts=draw(st.booleans()),
+        reap_guard=draw(st.booleans()),
+    )
     return shape_for(n_layers, experts, top_k), observations(layers, tags=tags), config
 
 
@@ -100,8 +124,11 @@ def test_plan_is_valid_within_budget_and_deterministic(scenario):
     specialist = sum(l["specialistActiveExpertTarget"] for l in layers)
     assert core * pe <= budget["core_budget_bytes"]
     assert (core + specialist) * pe <= budget["swappable_expert_budget_bytes"]
-    assert budget["core_budget_bytes"] + budget["specialist_budget_bytes"] == budget["swappable_expert_budget_bytes"]
-    for key, layer in doc["perLayer"].items():
+    assert (
+        budget["core_budget_bytes"] + budget["specialist_budget_bytes"]
+        == budget["swappable_expert_budget_bytes"]
+    )
+    for layer in doc["perLayer"].values():
         sliced = [e for s in layer.get("sliceCatalog", []) for e in s["experts"]]
         assert len(sliced) == len(set(sliced)), "slices overlap"
         assert not set(sliced) & set(layer["coreExperts"]), "a slice repeats a core expert"
@@ -118,8 +145,10 @@ def test_greedy_core_split_maximises_covered_selections(seed, n_layers, experts,
     """No super experts, no guard: the core covers as many routed selections (summed layer shares)
     as the best possible choice of the same number of (layer, expert) slots."""
     rng = np.random.default_rng(seed)
-    layers = {i: stats_from_routing(routed(rng, 200, experts, 2, rng.uniform(0, 3)), experts, rng, key=str(i))
-              for i in range(n_layers)}
+    layers = {
+        i: stats_from_routing(routed(rng, 200, experts, 2, rng.uniform(0, 3)), experts, rng, key=str(i))
+        for i in range(n_layers)
+    }
     shape = shape_for(n_layers, experts, 2)
     doc = build_plan([observations(layers)], shape, PlannerConfig(budget_ratio=ratio, core_fraction=1.0), "m")
     shares = {i: s.expert_frequency / s.expert_frequency.sum() for i, s in layers.items()}
@@ -136,11 +165,17 @@ def test_core_split_differs_across_layers():
     flat = np.full(experts, 62)
     layers = {0: LayerStats(500, flat, raw_key="0"), 1: LayerStats(500, peaked, raw_key="1")}
     shape = shape_for(2, experts, 2)
-    doc = build_plan([observations(layers)], shape, PlannerConfig(budget_ratio=4 / 32, core_fraction=1.0), "m")
+    doc = build_plan(
+        [observations(layers)], shape, PlannerConfig(budget_ratio=4 / 32, core_fraction=1.0), "m"
+    )
     assert doc["perLayer"]["layer_1"]["coreExperts"] == [0, 1, 2, 3]
     assert doc["perLayer"]["layer_0"]["coreExperts"] == []
-    uniform = build_plan([observations(layers)], shape,
-                         PlannerConfig(budget_ratio=4 / 32, core_fraction=1.0, layer_allocation="uniform"), "m")
+    uniform = build_plan(
+        [observations(layers)],
+        shape,
+        PlannerConfig(budget_ratio=4 / 32, core_fraction=1.0, layer_allocation="uniform"),
+        "m",
+    )
     assert [len(l["coreExperts"]) for l in uniform["perLayer"].values()] == [2, 2]
 
 
@@ -170,7 +205,7 @@ def test_slices_group_experts_that_fire_together():
     assert doc2["scorerArtifacts"]["sliceMethod"] == "frequency_rank_buckets"
     assert all("coactivationScore" not in s for s in doc2["perLayer"]["layer_0"]["sliceCatalog"])
     order = sorted(range(16), key=lambda e: (-no_c.expert_frequency[e], -no_c.weighted_frequency[e], e))
-    expected = {tuple(sorted(order[k:k + 4])) for k in range(0, 16, 4)}
+    expected = {tuple(sorted(order[k : k + 4])) for k in range(0, 16, 4)}
     assert {tuple(s["experts"]) for s in doc2["perLayer"]["layer_0"]["sliceCatalog"]} == expected
 
 
@@ -187,7 +222,9 @@ def test_super_experts_are_always_core_and_reap_guard_is_capped():
     experts = 16
     layers = {}
     for i in range(4):
-        s = stats_from_routing(routed(rng, 300, experts, 2, 2.0), experts, rng, reap=True, max_act=True, key=str(i))
+        s = stats_from_routing(
+            routed(rng, 300, experts, 2, 2.0), experts, rng, reap=True, max_act=True, key=str(i)
+        )
         layers[i] = s
     # plant a super expert: a never-frequent expert with a huge max activation in layer 2
     freq2 = layers[2].expert_frequency
@@ -206,8 +243,12 @@ def test_super_experts_are_always_core_and_reap_guard_is_capped():
     assert rare1 in doc["perLayer"]["layer_1"]["coreExperts"]
     guarded = sum(len(v) for v in doc["scorerArtifacts"]["reapGuarded"].values())
     assert 1 <= guarded <= int(0.1 * 16)
-    off = build_plan([observations(layers)], shape,
-                     PlannerConfig(budget_ratio=0.25, core_fraction=1.0, super_experts=False, reap_guard=False), "m")
+    off = build_plan(
+        [observations(layers)],
+        shape,
+        PlannerConfig(budget_ratio=0.25, core_fraction=1.0, super_experts=False, reap_guard=False),
+        "m",
+    )
     assert rare not in off["perLayer"]["layer_2"]["coreExperts"]
     assert off["scorerArtifacts"]["reapGuarded"] == {}
     with pytest.raises(PlannerError, match="super experts"):
@@ -243,7 +284,9 @@ def test_two_files_and_tags_feed_summaries_and_priors():
     # merged counts: core mass is measured on the sum of both files
     merged = code[0].expert_frequency + prose[0].expert_frequency
     core = doc["perLayer"]["layer_0"]["coreExperts"]
-    assert doc["perLayer"]["layer_0"]["coreActivationMass"] == pytest.approx(merged[core].sum() / merged.sum(), abs=1e-8)
+    assert doc["perLayer"]["layer_0"]["coreActivationMass"] == pytest.approx(
+        merged[core].sum() / merged.sum(), abs=1e-8
+    )
     with pytest.raises(PlannerError, match="twice"):
         build_plan([a, a], shape, PlannerConfig(budget_ratio=0.5), "m")
 

@@ -147,7 +147,9 @@ def test_a_failed_swap_publishes_before_its_rollback_copies():
         apply_swap(table, store, {0: {2, 3}})
     assert err.value.rolled_back and table.resident() == {0: frozenset({0, 1})}
     kinds = [e[0] for e in store.events]
-    first_rollback_copy = next(i for i, e in enumerate(store.events) if e[:3] in (("copy", 0, 0), ("copy", 0, 1)))
+    first_rollback_copy = next(
+        i for i, e in enumerate(store.events) if e[:3] in (("copy", 0, 0), ("copy", 0, 1))
+    )
     assert "publish" in kinds[:first_rollback_copy]
     assert store.events[-1] == ("publish",) and not store.unpublished
     _check_consistent(table, store)

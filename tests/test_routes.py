@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-
 from reap_fakes import PLAN, FakeEngine
+
 from reap_swap.controller import SwapController
 from reap_swap.routes import ReapEndpointPlugin, api_key_digests, endpoint_plugin
 from reap_swap.settings import ADDITIONAL_CONFIG_KEY
@@ -44,14 +44,17 @@ def test_swap_status_misses_forensics(client):
     assert client.post("/swap_cartridge/c").json()["request_id"] == "cartridge:c"
 
 
-@pytest.mark.parametrize("body,code,field", [
-    (b"{", 400, "body"),
-    (b'"text"', 422, "body"),
-    (b'{"request_id": "a", "active_set": {"layer_0": ["x", 2.5]}}', 422, "active_set.layer_0[1]"),
-    (b'{"request_id": "a", "active_set": {"layer_0": ["x"]}}', 422, "active_set.layer_0[0]"),
-    (b'{"request_id": "a", "active_set": {"layer_7": []}}', 422, "active_set.layer_7"),
-    (b'{"request_id": "a", "active_set": {}, "budget_bytes": 5}', 422, "budget_bytes"),
-])
+@pytest.mark.parametrize(
+    "body,code,field",
+    [
+        (b"{", 400, "body"),
+        (b'"text"', 422, "body"),
+        (b'{"request_id": "a", "active_set": {"layer_0": ["x", 2.5]}}', 422, "active_set.layer_0[1]"),
+        (b'{"request_id": "a", "active_set": {"layer_0": ["x"]}}', 422, "active_set.layer_0[0]"),
+        (b'{"request_id": "a", "active_set": {"layer_7": []}}', 422, "active_set.layer_7"),
+        (b'{"request_id": "a", "active_set": {}, "budget_bytes": 5}', 422, "budget_bytes"),
+    ],
+)
 def test_errors_name_the_field(client, body, code, field):
     r = client.post("/swap_active_set", content=body)
     assert r.status_code == code, r.text
@@ -85,10 +88,18 @@ def test_failing_worker_is_500_and_state_is_kept(client):
 def test_api_key_on_every_route():
     app, _engine, _ctl = make_app(api_key="k1")
     with TestClient(app) as c:
-        for method, path in [("post", "/swap_active_set"), ("post", "/warm_active_set"), ("get", "/reap/status"),
-                             ("get", "/router_misses/a"), ("get", "/forensics/a"), ("post", "/swap_cartridge/c")]:
+        for method, path in [
+            ("post", "/swap_active_set"),
+            ("post", "/warm_active_set"),
+            ("get", "/reap/status"),
+            ("get", "/router_misses/a"),
+            ("get", "/forensics/a"),
+            ("post", "/swap_cartridge/c"),
+        ]:
             for headers in ({}, {"Authorization": "Bearer k2"}, {"Authorization": "k1"}):
-                r = c.request(method.upper(), path, headers=headers, json={"request_id": "a", "active_set": {}})
+                r = c.request(
+                    method.upper(), path, headers=headers, json={"request_id": "a", "active_set": {}}
+                )
                 assert r.status_code == 401, (path, headers)
         ok = c.get("/reap/status", headers={"Authorization": "Bearer k1"})
         assert ok.status_code == 200
@@ -123,10 +134,16 @@ def test_init_state_builds_the_controller(tmp_path):
     async def collective_rpc(method, timeout=None, args=(), kwargs=None):
         return await engine.rpc(method, *args)
 
-    cfg = {"plan_file": str(plan_file), "plan_identity": PLAN.identity, "validate_only": False,
-           "max_loaded_cartridges": 2}
-    engine_client = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: cfg}),
-                                    collective_rpc=collective_rpc)
+    cfg = {
+        "plan_file": str(plan_file),
+        "plan_identity": PLAN.identity,
+        "validate_only": False,
+        "max_loaded_cartridges": 2,
+    }
+    engine_client = SimpleNamespace(
+        vllm_config=SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: cfg}),
+        collective_rpc=collective_rpc,
+    )
     app = FastAPI()
     plugin = ReapEndpointPlugin()
     plugin.attach_router(app)

@@ -14,29 +14,59 @@ from reap_swap.plan import load_plan
 FIXTURE = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "strict30-v2-plan.json"
 PE = 1000
 PY = "import os\n\ndef main(argv):\n    if argv is None:\n        return self.run(argv)\n"
-PROSE = ("The daemon reads its configuration at start-up. It is the only process that can write to "
-         "the log, and the administrator should restart it after every change of the file.")
+PROSE = (
+    "The daemon reads its configuration at start-up. It is the only process that can write to "
+    "the log, and the administrator should restart it after every change of the file."
+)
 C_SRC = "#include <stdio.h>\nstatic int count;\nstruct node *next = NULL;\n/* walk */\n"
-SHELL = "#!/bin/sh\nif [ -f \"$HOME/.rc\" ]; then\n  . \"$HOME/.rc\" 2>&1 >/dev/null\nfi\necho done\n"
+SHELL = '#!/bin/sh\nif [ -f "$HOME/.rc" ]; then\n  . "$HOME/.rc" 2>&1 >/dev/null\nfi\necho done\n'
 
 
 def plan_doc(budget_experts: int, max_refreshes: int = 1) -> dict:
     """Two layers of 12 experts: core {0,1}; slices a={2,3} b={4,5,6} c={6,7} d={8}; 9..11 not offered.
     taskPriors: 'python' likes a, 'prose' likes b, global likes c."""
+
     def layer() -> dict:
-        return {"numExperts": 12, "coreExperts": [0, 1], "sliceCatalog": [
-            {"sliceId": "a", "experts": [2, 3], "activationMass": 0.1,
-             "taskPriors": {"global": 0.1, "python": 0.5, "prose": 0.01}},
-            {"sliceId": "b", "experts": [4, 5, 6], "activationMass": 0.1,
-             "taskPriors": {"global": 0.1, "python": 0.01, "prose": 0.6}},
-            {"sliceId": "c", "experts": [6, 7], "activationMass": 0.3,
-             "taskPriors": {"global": 0.3, "python": 0.02, "prose": 0.02}},
-            {"sliceId": "d", "experts": [8], "activationMass": 0.0,
-             "taskPriors": {"global": 0.0, "python": 0.0, "prose": 0.0}}]}
-    return {"mode": "dynamic_core_specialist",
-            "budget": {"per_expert_bytes": PE, "swappable_expert_budget_bytes": budget_experts * PE,
-                       "max_refreshes_per_request": max_refreshes},
-            "perLayer": {"layer_0": layer(), "layer_5": layer()}}
+        return {
+            "numExperts": 12,
+            "coreExperts": [0, 1],
+            "sliceCatalog": [
+                {
+                    "sliceId": "a",
+                    "experts": [2, 3],
+                    "activationMass": 0.1,
+                    "taskPriors": {"global": 0.1, "python": 0.5, "prose": 0.01},
+                },
+                {
+                    "sliceId": "b",
+                    "experts": [4, 5, 6],
+                    "activationMass": 0.1,
+                    "taskPriors": {"global": 0.1, "python": 0.01, "prose": 0.6},
+                },
+                {
+                    "sliceId": "c",
+                    "experts": [6, 7],
+                    "activationMass": 0.3,
+                    "taskPriors": {"global": 0.3, "python": 0.02, "prose": 0.02},
+                },
+                {
+                    "sliceId": "d",
+                    "experts": [8],
+                    "activationMass": 0.0,
+                    "taskPriors": {"global": 0.0, "python": 0.0, "prose": 0.0},
+                },
+            ],
+        }
+
+    return {
+        "mode": "dynamic_core_specialist",
+        "budget": {
+            "per_expert_bytes": PE,
+            "swappable_expert_budget_bytes": budget_experts * PE,
+            "max_refreshes_per_request": max_refreshes,
+        },
+        "perLayer": {"layer_0": layer(), "layer_5": layer()},
+    }
 
 
 # ----------------------------------------------------------------------------- random plans
@@ -47,8 +77,13 @@ def plans(draw):
     """Random valid plans: overlapping slices, slices reaching into the core, missing priors."""
     n_layers = draw(st.integers(1, 4))
     n_experts = draw(st.integers(4, 16))
-    families = draw(st.lists(st.sampled_from(["python", "prose", "c", "shell", "math", "zeta_cluster"]),
-                             max_size=3, unique=True))
+    families = draw(
+        st.lists(
+            st.sampled_from(["python", "prose", "c", "shell", "math", "zeta_cluster"]),
+            max_size=3,
+            unique=True,
+        )
+    )
     per_layer, total_core, total_candidates = {}, 0, 0
     for li in draw(st.lists(st.integers(0, 40), min_size=n_layers, max_size=n_layers, unique=True)):
         ids = st.integers(0, n_experts - 1)
@@ -68,10 +103,15 @@ def plans(draw):
         total_core += len(core)
         total_candidates += len(set(core).union(*[s["experts"] for s in slices]))
     budget = draw(st.integers(total_core, total_candidates + 2)) * PE
-    doc = {"mode": "dynamic_core_specialist",
-           "budget": {"per_expert_bytes": PE, "swappable_expert_budget_bytes": budget,
-                      "max_refreshes_per_request": draw(st.integers(0, 2))},
-           "perLayer": per_layer}
+    doc = {
+        "mode": "dynamic_core_specialist",
+        "budget": {
+            "per_expert_bytes": PE,
+            "swappable_expert_budget_bytes": budget,
+            "max_refreshes_per_request": draw(st.integers(0, 2)),
+        },
+        "perLayer": per_layer,
+    }
     return load_plan(doc)
 
 
@@ -109,13 +149,20 @@ def test_random_plans_never_over_budget_never_outside_plan_deterministic(data):
     plan = data.draw(plans())
     prompt = data.draw(PROMPTS)
     misses = data.draw(misses_for(plan))
-    ask = data.draw(st.one_of(st.none(), st.integers(plan.core_bytes(), plan.swappable_budget_bytes + 5 * PE)))
+    ask = data.draw(
+        st.one_of(st.none(), st.integers(plan.core_bytes(), plan.swappable_budget_bytes + 5 * PE))
+    )
     budget = S.effective_budget(plan, ask)
     for name in S.STRATEGIES:
         sel = S.select(plan, name, prompt, budget_bytes=ask, probe=misses)
         _assert_valid(plan, sel, budget)
-        again = S.select(plan, name, prompt, budget_bytes=ask,
-                         probe={k: dict(reversed(list(v.items()))) for k, v in reversed(list(misses.items()))})
+        again = S.select(
+            plan,
+            name,
+            prompt,
+            budget_bytes=ask,
+            probe={k: dict(reversed(list(v.items()))) for k, v in reversed(list(misses.items()))},
+        )
         assert (again.slices, again.signature, again.values) == (sel.slices, sel.signature, sel.values)
         if name == "static":
             assert sel.slices == {} and sel.keep == plan.core_sets()
@@ -145,7 +192,9 @@ def test_greedy_fill_leaves_no_valuable_slice_that_would_still_fit(data):
                 new = set(s.experts) - sel.keep[index]
                 if not new:
                     continue
-                worth = priors[index][i] > 0 or (name == "probe" and any(misses[index].get(e, 0) > 0 for e in new))
+                worth = priors[index][i] > 0 or (
+                    name == "probe" and any(misses[index].get(e, 0) > 0 for e in new)
+                )
                 assert not worth or len(new) * PE > left, (name, index, s.slice_id)
 
 
@@ -155,8 +204,11 @@ def test_greedy_fill_leaves_no_valuable_slice_that_would_still_fit(data):
 def test_static_is_core_only_and_budget_must_hold_core():
     plan = load_plan(plan_doc(budget_experts=10))
     sel = S.select_static(plan)
-    assert sel.slices == {} and sel.resident_bytes == 4 * PE and sel.payload("r") == {
-        "request_id": "r", "phase": "prefill", "active_set": {}}
+    assert (
+        sel.slices == {}
+        and sel.resident_bytes == 4 * PE
+        and sel.payload("r") == {"request_id": "r", "phase": "prefill", "active_set": {}}
+    )
     with pytest.raises(S.SelectionError, match="does not hold the plan's core"):
         S.select_static(plan, budget_bytes=3 * PE)
 
@@ -224,14 +276,36 @@ def test_probe_covers_missed_mass_per_byte_then_fills_by_prior():
 
 
 def test_missed_mass_from_a_router_misses_payload():
-    payload = {"layers": {
-        "0": {"observed_mass": 10.0, "observed_selections": 20, "inactive_mass": 4.0, "missed_selections": 5,
-              "inactive_experts": [3, 9]},
-        "5": {"observed_mass": 2.0, "observed_selections": 4, "inactive_mass": 1.0,
-              "inactive_expert_mass": {"6": 0.75, "7": 0.25, "8": 0.0}},
-        "7": {"observed_mass": 0.0, "observed_selections": 0, "inactive_mass": 0.0, "inactive_experts": []},
-        "9": {"observed_mass": 0.0, "observed_selections": 10, "inactive_mass": 0.0, "missed_selections": 4,
-              "inactive_experts": [1, 2]}}}
+    payload = {
+        "layers": {
+            "0": {
+                "observed_mass": 10.0,
+                "observed_selections": 20,
+                "inactive_mass": 4.0,
+                "missed_selections": 5,
+                "inactive_experts": [3, 9],
+            },
+            "5": {
+                "observed_mass": 2.0,
+                "observed_selections": 4,
+                "inactive_mass": 1.0,
+                "inactive_expert_mass": {"6": 0.75, "7": 0.25, "8": 0.0},
+            },
+            "7": {
+                "observed_mass": 0.0,
+                "observed_selections": 0,
+                "inactive_mass": 0.0,
+                "inactive_experts": [],
+            },
+            "9": {
+                "observed_mass": 0.0,
+                "observed_selections": 10,
+                "inactive_mass": 0.0,
+                "missed_selections": 4,
+                "inactive_experts": [1, 2],
+            },
+        }
+    }
     m = S.missed_mass(payload)
     assert m[0] == {3: pytest.approx(0.2), 9: pytest.approx(0.2)}  # 4.0 split evenly, / observed 10
     assert m[5] == {6: pytest.approx(0.375), 7: pytest.approx(0.125)}
@@ -243,8 +317,18 @@ def test_missed_mass_from_a_router_misses_payload():
 def test_missed_mass_and_routed_share_from_per_expert_counts():
     """The server's expert_counts: exact per-expert shares of the layer's routed selections."""
     counts = [5, 3, 0, 2, 0, 0, 0, 0, 6, 4, 0, 0]  # 20 selections
-    payload = {"layers": {"0": {"observed_selections": 20, "observed_mass": 10.0, "inactive_mass": 5.0,
-                                "missed_selections": 10, "inactive_experts": [3, 8, 9], "expert_counts": counts}}}
+    payload = {
+        "layers": {
+            "0": {
+                "observed_selections": 20,
+                "observed_mass": 10.0,
+                "inactive_mass": 5.0,
+                "missed_selections": 10,
+                "inactive_experts": [3, 8, 9],
+                "expert_counts": counts,
+            }
+        }
+    }
     assert S.missed_mass(payload) == {0: {3: 0.1, 8: 0.3, 9: 0.2}}
     assert S.routed_share(payload) == {0: {0: 0.25, 1: 0.15, 3: 0.1, 8: 0.3, 9: 0.2}}
 
@@ -265,11 +349,13 @@ def test_refresh_swaps_in_what_the_running_request_misses_within_the_limit():
     assert S.refresh(plan, first, {other: {2: 0.01}}, refresh_count=0) is None
     # with every expert's share known, the resident slice is valued by its real use instead
     c_layer = {6: 0.2, 7: 0.2}  # slice c's experts were used: 0.4 of the layer
-    kept = S.refresh(plan, first, {other: {2: 0.1, 3: 0.1}}, 0, routed={layer_with_c: c_layer,
-                                                                       other: {2: 0.1, 3: 0.1}})
+    kept = S.refresh(
+        plan, first, {other: {2: 0.1, 3: 0.1}}, 0, routed={layer_with_c: c_layer, other: {2: 0.1, 3: 0.1}}
+    )
     assert kept is None  # c (0.4 of its layer) beats a (0.2 of the other layer): nothing changes
-    unused = S.refresh(plan, first, {other: {2: 0.1, 3: 0.1}}, 0, routed={layer_with_c: {6: 0.01},
-                                                                          other: {2: 0.1, 3: 0.1}})
+    unused = S.refresh(
+        plan, first, {other: {2: 0.1, 3: 0.1}}, 0, routed={layer_with_c: {6: 0.01}, other: {2: 0.1, 3: 0.1}}
+    )
     assert unused is not None and unused.slices == {other: ("a",)}  # c was barely used: a replaces it
 
 
@@ -308,10 +394,16 @@ def test_cli_select_prior_prints_payload(tmp_path, capsys):
     from reap_swap.cli import main
 
     plan_path = _write_plan(tmp_path)
-    assert main(["select", "--plan", str(plan_path), "--prompt", PY, "--payload-only", "--request-id", "q1"]) == 0
+    assert (
+        main(["select", "--plan", str(plan_path), "--prompt", PY, "--payload-only", "--request-id", "q1"])
+        == 0
+    )
     payload = orjson.loads(capsys.readouterr().out)
-    assert payload == {"request_id": "q1", "phase": "prefill",
-                       "active_set": {"layer_0": ["a"], "layer_5": ["a"]}}
+    assert payload == {
+        "request_id": "q1",
+        "phase": "prefill",
+        "active_set": {"layer_0": ["a"], "layer_5": ["a"]},
+    }
     assert main(["select", "--plan", str(plan_path), "--prompt", PY, "--strategy", "static"]) == 0
     out = capsys.readouterr().out
     assert "strategy static: 0 slice(s)" in out and '"active_set": {}' in out
@@ -324,14 +416,43 @@ def test_cli_select_probe_from_saved_misses_and_errors(tmp_path, capsys):
 
     plan_path = _write_plan(tmp_path, budget_experts=5)  # one expert beyond the core
     misses = tmp_path / "misses.json"
-    misses.write_bytes(orjson.dumps({"layers": {"5": {"observed_mass": 4.0, "observed_selections": 8,
-                                                      "inactive_mass": 1.0, "inactive_experts": [8]}}}))
+    misses.write_bytes(
+        orjson.dumps(
+            {
+                "layers": {
+                    "5": {
+                        "observed_mass": 4.0,
+                        "observed_selections": 8,
+                        "inactive_mass": 1.0,
+                        "inactive_experts": [8],
+                    }
+                }
+            }
+        )
+    )
     messages = tmp_path / "messages.json"
     messages.write_bytes(orjson.dumps({"messages": [{"role": "user", "content": "hello"}]}))
-    assert main(["select", "--plan", str(plan_path), "--messages", str(messages), "--strategy", "probe",
-                 "--misses", str(misses), "--json"]) == 0
+    assert (
+        main(
+            [
+                "select",
+                "--plan",
+                str(plan_path),
+                "--messages",
+                str(messages),
+                "--strategy",
+                "probe",
+                "--misses",
+                str(misses),
+                "--json",
+            ]
+        )
+        == 0
+    )
     doc = orjson.loads(capsys.readouterr().out)
-    assert doc["selection"]["slices"] == {"layer_5": ["d"]} and doc["payload"]["active_set"] == {"layer_5": ["d"]}
+    assert doc["selection"]["slices"] == {"layer_5": ["d"]} and doc["payload"]["active_set"] == {
+        "layer_5": ["d"]
+    }
     assert main(["select", "--plan", str(plan_path), "--prompt", "x", "--strategy", "probe"]) == 2
     assert "needs --misses FILE or --server URL" in capsys.readouterr().err
     assert main(["select", "--plan", str(plan_path), "--prompt", "x", "--budget-bytes", "10"]) == 1

@@ -6,8 +6,8 @@ import json
 import os
 
 import pytest
-
 from reap_fakes import tiny_plan_doc
+
 from reap_swap import server
 from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings
 
@@ -21,8 +21,18 @@ def tiny(tmp_path_factory):
 
 def test_prepare_installs_extension_plugin_and_configuration(tiny, monkeypatch):
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    args, cmd = server.prepare([str(tiny / "model"), "--reap-plan", str(tiny / "plan.json"), "--port", "8123",
-                                "--enforce-eager", "--additional-config", '{"other": 1}'])
+    args, cmd = server.prepare(
+        [
+            str(tiny / "model"),
+            "--reap-plan",
+            str(tiny / "plan.json"),
+            "--port",
+            "8123",
+            "--enforce-eager",
+            "--additional-config",
+            '{"other": 1}',
+        ]
+    )
     assert args.model == str(tiny / "model") and args.port == 8123 and args.enforce_eager is True
     assert args.worker_extension_cls == server.WORKER_EXTENSION
     cfg = args.additional_config[ADDITIONAL_CONFIG_KEY]
@@ -36,24 +46,39 @@ def test_prepare_installs_extension_plugin_and_configuration(tiny, monkeypatch):
 def test_plugin_allowlist_keeps_what_loaded_before(monkeypatch):
     assert server.plugin_allowlist("a,b") == "a,b,reap_swap"
     assert server.plugin_allowlist("reap_swap") == "reap_swap"
-    installed = {"vllm.general_plugins": ["gen"], "vllm.platform_plugins": ["plat"],
-                 "vllm.endpoint_plugins": ["someone_elses_routes"]}
-    monkeypatch.setattr(server, "entry_points",
-                        lambda group: [argparse.Namespace(name=n) for n in installed.get(group, [])])
+    installed = {
+        "vllm.general_plugins": ["gen"],
+        "vllm.platform_plugins": ["plat"],
+        "vllm.endpoint_plugins": ["someone_elses_routes"],
+    }
+    monkeypatch.setattr(
+        server, "entry_points", lambda group: [argparse.Namespace(name=n) for n in installed.get(group, [])]
+    )
     # unset VLLM_PLUGINS loads every general/platform plugin: setting it must not drop them,
     # and must not opt other endpoint plugins in
     assert server.plugin_allowlist(None) == "gen,plat,reap_swap"
 
 
-@pytest.mark.parametrize("attrs,needle", [
-    ({"api_server_count": 2}, "--api-server-count"),
-    ({"data_parallel_size": 2}, "--data-parallel-size"),
-    ({"headless": True}, "--headless"),
-    ({"worker_extension_cls": "x.Y"}, "--worker-extension-cls"),
-])
+@pytest.mark.parametrize(
+    "attrs,needle",
+    [
+        ({"api_server_count": 2}, "--api-server-count"),
+        ({"data_parallel_size": 2}, "--data-parallel-size"),
+        ({"headless": True}, "--headless"),
+        ({"worker_extension_cls": "x.Y"}, "--worker-extension-cls"),
+    ],
+)
 def test_unsupported_topologies_are_refused(attrs, needle):
-    args = argparse.Namespace(**{"headless": False, "grpc": False, "api_server_count": None,
-                                 "data_parallel_size": 1, "worker_extension_cls": "", **attrs})
+    args = argparse.Namespace(
+        **{
+            "headless": False,
+            "grpc": False,
+            "api_server_count": None,
+            "data_parallel_size": 1,
+            "worker_extension_cls": "",
+            **attrs,
+        }
+    )
     with pytest.raises(server.LaunchError, match=needle):
         server.check_topology(args)
 

@@ -16,7 +16,9 @@ def test_defaults_with_only_a_plan():
 
 
 def test_flags_apply_when_the_environment_is_silent():
-    ns, rest = split_argv(["--reap-plan", "a.json", "--reap-validate-only", "--reap-max-loaded-cartridges", "3"])
+    ns, rest = split_argv(
+        ["--reap-plan", "a.json", "--reap-validate-only", "--reap-max-loaded-cartridges", "3"]
+    )
     r = resolve(ns, {})
     assert rest == []
     assert r.settings.validate_only is True and r.settings.max_loaded_cartridges == 3
@@ -25,7 +27,9 @@ def test_flags_apply_when_the_environment_is_silent():
 
 
 def test_environment_beats_flags_and_each_override_is_named():
-    ns, _ = split_argv(["--reap-plan", "flag.json", "--reap-max-loaded-cartridges", "3", "--reap-coactivation"])
+    ns, _ = split_argv(
+        ["--reap-plan", "flag.json", "--reap-max-loaded-cartridges", "3", "--reap-coactivation"]
+    )
     r = resolve(ns, {"REAP_PLAN_FILE": "env.json", "REAP_MAX_LOADED_CARTRIDGES": "5"})
     assert str(r.settings.plan_file) == "env.json" and r.settings.max_loaded_cartridges == 5
     assert r.settings.coactivation is True  # flag only
@@ -34,8 +38,19 @@ def test_environment_beats_flags_and_each_override_is_named():
     assert any("REAP_MAX_LOADED_CARTRIDGES" in o and "--reap-max-loaded-cartridges" in o for o in r.overrides)
 
 
-@pytest.mark.parametrize("raw,value", [("1", True), ("true", True), ("yes", True), ("on", True),
-                                       ("0", False), ("false", False), ("no", False), ("", False)])
+@pytest.mark.parametrize(
+    "raw,value",
+    [
+        ("1", True),
+        ("true", True),
+        ("yes", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("no", False),
+        ("", False),
+    ],
+)
 def test_boolean_environment_values(raw, value):
     assert resolve({}, {**PLAN, "REAP_SWAP_VALIDATE_ONLY": raw}).settings.validate_only is value
 
@@ -49,12 +64,15 @@ def test_unknown_reap_variable_is_refused_with_the_known_names():
         assert name in msg
 
 
-@pytest.mark.parametrize("env,needle", [
-    ({"REAP_SWAP_VALIDATE_ONLY": "maybe"}, "REAP_SWAP_VALIDATE_ONLY"),
-    ({"REAP_MAX_LOADED_CARTRIDGES": "0"}, "REAP_MAX_LOADED_CARTRIDGES"),
-    ({"REAP_MAX_LOADED_CARTRIDGES": "many"}, "REAP_MAX_LOADED_CARTRIDGES"),
-    ({"REAP_RESIDENCY": "gpu"}, "REAP_RESIDENCY"),
-])
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({"REAP_SWAP_VALIDATE_ONLY": "maybe"}, "REAP_SWAP_VALIDATE_ONLY"),
+        ({"REAP_MAX_LOADED_CARTRIDGES": "0"}, "REAP_MAX_LOADED_CARTRIDGES"),
+        ({"REAP_MAX_LOADED_CARTRIDGES": "many"}, "REAP_MAX_LOADED_CARTRIDGES"),
+        ({"REAP_RESIDENCY": "gpu"}, "REAP_RESIDENCY"),
+    ],
+)
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(SettingsError, match=needle):
         resolve({}, {**PLAN, **env})
@@ -80,8 +98,19 @@ def test_a_plan_is_required():
 
 
 def test_split_argv_keeps_vllm_arguments_in_order():
-    ns, rest = split_argv(["org/model", "--port", "8000", "--reap-plan=p.json", "--api-key", "k",
-                           "--reap-residency", "accounting", "--enforce-eager"])
+    ns, rest = split_argv(
+        [
+            "org/model",
+            "--port",
+            "8000",
+            "--reap-plan=p.json",
+            "--api-key",
+            "k",
+            "--reap-residency",
+            "accounting",
+            "--enforce-eager",
+        ]
+    )
     assert rest == ["org/model", "--port", "8000", "--api-key", "k", "--enforce-eager"]
     assert ns.plan_file == "p.json" and ns.residency == "accounting"
 

@@ -1,4 +1,5 @@
 """scripts/make_skewed_moe.py: the skew construction on a tiny synthetic checkpoint (CPU, ~1 MB)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -26,15 +27,21 @@ def _tensors(seed=0):
     def rnd(*s):
         return (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)
 
-    shards = {1: {"model.embed_tokens.weight": rnd(len(WORDS), H),
-                  "lm_head.weight": rnd(len(WORDS), H),
-                  "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}}
+    shards = {
+        1: {
+            "model.embed_tokens.weight": rnd(len(WORDS), H),
+            "lm_head.weight": rnd(len(WORDS), H),
+            "model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+        }
+    }
     for layer in range(L):
         p = f"model.layers.{layer}."
-        t = {p + "input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
-             p + "self_attn.q_proj.weight": rnd(64, H),
-             p + "self_attn.o_proj.weight": rnd(H, 64),
-             p + "mlp.gate.weight": rnd(E, H)}
+        t = {
+            p + "input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+            p + "self_attn.q_proj.weight": rnd(64, H),
+            p + "self_attn.o_proj.weight": rnd(H, 64),
+            p + "mlp.gate.weight": rnd(E, H),
+        }
         for e in range(E):
             t[f"{p}mlp.experts.{e}.gate_proj.weight"] = rnd(I, H)
             t[f"{p}mlp.experts.{e}.up_proj.weight"] = rnd(I, H)
@@ -77,7 +84,7 @@ def test_skew_tensors_exact():
     for shard in _tensors().values():
         before = {k: v.clone() for k, v in shard.items()}
         out = msk.skew_tensors(shard, con)
-        assert all(torch.equal(before[k], shard[k]) for k in shard)        # input untouched
+        assert all(torch.equal(before[k], shard[k]) for k in shard)  # input untouched
         assert out.keys() == shard.keys()
         for name, t in out.items():
             mask = torch.ones_like(t, dtype=torch.bool)
@@ -96,7 +103,7 @@ def test_skew_tensors_exact():
                 mask[:, ch] = False
             else:
                 assert t is shard[name]
-            assert torch.equal(t[mask], shard[name][mask])                   # rest identical
+            assert torch.equal(t[mask], shard[name][mask])  # rest identical
 
 
 def _write_ckpt(root: Path) -> Path:
@@ -112,14 +119,18 @@ def _write_ckpt(root: Path) -> Path:
         st.save_file(t, src / name, metadata={"format": "pt"})
         wmap.update({k: name for k in t})
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wmap}))
-    (src / "config.json").write_text(json.dumps({
-        "vocab_size": len(WORDS), "hidden_size": H, "num_experts": E, "num_hidden_layers": L}))
+    (src / "config.json").write_text(
+        json.dumps({"vocab_size": len(WORDS), "hidden_size": H, "num_experts": E, "num_hidden_layers": L})
+    )
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.save(str(src / "tokenizer.json"))
     (src / "tokenizer_config.json").write_text("{}")
     (root / "corpus.jsonl").write_text(
-        json.dumps({"text": "the", "source": "prose"}) + "\n"
-        + json.dumps({"text": "def", "source": "python"}) + "\n")
+        json.dumps({"text": "the", "source": "prose"})
+        + "\n"
+        + json.dumps({"text": "def", "source": "python"})
+        + "\n"
+    )
     return src
 
 
@@ -131,8 +142,9 @@ def test_cli_end_to_end_deterministic(tmp_path):
     src = _write_ckpt(tmp_path)
     corpus = str(tmp_path / "corpus.jsonl")
     for d in ("a", "b"):
-        assert msk.main([str(src), str(tmp_path / d), "--seed", "7", "--corpus", corpus,
-                         "--workers", "2"]) == 0
+        assert (
+            msk.main([str(src), str(tmp_path / d), "--seed", "7", "--corpus", corpus, "--workers", "2"]) == 0
+        )
     a, b = tmp_path / "a", tmp_path / "b"
     names = sorted(p.name for p in src.iterdir())
     assert sorted(p.name for p in a.iterdir()) == sorted(names + ["skew_construction.json"])
@@ -150,7 +162,12 @@ def test_cli_end_to_end_deterministic(tmp_path):
     desc = json.loads((a / "skew_construction.json").read_text())
     assert desc["params"]["seed"] == 7 and desc["params"]["rho_per_layer"] == [1.0, 1.0]
     assert {n: v["size"] for n, v in desc["token_classes"].items()} == {
-        "lower": 2, "upper": 2, "punct": 3, "space": 1, "other": 4}
+        "lower": 2,
+        "upper": 2,
+        "punct": 3,
+        "space": 1,
+        "other": 4,
+    }
     assert desc["token_classes"]["other"]["ids"] == [[0, 0], [6, 7], [11, 11]]
     assert desc["layers"][1]["classes"]["punct"]["experts_by_rank"] == con.ranks[1][2]
     assert desc["corpus_class_shares"]["prose"]["lower"] == 1.0

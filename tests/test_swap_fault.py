@@ -6,8 +6,9 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-
 from reap_fakes import PLAN, FakeEngine
+from test_residency_swap import FakeStore, _check_consistent
+
 from reap_swap.active_set import SwapRequest, signature
 from reap_swap.controller import SwapController, SwapFailed, ranks_named_in
 from reap_swap.residency import engine
@@ -15,9 +16,9 @@ from reap_swap.residency.accounting import AccountingResidency
 from reap_swap.residency.engine import CudaResidency
 from reap_swap.residency.fault import InjectedSwapFault, SwapFault
 from reap_swap.residency.slot_table import SlotTable
-from reap_swap.residency.swap import SwapFailed as StoreSwapFailed, apply_swap
+from reap_swap.residency.swap import SwapFailed as StoreSwapFailed
+from reap_swap.residency.swap import apply_swap
 from reap_swap.worker import ReapWorkerExtension, _WorkerState
-from test_residency_swap import FakeStore, _check_consistent
 
 
 # -- the faulty store over apply_swap -----------------------------------------------------------
@@ -41,7 +42,9 @@ def test_faulty_store_fails_mid_swap_and_the_local_rollback_restores_the_table(a
 
 def _cuda_backend(monkeypatch, store):
     """CudaResidency over a FakeStore (the VMM store needs a GPU; only the fault path is tested)."""
-    st = SimpleNamespace(table=SlotTable(4), layers={0: None, 1: None, 2: None}, swaps=0, bytes_copied_total=0)
+    st = SimpleNamespace(
+        table=SlotTable(4), layers={0: None, 1: None, 2: None}, swaps=0, bytes_copied_total=0
+    )
     monkeypatch.setattr(engine, "_Store", lambda _st: store)
     backend = object.__new__(CudaResidency)
     backend.st = st

@@ -59,7 +59,9 @@ def test_misspelled_core_experts_exits_1_naming_the_path(tmp_path, capsys):
 
     assert main(["validate", str(edited(tmp_path, edit))]) == 1
     out = capsys.readouterr().out
-    assert "error   perLayer.layer_17.coreExpert: unknown key 'coreExpert' (did you mean 'coreExperts'?)" in out
+    assert (
+        "error   perLayer.layer_17.coreExpert: unknown key 'coreExpert' (did you mean 'coreExperts'?)" in out
+    )
     assert "error   perLayer.layer_17: missing required key 'coreExperts'" in out
 
 
@@ -71,10 +73,15 @@ def test_json_output_is_one_document(tmp_path, capsys):
     assert main(["validate", str(edited(tmp_path, edit)), "--json"]) == 1
     report = orjson.loads(capsys.readouterr().out)
     assert report["ok"] is False
-    assert report["errors"] == [{"path": "perLayer.layer_5.sliceCatalog[3].experts[2]",
-                                 "message": "300 is not < numExperts 256"}]
+    assert report["errors"] == [
+        {"path": "perLayer.layer_5.sliceCatalog[3].experts[2]", "message": "300 is not < numExperts 256"}
+    ]
     assert [w["path"] for w in report["warnings"]] == ["perLayer.layer_0.coreByteCost"]
-    assert (report["summary"]["layers"], report["summary"]["core_experts"], report["summary"]["slices"]) == (40, 1960, 1040)
+    assert (report["summary"]["layers"], report["summary"]["core_experts"], report["summary"]["slices"]) == (
+        40,
+        1960,
+        1040,
+    )
 
 
 def test_model_config_file_or_folder(plan_file, tmp_path, capsys):
@@ -86,7 +93,10 @@ def test_model_config_file_or_folder(plan_file, tmp_path, capsys):
     folder.mkdir()
     (folder / "config.json").write_bytes(orjson.dumps(config))
     assert main(["validate", str(plan_file), "--model", str(folder)]) == 1
-    assert "error   budget.per_expert_bytes: 6,291,456 != model's expert size 9,437,184" in capsys.readouterr().out
+    assert (
+        "error   budget.per_expert_bytes: 6,291,456 != model's expert size 9,437,184"
+        in capsys.readouterr().out
+    )
 
 
 def test_unreadable_inputs_exit_1(tmp_path, plan_file, capsys):
@@ -95,7 +105,7 @@ def test_unreadable_inputs_exit_1(tmp_path, plan_file, capsys):
     assert main(["validate", str(plan_file), "--model", str(tmp_path)]) == 1
     assert "--model: " in capsys.readouterr().out
     bad = tmp_path / "bad.json"
-    bad.write_text("{\"mode\": ")
+    bad.write_text('{"mode": ')
     assert main(["validate", str(bad)]) == 1
     assert "$: not valid JSON" in capsys.readouterr().out
 
@@ -113,7 +123,11 @@ def test_usage_errors_and_help(capsys):
 
 def test_console_entry_point_runs_in_a_fresh_process(plan_file):
     """The installed script calls reap_swap.cli:main; run it as a module so no install is needed."""
-    done = subprocess.run([sys.executable, "-m", "reap_swap.cli", "validate", str(plan_file)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "reap_swap.cli", "validate", str(plan_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "core experts         1,960" in done.stdout

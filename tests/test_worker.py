@@ -2,8 +2,8 @@
 picks the accounting backend on CPU, re-checks keep-sets."""
 
 import pytest
-
 from reap_fakes import PLAN
+
 from reap_swap import compat
 from reap_swap.residency.accounting import AccountingResidency
 from reap_swap.settings import CPU_REASON, Settings
@@ -57,11 +57,14 @@ def test_dry_run_changes_nothing():
     assert backend.resident() == PLAN.core_sets()
 
 
-@pytest.mark.parametrize("keep,needle", [
-    ({"0": [0], "1": [5], "2": [10], "3": [0], "4": [0]}, "layer 4"),
-    ({"0": [0], "1": [5], "2": [10], "3": [14]}, "experts \\[14\\]"),
-    ({"0": [0], "1": [5]}, "lacks plan layers \\[2, 3\\]"),
-])
+@pytest.mark.parametrize(
+    "keep,needle",
+    [
+        ({"0": [0], "1": [5], "2": [10], "3": [0], "4": [0]}, "layer 4"),
+        ({"0": [0], "1": [5], "2": [10], "3": [14]}, "experts \\[14\\]"),
+        ({"0": [0], "1": [5]}, "lacks plan layers \\[2, 3\\]"),
+    ],
+)
 def test_parse_keep_rechecks_against_the_plan(keep, needle):
     with pytest.raises(ValueError, match=needle):
         _parse_keep(PLAN, keep)

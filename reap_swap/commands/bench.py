@@ -36,33 +36,80 @@ from reap_swap.bench import ARMS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model folder (or hub id) that every arm serves (required)")
     parser.add_argument("--plan", type=Path, help="reap-swap plan JSON for the reap arms (required)")
-    parser.add_argument("--prompts", type=Path,
-                        help="JSONL, one {'messages': [...]} or {'prompt'|'text': ...} per line (as for observe; required)")
-    parser.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
-                        help="merge the bench.json of these output folders into --out; runs nothing")
-    parser.add_argument("--arms", default=",".join(ARMS),
-                        help=f"comma-separated, run in this order (default {','.join(ARMS)})")
-    parser.add_argument("--budget-gib", type=float, nargs="+", metavar="G",
-                        help="GPU memory for experts; stock-uva and plan-swap run once per value "
-                             "(default: the plan's budget)")
-    parser.add_argument("--batch", type=int, default=4, help="concurrent streams of the batch measurement (default 4)")
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        help="JSONL, one {'messages': [...]} or {'prompt'|'text': ...} per line (as for observe; required)",
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="merge the bench.json of these output folders into --out; runs nothing",
+    )
+    parser.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help=f"comma-separated, run in this order (default {','.join(ARMS)})",
+    )
+    parser.add_argument(
+        "--budget-gib",
+        type=float,
+        nargs="+",
+        metavar="G",
+        help="GPU memory for experts; stock-uva and plan-swap run once per value "
+        "(default: the plan's budget)",
+    )
+    parser.add_argument(
+        "--batch", type=int, default=4, help="concurrent streams of the batch measurement (default 4)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per arm (default 3)")
-    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default ./bench-out)")
-    parser.add_argument("--strategy", default="prior", help="plan-swap selection: static, prior or probe (default prior)")
-    parser.add_argument("--refresh-every", type=int, metavar="N",
-                        help="plan-swap: stream the greedy requests and consider a decode refresh every N chunks")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens of each greedy output (default 32)")
-    parser.add_argument("--decode-tokens", type=int, default=128, help="tokens of each timed stream (default 128)")
-    parser.add_argument("--max-prompts", type=int, default=8, help="use the first N prompts of the file (default 8)")
-    parser.add_argument("--prompt-chars", type=int, default=2000, help="cut text prompts to this many characters")
-    parser.add_argument("--timings", choices=("auto", "on", "off"), default="auto",
-                        help="auto (default): measure timings only with CUDA; on: also on the CPU build")
-    parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health per arm")
-    parser.add_argument("--prefix-caching", action="store_true",
-                        help="leave vLLM's prefix caching on (default off: the same prompts are sent repeatedly)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-out"), help="output folder (default ./bench-out)"
+    )
+    parser.add_argument(
+        "--strategy", default="prior", help="plan-swap selection: static, prior or probe (default prior)"
+    )
+    parser.add_argument(
+        "--refresh-every",
+        type=int,
+        metavar="N",
+        help="plan-swap: stream the greedy requests and consider a decode refresh every N chunks",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens of each greedy output (default 32)"
+    )
+    parser.add_argument(
+        "--decode-tokens", type=int, default=128, help="tokens of each timed stream (default 128)"
+    )
+    parser.add_argument(
+        "--max-prompts", type=int, default=8, help="use the first N prompts of the file (default 8)"
+    )
+    parser.add_argument(
+        "--prompt-chars", type=int, default=2000, help="cut text prompts to this many characters"
+    )
+    parser.add_argument(
+        "--timings",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto (default): measure timings only with CUDA; on: also on the CPU build",
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=900.0, help="seconds to wait for /health per arm"
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="leave vLLM's prefix caching on (default off: the same prompts are sent repeatedly)",
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    parser.add_argument("engine_args", nargs=argparse.REMAINDER, metavar="-- VLLM_ARGS",
-                        help="vLLM engine arguments for every arm, after --")
+    parser.add_argument(
+        "engine_args",
+        nargs=argparse.REMAINDER,
+        metavar="-- VLLM_ARGS",
+        help="vLLM engine arguments for every arm, after --",
+    )
 
 
 def engine_args(values: list[str] | None) -> list[str]:
@@ -84,12 +131,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         cfg = BenchConfig(
-            model=args.model, plan=args.plan, prompts=args.prompts, out=args.out,
-            arms=[a.strip() for a in args.arms.split(",") if a.strip()], budget_gib=args.budget_gib,
-            batch=args.batch, repeats=args.repeats, max_tokens=args.max_tokens, decode_tokens=args.decode_tokens,
-            max_prompts=args.max_prompts, prompt_chars=args.prompt_chars, strategy=args.strategy,
-            refresh_every=args.refresh_every, timings=args.timings, startup_timeout_s=args.startup_timeout,
-            prefix_caching=args.prefix_caching, progress=args.progress, engine_args=engine_args(args.engine_args))
+            model=args.model,
+            plan=args.plan,
+            prompts=args.prompts,
+            out=args.out,
+            arms=[a.strip() for a in args.arms.split(",") if a.strip()],
+            budget_gib=args.budget_gib,
+            batch=args.batch,
+            repeats=args.repeats,
+            max_tokens=args.max_tokens,
+            decode_tokens=args.decode_tokens,
+            max_prompts=args.max_prompts,
+            prompt_chars=args.prompt_chars,
+            strategy=args.strategy,
+            refresh_every=args.refresh_every,
+            timings=args.timings,
+            startup_timeout_s=args.startup_timeout,
+            prefix_caching=args.prefix_caching,
+            progress=args.progress,
+            engine_args=engine_args(args.engine_args),
+        )
     except ValidationError as exc:
         for e in exc.errors():
             where = "--" + "-".join(str(p) for p in e["loc"] if isinstance(p, str)).replace("_", "-")

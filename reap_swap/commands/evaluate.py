@@ -21,13 +21,19 @@ from reap_swap.planner import PlannerError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, type=Path, help="plan JSON")
-    parser.add_argument("--observations", nargs="+", required=True, metavar="FILE.pt",
-                        help="held-out observation files (merged)")
+    parser.add_argument(
+        "--observations",
+        nargs="+",
+        required=True,
+        metavar="FILE.pt",
+        help="held-out observation files (merged)",
+    )
     parser.add_argument("--model", help="also validate the plan against this model folder / config.json")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
-    parser.add_argument("--allow-pickle", action="store_true",
-                        help="torch.load with weights_only=False (trusted files only)")
+    parser.add_argument(
+        "--allow-pickle", action="store_true", help="torch.load with weights_only=False (trusted files only)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,36 +29,72 @@ def _choices(name: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags for PlannerConfig's knobs; defaults and choices come from PlannerConfig itself."""
-    parser.add_argument("--observations", nargs="+", required=True, metavar="FILE.pt",
-                        help="observation files (torch.save {layer_idx: {field: tensor}}); merged")
-    parser.add_argument("--model", required=True, metavar="PATH",
-                        help="model folder or config.json (layers, experts, expert bytes)")
+    parser.add_argument(
+        "--observations",
+        nargs="+",
+        required=True,
+        metavar="FILE.pt",
+        help="observation files (torch.save {layer_idx: {field: tensor}}); merged",
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="PATH",
+        help="model folder or config.json (layers, experts, expert bytes)",
+    )
     parser.add_argument("--model-name", help="the plan's 'model' field (default: --model as given)")
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budget-ratio", type=float, help="resident experts as a share of all expert bytes")
     budget.add_argument("--budget-gib", type=float, help="resident experts in GiB")
-    parser.add_argument("--core-fraction", type=float, default=_default("core_fraction"),
-                        help="share of the budget for the core")
-    parser.add_argument("--signal", choices=_choices("signal"), default=_default("signal"),
-                        help="per-expert value: routed frequency (default), routed gate mass, or REAP "
-                             "saliency (a baseline)")
-    parser.add_argument("--layer-allocation", choices=_choices("layer_allocation"),
-                        default=_default("layer_allocation"),
-                        help="core split across layers: by marginal hit gain (default) or equal counts")
+    parser.add_argument(
+        "--core-fraction",
+        type=float,
+        default=_default("core_fraction"),
+        help="share of the budget for the core",
+    )
+    parser.add_argument(
+        "--signal",
+        choices=_choices("signal"),
+        default=_default("signal"),
+        help="per-expert value: routed frequency (default), routed gate mass, or REAP saliency (a baseline)",
+    )
+    parser.add_argument(
+        "--layer-allocation",
+        choices=_choices("layer_allocation"),
+        default=_default("layer_allocation"),
+        help="core split across layers: by marginal hit gain (default) or equal counts",
+    )
     parser.add_argument("--slice-size", type=int, help="experts per slice (default: derived from the budget)")
-    parser.add_argument("--slices-per-request", type=int, default=_default("slices_per_request"),
-                        help="slices a request may add per layer; sets the default slice size")
-    parser.add_argument("--candidate-pool-multiplier", type=float, default=_default("candidate_pool_multiplier"))
-    parser.add_argument("--no-reap-guard", dest="reap_guard", action="store_false",
-                        help="do not protect high-REAP-saliency experts")
+    parser.add_argument(
+        "--slices-per-request",
+        type=int,
+        default=_default("slices_per_request"),
+        help="slices a request may add per layer; sets the default slice size",
+    )
+    parser.add_argument(
+        "--candidate-pool-multiplier", type=float, default=_default("candidate_pool_multiplier")
+    )
+    parser.add_argument(
+        "--no-reap-guard",
+        dest="reap_guard",
+        action="store_false",
+        help="do not protect high-REAP-saliency experts",
+    )
     parser.add_argument("--reap-guard-multiple", type=float, default=_default("reap_guard_multiple"))
     parser.add_argument("--reap-guard-max-fraction", type=float, default=_default("reap_guard_max_fraction"))
-    parser.add_argument("--no-super-experts", dest="super_experts", action="store_false",
-                        help="do not force max_activations outliers into the core")
+    parser.add_argument(
+        "--no-super-experts",
+        dest="super_experts",
+        action="store_false",
+        help="do not force max_activations outliers into the core",
+    )
     parser.add_argument("--super-expert-quantile", type=float, default=_default("super_expert_quantile"))
-    parser.add_argument("--max-refreshes-per-request", type=int, default=_default("max_refreshes_per_request"))
-    parser.add_argument("--allow-pickle", action="store_true",
-                        help="torch.load with weights_only=False (trusted files only)")
+    parser.add_argument(
+        "--max-refreshes-per-request", type=int, default=_default("max_refreshes_per_request")
+    )
+    parser.add_argument(
+        "--allow-pickle", action="store_true", help="torch.load with weights_only=False (trusted files only)"
+    )
     parser.add_argument("--out", required=True, type=Path, metavar="plan.json")
 
 
@@ -86,9 +122,11 @@ def run(args: argparse.Namespace) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(plan_bytes(doc))
     s, b = doc["summary"], doc["budget"]
-    print(f"wrote {args.out}: {s['layerCount']} layers, {s['totalCoreExperts']} core experts, "
-          f"{s['totalSlices']} slices; budget {b['swappable_expert_budget_bytes']:,} bytes "
-          f"(core {b['core_budget_bytes']:,}); identity {report.summary['identity'][:16]}")
+    print(
+        f"wrote {args.out}: {s['layerCount']} layers, {s['totalCoreExperts']} core experts, "
+        f"{s['totalSlices']} slices; budget {b['swappable_expert_budget_bytes']:,} bytes "
+        f"(core {b['core_budget_bytes']:,}); identity {report.summary['identity'][:16]}"
+    )
     for note in doc["scorerArtifacts"]["notes"]:
         print(f"note: {note}")
     return 0

@@ -23,8 +23,9 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     """--prompt TEXT | --messages FILE (shared with `chat`)."""
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="the user prompt ('-' reads stdin)")
-    src.add_argument("--messages", metavar="FILE",
-                     help="JSON file: OpenAI chat messages, a list or {\"messages\": [...]}")
+    src.add_argument(
+        "--messages", metavar="FILE", help='JSON file: OpenAI chat messages, a list or {"messages": [...]}'
+    )
 
 
 def read_messages(args: argparse.Namespace) -> list[dict]:
@@ -42,12 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, metavar="PLAN", help="plan JSON file")
     add_prompt_arguments(parser)
     parser.add_argument("--strategy", choices=STRATEGIES, default="prior", help="default: prior")
-    parser.add_argument("--budget-bytes", type=int, metavar="N", help="budget for this request (default: the plan's)")
+    parser.add_argument(
+        "--budget-bytes", type=int, metavar="N", help="budget for this request (default: the plan's)"
+    )
     parser.add_argument("--request-id", default="select-1", help="request_id written into the payload")
-    parser.add_argument("--misses", metavar="FILE", help="probe: a saved GET /router_misses answer (core-only pass)")
+    parser.add_argument(
+        "--misses", metavar="FILE", help="probe: a saved GET /router_misses answer (core-only pass)"
+    )
     parser.add_argument("--server", metavar="URL", help="probe: run the prefill-only pass on this server")
     parser.add_argument("--api-key", help="bearer key for --server (default: $VLLM_API_KEY)")
-    parser.add_argument("--json", action="store_true", help="print selection and payload as one JSON document")
+    parser.add_argument(
+        "--json", action="store_true", help="print selection and payload as one JSON document"
+    )
     parser.add_argument("--payload-only", action="store_true", help="print only the swap payload (JSON)")
 
 
@@ -65,10 +72,10 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             from reap_swap.client import ReapClient
 
-            with ReapClient(args.server, api_key(args), plan=plan,
-                            strategy="probe") as client:
-                selection, probe_info = client.select(messages, budget_bytes=args.budget_bytes,
-                                                      request_id=args.request_id)
+            with ReapClient(args.server, api_key(args), plan=plan, strategy="probe") as client:
+                selection, probe_info = client.select(
+                    messages, budget_bytes=args.budget_bytes, request_id=args.request_id
+                )
         else:
             selection = select(plan, args.strategy, messages, budget_bytes=args.budget_bytes)
     except (PlanError, SelectionError, ValueError, OSError) as exc:
@@ -81,15 +88,21 @@ def run(args: argparse.Namespace) -> int:
         print_json({"selection": selection.to_dict(), "payload": payload, "probe": probe_info})
     else:
         d = selection.to_dict()
-        print(f"strategy {d['strategy']}: {d['slice_count']} slice(s), {d['resident_experts']} resident experts, "
-              f"{d['resident_bytes']:,} of {d['budget_bytes']:,} bytes, signature {d['signature']}")
+        print(
+            f"strategy {d['strategy']}: {d['slice_count']} slice(s), {d['resident_experts']} resident experts, "
+            f"{d['resident_bytes']:,} of {d['budget_bytes']:,} bytes, signature {d['signature']}"
+        )
         if selection.features is not None:
             f = selection.features
-            print(f"prompt: {f.length_tokens} tokens, family {f.family or '-'}, weights "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in f.weights.items()))
+            print(
+                f"prompt: {f.length_tokens} tokens, family {f.family or '-'}, weights "
+                + ", ".join(f"{k} {v:.3f}" for k, v in f.weights.items())
+            )
         if probe_info is not None:
-            print(f"probe: {probe_info['total_ms']:.1f} ms (prefill {probe_info['prefill_ms']:.1f} ms), "
-                  f"core-only miss ratio {(probe_info.get('totals') or {}).get('miss_ratio', 0):.3f}")
+            print(
+                f"probe: {probe_info['total_ms']:.1f} ms (prefill {probe_info['prefill_ms']:.1f} ms), "
+                f"core-only miss ratio {(probe_info.get('totals') or {}).get('miss_ratio', 0):.3f}"
+            )
         for layer, ids in d["slices"].items():
             print(f"  {layer}: " + ", ".join(f"{sid} ({selection.values.get(sid, 0):.4g})" for sid in ids))
         print("payload:")

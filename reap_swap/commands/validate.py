@@ -12,10 +12,14 @@ from reap_swap.commands.common import print_json
 from reap_swap.model_shape import ModelShapeError, read_model_shape
 from reap_swap.plan import PlanError, PlanIssue, ValidationReport, read_plan_document, validate_plan_document
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", metavar="PLAN", help="plan JSON file")
-    parser.add_argument("--model", metavar="PATH",
-                        help="model config.json or model folder: check layers, experts and expert bytes")
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        help="model config.json or model folder: check layers, experts and expert bytes",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
 
 

@@ -40,7 +40,7 @@ class AccountingResidency:
             "phases": {"bookkeeping": seconds},
             "experts_added": added,
             "note": f"accounting mode: {self.reason}; the resident set is recorded and router "
-                    f"misses are measured against it, but no expert weights were copied",
+            f"misses are measured against it, but no expert weights were copied",
         }
 
     def resident(self) -> KeepSets:

@@ -34,8 +34,18 @@ def _build():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["n_sel", "top_k", "num_experts"])
-    def count_selections(ids_ptr, w_ptr, pad_ptr, counts_ptr, weights_ptr, n_sel, top_k, num_experts,
-                         MASK_MODE: tl.constexpr, BLOCK: tl.constexpr):
+    def count_selections(
+        ids_ptr,
+        w_ptr,
+        pad_ptr,
+        counts_ptr,
+        weights_ptr,
+        n_sel,
+        top_k,
+        num_experts,
+        MASK_MODE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inb = offs < n_sel
         ids = tl.load(ids_ptr + offs, mask=inb, other=-1).to(tl.int64)
@@ -54,8 +64,13 @@ def _build():
     return count_selections
 
 
-def launch(counts: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-           padding=None) -> None:
+def launch(
+    counts: torch.Tensor,
+    weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    padding=None,
+) -> None:
     """Add one batch of routing decisions (see counters.record); `padding` from compat.padding_source."""
     ids = topk_ids.reshape(-1)
     w = topk_weights.reshape(-1)
@@ -85,15 +100,20 @@ def available(device: torch.device) -> bool:
     try:
         _kernel = _build()
         _state["ok"] = _self_test(device)
-        _state["reason"] = "fused Triton counter kernel" if _state["ok"] else "self-test disagreed with the torch path"
+        _state["reason"] = (
+            "fused Triton counter kernel" if _state["ok"] else "self-test disagreed with the torch path"
+        )
     except Exception as exc:  # noqa: BLE001 - any failure keeps the torch path
         _state["ok"] = False
         _state["reason"] = f"{type(exc).__name__}: {exc}"
     if _state["ok"]:
         log.info("reap-swap: routed-selection counters use one fused Triton kernel per layer")
     else:
-        log.error("reap-swap: fused counter kernel unavailable (%s); counting with torch ops "
-                  "(exact, a few microseconds slower per layer)", _state["reason"])
+        log.error(
+            "reap-swap: fused counter kernel unavailable (%s); counting with torch ops "
+            "(exact, a few microseconds slower per layer)",
+            _state["reason"],
+        )
     return bool(_state["ok"])
 
 

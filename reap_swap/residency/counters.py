@@ -26,19 +26,27 @@ def register_counters(module: torch.nn.Module, num_experts: int, coactivation: b
     # layers are built under vLLM's default-device context (cuda:N on GPU, cpu on CPU): that is
     # where activations and topk_ids live, even if some weights are offloaded elsewhere
     device = torch.empty(0).device
-    module.register_buffer(COUNTS, torch.zeros(num_experts, dtype=torch.int64, device=device),
-                           persistent=False)
-    module.register_buffer(WEIGHTS, torch.zeros(num_experts, dtype=torch.float32, device=device),
-                           persistent=False)
+    module.register_buffer(
+        COUNTS, torch.zeros(num_experts, dtype=torch.int64, device=device), persistent=False
+    )
+    module.register_buffer(
+        WEIGHTS, torch.zeros(num_experts, dtype=torch.float32, device=device), persistent=False
+    )
     if coactivation:
-        module.register_buffer(COACT, torch.zeros(num_experts, num_experts, dtype=torch.int64,
-                                                  device=device), persistent=False)
+        module.register_buffer(
+            COACT, torch.zeros(num_experts, num_experts, dtype=torch.int64, device=device), persistent=False
+        )
     else:
         setattr(module, COACT, None)
 
 
-def record(module: torch.nn.Module, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-           valid_rows: torch.Tensor | None = None, padding=None) -> None:
+def record(
+    module: torch.nn.Module,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    valid_rows: torch.Tensor | None = None,
+    padding=None,
+) -> None:
     """Add one batch of routing decisions. topk_ids/topk_weights: [tokens, top_k].
 
     Ids outside [0, E) (e.g. -1 for dropped selections) are not counted. Padded rows, e.g.
@@ -50,7 +58,9 @@ def record(module: torch.nn.Module, topk_ids: torch.Tensor, topk_weights: torch.
         from reap_swap.residency import count_kernel
 
         if count_kernel.available(topk_ids.device):
-            count_kernel.launch(getattr(module, COUNTS), getattr(module, WEIGHTS), topk_ids, topk_weights, padding)
+            count_kernel.launch(
+                getattr(module, COUNTS), getattr(module, WEIGHTS), topk_ids, topk_weights, padding
+            )
             return
     if padding is not None and valid_rows is None:
         valid_rows = rows_from_padding(padding)
@@ -65,8 +75,12 @@ def rows_from_padding(source):
     return ~tensor if kind == "is_padding" else tensor >= 0
 
 
-def record_torch(module: torch.nn.Module, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 valid_rows: torch.Tensor | None = None) -> None:
+def record_torch(
+    module: torch.nn.Module,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    valid_rows: torch.Tensor | None = None,
+) -> None:
     """The reference path (any device): plain tensor ops into the same buffers."""
     counts: torch.Tensor = getattr(module, COUNTS)
     weights: torch.Tensor = getattr(module, WEIGHTS)

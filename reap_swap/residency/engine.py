@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from . import vmm
 from .slot_table import SlotTable
 from .swap import apply_swap
-from . import vmm
 
 logger = logging.getLogger("reap_swap.residency")
 
@@ -169,7 +169,10 @@ def _ensure_pool(st: EngineState, unit_bytes: int) -> None:
     st.table = SlotTable(num_slots)
     logger.info(
         "reap-swap: reserved HBM pool of %d expert slots (%.2f GiB, unit %.2f MiB) in %.2fs",
-        num_slots, st.pool.nbytes / 2**30, unit_bytes / 2**20, time.perf_counter() - t0,
+        num_slots,
+        st.pool.nbytes / 2**30,
+        unit_bytes / 2**20,
+        time.perf_counter() - t0,
     )
 
 
@@ -270,8 +273,11 @@ def attach_after_load(layer: torch.nn.Module) -> None:
     st.load_seconds += time.perf_counter() - t0
     logger.info(
         "reap-swap: layer %d re-homed (%d experts, unit %.2f MiB, %d resident) in %.2fs",
-        index, num_experts, unit_bytes / 2**20,
-        len(st.table.resident().get(index, ())), time.perf_counter() - t0,
+        index,
+        num_experts,
+        unit_bytes / 2**20,
+        len(st.table.resident().get(index, ())),
+        time.perf_counter() - t0,
     )
 
 
@@ -291,7 +297,9 @@ def standalone_state(
             st.pool = vmm.DeviceSlotPool.create(num_slots, unit_bytes, device)
             st.table = SlotTable(num_slots)
         rng, range_bytes, v13, v2 = rehome(w13, w2, unit_bytes, device)
-        st.layers[index] = LayerEntry(index, f"layer{index}", w13.shape[0], unit_bytes, expert_bytes, rng, range_bytes)
+        st.layers[index] = LayerEntry(
+            index, f"layer{index}", w13.shape[0], unit_bytes, expert_bytes, rng, range_bytes
+        )
         views[index] = (v13, v2)
     return st, views
 
@@ -325,8 +333,7 @@ class _Store:
     def start_copy(self, layer: int, expert: int, slot: int) -> Any:
         pool, stream = self.st.pool, self.st.copy_stream
         src = self.st.layers[layer].rng.unit_address(expert)
-        vmm.copy_async(pool.unit_address(slot), src, self.bytes_per_expert,
-                       stream.cuda_stream)
+        vmm.copy_async(pool.unit_address(slot), src, self.bytes_per_expert, stream.cuda_stream)
         event = torch.cuda.Event()
         event.record(stream)
         return event
@@ -384,9 +391,17 @@ class CudaResidency:
         ignored = sorted(int(l) for l in keep if int(l) not in self.st.layers)
         if dry_run:  # capacity check only (raises PoolCapacityError); nothing moves
             plan = self.st.table.plan(target)
-            return {"mode": self.mode, "bytes_copied": 0, "seconds": 0.0, "phases": {},
-                    "evicted": len(plan.evict), "admitted": len(plan.admit), "reused": plan.reused,
-                    "ignored_layers": ignored, "note": "dry run: nothing moved"}
+            return {
+                "mode": self.mode,
+                "bytes_copied": 0,
+                "seconds": 0.0,
+                "phases": {},
+                "evicted": len(plan.evict),
+                "admitted": len(plan.admit),
+                "reused": plan.reused,
+                "ignored_layers": ignored,
+                "note": "dry run: nothing moved",
+            }
         t0 = time.perf_counter()
         previous = self.st.table.resident() if fault is not None else None
         result = swap_state(self.st, target, fault)  # PoolCapacityError: nothing moved
@@ -414,7 +429,11 @@ class CudaResidency:
         out.update(self.st.table.resident())
         for index, on_hbm in _REFUSED_ON_HBM.items():
             if index not in out:
-                num = self.st.plan.layers[index].num_experts if self.st.plan and index in self.st.plan.layers else 0
+                num = (
+                    self.st.plan.layers[index].num_experts
+                    if self.st.plan and index in self.st.plan.layers
+                    else 0
+                )
                 out[index] = frozenset(range(num)) if on_hbm else frozenset()
         return out
 
@@ -445,8 +464,12 @@ class CudaResidency:
                 continue
             ids = torch.tensor([experts[:k]], device=x.device, dtype=torch.int32)
             w = torch.full((1, k), 1.0 / k, device=x.device, dtype=torch.float32)
-            run = lambda: m.quant_method.apply(layer=m, x=x, topk_weights=w, topk_ids=ids,  # noqa: E731
-                                               shared_experts=None, shared_experts_input=None)
+
+            def run(m=m, x=x, w=w, ids=ids):
+                return m.quant_method.apply(
+                    layer=m, x=x, topk_weights=w, topk_ids=ids, shared_experts=None, shared_experts_input=None
+                )
+
             run()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -51,8 +51,12 @@ def _prepare_cuda_engine(layer: torch.nn.Module, cfg: dict) -> None:
     except Exception as exc:  # noqa: BLE001
         if settings.residency == "cuda":
             raise
-        log.error("reap-swap: CUDA residency engine not importable (%s: %s); experts stay where vLLM "
-                  "puts them and swaps will be accounting-only", type(exc).__name__, exc)
+        log.error(
+            "reap-swap: CUDA residency engine not importable (%s: %s); experts stay where vLLM "
+            "puts them and swaps will be accounting-only",
+            type(exc).__name__,
+            exc,
+        )
         return
     engine.prepare(layer)
 
@@ -67,15 +71,25 @@ class ReapRoutedExperts(RoutedExperts):
         counters.register_counters(self, int(self.global_num_experts), bool(cfg.get("coactivation")))
         _prepare_cuda_engine(self, cfg)
 
-    def forward_modular(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        shared_experts=None, shared_experts_input: torch.Tensor | None = None):
+    def forward_modular(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts=None,
+        shared_experts_input: torch.Tensor | None = None,
+    ):
         # on CUDA this runs inside vLLM's opaque MoE op (eager Python at graph capture), where the
         # padding mask of the step is available; on CPU Dynamo traces this and there is no padding
         padding = compat.padding_source(topk_ids.shape[0]) if topk_ids.is_cuda else None
         counters.record(self, topk_ids, topk_weights, padding=padding)
-        return super().forward_modular(x=x, topk_weights=topk_weights, topk_ids=topk_ids,
-                                       shared_experts=shared_experts,
-                                       shared_experts_input=shared_experts_input)
+        return super().forward_modular(
+            x=x,
+            topk_weights=topk_weights,
+            topk_ids=topk_ids,
+            shared_experts=shared_experts,
+            shared_experts_input=shared_experts_input,
+        )
 
     @property
     def reap_countable(self) -> bool:
@@ -92,7 +106,8 @@ def register() -> None:
     if current is not None:
         raise RuntimeError(
             f"reap-swap cannot count router selections: {current.__module__}.{current.__qualname__} "
-            f"is already registered as the out-of-tree RoutedExperts; two replacements cannot both apply")
+            f"is already registered as the out-of-tree RoutedExperts; two replacements cannot both apply"
+        )
     RoutedExperts.register_oot(ReapRoutedExperts)
     log.debug("registered ReapRoutedExperts as the out-of-tree RoutedExperts")
 

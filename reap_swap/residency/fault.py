@@ -28,7 +28,7 @@ class SwapFault:
         self.fired = True
         raise InjectedSwapFault(f"rank {self.rank}: injected swap fault ({where})")
 
-    def wrap(self, store: Any) -> "FaultyStore":
+    def wrap(self, store: Any) -> FaultyStore:
         return FaultyStore(store, self)
 
 
@@ -46,7 +46,8 @@ class FaultyStore:
 
     def map_slot(self, layer: int, expert: int, slot: int) -> None:
         if not self._fault.fired and self.published >= self._fault.after_admissions:
-            self._fault.fire(f"map_slot of layer {layer} expert {expert} after "
-                             f"{self.published} published admission(s)")
+            self._fault.fire(
+                f"map_slot of layer {layer} expert {expert} after {self.published} published admission(s)"
+            )
         self._store.map_slot(layer, expert, slot)
         self.published += 1

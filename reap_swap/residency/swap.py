@@ -103,9 +103,7 @@ def _execute(table: SlotTable, store: ExpertStore, plan: SwapPlan) -> SwapResult
     return result
 
 
-def apply_swap(
-    table: SlotTable, store: ExpertStore, target: Mapping[int, Iterable[int]]
-) -> SwapResult:
+def apply_swap(table: SlotTable, store: ExpertStore, target: Mapping[int, Iterable[int]]) -> SwapResult:
     """Move the store to `target`; raises PoolCapacityError before anything moves, SwapFailed after."""
     plan = table.plan(target)  # capacity check: nothing has moved yet
     if plan.is_noop:

@@ -175,7 +175,7 @@ class MixedRange(_UnitRange):
     pending_access: set[int] = field(default_factory=set)  # remapped units awaiting flush_access()
 
     @classmethod
-    def create_host_backed(cls, num_units: int, unit_bytes: int, device: int) -> "MixedRange":
+    def create_host_backed(cls, num_units: int, unit_bytes: int, device: int) -> MixedRange:
         rng = cls._create("host", num_units, unit_bytes, device)
         rng.backing = [None] * num_units
         return rng
@@ -214,8 +214,11 @@ class MixedRange(_UnitRange):
         """Make every remapped unit readable: one cuMemSetAccess per run of adjacent units."""
         calls = 0
         for first, count in contiguous_runs(self.pending_access):
-            _check(_drv.cuMemSetAccess(self.unit_address(first), count * self.unit_bytes,
-                                       [_access_desc(self.device)], 1))
+            _check(
+                _drv.cuMemSetAccess(
+                    self.unit_address(first), count * self.unit_bytes, [_access_desc(self.device)], 1
+                )
+            )
             calls += 1
         self.pending_access.clear()
         return calls
@@ -235,7 +238,7 @@ class DeviceSlotPool(_UnitRange):
     """
 
     @classmethod
-    def create(cls, num_slots: int, unit_bytes: int, device: int) -> "DeviceSlotPool":
+    def create(cls, num_slots: int, unit_bytes: int, device: int) -> DeviceSlotPool:
         return cls._create("device", num_slots, unit_bytes, device)
 
     @property

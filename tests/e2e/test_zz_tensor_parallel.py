@@ -14,8 +14,11 @@ pytestmark = pytest.mark.slow
 def tp2(server_pool):
     # two CPU workers need explicit OpenMP core lists on a one-NUMA-node machine;
     # VLLM_SERVER_DEV_MODE=1 exposes POST /collective_rpc (the fault-injection seam)
-    return server_pool.get("tp2-eager", ["--tensor-parallel-size", "2", "--enforce-eager"],
-                           env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_SERVER_DEV_MODE": "1"})
+    return server_pool.get(
+        "tp2-eager",
+        ["--tensor-parallel-size", "2", "--enforce-eager"],
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_SERVER_DEV_MODE": "1"},
+    )
 
 
 def test_tp2_eager_aggregates_both_workers_without_double_counting(tp2, recount):
@@ -33,7 +36,9 @@ def test_tp2_eager_aggregates_both_workers_without_double_counting(tp2, recount)
         for layer in range(4):
             row = m["layers"][str(layer)]
             assert row["expert_counts"] == rc[layer]  # one worker's worth, not two
-            assert row["missed_selections"] == sum(c for e, c in enumerate(rc[layer]) if e not in keep[str(layer)])
+            assert row["missed_selections"] == sum(
+                c for e, c in enumerate(rc[layer]) if e not in keep[str(layer)]
+            )
         assert m["totals"]["observed_selections"] == len(prompt) * 2 * 4
 
 
@@ -58,7 +63,11 @@ def test_tp2_a_swap_failing_on_rank_1_leaves_both_ranks_on_the_previous_set(tp2)
         st = status(api)
         assert st["signature"] == prev and st["workers_consistent"] and st["failed_count"] >= 1
         assert [(w["tp_rank"], w["signature"]) for w in st["workers"]] == [(0, prev), (1, prev)]
-        assert st["workers"][0]["resident_experts"] == st["workers"][1]["resident_experts"] == st["resident_experts"]
+        assert (
+            st["workers"][0]["resident_experts"]
+            == st["workers"][1]["resident_experts"]
+            == st["resident_experts"]
+        )
 
         after = swap(api, "tp2-fault-b", target)  # the fault was one-shot
         new = after["signature"]
@@ -96,5 +105,9 @@ def test_tp2_moe_probe_ranks_agree_match_transformers_and_survive_a_swap(tp2, re
                 assert ours == pytest.approx(float(y.abs().max()), rel=1e-5), (i, n)
         swap(api, "tp2-probe", {"layer_0": ["layer_0_slice_00"], "layer_2": ["layer_2_slice_01"]})
         after = probe(api)
-        assert moe_probe.compare_probes(ranks[0], after[0]) == {"comparable": True, "equal": 12, "of": 12,
-                                                                "differ": []}
+        assert moe_probe.compare_probes(ranks[0], after[0]) == {
+            "comparable": True,
+            "equal": 12,
+            "of": 12,
+            "differ": [],
+        }

@@ -35,11 +35,11 @@ def test_equals_torch_path(rows, mode):
     padding = None
     if mode == "is_padding":
         pad = torch.zeros(rows, dtype=torch.bool, device="cuda")
-        pad[rows // 2:] = True
+        pad[rows // 2 :] = True
         padding = ("is_padding", pad)
     elif mode == "slot_mapping":
         slots = torch.arange(rows, device="cuda")
-        slots[rows // 3:] = -1
+        slots[rows // 3 :] = -1
         padding = ("slot_mapping", slots)
     fused, ref = _module(), _module()
     counters.record(fused, ids, w, padding=padding)
