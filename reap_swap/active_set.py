@@ -20,7 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from reap_swap.lru import DEFAULT_MAX_ENTRIES, LRUDict
 from reap_swap.plan import Plan, canonical_json, format_ranges
 
-KeepSets = dict[int, frozenset[int]]  # resident experts per plan layer
+ResidentSets = dict[
+    int, frozenset[int]
+]  # the resident set: experts in HBM per plan layer (glossary: docs/architecture.md)
 _LAYER = re.compile(r"^(?:layer_)?([0-9]+)$")
 
 
@@ -109,16 +111,16 @@ def normalize_active_set(
     return {index: frozenset(ids) for index, ids in requested.items()}
 
 
-def keep_sets(plan: Plan, requested: Mapping[int, frozenset[int]]) -> KeepSets:
+def resident_sets(plan: Plan, requested: Mapping[int, frozenset[int]]) -> ResidentSets:
     """Dense: every plan layer, its core plus whatever was requested there."""
     return {index: layer.core | requested.get(index, frozenset()) for index, layer in plan.layers.items()}
 
 
-def resident_bytes(plan: Plan, keep: KeepSets) -> int:
+def resident_bytes(plan: Plan, keep: ResidentSets) -> int:
     return sum(len(ids) for ids in keep.values()) * plan.per_expert_bytes
 
 
-def check_budget(plan: Plan, keep: KeepSets, budget_bytes: int | None) -> int:
+def check_budget(plan: Plan, keep: ResidentSets, budget_bytes: int | None) -> int:
     """Returns the budget applied (the request's, else the plan's); raises BudgetExceeded.
 
     A request may lower the budget, never raise it: the HBM pool is reserved at startup for the
@@ -137,7 +139,7 @@ def check_budget(plan: Plan, keep: KeepSets, budget_bytes: int | None) -> int:
     return budget
 
 
-def signature(keep: KeepSets) -> str:
+def signature(keep: ResidentSets) -> str:
     """16 hex chars of SHA-256 over [[layer, sorted ids], ...] sorted by layer."""
     canonical = [[int(layer), sorted(ids)] for layer, ids in sorted(keep.items())]
     return hashlib.sha256(canonical_json(canonical)).hexdigest()[:16]
@@ -150,7 +152,7 @@ class LayerDelta:
     reused: tuple[int, ...]
 
 
-def delta(old: KeepSets, new: KeepSets) -> dict[int, LayerDelta]:
+def delta(old: ResidentSets, new: ResidentSets) -> dict[int, LayerDelta]:
     """Per layer (union of both), what a swap must copy in, may evict, and keeps."""
     out = {}
     for layer in sorted(set(old) | set(new)):

@@ -35,14 +35,14 @@ import orjson
 
 from reap_swap.active_set import (
     ActiveSetError,
-    KeepSets,
+    ResidentSets,
     RefreshLedger,
     RefreshLimitExceeded,
     SwapRequest,
     check_budget,
     delta,
     delta_summary,
-    keep_sets,
+    resident_sets,
     normalize_active_set,
     resident_bytes,
     signature,
@@ -107,11 +107,11 @@ class UnknownCartridge(KeyError):
     pass
 
 
-def keep_to_wire(keep: KeepSets) -> dict[str, list[int]]:
+def keep_to_wire(keep: ResidentSets) -> dict[str, list[int]]:
     return {str(k): sorted(v) for k, v in sorted(keep.items())}
 
 
-def keep_from_wire(keep: Mapping[str, Any]) -> KeepSets:
+def keep_from_wire(keep: Mapping[str, Any]) -> ResidentSets:
     return {int(k): frozenset(int(e) for e in v) for k, v in keep.items()}
 
 
@@ -176,17 +176,17 @@ class SwapController:
         self.validate_only = validate_only
         self.metrics = metrics or Metrics()
         self.lock = asyncio.Lock()
-        self.keep: KeepSets = keep_sets(plan, {})
+        self.keep: ResidentSets = resident_sets(plan, {})
         self.sig = signature(self.keep)
         self.mode = "unknown"
         self.open_request: str | None = None
-        self.open_keep: KeepSets = self.keep
+        self.open_keep: ResidentSets = self.keep
         self.observed = _Ledger()  # everything routed, per request
         self.missed = _Ledger()  # the part routed to experts outside the keep-set then resident
         self.forensics = ForensicsLog()
         self.refreshes = RefreshLedger(plan.max_refreshes_per_request)
         self.cartridge_defs = dict(cartridges if cartridges is not None else load_cartridges(plan, plan_file))
-        self.cartridges: LRUDict[str, KeepSets] = LRUDict(max_loaded_cartridges)  # prepared keep-sets
+        self.cartridges: LRUDict[str, ResidentSets] = LRUDict(max_loaded_cartridges)  # prepared keep-sets
         self.swap_count = 0
         self.noop_count = 0
         self.failed_count = 0
@@ -217,10 +217,12 @@ class SwapController:
             return {"workers": self.workers, "mode": self.mode, "signature": self.sig}
 
     # -- swaps -------------------------------------------------------------------------------
-    def prepare(self, active_set: Mapping[str, list], budget_bytes: int | None) -> tuple[KeepSets, int, dict]:
+    def prepare(
+        self, active_set: Mapping[str, list], budget_bytes: int | None
+    ) -> tuple[ResidentSets, int, dict]:
         """Validate against the plan: keep-set, budget applied, validation details (raises ActiveSetError)."""
         requested = normalize_active_set(self.plan, active_set)
-        keep = keep_sets(self.plan, requested)
+        keep = resident_sets(self.plan, requested)
         budget = check_budget(self.plan, keep, budget_bytes)
         details = {
             "requested_layers": sorted(requested),
@@ -264,7 +266,7 @@ class SwapController:
             return await self._apply(req, "cartridge", keep, details, t0, t_validate)
 
     async def _apply(
-        self, req: SwapRequest, kind: str, keep: KeepSets, details: dict, t0: float, t_validate: float
+        self, req: SwapRequest, kind: str, keep: ResidentSets, details: dict, t0: float, t_validate: float
     ) -> dict:
         rid, phase = req.request_id, req.phase
         if phase == "decode_refresh" and self.refreshes.count(rid) + 1 > self.refreshes.limit:
@@ -404,7 +406,7 @@ class SwapController:
         self.metrics.swap(kind, "noop" if noop else "applied", total, bytes_copied)
         return base
 
-    async def _rollback(self, old: KeepSets) -> tuple[bool, str | None, list[dict]]:
+    async def _rollback(self, old: ResidentSets) -> tuple[bool, str | None, list[dict]]:
         """Re-apply `old` on every worker: (restored everywhere, error, each rank's brief)."""
         try:
             results = await self.rpc("reap_apply_residency", keep_to_wire(old), False, False)

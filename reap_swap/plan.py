@@ -474,7 +474,7 @@ def _cartridge_issues(plan: Plan) -> list[PlanIssue]:
     issues = []
     for name, selection in plan.cartridges.items():
         try:
-            keep = active_set.keep_sets(plan, active_set.normalize_active_set(plan, selection))
+            keep = active_set.resident_sets(plan, active_set.normalize_active_set(plan, selection))
             active_set.check_budget(plan, keep, None)
         except active_set.ActiveSetError as exc:
             where = exc.field.removeprefix("active_set")

@@ -7,7 +7,7 @@ order of value per *marginal* byte (experts already resident cost nothing) while
 still fits the budget, across all layers at once, because one byte spent on a flat layer buys
 less than one spent on a peaked one. A slice worth nothing is never taken. Ties are broken by
 (layer, catalog position), so equal inputs give equal selections. The result is checked with the
-server's own functions (active_set.normalize_active_set / keep_sets / check_budget), so "fits
+server's own functions (active_set.normalize_active_set / resident_sets / check_budget), so "fits
 here" means "the server accepts it".
 
 Strategies:
@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from reap_swap.active_set import (
-    KeepSets,
+    ResidentSets,
     SwapRequest,
     check_budget,
-    keep_sets,
+    resident_sets,
     normalize_active_set,
     resident_bytes,
     signature,
@@ -405,7 +405,7 @@ class Selection:
     strategy: str
     phase: Literal["prefill", "decode_refresh"]
     slices: Mapping[int, tuple[str, ...]]  # layer -> chosen sliceIds, in the order taken
-    keep: KeepSets  # what will be resident: core | chosen, every plan layer
+    keep: ResidentSets  # what will be resident: core | chosen, every plan layer
     resident_bytes: int
     budget_bytes: int  # the budget the selection was made for
     request_budget_bytes: int | None  # what goes into the payload's budget_bytes (None: the plan's)
@@ -530,7 +530,7 @@ def _finish(
     """Build the keep-set exactly as the server will and check it against the budget."""
     slices = {index: tuple(ids) for index, ids in sorted(chosen.items()) if ids}
     requested = normalize_active_set(plan, {f"layer_{k}": list(v) for k, v in slices.items()})
-    keep = keep_sets(plan, requested)
+    keep = resident_sets(plan, requested)
     check_budget(plan, keep, budget)
     return Selection(
         strategy=strategy,

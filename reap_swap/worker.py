@@ -24,7 +24,7 @@ from reap_swap.moe_probe import MoeProbeExtension
 from reap_swap.plan import Plan
 from reap_swap.residency import count_kernel, counters
 from reap_swap.residency import experts as _experts
-from reap_swap.residency.accounting import AccountingResidency, KeepSets
+from reap_swap.residency.accounting import AccountingResidency, ResidentSets
 from reap_swap.residency.fault import SwapFault
 from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings, load_configured_plan, reap_config
 
@@ -39,9 +39,9 @@ class ResidencyBackend(Protocol):
     mode: str
 
     def apply(
-        self, keep: KeepSets, *, dry_run: bool = False, fault: SwapFault | None = None
+        self, keep: ResidentSets, *, dry_run: bool = False, fault: SwapFault | None = None
     ) -> dict: ...  # bytes_copied, seconds, phases, note
-    def resident(self) -> KeepSets: ...
+    def resident(self) -> ResidentSets: ...
     def status(self) -> dict: ...
 
 
@@ -105,7 +105,7 @@ class _WorkerState:
     def header(self) -> dict:
         return {"rank": self.rank, **self.ranks}
 
-    def resident_summary(self, resident: KeepSets | None = None) -> dict:
+    def resident_summary(self, resident: ResidentSets | None = None) -> dict:
         """This rank's resident set as the controller compares it: signature over the plan layers."""
         resident = self.backend.resident() if resident is None else resident
         planned = {l: v for l, v in resident.items() if l in self.plan.layers}
@@ -230,10 +230,10 @@ class ReapWorkerExtension(MoeProbeExtension):
         return {"rank": s.rank}
 
 
-def _parse_keep(plan: Plan, keep: Mapping) -> KeepSets:
+def _parse_keep(plan: Plan, keep: Mapping) -> ResidentSets:
     """{"<l>": [ids]} -> {l: frozenset}; every plan layer, only candidate experts (defence in depth:
     the API process validated the same plan already)."""
-    parsed: KeepSets = {}
+    parsed: ResidentSets = {}
     for key, ids in keep.items():
         layer = int(key)
         if layer not in plan.layers:

@@ -19,7 +19,7 @@ from reap_swap.active_set import (
     check_budget,
     delta,
     delta_summary,
-    keep_sets,
+    resident_sets,
     normalize_active_set,
     resident_bytes,
     signature,
@@ -137,7 +137,7 @@ def test_layer_key_spellings_are_equivalent(sets, spellings):
 
 
 def test_keep_sets_are_dense_core_plus_requested():
-    keep = keep_sets(PLAN, normalize_active_set(PLAN, {"1": ["a"]}))
+    keep = resident_sets(PLAN, normalize_active_set(PLAN, {"1": ["a"]}))
     assert keep == {
         0: frozenset({0, 1, 2}),
         1: frozenset({0, 1, 2, 3, 4}),
@@ -151,7 +151,7 @@ def test_keep_sets_are_dense_core_plus_requested():
 
 
 def test_budget_exceeded_reports_needed_budget_and_overflow():
-    keep = keep_sets(PLAN, normalize_active_set(PLAN, {"0": ["a", "b", "c"]}))  # 9 + 3 + 3 + 3 experts
+    keep = resident_sets(PLAN, normalize_active_set(PLAN, {"0": ["a", "b", "c"]}))  # 9 + 3 + 3 + 3 experts
     assert check_budget(PLAN, keep, None) == 32 * PE  # the plan's budget
     with pytest.raises(BudgetExceeded) as info:
         check_budget(PLAN, keep, 17 * PE)
@@ -167,7 +167,7 @@ requested_sets = st.dictionaries(st.integers(0, 3), st.frozensets(st.sampled_fro
 @settings(max_examples=150, deadline=None)
 @given(requested=requested_sets, budget=st.one_of(st.none(), st.integers(0, 50 * PE)))
 def test_accepted_sets_never_exceed_the_budget(requested, budget):
-    keep = keep_sets(PLAN, requested)
+    keep = resident_sets(PLAN, requested)
     limit = PLAN.swappable_budget_bytes if budget is None else budget
     if budget is not None and budget > PLAN.swappable_budget_bytes:  # above the pool: refused
         with pytest.raises(ActiveSetError, match="budget_bytes"):
@@ -188,10 +188,10 @@ def test_real_plan_two_slices_per_layer_fit_three_do_not():
     def pick(n):
         return {f"layer_{i}": [s.slice_id for s in layer.slices[:n]] for i, layer in plan.layers.items()}
 
-    two = keep_sets(plan, normalize_active_set(plan, pick(2)))
+    two = resident_sets(plan, normalize_active_set(plan, pick(2)))
     assert check_budget(plan, two, None) == 16757880012
     with pytest.raises(BudgetExceeded) as info:
-        check_budget(plan, keep_sets(plan, normalize_active_set(plan, pick(3))), None)
+        check_budget(plan, resident_sets(plan, normalize_active_set(plan, pick(3))), None)
     assert info.value.overflow_bytes == info.value.needed_bytes - 16757880012 > 0
 
 
@@ -201,7 +201,7 @@ def test_real_plan_two_slices_per_layer_fit_three_do_not():
 @settings(max_examples=150, deadline=None)
 @given(a=requested_sets, b=requested_sets, data=st.data())
 def test_signature_is_order_independent_and_tells_sets_apart(a, b, data):
-    ka, kb = keep_sets(PLAN, a), keep_sets(PLAN, b)
+    ka, kb = resident_sets(PLAN, a), resident_sets(PLAN, b)
     shuffled = {
         layer: frozenset(data.draw(st.permutations(sorted(ids))))
         for layer, ids in data.draw(st.permutations(list(ka.items())))
@@ -285,7 +285,7 @@ def test_refresh_ledger_is_bounded_and_keeps_the_recent():
 
 
 def test_request_budget_cannot_exceed_the_plans():
-    keep = keep_sets(PLAN, {})
+    keep = resident_sets(PLAN, {})
     with pytest.raises(ActiveSetError) as err:
         check_budget(PLAN, keep, PLAN.swappable_budget_bytes + 1)
     assert err.value.field == "budget_bytes" and "above the plan's budget" in err.value.message

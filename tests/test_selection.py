@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reap_swap import selection as S
-from reap_swap.active_set import SwapRequest, check_budget, keep_sets, normalize_active_set, signature
+from reap_swap.active_set import SwapRequest, check_budget, resident_sets, normalize_active_set, signature
 from reap_swap.plan import load_plan
 
 FIXTURE = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "strict30-v2-plan.json"
@@ -132,7 +132,7 @@ def _assert_valid(plan, sel, budget):
     # the server's own functions accept the payload and arrive at the same keep-set
     body = sel.payload("r1")
     SwapRequest.model_validate(body)
-    keep = keep_sets(plan, normalize_active_set(plan, body["active_set"]))
+    keep = resident_sets(plan, normalize_active_set(plan, body["active_set"]))
     assert keep == sel.keep
     assert check_budget(plan, keep, body.get("budget_bytes")) >= sel.resident_bytes
     assert signature(keep) == sel.signature

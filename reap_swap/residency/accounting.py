@@ -12,19 +12,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
-KeepSets = dict[int, frozenset[int]]
+ResidentSets = dict[int, frozenset[int]]
 
 
 class AccountingResidency:
     mode = "accounting"
 
-    def __init__(self, initial: KeepSets, per_expert_bytes: int, reason: str):
-        self._keep: KeepSets = {int(k): frozenset(v) for k, v in initial.items()}
+    def __init__(self, initial: ResidentSets, per_expert_bytes: int, reason: str):
+        self._keep: ResidentSets = {int(k): frozenset(v) for k, v in initial.items()}
         self._per_expert_bytes = int(per_expert_bytes)
         self.reason = reason
         self._applies = 0
 
-    def apply(self, keep: KeepSets, *, dry_run: bool = False, fault: Any = None) -> dict:
+    def apply(self, keep: ResidentSets, *, dry_run: bool = False, fault: Any = None) -> dict:
         """Record `keep`; an armed `fault` (residency.fault.SwapFault) fails before anything changes."""
         if fault is not None and not dry_run:
             fault.fire("accounting apply, before the keep-set changed")
@@ -43,7 +43,7 @@ class AccountingResidency:
             f"misses are measured against it, but no expert weights were copied",
         }
 
-    def resident(self) -> KeepSets:
+    def resident(self) -> ResidentSets:
         return dict(self._keep)
 
     def status(self) -> dict:
