@@ -35,16 +35,16 @@ import orjson
 
 from reap_swap.active_set import (
     ActiveSetError,
-    ResidentSets,
     RefreshLedger,
     RefreshLimitExceeded,
+    ResidentSets,
     SwapRequest,
     check_budget,
     delta,
     delta_summary,
-    resident_sets,
     normalize_active_set,
     resident_bytes,
+    resident_sets,
     signature,
 )
 from reap_swap.forensics import (

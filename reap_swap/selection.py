@@ -38,9 +38,9 @@ from reap_swap.active_set import (
     ResidentSets,
     SwapRequest,
     check_budget,
-    resident_sets,
     normalize_active_set,
     resident_bytes,
+    resident_sets,
     signature,
 )
 from reap_swap.plan import Plan, Slice

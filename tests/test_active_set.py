@@ -19,9 +19,9 @@ from reap_swap.active_set import (
     check_budget,
     delta,
     delta_summary,
-    resident_sets,
     normalize_active_set,
     resident_bytes,
+    resident_sets,
     signature,
 )
 from reap_swap.plan import load_plan

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reap_swap import selection as S
-from reap_swap.active_set import SwapRequest, check_budget, resident_sets, normalize_active_set, signature
+from reap_swap.active_set import SwapRequest, check_budget, normalize_active_set, resident_sets, signature
 from reap_swap.plan import load_plan
 
 FIXTURE = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "strict30-v2-plan.json"
