@@ -2,7 +2,7 @@
 # One device session's measurements (issues 4, 8, 9) on a 2xH200 machine, run in the background so
 # that they outlive one 10-minute device call; see research.md "Re-running the GPU measurements".
 #
-#   bash scripts/gpu_session.sh start [main|followup|tp|tp-reap]   # after the kit is installed and /tmp/model exists
+#   bash scripts/gpu_session.sh start [main|followup|tp|tp-reap|single]   # after the kit is installed and /tmp/model exists
 #   bash scripts/gpu_session.sh wait 540   # wait up to N s, print progress, pack results into $OUT
 #
 # Two single-GPU lanes run at once (GPU 0 and GPU 1, each its own servers, one at a time per
@@ -112,6 +112,16 @@ tp_reap_session() {  # after a fix: GPU tests, then reap-tp alone, compared with
   step tp done
 }
 
+single_session() {  # one H200: GPU tests, then stock-gpu vs reap at 0/25/50/100 % and after swaps (issue 14's check)
+  export CUDA_VISIBLE_DEVICES=0
+  step single "pytest tests/gpu"
+  gpu_tests
+  step single "e2e stock-gpu,reap-sweep with MoE probes"
+  $PY scripts/gpu_e2e.py --model /tmp/model --out $S/e2e0 --moe-probe --arms stock-gpu,reap-sweep
+  [ -e $S/extra.sh ] && { step single "extra.sh"; bash $S/extra.sh > $S/extra.log 2>&1; }
+  step single done
+}
+
 followup_lanes() {
   followup_a > $S/lane0.log 2>&1 &
   followup_b > $S/lane1.log 2>&1 &
@@ -145,6 +155,7 @@ case "${1:-}" in
   followup) followup_lanes ;;
   tp) tp_session > $S/lane_tp.log 2>&1; finish ;;
   tp-reap) tp_reap_session > $S/lane_tp.log 2>&1; finish ;;
+  single) single_session > $S/lane0.log 2>&1; finish ;;
   wait)
     limit=${2:-540}; t0=$(date +%s)
     while [ ! -e $S/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 10; done
