@@ -73,7 +73,7 @@ class LFU(_Ranked):
     """Least frequently used with decay: per step every score is multiplied by ``decay``, then the
     step's routed selections are added (the device counters' unit)."""
 
-    def __init__(self, name, seed=frozenset(), pinned=frozenset(), decay: float = 0.95):
+    def __init__(self, name, seed=frozenset(), pinned=frozenset(), decay: float = 0.8):
         super().__init__(name, seed, pinned)
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")

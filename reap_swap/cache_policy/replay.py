@@ -182,7 +182,7 @@ def simulate(
     policies: Sequence[str] = POLICIES,
     *,
     allocation: str = "core+tail",
-    lfu_decay: float = 0.95,
+    lfu_decay: float = 0.8,
 ) -> dict:
     """Every budget x policy on the trace -> a JSON-able report (rows in budget, policy order)."""
     check_inputs(trace, plan)

@@ -128,7 +128,11 @@ def plot(report: Mapping, path: str | Path, title: str = "") -> None:
                 series.setdefault(r["policy"], []).append((r["budget_fraction"], 100 * r["totals"][metric]))
         for i, (policy, pts) in enumerate(series.items()):
             pts.sort()
-            style = {"color": "black", "linewidth": 2.5} if policy == "belady" else {"color": f"C{i % 10}"}
+            style = (
+                {"color": "black", "linewidth": 2.5}
+                if policy == "belady"
+                else {"color": plt.cm.tab20(i % 20)}
+            )
             ls = "--" if "seeded" in policy else (":" if policy.startswith("core+") else "-")
             ax.plot(
                 [p[0] * 100 for p in pts],

@@ -34,7 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy", nargs="+", default=list(POLICIES), choices=POLICIES, help="policies (default: all)"
     )
     parser.add_argument("--layer-slots", choices=ALLOCATIONS, default="core+tail", help="per-layer slots")
-    parser.add_argument("--lfu-decay", type=float, default=0.95, help="LFU score decay per step")
+    parser.add_argument(
+        "--lfu-decay",
+        type=float,
+        default=0.8,
+        help="LFU score decay per step (0.8: chosen on a calibration trace, research.md)",
+    )
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here")
     parser.add_argument("--per-layer", action="store_true", help="also print the per-layer expert hit rates")
