@@ -57,6 +57,44 @@ def run(argv: list[str]) -> None:
     subprocess.run(argv, cwd=ROOT, check=True)
 
 
+MODEL = "models/reap-mini-moe"
+
+
+def observe(corpus: Path | str, out: Path, *extra: str) -> None:
+    run(
+        CLI
+        + ["observe", "--model", MODEL, "--corpus", str(corpus), "--out", str(out), "--no-progress"]
+        + list(extra)
+        + ENGINE
+    )
+
+
+def calibration_plans() -> None:
+    """Observe all of the calibration split and plan at 12.5 % and 25 % of expert bytes."""
+    calib = WORK / "calibration.pt"
+    observe("data/corpus/calibration.jsonl", calib)
+    for ratio in ("0.125", "0.25"):
+        out = ROOT / f"research-notes/cache-sim/plan-{ratio}.json"
+        run(
+            CLI
+            + [
+                "plan",
+                "--observations",
+                str(calib),
+                "--model",
+                MODEL,
+                "--model-name",
+                "reap-mini-moe",
+                "--budget-ratio",
+                ratio,
+                "--core-fraction",
+                "0.75",
+                "--out",
+                str(out),
+            ]
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--split", choices=("heldout", "calibration"), default="heldout")
@@ -70,61 +108,16 @@ def main() -> int:
     out = args.out or ROOT / f"data/traces/mini-moe-{args.split}.npz"
     corpus = WORK / f"{args.split}-trace.jsonl"
     print(f"{cut_corpus(args.split, args.per_domain, args.chars, corpus)} {args.split} prompts -> {corpus}")
-    model = "models/reap-mini-moe"
-    run(
-        CLI
-        + [
-            "observe",
-            "--model",
-            model,
-            "--corpus",
-            str(corpus),
-            "--out",
-            str(WORK / f"{args.split}-trace.pt"),
-            "--trace",
-            str(out),
-            "--trace-decode-tokens",
-            str(args.decode_tokens),
-            "--no-progress",
-            *ENGINE,
-        ]
+    observe(
+        corpus,
+        WORK / f"{args.split}-trace.pt",
+        "--trace",
+        str(out),
+        "--trace-decode-tokens",
+        str(args.decode_tokens),
     )
-    if args.skip_plans:
-        return 0
-    calib = WORK / "calibration.pt"
-    run(
-        CLI
-        + [
-            "observe",
-            "--model",
-            model,
-            "--corpus",
-            "data/corpus/calibration.jsonl",
-            "--out",
-            str(calib),
-            "--no-progress",
-            *ENGINE,
-        ]
-    )
-    for ratio in ("0.125", "0.25"):
-        run(
-            CLI
-            + [
-                "plan",
-                "--observations",
-                str(calib),
-                "--model",
-                model,
-                "--model-name",
-                "reap-mini-moe",
-                "--budget-ratio",
-                ratio,
-                "--core-fraction",
-                "0.75",
-                "--out",
-                str(ROOT / f"research-notes/cache-sim/plan-{ratio}.json"),
-            ]
-        )
+    if not args.skip_plans:
+        calibration_plans()
     return 0
 
 

@@ -38,3 +38,47 @@ def test_recorded_steps_match_a_full_forward():
     want = np.sort(torch.topk(full, shape.top_k, dim=-1).indices.numpy(), axis=-1)
     got = np.sort(trace.topk_ids[: trace.step_offsets[5]].astype(np.int64), axis=-1)
     assert np.array_equal(got, want)
+
+
+def test_observe_write_trace_compares_prefill_with_the_counters(tmp_path):
+    """observe --trace's hook: writes a loadable trace in corpus order and records how many prefill
+    selections differ from the counters it is given (here an independent full forward)."""
+    import argparse
+
+    from reap_swap.observe import CorpusRecord, _Accumulator, _write_trace
+    from reap_swap.trace import load_trace
+
+    shape = read_model_shape(MODEL)
+    tok = transformers.AutoTokenizer.from_pretrained(MODEL)
+    texts = [(2, "c", "int main(void) { return 0; }"), (1, "prose", "It was a dark and stormy night")]
+    tokenized = [(CorpusRecord(line, tag, None, text), tok(text)["input_ids"]) for line, tag, text in texts]
+    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    counts = np.zeros((len(shape.moe_layers), shape.num_experts), dtype=np.int64)
+    with torch.inference_mode():
+        for _, ids in tokenized:
+            out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+            for l, r in enumerate(out.router_logits):
+                np.add.at(
+                    counts[l],
+                    torch.topk(r.reshape(len(ids), -1), shape.top_k, dim=-1).indices.numpy().ravel(),
+                    1,
+                )
+    total = _Accumulator()
+    total.add(sum(len(ids) for _, ids in tokenized), {l: {"counts": counts[l]} for l in shape.moe_layers})
+    args = argparse.Namespace(
+        model=str(MODEL), trace=tmp_path / "t.npz", trace_decode_tokens=3, progress=False
+    )
+    _write_trace(args, shape, tokenized, {"name": "x.jsonl"}, total)
+    trace = load_trace(args.trace)
+    assert trace.request_tags == ("prose", "c")  # corpus (line) order
+    assert trace.num_steps == 2 * 3
+    assert trace.source["prefill_selections_differing_from_vllm"] == 0
+    assert trace.source["lines"] == [1, 2] and trace.source["corpus"] == {"name": "x.jsonl"}
+    moved = counts.copy()
+    e_from = int(np.flatnonzero(moved[0])[0])
+    moved[0, e_from] -= 1
+    moved[0, (e_from + 1) % shape.num_experts] += 1
+    total2 = _Accumulator()
+    total2.add(total.tokens, {l: {"counts": moved[l]} for l in shape.moe_layers})
+    _write_trace(args, shape, tokenized, {"name": "x.jsonl"}, total2)
+    assert load_trace(args.trace).source["prefill_selections_differing_from_vllm"] == 1
