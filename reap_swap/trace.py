@@ -180,6 +180,20 @@ def from_requests(
     )
 
 
+def steps_of_sequence(routed: np.ndarray, prompt_tokens: int) -> list[np.ndarray]:
+    """One request's routing in sequence order -> its steps: the prompt as one prefill step, then
+    one step per later token. ``routed``: [tokens, layers, top_k], e.g. vLLM's per-request
+    ``routed_experts`` output with ``--enable-return-routed-experts`` (prompt + generated - 1
+    tokens; with prefix caching on it also lists cached prompt tokens, which the server did not
+    route in that request -- give every prompt a unique first block, as scripts/gpu_e2e.py does)."""
+    routed = np.asarray(routed)
+    if routed.ndim != 3:
+        raise TraceError(f"routed: shape {routed.shape}, expected [tokens, layers, top_k]")
+    if not 1 <= prompt_tokens <= len(routed):
+        raise TraceError(f"prompt_tokens: {prompt_tokens} outside [1, {len(routed)}] routed tokens")
+    return [routed[:prompt_tokens]] + [routed[i : i + 1] for i in range(prompt_tokens, len(routed))]
+
+
 def save_trace(path: str | os.PathLike, trace: Trace) -> None:
     """Write the .npz (compressed); the same trace gives the same arrays."""
     meta = np.frombuffer(orjson.dumps(trace.meta(), option=orjson.OPT_SORT_KEYS), dtype=np.uint8)

@@ -7,8 +7,9 @@ refuses the flag at start-up ("AuxOutput Connector requires Model Runner V2", an
 count per step, not per token. So the trace comes from transformers' implementation of the same
 checkpoint (float32, ``output_router_logits=True``): per token and layer, the top_k of the
 router logits, which is the model's own routing (softmax is monotone, so top_k of the logits is
-top_k of the router's probabilities). On GPU with vLLM 0.26.0 the same trace can be filled
-from ``routed_experts`` (scripts/gpu_e2e.py reads it) into :func:`reap_swap.trace.from_requests`.
+top_k of the router's probabilities). On GPU with vLLM 0.26.0 the same trace can be built
+from each request's ``routed_experts`` (scripts/gpu_e2e.py reads it) with
+:func:`reap_swap.trace.steps_of_sequence` and :func:`reap_swap.trace.from_requests`.
 
 Steps as the server runs them one request at a time: the prefill step routes every prompt
 token, then each greedy decode step routes the token sampled last.

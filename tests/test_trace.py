@@ -4,7 +4,15 @@ import numpy as np
 import orjson
 import pytest
 
-from reap_swap.trace import TRACE_VERSION, Trace, TraceError, from_requests, load_trace, save_trace
+from reap_swap.trace import (
+    TRACE_VERSION,
+    Trace,
+    TraceError,
+    from_requests,
+    load_trace,
+    save_trace,
+    steps_of_sequence,
+)
 
 
 def small_trace(**overrides) -> Trace:
@@ -114,3 +122,15 @@ def test_empty_and_out_of_range_requests():
         from_requests(
             [[np.array([[[4]]])]], layers=[0], model="m", num_experts=4, top_k=1, per_expert_bytes=1
         )
+
+
+def test_steps_of_sequence():
+    routed = np.arange(5 * 2 * 1).reshape(5, 2, 1) % 4
+    steps = steps_of_sequence(routed, 3)
+    assert [len(s) for s in steps] == [3, 1, 1]
+    t = from_requests([steps], layers=[0, 1], model="m", num_experts=4, top_k=1, per_expert_bytes=1)
+    assert np.array_equal(t.topk_ids, routed.astype(np.uint8)) and list(t.step_offsets) == [0, 3, 4, 5]
+    with pytest.raises(TraceError, match="prompt_tokens"):
+        steps_of_sequence(routed, 6)
+    with pytest.raises(TraceError, match="routed: shape"):
+        steps_of_sequence(routed[:, 0], 2)
