@@ -48,6 +48,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "reap_swap.commands.select",
         "choose the active set for a prompt (static, prior, probe); print the payload",
     ),
+    "simulate": (
+        "reap_swap.commands.simulate",
+        "replay a routing trace under device-cache policies: hits, misses, bytes moved, Belady",
+    ),
     "validate": (
         "reap_swap.commands.validate",
         "check a plan file: schema, semantics, optionally a model's shape",

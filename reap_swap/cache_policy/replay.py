@@ -1,0 +1,250 @@
+"""Replay a trace under every (budget, policy): budgets, per-layer slots, the policies by name."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from reap_swap.cache_policy.belady import Belady
+from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
+from reap_swap.cache_policy.online import LFRU, LFU, LRU, PerRequest, Static
+from reap_swap.plan import Plan
+from reap_swap.selection import SelectionError, select_probe
+from reap_swap.trace import Trace
+
+POLICIES = (
+    "static",
+    "probe",
+    "lru",
+    "lru-seeded",
+    "lfu",
+    "lfu-seeded",
+    "lfru",
+    "lfru-seeded",
+    "core+lru",
+    "core+lfu",
+    "core+lfru",
+    "belady",
+)
+PLAN_POLICIES = frozenset(p for p in POLICIES if p in ("static", "probe") or "seeded" in p or "+" in p)
+ALLOCATIONS = ("core+tail", "uniform")
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*(GiB|MiB|KiB|B)\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+class SimulationError(ValueError):
+    """Inputs that cannot be simulated together (the message names the argument)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    label: str  # as given: "0.25" or "1.5GiB"
+    bytes: int
+    fraction: float  # of all the trace's expert bytes
+
+
+def parse_budget(text: str, total_expert_bytes: int) -> Budget:
+    """``0.25`` = a fraction of all expert bytes; ``1.5GiB`` / ``512MiB`` / ``73728B`` = bytes."""
+    m = _SIZE.match(text)
+    try:
+        if m:
+            size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        else:
+            frac = float(text)
+            if not 0.0 < frac <= 1.0:
+                raise SimulationError(f"--budget {text}: a fraction must be in (0, 1]")
+            size = int(frac * total_expert_bytes)
+    except ValueError as exc:
+        if isinstance(exc, SimulationError):
+            raise
+        raise SimulationError(f"--budget {text}: not a fraction (0.25) or a size (1.5GiB)") from exc
+    return Budget(text.strip(), size, size / total_expert_bytes)
+
+
+def _spread(total: int, layers: Sequence[int]) -> dict[int, int]:
+    """``total`` slots over the layers, evenly; the remainder to the lowest layer indices."""
+    base, extra = divmod(max(0, total), len(layers))
+    return {layer: base + (1 if i < extra else 0) for i, layer in enumerate(sorted(layers))}
+
+
+def layer_slots(
+    total: int,
+    layers: Sequence[int],
+    core: Mapping[int, frozenset[int]] | None,
+    allocation: str,
+    num_experts: int,
+) -> tuple[dict[int, int], str]:
+    """Per-layer slots and how they were chosen. ``core+tail``: each layer's core plus an even share
+    of what the budget leaves after the whole core (the device design: a tail beside the pinned
+    set); without a plan, or when the core does not fit the budget, it falls back to ``uniform``."""
+    if allocation not in ALLOCATIONS:
+        raise SimulationError(f"--layer-slots {allocation}: choose one of {', '.join(ALLOCATIONS)}")
+    core_total = sum(len(core[l]) for l in layers) if core else 0
+    if allocation == "core+tail" and core and core_total <= total:
+        tail = _spread(total - core_total, layers)
+        slots, how = {l: len(core[l]) + tail[l] for l in layers}, "core+tail"
+    else:
+        why = "" if allocation == "uniform" else (" (no plan)" if not core else " (the core does not fit)")
+        slots, how = _spread(total, layers), "uniform" + why
+    return {l: min(num_experts, s) for l, s in slots.items()}, how
+
+
+def _probe_sets(
+    plan: Plan, trace: Trace, counts: Mapping[int, object], budget_bytes: int, slots: Mapping[int, int]
+) -> dict[int, dict[int, frozenset[int]]]:
+    """Per layer: request's prefill step -> core + the slices reap_swap.selection's ``probe`` takes
+    from the misses of that prefill with only the core resident, cut to the layer's slots (slices
+    in the order the selection took them). No prompt text is in a trace: the prior fill uses the
+    plan's global prior."""
+    out: dict[int, dict[int, frozenset[int]]] = {l: {} for l in trace.layers}
+    for first in trace.request_first_steps():
+        misses = {}
+        for l in trace.layers:
+            row = counts[l][first]
+            total = int(row.sum())
+            core = plan.layers[l].core
+            misses[l] = {e: int(c) / total for e, c in enumerate(row) if c and e not in core}
+        chosen = select_probe(plan, misses, "", budget_bytes=budget_bytes)
+        for l in trace.layers:
+            keep = set(plan.layers[l].core)
+            for sid in chosen.slices.get(l, ()):
+                experts = set(plan.layers[l].slice_by_id[sid].experts)
+                if len(keep | experts) <= slots[l]:
+                    keep |= experts
+            out[l][int(first)] = frozenset(keep)
+    return out
+
+
+def _factory(name: str, core: frozenset[int], lfu_decay: float) -> Callable[[], object]:
+    base, _, seeded = name.partition("-")
+    pinned = base.startswith("core+")
+    kind = base.removeprefix("core+")
+    cls = {"lru": LRU, "lfu": LFU, "lfru": LFRU}[kind]
+    seed = core if (seeded or pinned) else frozenset()
+    kwargs = {"decay": lfu_decay} if cls is LFU else {}
+    return lambda: cls(name, seed=seed, pinned=core if pinned else frozenset(), **kwargs)
+
+
+def check_inputs(trace: Trace, plan: Plan | None) -> None:
+    """The plan must describe the trace's model: every trace layer, the same experts and bytes."""
+    if plan is None:
+        return
+    missing = [l for l in trace.layers if l not in plan.layers]
+    if missing:
+        raise SimulationError(f"--plan: layers {missing} of the trace are not in the plan")
+    wrong = [l for l in trace.layers if plan.layers[l].num_experts != trace.num_experts]
+    if wrong:
+        raise SimulationError(
+            f"--plan: layer {wrong[0]} has {plan.layers[wrong[0]].num_experts} experts, trace {trace.num_experts}"
+        )
+    if plan.per_expert_bytes != trace.per_expert_bytes:
+        raise SimulationError(
+            f"--plan: per_expert_bytes {plan.per_expert_bytes} != the trace's {trace.per_expert_bytes}"
+        )
+
+
+def _refusal(name: str, plan: Plan | None, slots: Mapping[int, int], layers: Sequence[int]) -> str | None:
+    if name not in PLAN_POLICIES:
+        return None
+    if plan is None:
+        return "needs --plan (uses the plan's core)"
+    for l in layers:
+        if len(plan.layers[l].core) > slots[l]:
+            return f"layer {l}: the plan's core ({len(plan.layers[l].core)} experts) exceeds its {slots[l]} slots"
+    return None
+
+
+def _policy(name, l, plan, probe_sets, lfu_decay):
+    core = plan.layers[l].core if plan is not None else frozenset()
+    if name == "static":
+        return Static(core)
+    if name == "probe":
+        return PerRequest(core, probe_sets[l])
+    if name == "belady":
+        return Belady()
+    return _factory(name, core, lfu_decay)()
+
+
+def _run_policy(name, trace, plan, steps, slots, probe_sets, lfu_decay) -> dict:
+    per_layer, total = {}, LayerCounts()
+    for l in trace.layers:
+        c = replay_layer(_policy(name, l, plan, probe_sets, lfu_decay), steps[l], slots[l])
+        per_layer[str(l)] = c.to_dict(trace.per_expert_bytes)
+        total.add(c)
+    return {"totals": total.to_dict(trace.per_expert_bytes), "layers": per_layer}
+
+
+def simulate(
+    trace: Trace,
+    plan: Plan | None,
+    budgets: Sequence[str],
+    policies: Sequence[str] = POLICIES,
+    *,
+    allocation: str = "core+tail",
+    lfu_decay: float = 0.8,
+) -> dict:
+    """Every budget x policy on the trace -> a JSON-able report (rows in budget, policy order)."""
+    check_inputs(trace, plan)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise SimulationError(f"--policy {unknown[0]}: choose from {', '.join(POLICIES)}")
+    total_bytes = len(trace.layers) * trace.num_experts * trace.per_expert_bytes
+    core = {l: plan.layers[l].core for l in trace.layers} if plan is not None else None
+    counts = {l: trace.step_counts(l) for l in trace.layers}
+    starts = trace.request_first_steps()
+    steps = {l: LayerSteps.from_counts(l, counts[l], starts) for l in trace.layers}
+    rows = []
+    for text in budgets:
+        budget = parse_budget(text, total_bytes)
+        total_slots = budget.bytes // trace.per_expert_bytes
+        slots, how = layer_slots(total_slots, trace.layers, core, allocation, trace.num_experts)
+        probe_sets, probe_error = None, None
+        for name in policies:
+            row = {
+                "budget": budget.label,
+                "budget_bytes": budget.bytes,
+                "budget_fraction": budget.fraction,
+                "slots": {str(l): s for l, s in slots.items()},
+                "allocation": how,
+                "policy": name,
+            }
+            reason = _refusal(name, plan, slots, trace.layers)
+            if name == "probe" and reason is None and probe_sets is None and probe_error is None:
+                try:
+                    probe_sets = _probe_sets(plan, trace, counts, budget.bytes, slots)
+                except SelectionError as exc:
+                    probe_error = f"selection refused: {exc}"
+            reason = reason or (probe_error if name == "probe" else None)
+            if reason:
+                rows.append({**row, "status": "refused", "reason": reason})
+                continue
+            rows.append(
+                {**row, "status": "ok", **_run_policy(name, trace, plan, steps, slots, probe_sets, lfu_decay)}
+            )
+    return {"trace": trace_summary(trace), "plan": _plan_summary(plan), "lfu_decay": lfu_decay, "rows": rows}
+
+
+def trace_summary(trace: Trace) -> dict:
+    return {
+        "model": trace.model,
+        "layers": list(trace.layers),
+        "num_experts": trace.num_experts,
+        "top_k": trace.top_k,
+        "per_expert_bytes": trace.per_expert_bytes,
+        "requests": trace.num_requests,
+        "steps": trace.num_steps,
+        "tokens": trace.num_tokens,
+        "source": dict(trace.source),
+    }
+
+
+def _plan_summary(plan: Plan | None) -> dict | None:
+    if plan is None:
+        return None
+    return {
+        "model": plan.model,
+        "identity": plan.identity,
+        "core_experts": {str(l): len(p.core) for l, p in plan.layers.items()},
+        "budget_bytes": plan.swappable_budget_bytes,
+    }
