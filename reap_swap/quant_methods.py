@@ -43,6 +43,15 @@ METHOD_KERNELS: tuple[MethodKernel, ...] = (
         "convert_to_fp8_moe_kernel_format; scales read at b_scale_ptr + e*stride_bse",
     ),
     MethodKernel(
+        "Fp8PerTensorOnlineMoEMethod",
+        "TritonExperts",
+        "fused_moe_kernel with use_fp8_w8a8, per-tensor",
+        StrideMode.STRIDED,
+        "triton",
+        "vLLM's online --quantization fp8 of a bf16 checkpoint: bf16 loaded, quantized per expert "
+        "in process_weights_after_loading (scales [E]); the engine re-homes the fp8 result",
+    ),
+    MethodKernel(
         "CompressedTensorsW8A8Fp8MoEMethod",
         "TritonExperts",
         "fused_moe_kernel with use_fp8_w8a8 (per_act_token / per_out_ch for channel)",

@@ -73,8 +73,16 @@ def qwen3_30b_formats(hidden: int = 2048, inter: int = 768) -> list[ExpertFormat
 
 
 def private_bytes(fmt: ExpertFormat, g: int = GRANULE) -> int:
-    """Today's unit: w13 + w2 of one expert padded to the granularity."""
+    """Today's unit: w13 + w2 of one expert padded to the granularity (strided kernels only)."""
     return -(-fmt.ideal // g) * g
+
+
+def per_expert_bytes(fmt: ExpertFormat, g: int = GRANULE) -> float:
+    """One expert resident on its own: today's private unit, or -- for a contiguous kernel, which
+    allows no padding -- the pages its unpadded slabs touch (a shared page counted whole)."""
+    if fmt.kernel == "contiguous":
+        return float(group_bytes_per_expert(fmt, 1, g))
+    return float(private_bytes(fmt, g))
 
 
 def group_stride(payload: int, b: int, g: int = GRANULE) -> Fraction:
@@ -140,7 +148,7 @@ def table_rows(formats: list[ExpertFormat] | None = None) -> list[dict]:
     rows = []
     for fmt in formats or qwen3_30b_formats():
         b = smallest_group(fmt)
-        priv = private_bytes(fmt)
+        priv = per_expert_bytes(fmt)
         grp = float(group_bytes_per_expert(fmt, b)) if b else float("nan")
         rows.append(
             {
@@ -165,14 +173,14 @@ def table_rows(formats: list[ExpertFormat] | None = None) -> list[dict]:
 
 def table_markdown(rows: list[dict] | None = None) -> str:
     head = (
-        "| format | ideal MiB | kept whole KiB | today (private unit) MiB | waste | group b < 12 % | "
+        "| format | ideal MiB | kept whole KiB/expert | one expert alone MiB | waste | group b < 12 % | "
         "group MiB/expert | waste | experts/GiB ideal / today / group | random set f=0.5 / 0.25, "
         "group layout, MiB per wanted expert | straddle f=0.5 MiB |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows or table_rows():
         lines.append(
-            f"| {r['format']} | {r['ideal_mib']:.2f} | {r['kept_kib']:.1f} | {r['private_mib']:.0f} | "
+            f"| {r['format']} | {r['ideal_mib']:.2f} | {r['kept_kib']:.1f} | {r['private_mib']:.2f} | "
             f"{r['private_waste']:.1%} | {r['group']} | {r['group_mib']:.2f} | {r['group_waste']:.1%} | "
             f"{r['ideal_per_gib']:.0f} / {r['private_per_gib']:.0f} / {r['group_per_gib']:.0f} | "
             f"{r['random50_group_mib']:.2f} / {r['random25_group_mib']:.2f} | {r['straddle50_mib']:.2f} |"
