@@ -102,16 +102,16 @@ METHOD_KERNELS: tuple[MethodKernel, ...] = (
         "not reached for Qwen3-30B-A3B shapes on CUDA",
     ),
     MethodKernel(
-        "Mxfp4MoEMethod",
+        "GptOssMxfp4MoEMethod",
         "OAITritonMxfp4ExpertsMonolithic",
         "triton_kernels matmul_ogs (routing inside, HopperMXValueLayout swizzle)",
         StrideMode.OPAQUE,
         "triton",
-        "GPT-OSS MXFP4: process_weights_after_loading deletes w13_weight/w2_weight and keeps "
+        "GPT-OSS MXFP4 (GptOssMxfp4Config overrides mxfp4 for gpt_oss models): process_weights_after_loading deletes w13_weight/w2_weight and keeps "
         "triton_kernels Tensors plus PrecisionConfig scales on the method; monolithic routing",
     ),
     MethodKernel(
-        "Mxfp4MoEMethod",
+        "GptOssMxfp4MoEMethod",
         "MarlinExperts",
         "fused_marlin_moe (FE2M1f weights)",
         StrideMode.CONTIGUOUS,

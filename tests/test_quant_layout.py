@@ -165,7 +165,7 @@ def mxfp4_layer():
             p("w2_bias", (E, H), 2),
         ],
         MXFP4,
-        "Mxfp4MoEMethod",
+        "GptOssMxfp4MoEMethod",
         StrideMode.CONTIGUOUS,
     )
 
@@ -274,7 +274,7 @@ def test_padded_expert_stride_is_accepted_for_strided_kernels():
 
 def test_opaque_kernel_refuses_every_weight_by_name():
     spec = mxfp4_layer()
-    b = bind_layer(layer(spec.params, MXFP4, "Mxfp4MoEMethod", StrideMode.OPAQUE))
+    b = bind_layer(layer(spec.params, MXFP4, "GptOssMxfp4MoEMethod", StrideMode.OPAQUE))
     assert sorted(b.refusals) == [P + "w13_weight", P + "w2_weight"]
     assert "does not read this parameter by expert stride" in b.refusal
 
@@ -314,7 +314,7 @@ def test_roles_and_schemes():
 def test_stride_modes_of_the_vllm_026_methods():
     assert stride_mode_for("Fp8MoEMethod") is StrideMode.STRIDED
     assert stride_mode_for("AutoAWQMoEMethod", "MarlinExperts") is StrideMode.CONTIGUOUS
-    assert stride_mode_for("Mxfp4MoEMethod", "OAITritonMxfp4ExpertsMonolithic") is StrideMode.OPAQUE
+    assert stride_mode_for("GptOssMxfp4MoEMethod", "OAITritonMxfp4ExpertsMonolithic") is StrideMode.OPAQUE
     assert stride_mode_for("SomethingNew") is StrideMode.OPAQUE
 
 
