@@ -87,6 +87,7 @@ class LayerSpec:
     quant_config: Mapping[str, Any] = field(default_factory=dict)
     method: str = ""  # the quant method class name, e.g. "Fp8MoEMethod"
     stride_mode: StrideMode = StrideMode.STRIDED
+    kernel: str = ""  # the experts (kernel) class name, e.g. "TritonExperts"
 
 
 @dataclass(frozen=True)
@@ -265,7 +266,8 @@ def bind_tensor(
             p.name,
             role,
             Decision.REFUSE,
-            f"{spec.method}'s kernel does not read this parameter by expert stride",
+            f"{spec.method} / {spec.kernel or 'unknown kernel'} does not read this parameter by expert "
+            "stride (not a kernel known to take or imply the expert stride)",
             slab,
         )
     if role == "unknown":
@@ -333,4 +335,5 @@ def layer_spec_from_dict(d: Mapping[str, Any]) -> LayerSpec:
         quant_config=d.get("quant_config") or {},
         method=str(d.get("method", "")),
         stride_mode=StrideMode(d.get("stride_mode", StrideMode.STRIDED.value)),
+        kernel=str(d.get("kernel") or ""),
     )
