@@ -128,6 +128,32 @@ def quantized_linear(fmt: str, prefix: str, out: int, inp: int, g) -> dict:
 
 
 # -- configs ----------------------------------------------------------------------------------
+def _compressed_tensors_config(fp8: bool, ignore: list[str]) -> dict:
+    """compressed-tensors: FP8 channel weights with dynamic per-token activations, or W4A16
+    pack-quantized group-128 symmetric weights."""
+    if fp8:
+        weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+    else:
+        weights = {
+            "num_bits": 4,
+            "type": "int",
+            "strategy": "group",
+            "group_size": GROUP,
+            "symmetric": True,
+            "dynamic": False,
+            "actorder": None,
+        }
+    acts = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": acts if fp8 else None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized" if fp8 else "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {**group, "output_activations": None}},
+        "ignore": ignore,
+    }
+
+
 def quantization_config(fmt: str, layers: int = 2, plain_attention: bool = False) -> dict | None:
     """The `quantization_config` block of config.json, as the real checkpoints write it (fp8 matches
     ignored layers by full prefix, so the routers are listed one by one)."""
@@ -148,35 +174,7 @@ def quantization_config(fmt: str, layers: int = 2, plain_attention: bool = False
     if fmt == "fp8-tensor":
         return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": gates}
     if fmt in ("ct-fp8", "ct-w4a16"):
-        fp8 = fmt == "ct-fp8"
-        weights = (
-            {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
-            if fp8
-            else {
-                "num_bits": 4,
-                "type": "int",
-                "strategy": "group",
-                "group_size": GROUP,
-                "symmetric": True,
-                "dynamic": False,
-                "actorder": None,
-            }
-        )
-        acts = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
-        return {
-            "quant_method": "compressed-tensors",
-            "format": "float-quantized" if fp8 else "pack-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": weights,
-                    "input_activations": acts if fp8 else None,
-                    "output_activations": None,
-                }
-            },
-            "ignore": keep,
-        }
+        return _compressed_tensors_config(fmt == "ct-fp8", keep)
     if fmt == "awq":
         return {
             "quant_method": "awq",
