@@ -223,13 +223,21 @@ def run_case(case: str, model: Path, out: Path, cpu_smoke: bool = False) -> int:
 
 
 def make_checkpoints(out: Path, formats: set[str], shape_args: list[str]) -> Path:
-    """Qwen3-30B-A3B layer shape by default (make_quant_checkpoint's defaults)."""
+    """Qwen3-30B-A3B layer shape by default (make_quant_checkpoint's defaults), one writer process
+    per format, all at once."""
     ck = out / "checkpoints"
     todo = [f for f in sorted(formats) if not (ck / f / "config.json").exists()]
-    if todo:
-        args = [sys.executable, str(ROOT / "scripts" / "make_quant_checkpoint.py"), "--out", str(ck)]
-        args += shape_args + [x for f in todo for x in ("--format", f)]
-        subprocess.run(args, check=True)
+    writer = [
+        sys.executable,
+        str(ROOT / "scripts" / "make_quant_checkpoint.py"),
+        "--out",
+        str(ck),
+        *shape_args,
+    ]
+    procs = [subprocess.Popen([*writer, "--format", f]) for f in todo]
+    failed = [f for f, p in zip(todo, procs, strict=True) if p.wait() != 0]
+    if failed:
+        raise SystemExit(f"checkpoint writer failed for {failed}")
     return ck
 
 
