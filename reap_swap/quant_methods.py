@@ -62,11 +62,13 @@ METHOD_KERNELS: tuple[MethodKernel, ...] = (
     MethodKernel(
         "MoeWNA16Method",
         "(none: calls fused_experts directly)",
-        "fused_moe_kernel_gptq_awq (int4_w4a16, block_shape [0, group])",
-        StrideMode.STRIDED,
+        "dispatch_fused_moe_kernel: ops.moe_wna16_gemm (CUDA) when tokens*top_k/E <= 6, else "
+        "fused_moe_kernel_gptq_awq (Triton)",
+        StrideMode.CONTIGUOUS,
         "n/a (--quantization moe_wna16)",
-        "AWQ / GPTQ (desc_act off) checkpoints with --quantization moe_wna16: uint8-packed "
-        "[E, 2N, K/2] weights read by stride; no Marlin repack",
+        "AWQ / GPTQ (desc_act off) with --quantization moe_wna16: uint8 [E, 2N, K/2], no repack. "
+        "The Triton kernel takes B.stride(0), but the CUDA kernel that serves decode computes "
+        "expert_offset = size_n * size_k * expert_id for weights, scales and zeros: contiguous",
     ),
     MethodKernel(
         "AutoAWQMoEMethod",
@@ -96,10 +98,10 @@ METHOD_KERNELS: tuple[MethodKernel, ...] = (
     MethodKernel(
         "CompressedTensorsWNA16MoEMethod",
         "(fused_experts, int4_w4a16)",
-        "fused_moe_kernel_gptq_awq",
-        StrideMode.STRIDED,
+        "ops.moe_wna16_gemm / fused_moe_kernel_gptq_awq, as MoeWNA16Method",
+        StrideMode.CONTIGUOUS,
         "n/a (only when Marlin does not support the layer)",
-        "not reached for Qwen3-30B-A3B shapes on CUDA",
+        "not reached for Qwen3-30B-A3B shapes on CUDA; contiguous for the same reason as MoeWNA16Method",
     ),
     MethodKernel(
         "GptOssMxfp4MoEMethod",

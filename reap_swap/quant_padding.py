@@ -61,15 +61,13 @@ def qwen3_30b_formats(hidden: int = 2048, inter: int = 768) -> list[ExpertFormat
     fp8t = ExpertFormat("FP8 tensor / online fp8 (Triton)", 2 * n * h, h * n, 4 * 2, "strided")
     int4_scales = 2 * (2 * n * g13 + h * g2)  # bf16/fp16 group scales
     int4_zeros = (2 * n * g13 + h * g2) // 2  # packed 4-bit zero points (AWQ)
-    wna16 = ExpertFormat(
-        "INT4 g128 moe_wna16 (Triton)", n * h, h * n // 2, int4_scales + int4_zeros, "strided"
-    )
-    marlin = ExpertFormat(
-        "INT4 g128 AWQ/GPTQ/CT (Marlin)", n * h, h * n // 2, int4_scales + int4_zeros, "contiguous"
+    # every INT4 path is contiguous: Marlin, and moe_wna16's CUDA kernel (decode) as well
+    int4 = ExpertFormat(
+        "INT4 g128 AWQ/GPTQ/CT (Marlin; moe_wna16)", n * h, h * n // 2, int4_scales + int4_zeros, "contiguous"
     )
     mx_scales = 2 * n * (h // 32) + h * (n // 32)  # e8m0 per 32 values
     mxfp4 = ExpertFormat("MXFP4 (Marlin)", n * h, h * n // 2, mx_scales + 2 * (2 * n + h), "contiguous")
-    return [bf16, fp8b, fp8c, fp8t, wna16, marlin, mxfp4]
+    return [bf16, fp8b, fp8c, fp8t, int4, mxfp4]
 
 
 def private_bytes(fmt: ExpertFormat, g: int = GRANULE) -> int:

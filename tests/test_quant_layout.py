@@ -19,6 +19,7 @@ from reap_swap.quant_padding import (
     GRANULE,
     MiB,
     group_bytes_per_expert,
+    per_expert_bytes,
     private_bytes,
     qwen3_30b_formats,
     random_set_bytes,
@@ -139,7 +140,8 @@ def marlin_int4_layer(cfg, method, names):
 
 
 def wna16_triton_layer():
-    """MoeWNA16Method (--quantization moe_wna16): uint8 [E, 2N, K/2], scales [E, 2N, K/g]."""
+    """MoeWNA16Method (--quantization moe_wna16): uint8 [E, 2N, K/2], scales [E, 2N, K/g]; its decode
+    kernel (ops.moe_wna16_gemm) implies the expert stride, so it binds contiguously."""
     return layer(
         [
             p("w13_qweight", (E, 2 * N, H // 2), 1),
@@ -151,6 +153,7 @@ def wna16_triton_layer():
         ],
         AWQ,
         "MoeWNA16Method",
+        StrideMode.CONTIGUOUS,
     )
 
 
@@ -316,6 +319,8 @@ def test_stride_modes_of_the_vllm_026_methods():
     assert stride_mode_for("AutoAWQMoEMethod", "MarlinExperts") is StrideMode.CONTIGUOUS
     assert stride_mode_for("GptOssMxfp4MoEMethod", "OAITritonMxfp4ExpertsMonolithic") is StrideMode.OPAQUE
     assert stride_mode_for("SomethingNew") is StrideMode.OPAQUE
+    # moe_wna16's CUDA decode kernel computes expert_offset = size_n * size_k * expert_id
+    assert stride_mode_for("MoeWNA16Method") is StrideMode.CONTIGUOUS
 
 
 def test_layer_spec_round_trip_from_survey_json():
@@ -342,7 +347,9 @@ def fmt(name):
 def test_today_padding_matches_the_issue():
     assert private_bytes(fmt("bf16")) == 10 * MiB  # 9 -> 10 MiB, 11 %
     assert private_bytes(fmt("FP8 block")) == 6 * MiB  # 4.5 -> 6 MiB, 33 %
-    assert private_bytes(fmt("INT4 g128 moe_wna16")) == 4 * MiB  # 2.25 -> 4 MiB, 78 %
+    assert private_bytes(fmt("INT4 g128")) == 4 * MiB  # 2.25 -> 4 MiB, 78 %, if a kernel took a stride
+    assert per_expert_bytes(fmt("INT4 g128")) == 5.5 * MiB  # contiguous: a lone expert's pages
+    assert per_expert_bytes(fmt("FP8 block")) == 6 * MiB
 
 
 def test_group_layouts_bring_every_format_under_12_percent():
