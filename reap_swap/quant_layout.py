@@ -13,8 +13,9 @@ scales -- silently wrong. With no remapping there is no second index to get out 
 A tensor is re-homed when it is large and per-expert (the weights, packed int4 included); kept
 whole when it is small or not per-expert; refused -- by name, with the reason -- when the stride
 model cannot describe it (leading dim not the expert dim, an inner layout that is not row-major,
-an expert stride not a multiple of 16 bytes) or when its shape disagrees with the quant config
-(its rows might not belong to the expert the engine thinks). One refused tensor refuses the layer:
+an expert stride not a multiple of 16 bytes, a padded stride where the kernel implies it: Marlin
+and moe_wna16_gemm compute expert e's address from the shape) or when its shape disagrees with
+the quant config (its rows might not belong to the expert the engine thinks). One refused tensor refuses the layer:
 the layer keeps vLLM's stock path.
 
 Pure: no torch or vLLM. The input is a description (name, shape, element bytes, strides) that the
@@ -250,6 +251,20 @@ def _not_per_expert(p: ParamSpec, role: str, spec: LayerSpec) -> TensorBinding:
     return TensorBinding(p.name, role, Decision.KEEP_WHOLE, "not per-expert: shared by all experts", 0)
 
 
+def _implied_stride_problem(p: ParamSpec, spec: LayerSpec) -> str | None:
+    """A kernel that implies the expert stride (Marlin, moe_wna16_gemm) reads expert e at
+    e * slab bytes, weights and scales alike: any other stride is read wrongly, silently."""
+    if spec.stride_mode is not StrideMode.CONTIGUOUS or p.strides is None or p.shape[0] < 2:
+        return None
+    slab_elems = p.numel // p.shape[0]
+    if p.strides[0] != slab_elems:
+        return (
+            f"expert stride {p.strides[0]} elements, but {spec.kernel or spec.method} implies "
+            f"{slab_elems} (contiguous experts): it would read the wrong rows"
+        )
+    return None
+
+
 def bind_tensor(
     p: ParamSpec, spec: LayerSpec, scheme: QuantScheme, min_rehome: int = REHOME_MIN_EXPERT_BYTES
 ) -> TensorBinding:
@@ -258,7 +273,7 @@ def bind_tensor(
     if not p.shape or p.shape[0] != spec.num_experts:
         return _not_per_expert(p, role, spec)
     slab = int(p.nbytes / spec.num_experts)
-    problem = _layout_problem(p) or _shape_problem(p, role, spec, scheme)
+    problem = _layout_problem(p) or _shape_problem(p, role, spec, scheme) or _implied_stride_problem(p, spec)
     if problem:
         return TensorBinding(p.name, role, Decision.REFUSE, problem, slab)
     if role == "weight" and spec.stride_mode is StrideMode.OPAQUE:

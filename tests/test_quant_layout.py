@@ -382,3 +382,20 @@ def test_table_has_every_format():
     md = table_markdown()
     assert md.count("\n") == len(qwen3_30b_formats()) + 1
     assert "| FP8 block 128x128 (Triton) | 4.50 |" in md
+
+
+def test_contiguous_kernel_refuses_a_padded_expert_stride():
+    """Marlin / moe_wna16_gemm compute expert e's address from the shape: a padded stride (the
+    private-unit layout) would be misread, so it is refused -- for weights and scales alike."""
+    spec = marlin_int4_layer(AWQ, "AutoAWQMoEMethod", ("qweight", "scales", "qzeros"))
+    qw = spec.params[0]
+    padded = ParamSpec(qw.name, qw.shape, 4, strides=(2 * 2**20 // 4, qw.shape[2], 1))  # 2 MiB slot
+    b = bind_layer(
+        LayerSpec((padded, *spec.params[1:]), E, H, N, AWQ, "AutoAWQMoEMethod", StrideMode.CONTIGUOUS)
+    )
+    assert list(b.refusals) == [P + "w13_qweight"]
+    assert "would read the wrong rows" in b.refusal
+    same = ParamSpec(qw.name, qw.shape, 4, strides=qw.row_major_strides)
+    assert bind_layer(
+        LayerSpec((same, *spec.params[1:]), E, H, N, AWQ, "AutoAWQMoEMethod", StrideMode.CONTIGUOUS)
+    ).ok
