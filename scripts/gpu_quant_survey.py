@@ -174,13 +174,12 @@ def survey_worker(worker, quant_config: dict) -> list[dict]:
     return layers
 
 
-def _quant_config(llm, extra: dict) -> dict:
-    hf = getattr(llm.llm_engine.model_config.hf_config, "quantization_config", None)
-    if isinstance(hf, dict):
-        return dict(hf)
-    if extra.get("quantization"):
-        return {"quant_method": extra["quantization"]}
-    return {}
+def _quant_config(model: Path, extra: dict) -> dict:
+    """The checkpoint's quantization_config, or the online method vLLM was asked for."""
+    cfg = json.loads((model / "config.json").read_text()).get("quantization_config")
+    if isinstance(cfg, dict):
+        return dict(cfg)
+    return {"quant_method": extra["quantization"]} if extra.get("quantization") else {}
 
 
 def llm_kwargs(case: str, cpu_smoke: bool = False) -> dict:
@@ -205,7 +204,7 @@ def run_case(case: str, model: Path, out: Path, cpu_smoke: bool = False) -> int:
     try:
         llm = LLM(model=str(model), **kwargs)
         result["load_s"] = time.perf_counter() - t0
-        qc = _quant_config(llm, extra)
+        qc = _quant_config(model, extra)
         result["quant_config"] = qc
         result["layers"] = llm.collective_rpc(survey_worker, args=(qc,))[0]
         text = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=4, temperature=0))
