@@ -11,7 +11,8 @@ loads and generates; only names, shapes, dtypes and configs are meant to be fait
 Formats (`--format`, repeatable, or `all`):
   bf16       Qwen3MoE, bf16 (also the input of vLLM's online `--quantization fp8`)
   fp8-block  Qwen3-30B-A3B-FP8 style: quant_method fp8, weight_block_size [128,128],
-             `weight` float8_e4m3fn + `weight_scale_inv` float32 [out/128, in/128]
+             `weight` float8_e4m3fn + `weight_scale_inv` bf16 [out/128, in/128] (bf16 as in Qwen's
+             FP8 checkpoints, float32 in DeepSeek-V3's; vLLM casts to its float32 parameter)
   fp8-tensor quant_method fp8, activation_scheme static: `weight_scale`, `input_scale` scalars
   ct-fp8     compressed-tensors float-quantized, channel weights / dynamic token activations:
              `weight` fp8 + `weight_scale` float32 [out, 1]
@@ -98,7 +99,7 @@ def quantized_linear(fmt: str, prefix: str, out: int, inp: int, g) -> dict:
     if fmt in ("fp8-block", "fp8-tensor", "ct-fp8"):
         t = {f"{prefix}.weight": (torch.randn(out, inp, generator=g) * 64).clamp(-448, 448).to(fp8)}
         if fmt == "fp8-block":
-            t[f"{prefix}.weight_scale_inv"] = _scales(g, -(-out // 128), -(-inp // 128), dtype=torch.float32)
+            t[f"{prefix}.weight_scale_inv"] = _scales(g, -(-out // 128), -(-inp // 128), dtype=torch.bfloat16)
         elif fmt == "fp8-tensor":
             t[f"{prefix}.weight_scale"] = _scales(g, dtype=torch.float32)  # 0-d, like the real ones
             t[f"{prefix}.input_scale"] = _scales(g, dtype=torch.float32)

@@ -91,7 +91,7 @@ def registered(fmt, k, n):
 
 DTYPES = {
     "weight": {"bf16": "BF16", "fp8-block": "F8_E4M3", "fp8-tensor": "F8_E4M3", "ct-fp8": "F8_E4M3"},
-    "weight_scale_inv": "F32",
+    "weight_scale_inv": "BF16",  # Qwen FP8 checkpoints (DeepSeek-V3: F32); vLLM casts on load
     "input_scale": "F32",
     "qweight": "I32",
     "qzeros": "I32",
