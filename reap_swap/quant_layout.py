@@ -15,8 +15,8 @@ whole when it is small or not per-expert; refused -- by name, with the reason --
 model cannot describe it (leading dim not the expert dim, an inner layout that is not row-major,
 an expert stride not a multiple of 16 bytes, a padded stride where the kernel implies it: Marlin
 and moe_wna16_gemm compute expert e's address from the shape) or when its shape disagrees with
-the quant config (its rows might not belong to the expert the engine thinks). One refused tensor refuses the layer:
-the layer keeps vLLM's stock path.
+the quant config (its rows might not belong to the expert the engine thinks). One refused tensor
+refuses the layer: the layer keeps vLLM's stock path.
 
 Pure: no torch or vLLM. The input is a description (name, shape, element bytes, strides) that the
 GPU survey (`scripts/gpu_quant_survey.py`) or the engine builds from the real parameters.
@@ -46,7 +46,7 @@ class StrideMode(StrEnum):
     """How the layer's kernel finds expert e inside a weight tensor."""
 
     STRIDED = "strided"  # base + e * tensor.stride(0): any stride (vLLM's Triton fused_moe)
-    CONTIGUOUS = "contiguous"  # base + e * expert_bytes, implied by the shape (Marlin MoE)
+    CONTIGUOUS = "contiguous"  # base + e * expert_bytes, implied by the shape (Marlin, moe_wna16_gemm)
     OPAQUE = "opaque"  # weights held outside the parameters or routed inside the kernel
 
 
