@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 from reap_swap import compat
 from reap_swap.active_set import signature
+from reap_swap.counting import count_kernel, counters
 from reap_swap.logs import get_logger
 from reap_swap.moe_probe import MoeProbeExtension
 from reap_swap.plan import Plan
-from reap_swap.residency import count_kernel, counters
 from reap_swap.residency import experts as _experts
 from reap_swap.residency.accounting import AccountingResidency, ResidentSets
 from reap_swap.residency.fault import SwapFault

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 fc = pytest.importorskip("vllm.forward_context")
 
 from reap_swap import compat  # noqa: E402
-from reap_swap.residency import counters  # noqa: E402
+from reap_swap.counting import counters  # noqa: E402
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ import re
 import torch
 
 from reap_swap import compat
+from reap_swap.counting import counters
 from reap_swap.logs import get_logger
-from reap_swap.residency import counters
 from reap_swap.settings import Settings, reap_config
 
 log = get_logger("reap_swap.experts")

@@ -122,7 +122,7 @@ def status() -> dict:
 
 
 def _self_test(device: torch.device) -> bool:
-    from reap_swap.residency import counters
+    from reap_swap.counting import counters
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     rows, k, experts = 37, 8, 128

@@ -55,7 +55,7 @@ def record(
     kernel does the whole update (count_kernel.py); otherwise the torch ops below.
     """
     if topk_ids.is_cuda and valid_rows is None and getattr(module, COACT) is None:
-        from reap_swap.residency import count_kernel
+        from reap_swap.counting import count_kernel
 
         if count_kernel.available(topk_ids.device):
             count_kernel.launch(
