@@ -4,7 +4,7 @@ picks the accounting backend on CPU, re-checks keep-sets."""
 import pytest
 from reap_fakes import PLAN
 
-from reap_swap import compat
+from reap_swap.compat import moe as vllm_moe
 from reap_swap.residency.accounting import AccountingResidency
 from reap_swap.settings import CPU_REASON, Settings
 from reap_swap.worker import ReapWorkerExtension, _parse_keep, make_residency_backend
@@ -23,8 +23,8 @@ def test_extension_adds_only_new_names_to_vllm_workers():
 def test_importing_the_worker_module_registers_the_counting_layer():
     from reap_swap.residency.experts import ReapRoutedExperts, layer_index_from_name
 
-    assert compat.oot_registry()["RoutedExperts"] is ReapRoutedExperts
-    assert issubclass(ReapRoutedExperts, compat.routed_experts_class())
+    assert vllm_moe.oot_registry()["RoutedExperts"] is ReapRoutedExperts
+    assert issubclass(ReapRoutedExperts, vllm_moe.routed_experts_class())
     assert layer_index_from_name("model.layers.3.mlp.experts.routed_experts") == 3
     assert layer_index_from_name("language_model.model.layers.17.mlp.experts") == 17
     assert layer_index_from_name("lm_head") is None
@@ -33,7 +33,7 @@ def test_importing_the_worker_module_registers_the_counting_layer():
 def test_register_refuses_a_foreign_replacement(monkeypatch):
     from reap_swap.residency import experts
 
-    registry = compat.oot_registry()
+    registry = vllm_moe.oot_registry()
     monkeypatch.setitem(registry, "RoutedExperts", type("Other", (), {}))
     with pytest.raises(RuntimeError, match="already registered"):
         experts.register()

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from reap_swap.compat import moe as vllm_moe
+
 from . import vmm
 from .slot_table import SlotTable
 from .swap import apply_swap
@@ -78,10 +80,9 @@ def _configure_from_vllm() -> None:
     """Read the plan named in additional_config["reap_swap"] (set by the launcher), once."""
     if "plan" in _CONFIG:
         return
-    from .. import compat
-    from ..settings import load_configured_plan, reap_config
+        from ..settings import load_configured_plan, reap_config
 
-    cfg = reap_config(getattr(compat.current_vllm_config(), "additional_config", None))
+    cfg = reap_config(vllm_moe.current_additional_config())
     configure(load_configured_plan(cfg)[1] if cfg and cfg.get("plan_file") else None)
 
 
@@ -99,31 +100,14 @@ def state() -> EngineState | None:
 # Load time
 # ------------------------------------------------------------------------------------------------
 def install_post_load_hook(layer: torch.nn.Module) -> None:
-    """Run `attach_after_load(layer)` right after vLLM processes this layer's loaded weights.
-
-    The loader calls `layer.quant_method.process_weights_after_loading(layer)` once per layer in
-    every supported vLLM version; we wrap that bound method on this layer's own quant method (no
-    class is patched).
-    """
-    quant_method = layer.quant_method
-    original = quant_method.process_weights_after_loading
-
-    def process_then_attach(module: torch.nn.Module) -> None:
-        original(module)
-        attach_after_load(module)
-
-    quant_method.process_weights_after_loading = process_then_attach
+    """Run `attach_after_load(layer)` right after vLLM processes this layer's loaded weights."""
+    vllm_moe.install_post_load_hook(layer, attach_after_load)
 
 
 def _refusal(layer: torch.nn.Module) -> str | None:
-    qm = getattr(layer, "quant_method", None)
-    if type(qm).__name__ != "UnquantizedFusedMoEMethod":
-        return f"quantized or custom MoE method {type(qm).__name__} (scales are not pooled)"
-    backend = getattr(qm, "unquantized_backend", None)
-    if backend is None or getattr(backend, "name", str(backend)) != "TRITON":
-        return f"MoE backend {backend} is not vLLM's Triton kernel (use --moe-backend triton)"
-    if getattr(qm, "is_monolithic", False):
-        return "monolithic MoE kernel routes inside the kernel"
+    reason = vllm_moe.unsupported_moe_method(layer)
+    if reason is not None:
+        return reason
     if getattr(layer, "expert_map", None) is not None:
         return "expert parallelism (expert_map set) is not supported"
     if getattr(layer, "w13_bias", None) is not None or getattr(layer, "w2_bias", None) is not None:
@@ -212,7 +196,7 @@ def _refuse(layer: torch.nn.Module, index: int | None, reason: str) -> None:
     name = getattr(layer, "layer_name", "?")
     _REFUSED[name] = reason
     if index is not None:
-        _REFUSED_ON_HBM[index] = not getattr(layer.w13_weight, "_vllm_is_uva_offloaded", False)
+        _REFUSED_ON_HBM[index] = not vllm_moe.is_uva_offloaded(layer.w13_weight)
     logger.warning("reap-swap: layer %s keeps vLLM's stock expert path: %s", name, reason)
 
 
@@ -254,13 +238,9 @@ def attach_after_load(layer: torch.nn.Module) -> None:
     rng, range_bytes, new_w13, new_w2 = rehome(w13.data, w2.data, unit_bytes, st.device)
     layer.w13_weight.data = new_w13
     layer.w2_weight.data = new_w2
-    # This hook runs inside vLLM's device_loading_context. On exit that context re-offloads any
-    # parameter that was UVA-offloaded on entry and no longer carries this flag: it would copy our
-    # range into fresh pinned memory and point the parameter there, silently bypassing the HBM
-    # pool (measured on the H200: every expert read at PCIe speed). The range is host-backed
-    # memory the kernel reads directly, which is what the flag asserts.
-    layer.w13_weight._vllm_is_uva_offloaded = True
-    layer.w2_weight._vllm_is_uva_offloaded = True
+    # inside vLLM's device_loading_context: without the flag it would re-offload our range
+    vllm_moe.mark_uva_offloaded(layer.w13_weight)
+    vllm_moe.mark_uva_offloaded(layer.w2_weight)
     layer._reap_vmm = True
     st.layers[index] = LayerEntry(index, name, num_experts, unit_bytes, expert_bytes, rng, range_bytes, layer)
 
@@ -466,9 +446,7 @@ class CudaResidency:
             w = torch.full((1, k), 1.0 / k, device=x.device, dtype=torch.float32)
 
             def run(m=m, x=x, w=w, ids=ids):
-                return m.quant_method.apply(
-                    layer=m, x=x, topk_weights=w, topk_ids=ids, shared_experts=None, shared_experts_input=None
-                )
+                return vllm_moe.run_routed_experts(m, x, w, ids)
 
             run()
             torch.cuda.synchronize()

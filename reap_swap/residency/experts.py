@@ -20,6 +20,7 @@ import re
 import torch
 
 from reap_swap import compat
+from reap_swap.compat import moe as vllm_moe
 from reap_swap.counting import counters
 from reap_swap.logs import get_logger
 from reap_swap.settings import Settings, reap_config
@@ -27,7 +28,7 @@ from reap_swap.settings import Settings, reap_config
 log = get_logger("reap_swap.experts")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
-RoutedExperts = compat.routed_experts_class()
+RoutedExperts = vllm_moe.routed_experts_class()
 
 
 def layer_index_from_name(layer_name: str) -> int | None:
@@ -38,7 +39,7 @@ def layer_index_from_name(layer_name: str) -> int | None:
 
 def _reap_config() -> dict:
     """additional_config["reap_swap"] of the model being built ({} outside the launcher)."""
-    return reap_config(getattr(compat.current_vllm_config(), "additional_config", None)) or {}
+    return reap_config(vllm_moe.current_additional_config()) or {}
 
 
 def _prepare_cuda_engine(layer: torch.nn.Module, cfg: dict) -> None:
@@ -81,7 +82,7 @@ class ReapRoutedExperts(RoutedExperts):
     ):
         # on CUDA this runs inside vLLM's opaque MoE op (eager Python at graph capture), where the
         # padding mask of the step is available; on CPU Dynamo traces this and there is no padding
-        padding = compat.padding_source(topk_ids.shape[0]) if topk_ids.is_cuda else None
+        padding = vllm_moe.padding_source(topk_ids.shape[0]) if topk_ids.is_cuda else None
         counters.record(self, topk_ids, topk_weights, padding=padding)
         return super().forward_modular(
             x=x,
@@ -94,12 +95,12 @@ class ReapRoutedExperts(RoutedExperts):
     @property
     def reap_countable(self) -> bool:
         """False when the kernel routes internally (forward_modular is never called)."""
-        return not bool(getattr(self.quant_method, "is_monolithic", False))
+        return not vllm_moe.is_monolithic(self)
 
 
 def register() -> None:
     """Make vLLM build ReapRoutedExperts wherever it would build RoutedExperts (idempotent)."""
-    registry = compat.oot_registry()
+    registry = vllm_moe.oot_registry()
     current = registry.get(RoutedExperts.__name__)
     if current is ReapRoutedExperts:
         return
@@ -108,7 +109,7 @@ def register() -> None:
             f"reap-swap cannot count router selections: {current.__module__}.{current.__qualname__} "
             f"is already registered as the out-of-tree RoutedExperts; two replacements cannot both apply"
         )
-    RoutedExperts.register_oot(ReapRoutedExperts)
+    vllm_moe.register_oot(RoutedExperts, ReapRoutedExperts)
     log.debug("registered ReapRoutedExperts as the out-of-tree RoutedExperts")
 
 
