@@ -167,7 +167,9 @@ def add_worker_teardown(worker: Any, extension: type, teardown: Callable[[], Non
     """
     if hasattr(extension, "destroy_worker_extension") and _has_extension_hooks():
         return "destroy_worker_extension"
-    original = worker.shutdown
+    original = getattr(worker, "shutdown", None)
+    if original is None:
+        return "none (this worker has no shutdown method: the pool lives until the process exits)"
 
     def shutdown_then_teardown() -> None:
         try:
