@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, TypeAda
 
 from reap_swap import compat
 from reap_swap.active_set import ActiveSetError, BudgetExceeded, RefreshLimitExceeded, SwapRequest
-from reap_swap.controller import Metrics, SwapController, SwapFailed, UnknownCartridge
+from reap_swap.controller import Metrics, SwapController, UnknownCartridge, WorkerSwapFailed
 from reap_swap.logs import get_logger
 from reap_swap.plan import json_path
 from reap_swap.settings import load_configured_plan, reap_config
@@ -178,7 +178,7 @@ async def _run_swap(controller: SwapController, coro) -> ORJSONResponse:
         raise ReapError(
             429, "refresh_limit", f"phase: {exc}", "phase", limit=exc.limit, request_id=exc.request_id
         ) from None
-    except SwapFailed as exc:
+    except WorkerSwapFailed as exc:
         raise ReapError(
             500,
             "worker_failed",
@@ -319,8 +319,8 @@ class ReapEndpointPlugin:
             return
         settings, plan = load_configured_plan(cfg)
 
-        async def rpc(method: str, *rpc_args):
-            return await engine_client.collective_rpc(method, args=tuple(rpc_args))
+        async def rpc(method: str, **kwargs):  # the worker RPC takes keyword arguments (wire.py)
+            return await engine_client.collective_rpc(method, kwargs=kwargs)
 
         controller = SwapController(
             plan,

@@ -108,7 +108,7 @@ def check_topology(args: argparse.Namespace) -> None:
 
 def load_validated_plan(settings: Settings, args: argparse.Namespace):
     """(model shape, plan checked against it, the plan's cartridges); LaunchError if not valid."""
-    from reap_swap.controller import load_cartridges
+    from reap_swap.cartridges import load_cartridges
     from reap_swap.model_shape import ModelShapeError, read_model_shape
     from reap_swap.plan import PlanError, load_plan
 

@@ -10,13 +10,14 @@ error listing the known names: a typo must not start a server that silently igno
 | REAP_SWAP_VALIDATE_ONLY     | --reap-validate-only          | swaps are validated (workers dry-run them) and answered, nothing changes |
 | REAP_SWAP_MASKS_ONLY        | --reap-masks-only             | swaps change the active set (the "mask" misses are measured against) but move no weights, even on CUDA (accounting residency) |
 | REAP_ENABLE_ROUTER_MASKS    | --reap-enable-router-masks    | restrict routing to resident experts: NOT implemented (known to destroy output quality); setting it true refuses startup |
-| REAP_MAX_LOADED_CARTRIDGES  | --reap-max-loaded-cartridges N| LRU bound of prepared cartridges (default 8) |
+| REAP_MAX_LOADED_CARTRIDGES  | --reap-max-loaded-cartridges N| LRU bound of loaded cartridges (resolved to resident sets; default 8) |
 | REAP_COACTIVATION           | --reap-coactivation           | also count the expert co-activation matrix (E*E int64 per layer) for `reap-swap observe` |
 | REAP_RESIDENCY              | --reap-residency MODE         | auto (CUDA engine on CUDA, accounting elsewhere), accounting, cuda |
 
 Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
 "reap_swap" (vllm_config.additional_config), which every worker and API process receives; the
-workers do not read REAP_* themselves.
+workers do not read REAP_* themselves (each worker process parses it once, into its worker
+runtime: reap_swap.runtime).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
     "max_loaded_cartridges": (
         "REAP_MAX_LOADED_CARTRIDGES",
         "--reap-max-loaded-cartridges",
-        {"type": int, "metavar": "N", "help": "prepared cartridges kept (LRU)"},
+        {"type": int, "metavar": "N", "help": "loaded cartridges kept (LRU)"},
     ),
     "coactivation": (
         "REAP_COACTIVATION",

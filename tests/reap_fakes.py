@@ -1,14 +1,18 @@
-"""Fake vLLM workers for the controller and route tests: the worker RPC contract implemented with
-the real accounting backend, replicated like tensor-parallel ranks."""
+"""Fake vLLM workers for the controller and route tests: the real worker logic (WorkerCore and the
+WorkerRpc methods) over plain torch modules carrying the real counters and the real accounting
+backend, replicated like tensor-parallel ranks. Failures go through the real seam
+(reap_arm_swap_fault) and come back as the real {"error": ...} reply."""
 
 import asyncio
 from pathlib import Path
 
+import torch
 from script_modules import load_script
 
-from reap_swap.active_set import signature
+from reap_swap.counting import counters
 from reap_swap.plan import load_plan
 from reap_swap.residency.accounting import AccountingResidency
+from reap_swap.worker_core import WorkerCore, WorkerRpc
 
 E = 16
 
@@ -21,54 +25,43 @@ def tiny_plan_doc() -> dict:
 PLAN = load_plan(tiny_plan_doc())
 
 
-class FakeWorker:
+def counting_layer(num_experts: int = E) -> torch.nn.Module:
+    """A module with the counters' buffers, as ReapRoutedExperts registers them (CPU)."""
+    module = torch.nn.Module()
+    counters.register_counters(module, num_experts, coactivation=False)
+    return module
+
+
+def make_core(rank: int, tp_size: int, plan=PLAN) -> WorkerCore:
+    layers = {layer: counting_layer(plan.layers[layer].num_experts) for layer in plan.layers}
+    backend = AccountingResidency(plan.core_sets(), plan.per_expert_bytes, "fake")
+    ranks = {"tp_rank": rank, "tp_size": tp_size, "dp_rank": 0}
+    return WorkerCore(plan, layers, backend, rank, ranks)
+
+
+class FakeWorker(WorkerRpc):
     def __init__(self, rank: int, tp_size: int):
-        self.rank, self.tp_size = rank, tp_size
-        self.backend = AccountingResidency(PLAN.core_sets(), PLAN.per_expert_bytes, "fake")
-        self.counts = {layer: [0] * E for layer in PLAN.layers}
-        self.fail_apply = 0  # how many of the next non-dry-run applies fail
-        self.calls: list[tuple] = []
+        self.rank = rank
+        self.core = make_core(rank, tp_size)
+        self.fail_apply = 0  # how many of the next non-dry-run applies fail (armed through the seam)
+        self.calls: list[tuple[str, dict]] = []
 
-    def header(self):
-        return {"rank": self.rank, "tp_rank": self.rank, "tp_size": self.tp_size, "dp_rank": 0}
+    def _reap_core(self) -> WorkerCore:
+        return self.core
 
-    def stats(self, reset: bool):
-        out = {str(k): {"counts": list(v), "weights": [c * 0.5 for c in v]} for k, v in self.counts.items()}
-        if reset:
-            self.counts = {layer: [0] * E for layer in PLAN.layers}
-        return out
+    @property
+    def backend(self):
+        return self.core.backend
 
-    def reap_status(self):
-        res = self.backend.resident()
-        return {
-            **self.header(),
-            "mode": "accounting",
-            "plan_identity": PLAN.identity,
-            "layers": {str(k): sorted(v) for k, v in sorted(res.items())},
-            "resident_bytes": 0,
-            "signature": signature(res),
-            "resident_experts": sum(len(v) for v in res.values()),
-        }
+    @property
+    def counts(self) -> dict[int, list[int]]:
+        return {l: getattr(m, counters.COUNTS).tolist() for l, m in self.core.layers.items()}
 
-    def reap_apply_residency(self, keep, dry_run=False, read_stats=False):
-        from reap_swap.worker import _parse_keep  # imports vLLM: only when a swap runs
-
-        if self.fail_apply and not dry_run:
+    def reap_apply_residency(self, **request) -> dict:
+        if self.fail_apply and not request.get("dry_run"):
             self.fail_apply -= 1
-            raise RuntimeError(f"rank {self.rank}: injected failure")
-        parsed = _parse_keep(PLAN, keep)
-        stats = self.stats(reset=False) if read_stats and not dry_run else {}
-        result = self.backend.apply(parsed, dry_run=dry_run)
-        if read_stats and not dry_run:
-            self.stats(reset=True)
-        return {**self.header(), **result, "stats": stats, "signature": signature(self.backend.resident())}
-
-    def reap_read_stats(self, reset=False):
-        return {**self.header(), "layers": self.stats(reset)}
-
-    def reap_reset_stats(self):
-        self.stats(reset=True)
-        return {"rank": self.rank}
+            self.reap_arm_swap_fault(self.rank)
+        return super().reap_apply_residency(**request)
 
 
 class FakeEngine:
@@ -78,24 +71,31 @@ class FakeEngine:
         self.workers = [FakeWorker(r, tp_size) for r in range(tp_size)]
         self.in_flight = 0
         self.max_in_flight = 0
+        self.raise_next: str | None = None  # the next call raises this (an RPC failing outright)
 
-    async def rpc(self, method, *args):
+    async def rpc(self, method, **kwargs):
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             await asyncio.sleep(0)  # let other coroutines run, as a real RPC would
+            if self.raise_next is not None:
+                message, self.raise_next = self.raise_next, None
+                raise RuntimeError(message)
             results = []
             for w in self.workers:
-                w.calls.append((method, args))
-                results.append(getattr(w, method)(*args))
+                w.calls.append((method, kwargs))
+                results.append(getattr(w, method)(**kwargs))
             return results
         finally:
             self.in_flight -= 1
 
     def route(self, layer: int, experts: list[int]):
-        for w in self.workers:  # TP ranks see identical routing
-            for e in experts:
-                w.counts[layer][e] += 1
+        """One token per expert routed with gate weight 0.5, on every rank (TP ranks see identical
+        routing), recorded by the real counters."""
+        ids = torch.tensor([[e] for e in experts], dtype=torch.int64)
+        weights = torch.full((len(experts), 1), 0.5)
+        for w in self.workers:
+            counters.record(w.core.layers[layer], ids, weights)
 
 
 def build_tiny_model(out: Path) -> Path:

@@ -1,4 +1,4 @@
-"""compat.padding_source + counters.rows_from_padding: which rows of a CUDA-graph-padded batch are real tokens."""
+"""moe.padding_source + counters.rows_from_padding: which rows of a CUDA-graph-padded batch are real tokens."""
 
 from types import SimpleNamespace
 
@@ -7,8 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 fc = pytest.importorskip("vllm.forward_context")
 
-from reap_swap import compat  # noqa: E402
-from reap_swap.residency import counters  # noqa: E402
+from reap_swap.compat import moe  # noqa: E402
+from reap_swap.counting import counters  # noqa: E402
 
 
 @pytest.fixture
@@ -20,26 +20,26 @@ def context(monkeypatch):
 
 
 def test_no_context_means_unknown(context):
-    assert counters.rows_from_padding(compat.padding_source(4)) is None
+    assert counters.rows_from_padding(moe.padding_source(4)) is None
 
 
 def test_model_runner_v2_padding_mask(context):
     context["ctx"] = SimpleNamespace(is_padding=torch.tensor([False, False, True, True]), slot_mapping={})
-    assert counters.rows_from_padding(compat.padding_source(4)).tolist() == [True, True, False, False]
+    assert counters.rows_from_padding(moe.padding_source(4)).tolist() == [True, True, False, False]
 
 
 def test_v1_slot_mapping_pad_slots(context):
     context["ctx"] = SimpleNamespace(
         is_padding=None, slot_mapping={"model.layers.0.self_attn.attn": torch.tensor([7, 8, 9, -1])}
     )
-    assert counters.rows_from_padding(compat.padding_source(4)).tolist() == [True, True, True, False]
+    assert counters.rows_from_padding(moe.padding_source(4)).tolist() == [True, True, True, False]
 
 
 def test_shape_mismatch_is_unknown(context):
     context["ctx"] = SimpleNamespace(
         is_padding=torch.zeros(8, dtype=torch.bool), slot_mapping={"a": torch.zeros(8, dtype=torch.long)}
     )
-    assert counters.rows_from_padding(compat.padding_source(4)) is None
+    assert counters.rows_from_padding(moe.padding_source(4)) is None
 
 
 def test_padded_rows_are_not_counted():

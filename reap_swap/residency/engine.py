@@ -1,4 +1,4 @@
-"""The CUDA residency engine: per-expert HBM residency for vLLM's unquantized Triton MoE layers.
+"""The CUDA residency engine, load time: per-expert HBM residency for vLLM's unquantized Triton MoE.
 
 Design (measured alternatives in research.md): every supported MoE layer's `w13_weight` and
 `w2_weight` are re-homed into one CUDA virtual-address range per layer, one *unit* per expert
@@ -8,13 +8,14 @@ parameters become strided views of that range, so vLLM's unchanged Triton kernel
 experts from HBM and the rest over PCIe in one launch, with bit-identical results, and a swap
 only remaps units: addresses never change, so captured CUDA graphs stay valid.
 
-Lifecycle in a worker process:
-1. `attach_after_load(layer)` runs right after vLLM's `process_weights_after_loading` of each
-   RoutedExperts (installed by `install_post_load_hook`, called from ReapRoutedExperts). The first
-   call reserves the HBM slot pool (the plan's budget) — before vLLM profiles memory, so the KV
-   cache is sized with the pool accounted for. Each layer is converted and its core experts made
-   resident. Unsupported layers are refused with a logged reason and keep vLLM's stock path.
-2. `CudaResidency(...).apply(keep)` (worker RPC, between engine steps) swaps: evict, copy, publish.
+Lifecycle in a worker process (one `CudaEngine`, owned by the worker runtime):
+1. `hook_layer(layer, index)` (from ReapRoutedExperts.__init__) makes `attach_after_load` run
+   right after vLLM's `process_weights_after_loading` of that layer. The first attach reserves
+   the HBM slot pool (the plan's budget) -- before vLLM profiles memory, so the KV cache is sized
+   with the pool accounted for. Each layer is converted and its core experts made resident.
+   Unsupported layers are refused with a logged reason and keep vLLM's stock path.
+2. `cuda_backend.CudaResidency(engine).apply(resident)` (worker RPC, between engine steps) swaps.
+3. `release()` at worker shutdown frees the ranges and the pool.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ from typing import Any
 
 import torch
 
+from reap_swap.compat import moe as vllm_moe
+
 from . import vmm
+from .refusals import LayerRefusals
 from .slot_table import SlotTable
 from .swap import apply_swap
+from .vmm_store import VmmStore
 
 logger = logging.getLogger("reap_swap.residency")
 
@@ -50,7 +55,7 @@ class LayerEntry:
 
 @dataclass
 class EngineState:
-    """Process-global: one per worker process (one GPU)."""
+    """The device-side state: one per worker process (one GPU)."""
 
     device: int
     plan: Any | None
@@ -65,65 +70,11 @@ class EngineState:
     load_seconds: float = 0.0
 
 
-_STATE: EngineState | None = None
-_CONFIG: dict[str, Any] = {}
-
-
-def configure(plan: Any) -> None:
-    """Give the engine its plan (the HBM pool is its budget) before the model loads (worker process)."""
-    _CONFIG["plan"] = plan
-
-
-def _configure_from_vllm() -> None:
-    """Read the plan named in additional_config["reap_swap"] (set by the launcher), once."""
-    if "plan" in _CONFIG:
-        return
-    from .. import compat
-    from ..settings import load_configured_plan, reap_config
-
-    cfg = reap_config(getattr(compat.current_vllm_config(), "additional_config", None))
-    configure(load_configured_plan(cfg)[1] if cfg and cfg.get("plan_file") else None)
-
-
-def prepare(layer: torch.nn.Module) -> None:
-    """Called from ReapRoutedExperts.__init__ on CUDA (model construction, config is current)."""
-    _configure_from_vllm()
-    install_post_load_hook(layer)
-
-
-def state() -> EngineState | None:
-    return _STATE
-
-
-# ------------------------------------------------------------------------------------------------
-# Load time
-# ------------------------------------------------------------------------------------------------
-def install_post_load_hook(layer: torch.nn.Module) -> None:
-    """Run `attach_after_load(layer)` right after vLLM processes this layer's loaded weights.
-
-    The loader calls `layer.quant_method.process_weights_after_loading(layer)` once per layer in
-    every supported vLLM version; we wrap that bound method on this layer's own quant method (no
-    class is patched).
-    """
-    quant_method = layer.quant_method
-    original = quant_method.process_weights_after_loading
-
-    def process_then_attach(module: torch.nn.Module) -> None:
-        original(module)
-        attach_after_load(module)
-
-    quant_method.process_weights_after_loading = process_then_attach
-
-
-def _refusal(layer: torch.nn.Module) -> str | None:
-    qm = getattr(layer, "quant_method", None)
-    if type(qm).__name__ != "UnquantizedFusedMoEMethod":
-        return f"quantized or custom MoE method {type(qm).__name__} (scales are not pooled)"
-    backend = getattr(qm, "unquantized_backend", None)
-    if backend is None or getattr(backend, "name", str(backend)) != "TRITON":
-        return f"MoE backend {backend} is not vLLM's Triton kernel (use --moe-backend triton)"
-    if getattr(qm, "is_monolithic", False):
-        return "monolithic MoE kernel routes inside the kernel"
+def unsupported_layer(layer: torch.nn.Module) -> str | None:
+    """Why this layer's experts cannot be pooled, or None."""
+    reason = vllm_moe.unsupported_moe_method(layer)
+    if reason is not None:
+        return reason
     if getattr(layer, "expert_map", None) is not None:
         return "expert parallelism (expert_map set) is not supported"
     if getattr(layer, "w13_bias", None) is not None or getattr(layer, "w2_bias", None) is not None:
@@ -138,42 +89,6 @@ def _refusal(layer: torch.nn.Module) -> str | None:
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         return "last dimension not contiguous"
     return None
-
-
-def _layer_index(layer: torch.nn.Module) -> int | None:
-    from .experts import layer_index_from_name  # imports vLLM's layer class: only at load time
-
-    return layer_index_from_name(getattr(layer, "layer_name", ""))
-
-
-def _state_for(layer: torch.nn.Module) -> EngineState:
-    global _STATE
-    if _STATE is None:
-        device = layer.w13_weight.device.index or torch.cuda.current_device()
-        granularity = vmm.ensure_available(device)
-        plan = _CONFIG.get("plan")
-        _STATE = EngineState(device=device, plan=plan, budget_bytes=0, granularity=granularity)
-        _STATE.copy_stream = torch.cuda.Stream(device=device)
-        if plan is not None:
-            _STATE.budget_bytes = int(plan.swappable_budget_bytes)
-    return _STATE
-
-
-def _ensure_pool(st: EngineState, unit_bytes: int) -> None:
-    if st.pool is not None:
-        return
-    per_expert = int(st.plan.per_expert_bytes) if st.plan is not None else unit_bytes
-    num_slots = st.budget_bytes // max(per_expert, 1)
-    t0 = time.perf_counter()
-    st.pool = vmm.DeviceSlotPool.create(num_slots, unit_bytes, st.device)
-    st.table = SlotTable(num_slots)
-    logger.info(
-        "reap-swap: reserved HBM pool of %d expert slots (%.2f GiB, unit %.2f MiB) in %.2fs",
-        num_slots,
-        st.pool.nbytes / 2**30,
-        unit_bytes / 2**20,
-        time.perf_counter() - t0,
-    )
 
 
 def unit_bytes_for(w13: torch.Tensor, w2: torch.Tensor, granularity: int) -> tuple[int, int]:
@@ -203,80 +118,126 @@ def rehome(
     return rng, range_bytes, new_w13, new_w2
 
 
-_REFUSED: dict[str, str] = {}  # layer name -> reason (kept even when no engine state exists)
-_REFUSED_ON_HBM: dict[int, bool] = {}  # refused layer index -> its experts sit in HBM (not UVA)
+def swap_state(st: EngineState, target: Mapping[int, Any]):
+    """apply_swap over an engine state's VMM store (CudaResidency.apply minus the bookkeeping)."""
+    return apply_swap(st.table, VmmStore(st), target)
 
 
-def _refuse(layer: torch.nn.Module, index: int | None, reason: str) -> None:
-    """Leave this layer on vLLM's stock path, loudly: each refusal names its reason."""
-    name = getattr(layer, "layer_name", "?")
-    _REFUSED[name] = reason
-    if index is not None:
-        _REFUSED_ON_HBM[index] = not getattr(layer.w13_weight, "_vllm_is_uva_offloaded", False)
-    logger.warning("reap-swap: layer %s keeps vLLM's stock expert path: %s", name, reason)
+def release_state(st: EngineState) -> None:
+    """Unmap and free every layer range and the slot pool (nothing may read them afterwards)."""
+    for entry in st.layers.values():
+        entry.rng.release()
+    if st.pool is not None:
+        st.pool.release()
+    st.layers.clear()
+    st.pool = None
 
 
-def _check_layer(layer: torch.nn.Module, index: int | None) -> tuple[EngineState | None, str | None]:
-    reason = _refusal(layer)
-    if reason is None and index is None:
-        reason = f"cannot read the layer index from {getattr(layer, 'layer_name', '?')!r}"
-    if reason is not None:
-        return None, reason
-    try:
-        st = _state_for(layer)
-    except vmm.VmmUnavailable as exc:
-        return None, f"CUDA virtual memory unavailable: {exc}"
-    if st.plan is not None and index not in st.plan.layers:
-        return None, f"layer {index} is not in the plan"
-    expert_bytes, unit_bytes = unit_bytes_for(layer.w13_weight, layer.w2_weight, st.granularity)
-    if unit_bytes > expert_bytes * (1 + MAX_PADDING_OVERHEAD):
-        return None, (
-            f"expert of {expert_bytes} B pads to a {unit_bytes} B mapping unit "
-            f"(> {MAX_PADDING_OVERHEAD:.0%} overhead)"
+class CudaEngine:
+    """Re-homes each supported MoE layer at load time; holds the process's EngineState."""
+
+    def __init__(self, plan: Any | None, refusals: LayerRefusals) -> None:
+        self.plan = plan
+        self.refusals = refusals
+        self.state: EngineState | None = None
+
+    def hook_layer(self, layer: torch.nn.Module, index: int | None) -> None:
+        """Attach `layer` (plan layer `index`) right after vLLM processes its loaded weights."""
+        vllm_moe.install_post_load_hook(layer, lambda module: self.attach_after_load(module, index))
+
+    def _state_for(self, layer: torch.nn.Module) -> EngineState:
+        if self.state is None:
+            device = layer.w13_weight.device.index or torch.cuda.current_device()
+            granularity = vmm.ensure_available(device)
+            plan = self.plan
+            budget = int(plan.swappable_budget_bytes) if plan is not None else 0
+            self.state = EngineState(device=device, plan=plan, budget_bytes=budget, granularity=granularity)
+            self.state.copy_stream = torch.cuda.Stream(device=device)
+        return self.state
+
+    def _check_layer(
+        self, layer: torch.nn.Module, index: int | None
+    ) -> tuple[EngineState | None, str | None]:
+        reason = unsupported_layer(layer)
+        if reason is None and index is None:
+            reason = f"cannot read the layer index from {getattr(layer, 'layer_name', '?')!r}"
+        if reason is not None:
+            return None, reason
+        try:
+            st = self._state_for(layer)
+        except vmm.VmmUnavailable as exc:
+            return None, f"CUDA virtual memory unavailable: {exc}"
+        if st.plan is not None and index not in st.plan.layers:
+            return None, f"layer {index} is not in the plan"
+        expert_bytes, unit_bytes = unit_bytes_for(layer.w13_weight, layer.w2_weight, st.granularity)
+        if unit_bytes > expert_bytes * (1 + MAX_PADDING_OVERHEAD):
+            return None, (
+                f"expert of {expert_bytes} B pads to a {unit_bytes} B mapping unit "
+                f"(> {MAX_PADDING_OVERHEAD:.0%} overhead)"
+            )
+        if st.pool is not None and st.pool.unit_bytes != unit_bytes:
+            return None, "expert unit size differs from the first layer's (mixed shapes not pooled)"
+        return st, None
+
+    def attach_after_load(self, layer: torch.nn.Module, index: int | None) -> None:
+        """Re-home one loaded MoE layer into a mixed range, then make its core experts resident."""
+        st, reason = self._check_layer(layer, index)
+        if reason is not None:
+            on_hbm = (
+                not vllm_moe.is_uva_offloaded(layer.w13_weight) if hasattr(layer, "w13_weight") else False
+            )
+            self.refusals.refuse(getattr(layer, "layer_name", "?"), index, reason, on_hbm)
+            return
+        t0 = time.perf_counter()
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        expert_bytes, unit_bytes = unit_bytes_for(w13, w2, st.granularity)
+        _ensure_pool(st, unit_bytes)
+        rng, range_bytes, new_w13, new_w2 = rehome(w13.data, w2.data, unit_bytes, st.device)
+        layer.w13_weight.data = new_w13
+        layer.w2_weight.data = new_w2
+        # inside vLLM's device_loading_context: without the flag it would re-offload our range
+        vllm_moe.mark_uva_offloaded(layer.w13_weight)
+        vllm_moe.mark_uva_offloaded(layer.w2_weight)
+        layer._reap_vmm = True
+        st.layers[index] = LayerEntry(
+            index, layer.layer_name, w13.shape[0], unit_bytes, expert_bytes, rng, range_bytes, layer
         )
-    if st.pool is not None and st.pool.unit_bytes != unit_bytes:
-        return None, "expert unit size differs from the first layer's (mixed shapes not pooled)"
-    return st, None
+        if st.plan is not None:
+            current = {l: set(v) for l, v in st.table.resident().items()}
+            current[index] = set(st.plan.layers[index].core)
+            swap_state(st, current)
+        torch.cuda.empty_cache()
+        st.load_seconds += time.perf_counter() - t0
+        logger.info(
+            "reap-swap: layer %d re-homed (%d experts, unit %.2f MiB, %d resident) in %.2fs",
+            index,
+            w13.shape[0],
+            unit_bytes / 2**20,
+            len(st.table.resident().get(index, ())),
+            time.perf_counter() - t0,
+        )
+
+    def release(self) -> None:
+        """Give the HBM pool and the ranges back (worker shutdown)."""
+        if self.state is not None:
+            release_state(self.state)
+            logger.info("reap-swap: HBM pool and expert ranges released")
+            self.state = None
 
 
-def attach_after_load(layer: torch.nn.Module) -> None:
-    """Re-home one loaded MoE layer into a mixed range, then make its core experts resident."""
-    index = _layer_index(layer)
-    st, reason = _check_layer(layer, index)
-    if reason is not None:
-        _refuse(layer, index, reason)
+def _ensure_pool(st: EngineState, unit_bytes: int) -> None:
+    if st.pool is not None:
         return
+    per_expert = int(st.plan.per_expert_bytes) if st.plan is not None else unit_bytes
+    num_slots = st.budget_bytes // max(per_expert, 1)
     t0 = time.perf_counter()
-    w13, w2 = layer.w13_weight, layer.w2_weight
-    name, num_experts = layer.layer_name, w13.shape[0]
-    expert_bytes, unit_bytes = unit_bytes_for(w13, w2, st.granularity)
-    _ensure_pool(st, unit_bytes)
-    rng, range_bytes, new_w13, new_w2 = rehome(w13.data, w2.data, unit_bytes, st.device)
-    layer.w13_weight.data = new_w13
-    layer.w2_weight.data = new_w2
-    # This hook runs inside vLLM's device_loading_context. On exit that context re-offloads any
-    # parameter that was UVA-offloaded on entry and no longer carries this flag: it would copy our
-    # range into fresh pinned memory and point the parameter there, silently bypassing the HBM
-    # pool (measured on the H200: every expert read at PCIe speed). The range is host-backed
-    # memory the kernel reads directly, which is what the flag asserts.
-    layer.w13_weight._vllm_is_uva_offloaded = True
-    layer.w2_weight._vllm_is_uva_offloaded = True
-    layer._reap_vmm = True
-    st.layers[index] = LayerEntry(index, name, num_experts, unit_bytes, expert_bytes, rng, range_bytes, layer)
-
-    if st.plan is not None:
-        core = {index: sorted(st.plan.layers[index].core)}
-        current = {l: set(v) for l, v in st.table.resident().items()}
-        current[index] = set(core[index])
-        swap_state(st, current)
-    torch.cuda.empty_cache()
-    st.load_seconds += time.perf_counter() - t0
+    st.pool = vmm.DeviceSlotPool.create(num_slots, unit_bytes, st.device)
+    st.table = SlotTable(num_slots)
     logger.info(
-        "reap-swap: layer %d re-homed (%d experts, unit %.2f MiB, %d resident) in %.2fs",
-        index,
-        num_experts,
+        "reap-swap: reserved HBM pool of %d expert slots (%.2f GiB, unit %.2f MiB) in %.2fs",
+        num_slots,
+        st.pool.nbytes / 2**30,
         unit_bytes / 2**20,
-        len(st.table.resident().get(index, ())),
         time.perf_counter() - t0,
     )
 
@@ -302,198 +263,3 @@ def standalone_state(
         )
         views[index] = (v13, v2)
     return st, views
-
-
-def swap_state(st: EngineState, target: Mapping[int, Any], fault: Any = None):
-    """apply_swap over an engine state (what CudaResidency.apply does, minus the bookkeeping).
-
-    `fault` (residency.fault.SwapFault) wraps the store so the swap fails mid-way (test seam).
-    """
-    store = _Store(st)
-    return apply_swap(st.table, fault.wrap(store) if fault is not None else store, target)
-
-
-# ------------------------------------------------------------------------------------------------
-# Swap time
-# ------------------------------------------------------------------------------------------------
-class _Store:
-    """swap.ExpertStore over the VMM ranges and the slot pool."""
-
-    def __init__(self, st: EngineState) -> None:
-        self.st = st
-        # only the payload moves: the unit's padding to the mapping granularity is never read
-        self.bytes_per_expert = next(iter(st.layers.values())).expert_bytes if st.layers else 0
-
-    def quiesce(self) -> None:
-        torch.cuda.synchronize(self.st.device)
-
-    def map_host(self, layer: int, expert: int) -> None:
-        self.st.layers[layer].rng.map_host(expert, defer_access=True)
-
-    def start_copy(self, layer: int, expert: int, slot: int) -> Any:
-        pool, stream = self.st.pool, self.st.copy_stream
-        src = self.st.layers[layer].rng.unit_address(expert)
-        vmm.copy_async(pool.unit_address(slot), src, self.bytes_per_expert, stream.cuda_stream)
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
-    def wait_copy(self, token: Any) -> None:
-        token.synchronize()
-
-    def map_slot(self, layer: int, expert: int, slot: int) -> None:
-        self.st.layers[layer].rng.map_device(expert, self.st.pool.handles[slot], defer_access=True)
-
-    def publish(self) -> None:
-        for entry in self.st.layers.values():
-            entry.rng.flush_access()
-
-
-def _points_into_range(entry: LayerEntry) -> bool:
-    """Do the layer's parameters still read the engine's range (what swaps remap)?"""
-    lo = entry.rng.base
-    hi = lo + entry.rng.num_units * entry.rng.unit_bytes
-    return entry.module.w13_weight.data_ptr() == lo and lo <= entry.module.w2_weight.data_ptr() < hi
-
-
-class CudaResidency:
-    """The worker's residency backend on CUDA (see worker.make_residency_backend)."""
-
-    mode = "cuda"
-
-    def __init__(self, worker: Any = None, plan: Any = None, settings: Any = None) -> None:
-        if _STATE is None or not _STATE.layers:
-            reasons = "; ".join(f"{k}: {v}" for k, v in _REFUSED.items())
-            raise RuntimeError(
-                "no MoE layer was re-homed at load time" + (f" ({reasons})" if reasons else "")
-            )
-        self.st = _STATE
-        moved = [i for i, e in self.st.layers.items() if not _points_into_range(e)]
-        if moved:
-            raise RuntimeError(
-                f"layers {moved}: the expert parameters no longer point into the engine's ranges "
-                "(something replaced them after re-homing); swaps would move bytes the kernel never reads"
-            )
-
-    def capacity_bytes(self) -> int:
-        plan = self.st.plan
-        per_expert = int(plan.per_expert_bytes) if plan is not None else self.st.pool.unit_bytes
-        return self.st.table.num_slots * per_expert
-
-    def apply(self, keep: Mapping[int, Any], *, dry_run: bool = False, fault: Any = None) -> dict:
-        """Make exactly `keep` (core included) resident on the re-homed layers.
-
-        An armed `fault` fails this swap after its admissions were partly published, so
-        apply_swap's local rollback runs; a swap with too few admissions to fail mid-way is
-        undone here and fails after it, so an armed fault always fails the call.
-        """
-        target = {int(l): sorted(int(e) for e in v) for l, v in keep.items() if int(l) in self.st.layers}
-        ignored = sorted(int(l) for l in keep if int(l) not in self.st.layers)
-        if dry_run:  # capacity check only (raises PoolCapacityError); nothing moves
-            plan = self.st.table.plan(target)
-            return {
-                "mode": self.mode,
-                "bytes_copied": 0,
-                "seconds": 0.0,
-                "phases": {},
-                "evicted": len(plan.evict),
-                "admitted": len(plan.admit),
-                "reused": plan.reused,
-                "ignored_layers": ignored,
-                "note": "dry run: nothing moved",
-            }
-        t0 = time.perf_counter()
-        previous = self.st.table.resident() if fault is not None else None
-        result = swap_state(self.st, target, fault)  # PoolCapacityError: nothing moved
-        if fault is not None and not fault.fired:
-            swap_state(self.st, previous)
-            fault.fire(f"after a swap of {len(result.plan.admit)} admission(s), undone")
-        seconds = time.perf_counter() - t0
-        self.st.swaps += 1
-        self.st.bytes_copied_total += result.bytes_copied
-        return {
-            "mode": self.mode,
-            "bytes_copied": result.bytes_copied,
-            "seconds": seconds,
-            "gbps": (result.bytes_copied / seconds / 1e9) if seconds > 0 else 0.0,
-            "phases": result.phases,
-            "evicted": len(result.plan.evict),
-            "admitted": len(result.plan.admit),
-            "reused": result.plan.reused,
-            "ignored_layers": ignored,
-            "note": "experts remapped between pinned host memory and HBM slots (CUDA VMM)",
-        }
-
-    def resident(self) -> dict[int, frozenset[int]]:
-        out = {l: frozenset() for l in self.st.layers}
-        out.update(self.st.table.resident())
-        for index, on_hbm in _REFUSED_ON_HBM.items():
-            if index not in out:
-                num = (
-                    self.st.plan.layers[index].num_experts
-                    if self.st.plan and index in self.st.plan.layers
-                    else 0
-                )
-                out[index] = frozenset(range(num)) if on_hbm else frozenset()
-        return out
-
-    def selfcheck(self, iters: int = 20) -> dict:
-        """Is what the kernel reads what the table says? Pointers, backings and one timed call.
-
-        For every re-homed layer: the parameters still point into the engine's range and the
-        number of HBM-backed units equals the table's resident count. On the first layer, one
-        token routed to top-k resident experts and one routed to top-k host experts are timed
-        through the layer's own quant method (the serving path), eagerly.
-        """
-        report: dict[str, Any] = {"layers": {}}
-        resident = self.st.table.resident()
-        for index, entry in self.st.layers.items():
-            report["layers"][str(index)] = {
-                "params_in_range": _points_into_range(entry),
-                "hbm_units": sum(b is not None for b in entry.rng.backing),
-                "table_resident": len(resident.get(index, ())),
-            }
-        index, entry = next(iter(self.st.layers.items()))
-        m = entry.module
-        k = int(getattr(m, "top_k", 8))
-        on_hbm = sorted(resident.get(index, ()))
-        on_host = sorted(set(range(entry.num_experts)) - set(on_hbm))
-        x = torch.randn(1, m.w13_weight.shape[2], device=m.w13_weight.device, dtype=m.w13_weight.dtype)
-        for label, experts in (("hbm", on_hbm), ("host", on_host)):
-            if len(experts) < k:
-                continue
-            ids = torch.tensor([experts[:k]], device=x.device, dtype=torch.int32)
-            w = torch.full((1, k), 1.0 / k, device=x.device, dtype=torch.float32)
-
-            def run(m=m, x=x, w=w, ids=ids):
-                return m.quant_method.apply(
-                    layer=m, x=x, topk_weights=w, topk_ids=ids, shared_experts=None, shared_experts_input=None
-                )
-
-            run()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                run()
-            end.record()
-            torch.cuda.synchronize()
-            report[f"layer{index}_{label}_us"] = start.elapsed_time(end) / iters * 1000
-        return report
-
-    def status(self) -> dict:
-        st = self.st
-        return {
-            "mode": self.mode,
-            "device": st.device,
-            "layers_rehomed": sorted(st.layers),
-            "refused_layers": dict(_REFUSED),
-            "pool_slots": st.table.num_slots,
-            "pool_slots_used": st.table.used,
-            "pool_hbm_bytes": st.pool.nbytes,
-            "unit_bytes": st.pool.unit_bytes,
-            "capacity_bytes": self.capacity_bytes(),
-            "swaps": st.swaps,
-            "bytes_copied_total": st.bytes_copied_total,
-            "load_seconds": st.load_seconds,
-        }

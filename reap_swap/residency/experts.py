@@ -20,14 +20,15 @@ import re
 import torch
 
 from reap_swap import compat
+from reap_swap import runtime as worker_runtime
+from reap_swap.compat import moe as vllm_moe
+from reap_swap.counting import counters
 from reap_swap.logs import get_logger
-from reap_swap.residency import counters
-from reap_swap.settings import Settings, reap_config
 
 log = get_logger("reap_swap.experts")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
-RoutedExperts = compat.routed_experts_class()
+RoutedExperts = vllm_moe.routed_experts_class()
 
 
 def layer_index_from_name(layer_name: str) -> int | None:
@@ -36,40 +37,18 @@ def layer_index_from_name(layer_name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _reap_config() -> dict:
-    """additional_config["reap_swap"] of the model being built ({} outside the launcher)."""
-    return reap_config(getattr(compat.current_vllm_config(), "additional_config", None)) or {}
-
-
-def _prepare_cuda_engine(layer: torch.nn.Module, cfg: dict) -> None:
-    """On CUDA, let the residency engine hook this layer's post-load step (before profiling)."""
-    settings = Settings.from_worker_config(cfg)
-    if settings.accounting_reason(compat.platform_name()) is not None:
-        return
-    try:
-        from reap_swap.residency import engine
-    except Exception as exc:  # noqa: BLE001
-        if settings.residency == "cuda":
-            raise
-        log.error(
-            "reap-swap: CUDA residency engine not importable (%s: %s); experts stay where vLLM "
-            "puts them and swaps will be accounting-only",
-            type(exc).__name__,
-            exc,
-        )
-        return
-    engine.prepare(layer)
-
-
 class ReapRoutedExperts(RoutedExperts):
     """Counts every routed selection into fixed buffers, then runs the stock experts."""
 
     def __init__(self, layer_name: str, *args, **kwargs):
         super().__init__(layer_name, *args, **kwargs)
+        runtime = worker_runtime.current()  # vLLM builds this layer: see runtime.py for why
         self.reap_layer_index = layer_index_from_name(layer_name)
-        cfg = _reap_config()
-        counters.register_counters(self, int(self.global_num_experts), bool(cfg.get("coactivation")))
-        _prepare_cuda_engine(self, cfg)
+        self.reap_count_kernel = runtime.count_kernel
+        counters.register_counters(self, int(self.global_num_experts), runtime.settings.coactivation)
+        engine = runtime.cuda_engine(compat.platform_name())
+        if engine is not None:  # on CUDA: re-home this layer right after its weights load
+            engine.hook_layer(self, self.reap_layer_index)
 
     def forward_modular(
         self,
@@ -81,8 +60,8 @@ class ReapRoutedExperts(RoutedExperts):
     ):
         # on CUDA this runs inside vLLM's opaque MoE op (eager Python at graph capture), where the
         # padding mask of the step is available; on CPU Dynamo traces this and there is no padding
-        padding = compat.padding_source(topk_ids.shape[0]) if topk_ids.is_cuda else None
-        counters.record(self, topk_ids, topk_weights, padding=padding)
+        padding = vllm_moe.padding_source(topk_ids.shape[0]) if topk_ids.is_cuda else None
+        counters.record(self, topk_ids, topk_weights, padding=padding, kernel=self.reap_count_kernel)
         return super().forward_modular(
             x=x,
             topk_weights=topk_weights,
@@ -94,12 +73,12 @@ class ReapRoutedExperts(RoutedExperts):
     @property
     def reap_countable(self) -> bool:
         """False when the kernel routes internally (forward_modular is never called)."""
-        return not bool(getattr(self.quant_method, "is_monolithic", False))
+        return not vllm_moe.is_monolithic(self)
 
 
 def register() -> None:
     """Make vLLM build ReapRoutedExperts wherever it would build RoutedExperts (idempotent)."""
-    registry = compat.oot_registry()
+    registry = vllm_moe.oot_registry()
     current = registry.get(RoutedExperts.__name__)
     if current is ReapRoutedExperts:
         return
@@ -108,7 +87,7 @@ def register() -> None:
             f"reap-swap cannot count router selections: {current.__module__}.{current.__qualname__} "
             f"is already registered as the out-of-tree RoutedExperts; two replacements cannot both apply"
         )
-    RoutedExperts.register_oot(ReapRoutedExperts)
+    vllm_moe.register_oot(RoutedExperts, ReapRoutedExperts)
     log.debug("registered ReapRoutedExperts as the out-of-tree RoutedExperts")
 
 

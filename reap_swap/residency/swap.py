@@ -45,7 +45,7 @@ class ExpertStore(Protocol):
         at the end of every swap, also of one that failed mid-way."""
 
 
-class SwapFailed(RuntimeError):
+class SwapStepFailed(RuntimeError):
     """A swap step failed; `rolled_back` says whether the previous resident set was restored."""
 
     def __init__(self, message: str, rolled_back: bool, resident: dict[int, frozenset[int]]):
@@ -104,7 +104,7 @@ def _execute(table: SlotTable, store: ExpertStore, plan: SwapPlan) -> SwapResult
 
 
 def apply_swap(table: SlotTable, store: ExpertStore, target: Mapping[int, Iterable[int]]) -> SwapResult:
-    """Move the store to `target`; raises PoolCapacityError before anything moves, SwapFailed after."""
+    """Move the store to `target`; raises PoolCapacityError before anything moves, SwapStepFailed after."""
     plan = table.plan(target)  # capacity check: nothing has moved yet
     if plan.is_noop:
         return SwapResult(plan=plan)
@@ -117,7 +117,7 @@ def apply_swap(table: SlotTable, store: ExpertStore, target: Mapping[int, Iterab
             rolled_back = True
         except Exception:  # the table still says what the device holds
             rolled_back = False
-        raise SwapFailed(
+        raise SwapStepFailed(
             f"swap failed ({type(exc).__name__}: {exc}); "
             + ("previous resident set restored" if rolled_back else "rollback failed too"),
             rolled_back=rolled_back,

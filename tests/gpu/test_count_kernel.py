@@ -6,9 +6,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.residency import count_kernel, counters  # noqa: E402
+from reap_swap.counting import count_kernel, counters  # noqa: E402
 
 E, K = 128, 8
+KERNEL = count_kernel.CountKernel()  # one per process, as the worker runtime holds it
 
 
 def _module():
@@ -25,7 +26,7 @@ def _batch(rows, seed):
 
 
 def test_self_test_passes():
-    assert count_kernel.available(torch.device("cuda")), count_kernel.status()
+    assert KERNEL.available(torch.device("cuda")), KERNEL.status()
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 200, 8192])
@@ -42,7 +43,7 @@ def test_equals_torch_path(rows, mode):
         slots[rows // 3 :] = -1
         padding = ("slot_mapping", slots)
     fused, ref = _module(), _module()
-    counters.record(fused, ids, w, padding=padding)
+    counters.record(fused, ids, w, padding=padding, kernel=KERNEL)
     counters.record_torch(ref, ids, w, valid_rows=counters.rows_from_padding(padding))
     assert torch.equal(getattr(fused, counters.COUNTS), getattr(ref, counters.COUNTS))
     torch.testing.assert_close(getattr(fused, counters.WEIGHTS), getattr(ref, counters.WEIGHTS))
@@ -53,11 +54,11 @@ def test_counts_replay_under_cuda_graph():
     ids, w = _batch(8, 1)
     pad = torch.zeros(8, dtype=torch.bool, device="cuda")
     pad[6:] = True
-    counters.record(m, ids, w, padding=("is_padding", pad))  # warm-up outside capture
+    counters.record(m, ids, w, padding=("is_padding", pad), kernel=KERNEL)  # warm-up outside capture
     counters.zero(m)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        counters.record(m, ids, w, padding=("is_padding", pad))
+        counters.record(m, ids, w, padding=("is_padding", pad), kernel=KERNEL)
     counters.zero(m)
     for _ in range(3):
         graph.replay()

@@ -118,7 +118,9 @@ def test_rehome_survives_vllm_uva_reoffload():
     loader_utils = pytest.importorskip("vllm.model_executor.model_loader.utils")
     from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
-    from reap_swap.residency import engine
+    from reap_swap.residency.cuda_backend import CudaResidency
+    from reap_swap.residency.engine import CudaEngine
+    from reap_swap.residency.refusals import LayerRefusals
 
     class UnquantizedFusedMoEMethod:  # stand-in carrying the name and backend the engine accepts
         is_monolithic = False
@@ -141,30 +143,38 @@ def test_rehome_survives_vllm_uva_reoffload():
 
     layer = Layer()
     reference = layer.w13_weight.detach().clone()
-    engine.configure(None)
-    engine.install_post_load_hook(layer)
+    engine = CudaEngine(None, LayerRefusals())  # one per worker process, owned by its runtime
+    engine.hook_layer(layer, 0)
     with loader_utils.device_loading_context(layer, torch.device("cuda")):
         layer.quant_method.process_weights_after_loading(layer)
-    entry = engine.state().layers[0]
+    assert not engine.refusals.reasons
+    entry = engine.state.layers[0]
     assert layer.w13_weight.data_ptr() == entry.rng.base
     assert torch.equal(layer.w13_weight, reference)
-    engine.CudaResidency()  # refuses (RuntimeError) if any parameter left its range
+    CudaResidency(engine)  # refuses (RuntimeError) if any parameter left its range
+    engine.release()  # what worker shutdown does (runtime.close): the pool and ranges are freed
+    assert engine.state is None
 
 
 def test_injected_mid_swap_failure_restores_the_previous_set(kernel, layer):
-    """The fault seam behind reap_arm_swap_fault on the real engine: the swap fails after one
-    admission was published, apply_swap's rollback runs, and the kernel reads the previous set's
-    bytes (bitwise) from the same addresses."""
+    """The fault seam behind reap_arm_swap_fault on the real engine (the worker's backend wrapper
+    over CudaResidency and the VMM store): the swap fails after one admission was published,
+    apply_swap's rollback runs, and the kernel reads the previous set's bytes (bitwise) from the
+    same addresses."""
+    from reap_swap.residency.cuda_backend import CudaResidency
     from reap_swap.residency.engine import swap_state
-    from reap_swap.residency.fault import SwapFault
-    from reap_swap.residency.swap import SwapFailed
+    from reap_swap.residency.fault import FaultInjectingBackend
+    from reap_swap.residency.swap import SwapStepFailed
+    from reap_swap.residency.vmm_store import VmmStore
 
     fused_experts, _ = kernel
     st, (w13, w2), (v13, v2) = layer
     swap_state(st, {0: list(range(32))})
     before = st.table.resident()
-    with pytest.raises(SwapFailed) as failed:
-        swap_state(st, {0: list(range(16, 64))}, fault=SwapFault(rank=0, after_admissions=1))
+    backend = FaultInjectingBackend(CudaResidency.over(st, VmmStore(st)), rank=0)
+    backend.arm(after_admissions=1)
+    with pytest.raises(SwapStepFailed) as failed:
+        backend.apply({0: list(range(16, 64))})
     assert failed.value.rolled_back
     assert st.table.resident() == before
     assert sum(b is not None for b in st.layers[0].rng.backing) == 32

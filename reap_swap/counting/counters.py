@@ -14,7 +14,12 @@ Buffers (E = the layer's global expert count):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from reap_swap.counting.count_kernel import CountKernel
 
 COUNTS = "reap_counts"
 WEIGHTS = "reap_weights"
@@ -46,21 +51,19 @@ def record(
     topk_weights: torch.Tensor,
     valid_rows: torch.Tensor | None = None,
     padding=None,
+    kernel: CountKernel | None = None,
 ) -> None:
     """Add one batch of routing decisions. topk_ids/topk_weights: [tokens, top_k].
 
     Ids outside [0, E) (e.g. -1 for dropped selections) are not counted. Padded rows, e.g.
     CUDA-graph padding, are excluded when the caller knows them: `valid_rows` (bool [tokens]) or
-    `padding` (compat.padding_source's answer). On CUDA, without co-activation, one fused Triton
-    kernel does the whole update (count_kernel.py); otherwise the torch ops below.
+    `padding` (compat.moe.padding_source's answer). On CUDA, without co-activation, the process's
+    fused Triton `kernel` (count_kernel.py, owned by the worker runtime) does the whole update
+    when given and usable; otherwise the torch ops below.
     """
-    if topk_ids.is_cuda and valid_rows is None and getattr(module, COACT) is None:
-        from reap_swap.residency import count_kernel
-
-        if count_kernel.available(topk_ids.device):
-            count_kernel.launch(
-                getattr(module, COUNTS), getattr(module, WEIGHTS), topk_ids, topk_weights, padding
-            )
+    if topk_ids.is_cuda and kernel is not None and valid_rows is None and getattr(module, COACT) is None:
+        if kernel.available(topk_ids.device):
+            kernel.launch(getattr(module, COUNTS), getattr(module, WEIGHTS), topk_ids, topk_weights, padding)
             return
     if padding is not None and valid_rows is None:
         valid_rows = rows_from_padding(padding)
@@ -68,7 +71,7 @@ def record(
 
 
 def rows_from_padding(source):
-    """compat.padding_source's answer -> bool mask of the real rows (None stays None)."""
+    """compat.moe.padding_source's answer -> bool mask of the real rows (None stays None)."""
     if source is None:
         return None
     kind, tensor = source

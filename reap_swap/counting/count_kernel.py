@@ -9,9 +9,10 @@ same fixed `counts` / `weights` buffers: one launch per layer, graph-safe (no al
 host sync). Weight sums are float atomics, so their last bits may depend on the order the
 selections land in; counts are exact.
 
-`available()` self-tests the kernel against the torch path once per process, outside graph
+`CountKernel.available()` self-tests the kernel against the torch path once per process, outside graph
 capture, and says no (with the reason logged) if Triton is missing or disagrees: the caller
-then keeps the torch path. Never silently wrong.
+then keeps the torch path. Never silently wrong. One CountKernel per worker process, owned
+by the worker runtime (reap_swap.runtime) and handed to each counting layer.
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ log = get_logger("reap_swap.counters")
 
 MASK_NONE, MASK_IS_PADDING, MASK_SLOT_MAPPING = 0, 1, 2
 BLOCK = 1024
-
-_kernel = None
-_state: dict[str, object] = {"checked": False, "ok": False, "reason": "not checked yet"}
 
 
 def _build():
@@ -64,65 +62,78 @@ def _build():
     return count_selections
 
 
-def launch(
-    counts: torch.Tensor,
-    weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    padding=None,
-) -> None:
-    """Add one batch of routing decisions (see counters.record); `padding` from compat.padding_source."""
-    ids = topk_ids.reshape(-1)
-    w = topk_weights.reshape(-1)
-    n_sel = ids.numel()
-    if n_sel == 0:
-        return
-    top_k = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
-    mode, pad = MASK_NONE, ids  # pad_ptr is never read without a mask mode
-    if padding is not None:
-        kind, tensor = padding
-        if kind == "is_padding":
-            mode, pad = MASK_IS_PADDING, tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
+class CountKernel:
+    """The fused counter kernel of one process: compiled and self-tested once, on first use."""
+
+    def __init__(self) -> None:
+        self._kernel = None
+        self._checked = False
+        self._ok = False
+        self._reason = "not checked yet"
+
+    def launch(
+        self,
+        counts: torch.Tensor,
+        weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        padding=None,
+    ) -> None:
+        """Add one batch of routing decisions (see counters.record); `padding` from
+        compat.moe.padding_source."""
+        ids = topk_ids.reshape(-1)
+        w = topk_weights.reshape(-1)
+        n_sel = ids.numel()
+        if n_sel == 0:
+            return
+        top_k = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
+        mode, pad = MASK_NONE, ids  # pad_ptr is never read without a mask mode
+        if padding is not None:
+            kind, tensor = padding
+            if kind == "is_padding":
+                mode, pad = (
+                    MASK_IS_PADDING,
+                    tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor,
+                )
+            else:
+                mode, pad = MASK_SLOT_MAPPING, tensor
+        grid = (-(-n_sel // BLOCK),)
+        self._kernel[grid](
+            ids, w, pad, counts, weights, n_sel, top_k, counts.shape[0], MASK_MODE=mode, BLOCK=BLOCK
+        )
+
+    def available(self, device: torch.device) -> bool:
+        """Is the fused kernel usable (and equal to the torch path) on this device? Checked once."""
+        if self._checked:
+            return self._ok
+        if torch.cuda.is_current_stream_capturing():
+            return False  # never compile or self-test inside a capture; the torch path counts meanwhile
+        self._checked = True
+        try:
+            self._kernel = _build()
+            self._ok = _self_test(self, device)
+            self._reason = (
+                "fused Triton counter kernel" if self._ok else "self-test disagreed with the torch path"
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the torch path
+            self._ok = False
+            self._reason = f"{type(exc).__name__}: {exc}"
+        if self._ok:
+            log.info("reap-swap: routed-selection counters use one fused Triton kernel per layer")
         else:
-            mode, pad = MASK_SLOT_MAPPING, tensor
-    grid = (-(-n_sel // BLOCK),)
-    _kernel[grid](ids, w, pad, counts, weights, n_sel, top_k, counts.shape[0], MASK_MODE=mode, BLOCK=BLOCK)
+            log.error(
+                "reap-swap: fused counter kernel unavailable (%s); counting with torch ops "
+                "(exact, a few microseconds slower per layer)",
+                self._reason,
+            )
+        return self._ok
+
+    def status(self) -> dict:
+        return {"checked": self._checked, "ok": self._ok, "reason": self._reason}
 
 
-def available(device: torch.device) -> bool:
-    """Is the fused kernel usable (and equal to the torch path) on this device? Checked once."""
-    global _kernel
-    if _state["checked"]:
-        return bool(_state["ok"])
-    if torch.cuda.is_current_stream_capturing():
-        return False  # never compile or self-test inside a capture; the torch path counts meanwhile
-    _state["checked"] = True
-    try:
-        _kernel = _build()
-        _state["ok"] = _self_test(device)
-        _state["reason"] = (
-            "fused Triton counter kernel" if _state["ok"] else "self-test disagreed with the torch path"
-        )
-    except Exception as exc:  # noqa: BLE001 - any failure keeps the torch path
-        _state["ok"] = False
-        _state["reason"] = f"{type(exc).__name__}: {exc}"
-    if _state["ok"]:
-        log.info("reap-swap: routed-selection counters use one fused Triton kernel per layer")
-    else:
-        log.error(
-            "reap-swap: fused counter kernel unavailable (%s); counting with torch ops "
-            "(exact, a few microseconds slower per layer)",
-            _state["reason"],
-        )
-    return bool(_state["ok"])
-
-
-def status() -> dict:
-    return dict(_state)
-
-
-def _self_test(device: torch.device) -> bool:
-    from reap_swap.residency import counters
+def _self_test(kernel: CountKernel, device: torch.device) -> bool:
+    from reap_swap.counting import counters
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     rows, k, experts = 37, 8, 128
@@ -135,7 +146,7 @@ def _self_test(device: torch.device) -> bool:
     for source in (None, ("is_padding", pad), ("slot_mapping", slots)):
         got_c = torch.zeros(experts, dtype=torch.int64, device=device)
         got_w = torch.zeros(experts, dtype=torch.float32, device=device)
-        launch(got_c, got_w, ids, w, source)
+        kernel.launch(got_c, got_w, ids, w, source)
         ref = torch.nn.Module()
         counters.register_counters(ref, experts, coactivation=False)
         ref.to(device)

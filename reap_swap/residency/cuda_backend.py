@@ -1,0 +1,173 @@
+"""The worker's residency backend on CUDA: swaps between engine steps over the re-homed layers.
+
+Built by the worker (worker.make_residency_backend) from the process's CudaEngine once the model
+has loaded; refuses to exist if no layer was re-homed or a layer's parameters left the engine's
+range (swaps would then move bytes the kernel never reads).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from reap_swap.compat import moe as vllm_moe
+
+from .engine import CudaEngine, EngineState, LayerEntry
+from .refusals import LayerRefusals
+from .swap import ExpertStore, apply_swap
+from .vmm_store import VmmStore
+
+
+def points_into_range(entry: LayerEntry) -> bool:
+    """Do the layer's parameters still read the engine's range (what swaps remap)?"""
+    lo = entry.rng.base
+    hi = lo + entry.rng.num_units * entry.rng.unit_bytes
+    return entry.module.w13_weight.data_ptr() == lo and lo <= entry.module.w2_weight.data_ptr() < hi
+
+
+class CudaResidency:
+    """apply / resident / status / selfcheck over one EngineState and its ExpertStore."""
+
+    residency_mode = "cuda"
+
+    def __init__(self, engine: CudaEngine) -> None:
+        st = engine.state
+        if st is None or not st.layers:
+            reasons = engine.refusals.summary()
+            raise RuntimeError(
+                "no MoE layer was re-homed at load time" + (f" ({reasons})" if reasons else "")
+            )
+        moved = [i for i, e in st.layers.items() if not points_into_range(e)]
+        if moved:
+            raise RuntimeError(
+                f"layers {moved}: the expert parameters no longer point into the engine's ranges "
+                "(something replaced them after re-homing); swaps would move bytes the kernel never reads"
+            )
+        self._init(st, VmmStore(st), engine.refusals)
+
+    @classmethod
+    def over(cls, st: Any, store: ExpertStore, refusals: LayerRefusals | None = None) -> CudaResidency:
+        """The backend over any state and store (tests: a fake store, no GPU, no pointer checks)."""
+        backend = object.__new__(cls)
+        backend._init(st, store, refusals or LayerRefusals())
+        return backend
+
+    def _init(self, st: EngineState, store: ExpertStore, refusals: LayerRefusals) -> None:
+        self.st = st
+        self.store = store  # the data path; fault.FaultInjectingBackend may wrap it for one apply
+        self.refusals = refusals
+
+    def capacity_bytes(self) -> int:
+        plan = self.st.plan
+        per_expert = int(plan.per_expert_bytes) if plan is not None else self.st.pool.unit_bytes
+        return self.st.table.num_slots * per_expert
+
+    def apply(self, resident: Mapping[int, Any], *, dry_run: bool = False) -> dict:
+        """Make exactly `resident` (core included) resident on the re-homed layers.
+
+        Raises PoolCapacityError before anything moves, swap.SwapStepFailed after a failed step
+        (rolled back locally)."""
+        target = {int(l): sorted(int(e) for e in v) for l, v in resident.items() if int(l) in self.st.layers}
+        ignored = sorted(int(l) for l in resident if int(l) not in self.st.layers)
+        if dry_run:  # capacity check only (raises PoolCapacityError); nothing moves
+            plan = self.st.table.plan(target)
+            return {
+                "bytes_copied": 0,
+                "seconds": 0.0,
+                "phases": {},
+                "evicted": len(plan.evict),
+                "admitted": len(plan.admit),
+                "reused": plan.reused,
+                "ignored_layers": ignored,
+                "note": "dry run: nothing moved",
+            }
+        t0 = time.perf_counter()
+        result = apply_swap(self.st.table, self.store, target)
+        seconds = time.perf_counter() - t0
+        self.st.swaps += 1
+        self.st.bytes_copied_total += result.bytes_copied
+        return {
+            "bytes_copied": result.bytes_copied,
+            "seconds": seconds,
+            "gbps": (result.bytes_copied / seconds / 1e9) if seconds > 0 else 0.0,
+            "phases": result.phases,
+            "evicted": len(result.plan.evict),
+            "admitted": len(result.plan.admit),
+            "reused": result.plan.reused,
+            "ignored_layers": ignored,
+            "note": "experts remapped between pinned host memory and HBM slots (CUDA VMM)",
+        }
+
+    def resident(self) -> dict[int, frozenset[int]]:
+        out = {l: frozenset() for l in self.st.layers}
+        out.update(self.st.table.resident())
+        plan = self.st.plan
+        for index, on_hbm in self.refusals.on_hbm.items():
+            if index not in out:
+                num = plan.layers[index].num_experts if plan and index in plan.layers else 0
+                out[index] = frozenset(range(num)) if on_hbm else frozenset()
+        return out
+
+    def selfcheck(self, iters: int = 20) -> dict:
+        """Is what the kernel reads what the table says? Pointers, backings and one timed call.
+
+        For every re-homed layer: the parameters still point into the engine's range and the
+        number of HBM-backed units equals the table's resident count. On the first layer, one
+        token routed to top-k resident experts and one routed to top-k host experts are timed
+        through the layer's own quant method (the serving path), eagerly.
+        """
+        report: dict[str, Any] = {"layers": {}}
+        resident = self.st.table.resident()
+        for index, entry in self.st.layers.items():
+            report["layers"][str(index)] = {
+                "params_in_range": points_into_range(entry),
+                "hbm_units": sum(b is not None for b in entry.rng.backing),
+                "table_resident": len(resident.get(index, ())),
+            }
+        index, entry = next(iter(self.st.layers.items()))
+        on_hbm = sorted(resident.get(index, ()))
+        on_host = sorted(set(range(entry.num_experts)) - set(on_hbm))
+        for label, experts in (("hbm", on_hbm), ("host", on_host)):
+            us = _time_layer(entry.module, experts, iters)
+            if us is not None:
+                report[f"layer{index}_{label}_us"] = us
+        return report
+
+    def status(self) -> dict:
+        st = self.st
+        return {
+            "mode": self.residency_mode,
+            "device": st.device,
+            "layers_rehomed": sorted(st.layers),
+            "refused_layers": dict(self.refusals.reasons),
+            "pool_slots": st.table.num_slots,
+            "pool_slots_used": st.table.used,
+            "pool_hbm_bytes": st.pool.nbytes,
+            "unit_bytes": st.pool.unit_bytes,
+            "capacity_bytes": self.capacity_bytes(),
+            "swaps": st.swaps,
+            "bytes_copied_total": st.bytes_copied_total,
+            "load_seconds": st.load_seconds,
+        }
+
+
+def _time_layer(m: torch.nn.Module, experts: list[int], iters: int) -> float | None:
+    """Microseconds of one token routed to the first top-k of `experts` (None: fewer than top-k)."""
+    k = int(getattr(m, "top_k", 8))
+    if len(experts) < k:
+        return None
+    x = torch.randn(1, m.w13_weight.shape[2], device=m.w13_weight.device, dtype=m.w13_weight.dtype)
+    ids = torch.tensor([experts[:k]], device=x.device, dtype=torch.int32)
+    w = torch.full((1, k), 1.0 / k, device=x.device, dtype=torch.float32)
+    vllm_moe.run_routed_experts(m, x, w, ids)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        vllm_moe.run_routed_experts(m, x, w, ids)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1000

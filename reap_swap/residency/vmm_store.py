@@ -1,0 +1,42 @@
+"""swap.ExpertStore over an engine state's VMM ranges and HBM slot pool (the CUDA data path)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import vmm
+
+
+class VmmStore:
+    """Evict = map the host master back; admit = copy host -> slot, then map the slot."""
+
+    def __init__(self, st: Any) -> None:  # st: engine.EngineState
+        self.st = st
+        # only the payload moves: the unit's padding to the mapping granularity is never read
+        self.bytes_per_expert = next(iter(st.layers.values())).expert_bytes if st.layers else 0
+
+    def quiesce(self) -> None:
+        torch.cuda.synchronize(self.st.device)
+
+    def map_host(self, layer: int, expert: int) -> None:
+        self.st.layers[layer].rng.map_host(expert, defer_access=True)
+
+    def start_copy(self, layer: int, expert: int, slot: int) -> Any:
+        pool, stream = self.st.pool, self.st.copy_stream
+        src = self.st.layers[layer].rng.unit_address(expert)
+        vmm.copy_async(pool.unit_address(slot), src, self.bytes_per_expert, stream.cuda_stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait_copy(self, token: Any) -> None:
+        token.synchronize()
+
+    def map_slot(self, layer: int, expert: int, slot: int) -> None:
+        self.st.layers[layer].rng.map_device(expert, self.st.pool.handles[slot], defer_access=True)
+
+    def publish(self) -> None:
+        for entry in self.st.layers.values():
+            entry.rng.flush_access()

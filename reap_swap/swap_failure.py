@@ -1,0 +1,43 @@
+"""What the API process reports when a swap fails on the workers (HTTP 5xx, routes.py).
+
+Why its own module: routes.py maps it to a response and the controller raises it; neither the
+failure's shape nor its rank parsing is swap logic.
+"""
+
+from __future__ import annotations
+
+import re
+
+_RANK_RE = re.compile(r"\brank (\d+)\b")
+
+
+class WorkerSwapFailed(RuntimeError):
+    """A worker call failed; `rolled_back` says whether the previous resident set was restored.
+
+    `failed_ranks`: the ranks that reported the failure (best effort when the RPC itself raised:
+    read from "rank N" in the text); `workers`: each rank's brief after the rollback.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        rolled_back: bool,
+        rollback_error: str | None = None,
+        failed_ranks: list[int] | None = None,
+        workers: list[dict] | None = None,
+    ):
+        super().__init__(message)
+        self.rolled_back = rolled_back
+        self.rollback_error = rollback_error
+        self.failed_ranks = failed_ranks or []
+        self.workers = workers or []
+
+    @property
+    def workers_consistent(self) -> bool | None:
+        """Do the ranks report one signature after the rollback (None: no per-rank replies)?"""
+        return len({w.get("signature") for w in self.workers}) == 1 if self.workers else None
+
+
+def ranks_named_in(text: str) -> list[int]:
+    """Ranks a failure message names ("rank 1: ..."): vLLM relays only the worker's message."""
+    return sorted({int(m) for m in _RANK_RE.findall(text)})

@@ -1,0 +1,103 @@
+"""The controller's answers: a swap's response, each rank's brief, the status document.
+
+Pure shaping of what the workers replied (reap_swap.wire models) and the controller holds, kept
+apart so the state machine in controller.py reads as its steps.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from reap_swap import wire
+from reap_swap.active_set import resident_bytes
+
+_BRIEF_KEYS = {
+    "rank",
+    "tp_rank",
+    "dp_rank",
+    "bytes_copied",
+    "seconds",
+    "signature",
+    "resident_experts",
+    "error",
+    "rolled_back_locally",
+}
+_STATUS_WORKER_KEYS = (
+    "rank",
+    "tp_rank",
+    "tp_size",
+    "dp_rank",
+    "resident_bytes",
+    "signature",
+    "resident_experts",
+)
+
+
+def brief(reply: wire.ApplyReply) -> dict:
+    """One rank's line in a swap response (what it holds after the call, and its error)."""
+    return reply.model_dump(include=_BRIEF_KEYS, exclude_none=True)
+
+
+def timing(t0: float, phases: dict, worker_phases: list | None = None) -> dict:
+    out = {"total_seconds": time.perf_counter() - t0, "phases": phases}
+    if worker_phases is not None:
+        out["worker_phases"] = worker_phases
+    return out
+
+
+def swap_response(
+    base: dict, results: list[wire.ApplyReply], *, noop: bool, refresh_count: int, swap_seq: int
+) -> dict:
+    """The response to an applied swap (timing and forensics are added by the caller)."""
+    notes = sorted({r.note for r in results} - {""})
+    noop_note = (
+        f"no-op: this active set (signature {base['signature']}) is already resident; nothing was applied. "
+        if noop
+        else ""
+    )
+    return {
+        **base,
+        "validate_only": False,
+        "noop": noop,
+        "refresh_count": refresh_count,
+        "swap_seq": swap_seq,
+        "bytes_copied": sum(r.bytes_copied for r in results),
+        "bytes_copied_per_worker": [r.bytes_copied for r in results],
+        "note": noop_note + " ".join(notes),
+        "workers": [brief(r) for r in results],
+        "workers_consistent": len({r.signature for r in results}) == 1,
+    }
+
+
+def status_report(ctl: Any, statuses: list[wire.StatusReply]) -> dict:
+    """GET /reap/status: the controller's view and each worker's (ctl: controller.SwapController)."""
+    mine = wire.encode_resident_sets(ctl.resident)
+    return {
+        "plan_identity": ctl.plan.identity,
+        "plan_file": ctl.plan_file,
+        "model": ctl.plan.model,
+        "mode": ctl.residency_mode,
+        "validate_only": ctl.validate_only,
+        "signature": ctl.sig,
+        "layers": mine,
+        "resident_experts": sum(len(v) for v in ctl.resident.values()),
+        "resident_bytes": resident_bytes(ctl.plan, ctl.resident),
+        "budget_bytes": ctl.plan.swappable_budget_bytes,
+        "swap_count": ctl.swap_count,
+        "noop_count": ctl.noop_count,
+        "failed_count": ctl.failed_count,
+        "last_swap_time": ctl.last_swap_time,
+        "last_swap_seconds": ctl.last_swap_seconds,
+        "open_request": ctl.open_request,
+        "unattributed_selections": ctl.unattributed_selections,
+        "cartridges": {
+            "defined": sorted(ctl.cartridge_defs),
+            "loaded": list(ctl.cartridges),
+            "max_loaded": ctl.cartridges.max_entries,
+        },
+        "workers": [
+            {**{k: getattr(s, k) for k in _STATUS_WORKER_KEYS}, "mode": s.residency_mode} for s in statuses
+        ],
+        "workers_consistent": all(s.layers == mine for s in statuses),
+    }

@@ -1,0 +1,212 @@
+"""The worker's RPC logic without vLLM: resident-set checks, apply with counter reads, statistics.
+
+Why separate from worker.py: everything a worker answers depends only on the plan, the counting
+layers (modules carrying counters' buffers), the residency backend and the rank, none of which
+needs vLLM. worker.ReapWorkerExtension builds one WorkerCore from its vLLM worker and delegates;
+the tests' fake workers are WorkerCores over plain torch modules and the accounting backend, so
+the controller's tests exercise the same reply paths (including `{"error": ...}`) as production.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from reap_swap import wire
+from reap_swap.active_set import ResidentSets, signature
+from reap_swap.counting import counters
+from reap_swap.logs import get_logger
+from reap_swap.plan import Plan
+from reap_swap.residency.fault import FaultInjectingBackend
+
+log = get_logger("reap_swap.worker")
+
+
+class ResidencyBackend(Protocol):
+    """What a residency implementation offers the worker (accounting, or cuda_backend.CudaResidency)."""
+
+    residency_mode: str
+
+    def apply(self, resident: ResidentSets, *, dry_run: bool = False) -> dict: ...  # bytes_copied, ...
+    def resident(self) -> ResidentSets: ...
+    def status(self) -> dict: ...
+
+
+def check_resident_sets(plan: Plan, resident: ResidentSets) -> ResidentSets:
+    """Every plan layer, only candidate experts (defence in depth: the API process validated the
+    same plan already). Raises ValueError naming the layer."""
+    for layer, ids in resident.items():
+        if layer not in plan.layers:
+            raise ValueError(f"layer {layer} is not in the plan")
+        bad = sorted(set(ids) - plan.layers[layer].candidates)
+        if bad:
+            raise ValueError(f"layer {layer}: experts {bad} are not candidates of the plan")
+    missing = sorted(set(plan.layers) - set(resident))
+    if missing:
+        raise ValueError(f"resident set lacks plan layers {missing}")
+    return resident
+
+
+class WorkerCore:
+    def __init__(
+        self,
+        plan: Plan,
+        layers: Mapping[int, Any],
+        backend: ResidencyBackend,
+        rank: int,
+        ranks: Mapping[str, int],
+        counter_kernel: Any = None,
+    ) -> None:
+        self.plan = plan
+        self.layers = dict(layers)  # plan layer index -> counting module
+        self.backend = FaultInjectingBackend(backend, rank)
+        self.rank = rank
+        self.ranks = dict(ranks)  # tp_rank, tp_size, dp_rank
+        self.counter_kernel = counter_kernel
+
+    def header(self) -> dict:
+        return {"rank": self.rank, **self.ranks}
+
+    def resident_summary(self, resident: ResidentSets | None = None) -> dict:
+        resident = self.backend.resident() if resident is None else resident
+        planned = {l: v for l, v in resident.items() if l in self.plan.layers}
+        return {"signature": signature(planned), "resident_experts": sum(len(v) for v in planned.values())}
+
+    def read_counters(self, reset: bool) -> dict[str, dict]:
+        return {str(i): counters.read(m, reset) for i, m in self.layers.items()}
+
+    def zero_counters(self) -> None:
+        for m in self.layers.values():
+            counters.zero(m)
+
+    # -- RPCs --------------------------------------------------------------------------------
+    def status(self) -> dict:
+        resident = self.backend.resident()
+        return wire.StatusReply(
+            **self.header(),
+            **self.resident_summary(resident),
+            residency_mode=self.backend.residency_mode,
+            plan_identity=self.plan.identity,
+            layers=wire.encode_resident_sets(resident),
+            resident_bytes=sum(len(v) for v in resident.values()) * self.plan.per_expert_bytes,
+            counting={str(k): bool(getattr(m, "reap_countable", True)) for k, m in self.layers.items()},
+            coactivation=any(getattr(m, counters.COACT, None) is not None for m in self.layers.values()),
+            counter_kernel=self.counter_kernel.status() if self.counter_kernel is not None else {},
+            backend=self.backend.status(),
+        ).model_dump(exclude_none=True)
+
+    def apply(self, request: Mapping[str, Any]) -> dict:
+        """reap_apply_residency: a failure is answered as {"error": ...}, never raised (wire.py)."""
+        dry_run = bool(request.get("dry_run", False)) if isinstance(request, Mapping) else False
+        try:
+            req = wire.ApplyResidency.model_validate(request)
+            resident = check_resident_sets(self.plan, wire.decode_resident_sets(req.resident))
+            take = req.read_stats and not req.dry_run
+            stats = self.read_counters(reset=False) if take else {}
+            result = self.backend.apply(resident, dry_run=req.dry_run)
+            if take:
+                self.zero_counters()
+        except Exception as exc:  # noqa: BLE001 - reported to the controller, which rolls back
+            log.error("reap-swap rank %d: apply failed: %s: %s", self.rank, type(exc).__name__, exc)
+            return wire.ApplyReply(
+                **self.header(),
+                **self.resident_summary(),
+                dry_run=dry_run,
+                error=f"rank {self.rank}: {type(exc).__name__}: {exc}",
+                rolled_back_locally=getattr(exc, "rolled_back", None),
+            ).model_dump(exclude_none=True)
+        return wire.ApplyReply(
+            **self.header(),
+            **self.resident_summary(),
+            **result,
+            dry_run=req.dry_run,
+            residency_mode=self.backend.residency_mode,
+            stats=stats,
+        ).model_dump(exclude_none=True)
+
+    def arm_swap_fault(self, request: Mapping[str, Any]) -> dict:
+        """Test seam: the next non-dry-run apply on worker `rank` fails once (residency/fault.py).
+        Other ranks ignore it. Arguments may arrive as strings (vLLM's dev route)."""
+        try:
+            req = wire.ArmSwapFault.model_validate(request)
+        except ValidationError as exc:
+            return wire.ArmReply(
+                **self.header(),
+                armed=False,
+                error=f"rank={request.get('rank')!r}, after_admissions="
+                f"{request.get('after_admissions', 1)!r}: expected integers, after_admissions >= 0 "
+                f"({exc.errors()[0]['msg']})",
+            ).model_dump(exclude_none=True)
+        if req.rank != self.rank:
+            note = f"ignored: this worker is rank {self.rank}, not {req.rank}"
+            return wire.ArmReply(**self.header(), armed=False, note=note).model_dump(exclude_none=True)
+        self.backend.arm(req.after_admissions)
+        log.warning(
+            "reap-swap rank %d: swap fault armed (test seam; fires on the next apply, "
+            "after %d admission(s) on CUDA)",
+            self.rank,
+            req.after_admissions,
+        )
+        return wire.ArmReply(
+            **self.header(),
+            armed=True,
+            after_admissions=req.after_admissions,
+            note=f"the next non-dry-run swap on rank {self.rank} fails once",
+        ).model_dump(exclude_none=True)
+
+    def selfcheck(self) -> dict:
+        check = getattr(self.backend.inner, "selfcheck", None)
+        return {
+            **self.header(),
+            "mode": self.backend.residency_mode,
+            **(check() if check else {"note": "no self-check for this residency backend"}),
+        }
+
+    def read_stats(self, request: Mapping[str, Any]) -> dict:
+        req = wire.ReadStats.model_validate(request)
+        return wire.StatsReply(**self.header(), layers=self.read_counters(req.reset)).model_dump(
+            exclude_none=True
+        )
+
+    def reset_stats(self) -> dict:
+        self.zero_counters()
+        return wire.ResetReply(rank=self.rank).model_dump(exclude_none=True)
+
+
+class WorkerRpc:
+    """The worker RPC methods (names in wire.py), over `self._reap_core()` -> WorkerCore.
+
+    Mixed into the vLLM worker by worker.ReapWorkerExtension and into the tests' fake workers, so
+    both answer through the same methods. Only `reap_` names: vLLM asserts an extension adds no
+    attribute the worker class already has.
+    """
+
+    def _reap_core(self) -> WorkerCore:
+        raise NotImplementedError
+
+    def reap_status(self) -> dict:
+        """-> wire.StatusReply"""
+        return self._reap_core().status()
+
+    def reap_apply_residency(self, **request) -> dict:
+        """wire.ApplyResidency(resident=..., dry_run=..., read_stats=...) -> wire.ApplyReply."""
+        return self._reap_core().apply(request)
+
+    def reap_arm_swap_fault(self, rank: Any, after_admissions: Any = 1) -> dict:
+        """Test seam (residency/fault.py): wire.ArmSwapFault -> wire.ArmReply. Positional
+        arguments are kept for vLLM's dev route POST /collective_rpc (scripts/gpu_e2e.py)."""
+        return self._reap_core().arm_swap_fault({"rank": rank, "after_admissions": after_admissions})
+
+    def reap_selfcheck(self) -> dict:
+        """Engine self-check (CUDA only): pointers, HBM backings and a timed call per memory."""
+        return self._reap_core().selfcheck()
+
+    def reap_read_stats(self, reset: bool = False) -> dict:
+        """wire.ReadStats -> wire.StatsReply"""
+        return self._reap_core().read_stats({"reset": reset})
+
+    def reap_reset_stats(self) -> dict:
+        """-> wire.ResetReply"""
+        return self._reap_core().reset_stats()
