@@ -516,6 +516,8 @@ class SwapController:
                             "resident_bytes",
                             "signature",
                             "resident_experts",
+                            "counting",
+                            "uncounted_layers",
                         )
                     }
                     for s in statuses

@@ -79,12 +79,10 @@ class _WorkerState:
         self.rank = int(getattr(worker, "rank", 0))
         self.ranks = compat.parallel_ranks(vllm_config)
         self.layers = _experts.find_layers(worker.get_model())
-        missing = sorted(set(self.plan.layers) - set(self.layers))
-        if missing:
-            raise RuntimeError(
-                f"plan layers {missing} have no MoE layer counted by reap-swap in this "
-                f"model (found {sorted(self.layers)})"
-            )
+        # refused per layer, not fatal: the server starts, counts what it can, says why in status
+        self.uncounted = _experts.uncounted_layers(worker.get_model(), self.plan.layers)
+        for layer, reason in self.uncounted.items():
+            log.error("reap-swap: plan layer %d not counted: %s", layer, reason)
         uncountable = [i for i, m in self.layers.items() if not m.reap_countable]
         if uncountable:
             log.error(
@@ -133,7 +131,11 @@ class ReapWorkerExtension(MoeProbeExtension):
             "layers": {str(k): sorted(v) for k, v in sorted(resident.items())},
             **s.resident_summary(resident),
             "resident_bytes": sum(len(v) for v in resident.values()) * s.plan.per_expert_bytes,
-            "counting": {str(k): m.reap_countable for k, m in s.layers.items()},
+            "counting": {
+                **{str(k): m.reap_countable for k, m in s.layers.items()},
+                **{str(k): False for k in s.uncounted},
+            },
+            "uncounted_layers": {str(k): reason for k, reason in s.uncounted.items()},
             "coactivation": any(getattr(m, counters.COACT) is not None for m in s.layers.values()),
             "counter_kernel": count_kernel.status(),
             "backend": s.backend.status(),
