@@ -81,8 +81,10 @@ FAMILIES: dict[str, dict] = {
         "num_experts_per_tok": 2,
         "first_k_dense_replace": 1,
         "moe_layer_freq": 1,
-        "n_group": 1,
+        "n_group": 2,  # group-limited top-k, sigmoid scores + e_score_correction_bias (V3's router)
         "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
         "norm_topk_prob": True,
         "routed_scaling_factor": 1.0,
         "q_lora_rank": None,
