@@ -91,6 +91,7 @@ def worker(rank: int, tp_size: int = 2) -> ReapWorkerExtension:
     """A worker extension whose state is built from fakes (no vLLM worker, no model)."""
     state = object.__new__(_WorkerState)
     state.plan, state.rank, state.layers, state.fault = PLAN, rank, {}, None
+    state.uncounted = {}  # plan layers without counters (none here)
     state.ranks = {"tp_rank": rank, "tp_size": tp_size, "dp_rank": 0}
     state.backend = AccountingResidency(PLAN.core_sets(), PLAN.per_expert_bytes, "fake")
     ext = ReapWorkerExtension()
