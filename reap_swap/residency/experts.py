@@ -144,6 +144,10 @@ def register_counting_variant(qualname: str) -> type | None:
     except (ImportError, AttributeError) as exc:
         log.debug("no %s in this vLLM (%s); nothing to register", qualname, exc)
         return None
+    except Exception as exc:  # noqa: BLE001 - a model file failing to import must not stop the worker
+        log.warning("reap-swap: cannot import %s (%s: %s); its layers will not be counted", qualname,
+                    type(exc).__name__, exc)  # fmt: skip
+        return None
     variant = type(
         f"Reap{class_name}",
         (ReapRoutedExperts, base),
