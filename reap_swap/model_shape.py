@@ -7,8 +7,20 @@ model folder or an already-parsed dict, across the naming schemes of the MoE fam
 - Qwen3-MoE / Qwen2-MoE: ``num_experts``, ``moe_intermediate_size``, ``num_experts_per_tok``,
   ``decoder_sparse_step``, ``mlp_only_layers``
 - Mixtral: ``num_local_experts``, ``intermediate_size`` (every layer is MoE)
-- Qwen3-Next / Qwen3.5: as Qwen3-MoE, but a multimodal wrapper may nest the language model's
-  fields under ``text_config``.
+- Qwen3-Next / Qwen3.5-MoE: as Qwen3-MoE, but a multimodal wrapper may nest the language model's
+  fields under ``text_config``; Qwen3.5-MoE (``qwen3_5_moe_text``) puts routed experts in every
+  layer (linear and full attention alike) beside one shared expert
+  (``shared_expert_intermediate_size``)
+- DeepSeek-V2 / V3, Moonlight, Kimi-K2: ``n_routed_experts``, ``moe_intermediate_size``,
+  ``num_experts_per_tok``; layer i holds routed experts when ``i >= first_k_dense_replace`` and
+  ``i % moe_layer_freq == 0`` (vLLM's rule); ``n_shared_experts`` shared experts of
+  ``moe_intermediate_size`` each
+- GPT-OSS: ``num_local_experts``, ``experts_per_token`` (or ``num_experts_per_tok``),
+  ``intermediate_size`` is the expert width, every layer is MoE, and each expert carries bias rows
+
+Plan layers are the decoder layers that hold routed experts. Shared experts stay with vLLM (always
+resident, never in a plan): their width is reported, not counted in the expert bytes. Quantized
+configs (``quantization_config``) are refused: their expert bytes are not ``dtype`` bytes.
 """
 
 from __future__ import annotations
@@ -50,20 +62,36 @@ class ModelShape:
     hidden_size: int
     moe_intermediate_size: int
     dtype_bytes: int
+    family: str = "qwen"
+    # GPT-OSS experts carry a gate/up bias row (2 x inter) and a down bias row (hidden).
+    expert_bias: bool = False
+    # Width of the always-resident shared expert(s) of one MoE layer; 0 when the family has none.
+    shared_expert_intermediate_size: int = 0
 
     @property
     def expert_bytes(self) -> int:
-        """One expert is three matrices (gate, up: hidden x inter; down: inter x hidden)."""
+        """One expert's weights: gate, up (hidden x inter) and down (inter x hidden).
+
+        This is the unit a plan budgets (``per_expert_bytes``). Bias rows are not in it: they are
+        ``expert_bias_bytes``, small, and kept whole in HBM beside the layer (issue 15, item 2).
+        """
         return 3 * self.hidden_size * self.moe_intermediate_size * self.dtype_bytes
 
     @property
+    def expert_bias_bytes(self) -> int:
+        """One expert's bias rows (gate/up 2 x inter, down hidden); 0 for bias-free experts."""
+        if not self.expert_bias:
+            return 0
+        return (2 * self.moe_intermediate_size + self.hidden_size) * self.dtype_bytes
+
+    @property
     def layer_expert_bytes(self) -> int:
-        """All experts of one MoE layer."""
+        """All experts of one MoE layer (weights only)."""
         return self.expert_bytes * self.num_experts
 
     @property
     def total_expert_bytes(self) -> int:
-        """All experts of the model."""
+        """All routed experts of the model (weights only)."""
         return self.layer_expert_bytes * len(self.moe_layers)
 
 
@@ -103,54 +131,149 @@ def _dtype_bytes(*configs: Mapping[str, Any]) -> int:
     return DTYPE_BYTES[DEFAULT_DTYPE]
 
 
+@dataclass(frozen=True)
+class _FamilyFields:
+    """What each family names differently: where its experts live and how wide they are."""
+
+    family: str
+    num_experts: Any
+    top_k: Any
+    moe_intermediate: Any
+    moe_layers: tuple[int, ...]
+    expert_bias: bool = False
+    shared_intermediate: int = 0
+    width_name: str = "moe_intermediate_size"
+
+
+def _deepseek(config: Mapping[str, Any], num_layers: int) -> _FamilyFields:
+    """DeepSeek-V2/V3, Moonlight, Kimi-K2: dense first layers, then MoE every moe_layer_freq."""
+    first_dense = int(config.get("first_k_dense_replace") or 0)
+    freq = int(config.get("moe_layer_freq") or 1)
+    width = _first(config, "moe_intermediate_size")
+    shared = int(config.get("n_shared_experts") or 0) * int(width or 0)
+    return _FamilyFields(
+        family="deepseek",
+        num_experts=config.get("n_routed_experts"),
+        top_k=_first(config, "num_experts_per_tok"),
+        moe_intermediate=width,
+        moe_layers=tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0),
+        shared_intermediate=shared,
+    )
+
+
+def _gpt_oss(config: Mapping[str, Any], num_layers: int) -> _FamilyFields:
+    """GPT-OSS: every layer MoE, experts as wide as intermediate_size, with bias rows."""
+    return _FamilyFields(
+        family="gpt_oss",
+        num_experts=config.get("num_local_experts"),
+        top_k=_first(config, "num_experts_per_tok", "experts_per_token"),
+        moe_intermediate=_first(config, "intermediate_size"),
+        moe_layers=tuple(range(num_layers)),
+        expert_bias=True,
+        width_name="intermediate_size",
+    )
+
+
+def _mixtral(config: Mapping[str, Any], num_layers: int) -> _FamilyFields:
+    """Mixtral: every layer MoE; intermediate_size is the expert width."""
+    return _FamilyFields(
+        family="mixtral",
+        num_experts=config.get("num_local_experts"),
+        top_k=_first(config, "num_experts_per_tok"),
+        moe_intermediate=_first(config, "intermediate_size"),
+        moe_layers=tuple(range(num_layers)),
+        width_name="intermediate_size",
+    )
+
+
+def _qwen(config: Mapping[str, Any], num_layers: int) -> _FamilyFields:
+    """Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE: num_experts, optional sparse step and dense layers."""
+    if config.get("model_type") == "qwen3_5_moe_text":
+        moe_layers = tuple(range(num_layers))  # vLLM builds a sparse block in every Qwen3.5-MoE layer
+    else:
+        # layer i is sparse when (i + 1) % decoder_sparse_step == 0 and not in mlp_only_layers
+        step = int(config.get("decoder_sparse_step") or 1)
+        dense = set(config.get("mlp_only_layers") or [])
+        moe_layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return _FamilyFields(
+        family="qwen",
+        num_experts=config.get("num_experts"),
+        top_k=_first(config, "num_experts_per_tok"),
+        # Qwen MoE keeps intermediate_size for dense MLPs; old configs without the moe_ name use it.
+        moe_intermediate=_first(config, "moe_intermediate_size", "intermediate_size"),
+        moe_layers=moe_layers,
+        shared_intermediate=int(config.get("shared_expert_intermediate_size") or 0),
+    )
+
+
+def _family_reader(config: Mapping[str, Any]):
+    if config.get("n_routed_experts") is not None:
+        return _deepseek
+    if config.get("model_type") == "gpt_oss" or config.get("experts_per_token") is not None:
+        return _gpt_oss
+    if config.get("num_experts") is not None:
+        return _qwen
+    if config.get("num_local_experts") is not None:
+        return _mixtral
+    return None
+
+
+def _architecture(outer: Mapping[str, Any], config: Mapping[str, Any]) -> str:
+    architectures = _first(outer, "architectures") or _first(config, "architectures") or []
+    if architectures:
+        return architectures[0]
+    return str(_first(config, "model_type") or _first(outer, "model_type") or "unknown")
+
+
+def _refuse_quantized(architecture: str, *configs: Mapping[str, Any]) -> None:
+    for config in configs:
+        quant = config.get("quantization_config")
+        if isinstance(quant, Mapping):
+            method = quant.get("quant_method", "unknown")
+            raise ModelShapeError(
+                f"{architecture}: quantization_config ({method}) present; quantized expert bytes "
+                "are not modelled (issue 16), use the bf16 config (drop quantization_config)"
+            )
+
+
 def read_model_shape(source: str | os.PathLike | Mapping) -> ModelShape:
     """Read a config.json file, a model folder holding one, or a config dict."""
     outer = _load_config(source)
     text = outer.get("text_config")
     config = text if isinstance(text, Mapping) else outer
-
-    architectures = _first(outer, "architectures") or _first(config, "architectures") or []
-    architecture = (
-        architectures[0]
-        if architectures
-        else str(_first(config, "model_type") or _first(outer, "model_type") or "unknown")
-    )
-
-    num_experts = _first(config, "num_experts", "num_local_experts")
-    if not num_experts:
+    architecture = _architecture(outer, config)
+    reader = _family_reader(config)
+    if reader is None:
         raise ModelShapeError(
-            f"{architecture}: no num_experts / num_local_experts in config; not a MoE model"
+            f"{architecture}: no num_experts / num_local_experts / n_routed_experts in config; "
+            "not a MoE model"
         )
+    _refuse_quantized(architecture, config, outer)
     num_layers = _first(config, "num_hidden_layers")
+    fields = reader(config, int(num_layers or 0))
     hidden_size = _first(config, "hidden_size")
-    top_k = _first(config, "num_experts_per_tok")
-    # Mixtral names the expert width intermediate_size; Qwen MoE keeps that name for dense MLPs.
-    moe_intermediate = _first(config, "moe_intermediate_size", "intermediate_size")
     missing = [
         name
         for name, value in [
             ("num_hidden_layers", num_layers),
             ("hidden_size", hidden_size),
-            ("num_experts_per_tok", top_k),
-            ("moe_intermediate_size", moe_intermediate),
+            ("num_experts_per_tok", fields.top_k),
+            (fields.width_name, fields.moe_intermediate),
         ]
         if value is None
     ]
     if missing:
         raise ModelShapeError(f"{architecture}: config lacks {', '.join(missing)}")
-
-    # Qwen MoE: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and not in mlp_only_layers.
-    step = int(config.get("decoder_sparse_step") or 1)
-    dense = set(config.get("mlp_only_layers") or [])
-    moe_layers = tuple(i for i in range(int(num_layers)) if i not in dense and (i + 1) % step == 0)
-
     return ModelShape(
         architecture=architecture,
         num_layers=int(num_layers),
-        moe_layers=moe_layers,
-        num_experts=int(num_experts),
-        top_k=int(top_k),
+        moe_layers=fields.moe_layers,
+        num_experts=int(fields.num_experts),
+        top_k=int(fields.top_k),
         hidden_size=int(hidden_size),
-        moe_intermediate_size=int(moe_intermediate),
+        moe_intermediate_size=int(fields.moe_intermediate),
         dtype_bytes=_dtype_bytes(config, outer),
+        family=fields.family,
+        expert_bias=fields.expert_bias,
+        shared_expert_intermediate_size=fields.shared_intermediate,
     )

@@ -31,6 +31,8 @@ _STATUS_WORKER_KEYS = (
     "resident_bytes",
     "signature",
     "resident_experts",
+    "counting",
+    "uncounted_layers",
 )
 
 

@@ -97,6 +97,7 @@ class StatusReply(WorkerHeader, ResidentSummary):
     layers: WireResidentSets
     resident_bytes: int
     counting: dict[str, bool] = Field(default_factory=dict)
+    uncounted_layers: dict[str, str] = Field(default_factory=dict)  # plan layer -> why not counted
     coactivation: bool = False
     counter_kernel: dict[str, Any] = Field(default_factory=dict)
     backend: dict[str, Any] = Field(default_factory=dict)

@@ -62,12 +62,10 @@ def build_core(worker: Any, runtime: WorkerRuntime) -> WorkerCore:
         )
     plan = runtime.plan
     layers = _experts.find_layers(worker.get_model())
-    missing = sorted(set(plan.layers) - set(layers))
-    if missing:
-        raise RuntimeError(
-            f"plan layers {missing} have no MoE layer counted by reap-swap in this "
-            f"model (found {sorted(layers)})"
-        )
+    # refused per layer, not fatal: the server starts, counts what it can, says why in status
+    uncounted = _experts.uncounted_layers(worker.get_model(), plan.layers)
+    for layer, reason in uncounted.items():
+        log.error("reap-swap: plan layer %d not counted: %s", layer, reason)
     uncountable = [i for i, m in layers.items() if not m.reap_countable]
     if uncountable:
         log.error(
@@ -78,7 +76,13 @@ def build_core(worker: Any, runtime: WorkerRuntime) -> WorkerCore:
     backend = make_residency_backend(runtime, compat.platform_name())
     rank = int(getattr(worker, "rank", 0))
     core = WorkerCore(
-        plan, layers, backend, rank, compat.parallel_ranks(worker.vllm_config), runtime.count_kernel
+        plan,
+        layers,
+        backend,
+        rank,
+        compat.parallel_ranks(worker.vllm_config),
+        runtime.count_kernel,
+        uncounted=uncounted,
     )
     log.info(
         "reap-swap worker rank %d: %d MoE layers counted, residency %s",

@@ -58,6 +58,7 @@ class WorkerCore:
         rank: int,
         ranks: Mapping[str, int],
         counter_kernel: Any = None,
+        uncounted: Mapping[int, str] | None = None,
     ) -> None:
         self.plan = plan
         self.layers = dict(layers)  # plan layer index -> counting module
@@ -65,6 +66,7 @@ class WorkerCore:
         self.rank = rank
         self.ranks = dict(ranks)  # tp_rank, tp_size, dp_rank
         self.counter_kernel = counter_kernel
+        self.uncounted = dict(uncounted or {})  # plan layer -> why it has no counting module
 
     def header(self) -> dict:
         return {"rank": self.rank, **self.ranks}
@@ -91,7 +93,11 @@ class WorkerCore:
             plan_identity=self.plan.identity,
             layers=wire.encode_resident_sets(resident),
             resident_bytes=sum(len(v) for v in resident.values()) * self.plan.per_expert_bytes,
-            counting={str(k): bool(getattr(m, "reap_countable", True)) for k, m in self.layers.items()},
+            counting={
+                **{str(k): bool(getattr(m, "reap_countable", True)) for k, m in self.layers.items()},
+                **{str(k): False for k in self.uncounted},
+            },
+            uncounted_layers={str(k): reason for k, reason in self.uncounted.items()},
             coactivation=any(getattr(m, counters.COACT, None) is not None for m in self.layers.values()),
             counter_kernel=self.counter_kernel.status() if self.counter_kernel is not None else {},
             backend=self.backend.status(),

