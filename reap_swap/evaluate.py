@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from reap_swap.observation_types import LayerStats, Observations, RecordCounts
 from reap_swap.plan import Plan
-from reap_swap.planner import LayerStats, Observations, RecordCounts, merge_layers
+from reap_swap.planner_inputs import merge_layers
 
 
 class EvaluationError(ValueError):

@@ -212,7 +212,7 @@ class _Accumulator:
                 mine[k] = mine[k] + v
 
     def layer_stats(self):
-        from reap_swap.planner import LayerStats
+        from reap_swap.observation_types import LayerStats
 
         return {
             layer: LayerStats(
@@ -397,7 +397,7 @@ def observe_records(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from reap_swap.planner import RecordCounts
+    from reap_swap.observation_types import RecordCounts
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
     _rpc_stats(llm)  # drop what start-up (profiling, warm-up) routed

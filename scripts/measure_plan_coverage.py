@@ -157,7 +157,7 @@ def reap_saliency(model_dir: str, corpus: Path, out: Path, force: bool) -> None:
 
 
 def methods(calib, calib_reap):
-    from reap_swap.planner import Observations
+    from reap_swap.observation_types import Observations
 
     def strip_coact(o: Observations) -> Observations:
         layers = {i: dataclasses.replace(s, coactivation=None) for i, s in o.layers.items()}
