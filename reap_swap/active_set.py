@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from reap_swap.lru import DEFAULT_MAX_ENTRIES, LRUDict
-from reap_swap.plan import Plan, canonical_json, format_ranges
+from reap_swap.plan_model import Plan, canonical_json, format_ranges
 
 ResidentSets = dict[
     int, frozenset[int]
