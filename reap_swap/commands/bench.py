@@ -30,7 +30,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from reap_swap.bench import ARMS
+from reap_swap.bench_config import ARMS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,7 +121,8 @@ def engine_args(values: list[str] | None) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from reap_swap.bench import BenchConfig, run_bench
+    from reap_swap.bench import run_bench
+    from reap_swap.bench_config import BenchConfig
 
     if args.merge:
         return merge(args)
@@ -165,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
 def merge(args: argparse.Namespace) -> int:
     import orjson
 
-    from reap_swap.bench import BenchError, merge_reports, write_outputs
+    from reap_swap.bench_config import BenchError
+    from reap_swap.bench_merge import merge_reports, write_outputs
 
     reports = []
     for folder in args.merge:
