@@ -71,7 +71,7 @@ class BenchError(ValueError):
 
 def load_prompts(path: Path, limit: int | None, chars: int) -> list[dict]:
     """Chat records as they are; prompt/text records become one user message (cut to ``chars``)."""
-    from reap_swap.observe import read_corpus
+    from reap_swap.corpus import read_corpus
 
     records, issues = read_corpus(path)
     if issues:
