@@ -13,7 +13,9 @@ import orjson
 
 from reap_swap import serving
 from reap_swap.bench_config import BenchError
-from reap_swap.bench_report import GIB, markdown_report, plot, summarize_runs
+from reap_swap.bench_markdown import markdown_report
+from reap_swap.bench_plot import plot
+from reap_swap.bench_report import GIB, summarize_runs
 
 
 def compare_outputs(ref: Sequence[Mapping], got: Sequence[Mapping]) -> dict:

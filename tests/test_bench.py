@@ -11,12 +11,19 @@ import httpx
 import pytest
 from script_modules import load_script
 
-from reap_swap import bench, bench_arms, bench_config, bench_env, bench_merge, bench_report, serving
+from reap_swap import (
+    bench,
+    bench_arms,
+    bench_config,
+    bench_env,
+    bench_markdown,
+    bench_merge,
+    serving,
+)
+from reap_swap.bench_markdown import markdown_report, markdown_table
+from reap_swap.bench_plot import plot
 from reap_swap.bench_report import (
     GIB,
-    markdown_report,
-    markdown_table,
-    plot,
     pooled_hit_rate,
     ratio,
     ratio_matrix,
@@ -541,4 +548,4 @@ def test_bench_command_is_registered_and_parses_engine_args():
     )
     assert args.budget_gib == [1.0, 2.5]
     assert engine_args(args.engine_args) == ["--dtype", "float32"]
-    assert bench_report.fmt_bytes(3 * 2**20) == "3.00 MiB"
+    assert bench_markdown.fmt_bytes(3 * 2**20) == "3.00 MiB"

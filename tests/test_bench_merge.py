@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from reap_swap import bench_config, bench_env, bench_merge, bench_report
+from reap_swap import bench_config, bench_env, bench_markdown, bench_merge
 from reap_swap.commands import bench as bench_cmd
 
 FIXTURE = Path(__file__).resolve().parents[1] / "research-notes" / "bench-mini-cpu.json"
@@ -71,7 +71,7 @@ def test_cli_without_model_or_merge_is_an_error(capsys):
 
 def test_merged_markdown_lists_its_sources():
     _, a, b = _split()
-    text = bench_report.markdown_report(
+    text = bench_markdown.markdown_report(
         bench_merge.merge_reports([a, b], "reap-swap bench --merge a b --out m")
     )
     assert text.count("merged from:") == 2
