@@ -15,25 +15,17 @@ TRTLLM on some GPUs) route inside the kernel: those layers cannot be counted and
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from reap_swap import compat
 from reap_swap.logs import get_logger
+from reap_swap.model_shape import layer_index_from_name
 from reap_swap.residency import counters
 from reap_swap.settings import Settings, reap_config
 
 log = get_logger("reap_swap.experts")
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 RoutedExperts = compat.routed_experts_class()
-
-
-def layer_index_from_name(layer_name: str) -> int | None:
-    """'model.layers.3.mlp.experts' -> 3 (the decoder layer; the plan's layer_N)."""
-    m = _LAYER_RE.search(layer_name)
-    return int(m.group(1)) if m else None
 
 
 def _reap_config() -> dict:
