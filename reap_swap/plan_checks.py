@@ -242,8 +242,8 @@ def cartridge_issues(plan: Plan) -> list[PlanIssue]:
     issues = []
     for name, selection in plan.cartridges.items():
         try:
-            keep = active_set.resident_sets(plan, active_set.normalize_active_set(plan, selection))
-            active_set.check_budget(plan, keep, None)
+            resident = active_set.resident_sets(plan, active_set.normalize_active_set(plan, selection))
+            active_set.check_budget(plan, resident, None)
         except active_set.ActiveSetError as exc:
             where = exc.field.removeprefix("active_set")
             issues.append(PlanIssue(f"cartridges.{name}{where}", exc.message))
