@@ -240,9 +240,9 @@ def cartridge_issues(plan: Plan) -> list[PlanIssue]:
     """Each named active set must resolve against the plan and fit its budget."""
 
     issues = []
-    for name, selection in plan.cartridges.items():
+    for name, cartridge in plan.cartridges.items():
         try:
-            resident = active_set.resident_sets(plan, active_set.normalize_active_set(plan, selection))
+            resident = active_set.resident_sets(plan, active_set.normalize_active_set(plan, cartridge))
             active_set.check_budget(plan, resident, None)
         except active_set.ActiveSetError as exc:
             where = exc.field.removeprefix("active_set")
