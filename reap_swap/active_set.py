@@ -4,7 +4,7 @@ A client names, per layer, expert ids and/or sliceIds of the plan. The server mu
 the plan does not offer (an id outside core ∪ slices would be a weight that is not even staged),
 expand slices, add the always-resident core, check the byte budget, and then move only the
 difference from what is resident now. The signature is a short, order-independent fingerprint of
-the resulting keep-sets, so "same set again" is recognised as a no-op.
+the resulting resident sets, so "same set again" is recognised as a no-op.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from reap_swap.lru import DEFAULT_MAX_ENTRIES, LRUDict
-from reap_swap.plan import Plan, canonical_json, format_ranges
+from reap_swap.plan_model import Plan, canonical_json, format_ranges
 
 ResidentSets = dict[
     int, frozenset[int]
@@ -55,7 +55,7 @@ class BudgetExceeded(ActiveSetError):
         self.overflow_bytes = needed_bytes - budget_bytes
         super().__init__(
             field,
-            f"keep-set needs {needed_bytes:,} bytes, budget is {budget_bytes:,} "
+            f"resident set needs {needed_bytes:,} bytes, budget is {budget_bytes:,} "
             f"bytes: {self.overflow_bytes:,} bytes over",
         )
 
@@ -116,11 +116,11 @@ def resident_sets(plan: Plan, requested: Mapping[int, frozenset[int]]) -> Reside
     return {index: layer.core | requested.get(index, frozenset()) for index, layer in plan.layers.items()}
 
 
-def resident_bytes(plan: Plan, keep: ResidentSets) -> int:
-    return sum(len(ids) for ids in keep.values()) * plan.per_expert_bytes
+def resident_bytes(plan: Plan, resident: ResidentSets) -> int:
+    return sum(len(ids) for ids in resident.values()) * plan.per_expert_bytes
 
 
-def check_budget(plan: Plan, keep: ResidentSets, budget_bytes: int | None) -> int:
+def check_budget(plan: Plan, resident: ResidentSets, budget_bytes: int | None) -> int:
     """Returns the budget applied (the request's, else the plan's); raises BudgetExceeded.
 
     A request may lower the budget, never raise it: the HBM pool is reserved at startup for the
@@ -133,15 +133,15 @@ def check_budget(plan: Plan, keep: ResidentSets, budget_bytes: int | None) -> in
             f"{plan.swappable_budget_bytes:,} bytes (the HBM pool's size)",
         )
     budget = plan.swappable_budget_bytes if budget_bytes is None else budget_bytes
-    needed = resident_bytes(plan, keep)
+    needed = resident_bytes(plan, resident)
     if needed > budget:
         raise BudgetExceeded("budget_bytes" if budget_bytes is not None else "active_set", needed, budget)
     return budget
 
 
-def signature(keep: ResidentSets) -> str:
+def signature(resident: ResidentSets) -> str:
     """16 hex chars of SHA-256 over [[layer, sorted ids], ...] sorted by layer."""
-    canonical = [[int(layer), sorted(ids)] for layer, ids in sorted(keep.items())]
+    canonical = [[int(layer), sorted(ids)] for layer, ids in sorted(resident.items())]
     return hashlib.sha256(canonical_json(canonical)).hexdigest()[:16]
 
 

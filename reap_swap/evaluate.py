@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from reap_swap.observation_types import LayerStats, Observations, RecordCounts
 from reap_swap.plan import Plan
-from reap_swap.planner import LayerStats, Observations, RecordCounts, merge_layers
+from reap_swap.planner_inputs import merge_layers
 
 
 class EvaluationError(ValueError):
@@ -95,6 +96,47 @@ def _share(covered: int, total: int) -> float | None:
 def evaluate(plan: Plan, layers: Mapping[int, LayerStats], records=None) -> dict[str, Any]:
     """Coverage report (JSON-able). `layers`: merged held-out layer stats; `records`: the
     RecordCounts of the held-out files or None."""
+    common = _common_layers(plan, layers)
+    capacity = _capacities(plan)
+    record_layer = {l: n for n, l in enumerate(records.layers)} if records is not None else {}
+    rows = []
+    totals = dict.fromkeys(_TOTALS, 0)
+    for i in common:
+        row, counted = _layer_row(plan.layers[i], layers[i], capacity[i], records, record_layer.get(i))
+        for key, value in counted.items():
+            totals[key] += value
+        rows.append(row)
+    overall = {
+        "selections": totals["selections"],
+        "core": _share(totals["core"], totals["selections"]),
+        "oracle_core": _share(totals["oracle_core"], totals["selections"]),
+        "in_plan": _share(totals["in_plan"], totals["selections"]),
+        "core_plus_slices": _share(totals["core_plus_slices"], totals["req_selections"]),
+        "oracle_per_request": _share(totals["oracle_per_request"], totals["req_selections"]),
+        "requests": int(records.counts.shape[0]) if records is not None else 0,
+    }
+    return {
+        "plan_identity": plan.identity,
+        "model": plan.model,
+        "overall": overall,
+        "layers": rows,
+        "notes": _notes(plan, layers, records),
+    }
+
+
+_TOTALS = (
+    "selections",
+    "core",
+    "oracle_core",
+    "in_plan",
+    "req_selections",
+    "core_plus_slices",
+    "oracle_per_request",
+)
+
+
+def _common_layers(plan: Plan, layers: Mapping[int, LayerStats]) -> list[int]:
+    """The layers both have, refused when there are none or their widths differ."""
     common = sorted(set(plan.layers) & set(layers))
     if not common:
         raise EvaluationError(
@@ -107,68 +149,48 @@ def evaluate(plan: Plan, layers: Mapping[int, LayerStats], records=None) -> dict
                 f"layer {i}: plan has {plan.layers[i].num_experts} experts, "
                 f"observations {layers[i].num_experts}"
             )
-    capacity = _capacities(plan)
-    record_layer = {l: n for n, l in enumerate(records.layers)} if records is not None else {}
+    return common
 
-    rows = []
-    totals = dict(
-        selections=0,
-        core=0,
-        oracle_core=0,
-        in_plan=0,
-        req_selections=0,
-        core_plus_slices=0,
-        oracle_per_request=0,
-    )
-    for i in common:
-        lp = plan.layers[i]
-        freq = np.asarray(layers[i].expert_frequency, dtype=np.int64)
-        core = np.array(sorted(lp.core), dtype=np.int64)
-        n = int(freq.sum())
-        core_cov = int(freq[core].sum())
-        oracle = int(_top_sum(freq, len(core)))
-        in_plan = int(freq[np.array(sorted(lp.candidates), dtype=np.int64)].sum())
-        row: dict[str, Any] = {
-            "layer": i,
-            "selections": n,
-            "core_experts": len(core),
-            "specialist_capacity": capacity[i],
-            "core": _share(core_cov, n),
-            "oracle_core": _share(oracle, n),
-            "in_plan": _share(in_plan, n),
-        }
-        totals["selections"] += n
-        totals["core"] += core_cov
-        totals["oracle_core"] += oracle
-        totals["in_plan"] += in_plan
-        if i in record_layer:
-            counts = np.asarray(records.counts[:, record_layer[i], :], dtype=np.int64)
-            req_n = int(counts.sum())
-            base = counts[:, core].sum(axis=1)
-            extra = best_slices_cover(counts, _disjoint_noncore(lp), capacity[i])
-            cps = int((base + extra).sum())
-            orq = int(_top_sum(counts, len(core) + capacity[i]).sum())
-            row.update(
-                requests=int(counts.shape[0]),
-                core_plus_slices=_share(cps, req_n),
-                oracle_per_request=_share(orq, req_n),
-            )
-            totals["req_selections"] += req_n
-            totals["core_plus_slices"] += cps
-            totals["oracle_per_request"] += orq
-        else:
-            row.update(requests=0, core_plus_slices=None, oracle_per_request=None)
-        rows.append(row)
 
-    overall = {
-        "selections": totals["selections"],
-        "core": _share(totals["core"], totals["selections"]),
-        "oracle_core": _share(totals["oracle_core"], totals["selections"]),
-        "in_plan": _share(totals["in_plan"], totals["selections"]),
-        "core_plus_slices": _share(totals["core_plus_slices"], totals["req_selections"]),
-        "oracle_per_request": _share(totals["oracle_per_request"], totals["req_selections"]),
-        "requests": int(records.counts.shape[0]) if records is not None else 0,
+def _layer_row(
+    lp, stats: LayerStats, capacity: int, records, record_index: int | None
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """One layer's figures, and the selection counts it adds to the overall totals."""
+    freq = np.asarray(stats.expert_frequency, dtype=np.int64)
+    core = np.array(sorted(lp.core), dtype=np.int64)
+    n = int(freq.sum())
+    core_cov = int(freq[core].sum())
+    oracle = int(_top_sum(freq, len(core)))
+    in_plan = int(freq[np.array(sorted(lp.candidates), dtype=np.int64)].sum())
+    row: dict[str, Any] = {
+        "layer": lp.index,
+        "selections": n,
+        "core_experts": len(core),
+        "specialist_capacity": capacity,
+        "core": _share(core_cov, n),
+        "oracle_core": _share(oracle, n),
+        "in_plan": _share(in_plan, n),
     }
+    counted = {"selections": n, "core": core_cov, "oracle_core": oracle, "in_plan": in_plan}
+    if record_index is None:
+        row.update(requests=0, core_plus_slices=None, oracle_per_request=None)
+        return row, counted
+    counts = np.asarray(records.counts[:, record_index, :], dtype=np.int64)
+    req_n = int(counts.sum())
+    base = counts[:, core].sum(axis=1)
+    extra = best_slices_cover(counts, _disjoint_noncore(lp), capacity)
+    cps = int((base + extra).sum())
+    orq = int(_top_sum(counts, len(core) + capacity).sum())
+    row.update(
+        requests=int(counts.shape[0]),
+        core_plus_slices=_share(cps, req_n),
+        oracle_per_request=_share(orq, req_n),
+    )
+    counted.update(req_selections=req_n, core_plus_slices=cps, oracle_per_request=orq)
+    return row, counted
+
+
+def _notes(plan: Plan, layers: Mapping[int, LayerStats], records) -> list[str]:
     notes = []
     if records is None:
         notes.append(
@@ -181,13 +203,7 @@ def evaluate(plan: Plan, layers: Mapping[int, LayerStats], records=None) -> dict
     unobserved = sorted(set(plan.layers) - set(layers))
     if unobserved:
         notes.append(f"plan layers without observations, not evaluated: {unobserved}")
-    return {
-        "plan_identity": plan.identity,
-        "model": plan.model,
-        "overall": overall,
-        "layers": rows,
-        "notes": notes,
-    }
+    return notes
 
 
 def evaluate_observations(plan: Plan, observations: list[Observations]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Router statistics turned into answers: how much routed traffic hit experts that were not resident.
 
 Workers only count (per layer and expert: routed selections and routed gate weight). This module
-merges their reports without double counting, compares them with a keep-set, and remembers per
+merges their reports without double counting, compares them with a resident set, and remembers per
 request what was observed and what was asked for, within a fixed memory bound.
 
 One worker's raw report (what ``worker.reap_read_stats`` returns)::
@@ -92,14 +92,16 @@ def aggregate_workers(reports: Sequence[Mapping]) -> dict[int, dict]:
     return dict(sorted(out.items()))
 
 
-def mask_outside(layer_stats: Mapping[Any, Mapping], keep: Mapping[int, frozenset[int]]) -> dict[int, dict]:
-    """The part of the statistics that hit experts outside `keep` (the misses).
+def mask_outside(
+    layer_stats: Mapping[Any, Mapping], resident_sets: Mapping[int, frozenset[int]]
+) -> dict[int, dict]:
+    """The part of the statistics that hit experts outside `resident_sets` (the misses).
 
-    A layer absent from ``keep`` is not managed by the plan (all its experts resident): no misses.
+    A layer absent from ``resident_sets`` is not managed by the plan (all its experts resident): no misses.
     """
     out = {}
     for layer, st in layer_stats.items():
-        resident = keep.get(int(layer))
+        resident = resident_sets.get(int(layer))
         counts, weights = list(st["counts"]), list(st["weights"])
         if resident is None:
             out[int(layer)] = {"counts": [0] * len(counts), "weights": [0.0] * len(weights)}
@@ -121,8 +123,8 @@ def add_stats(a: Mapping[Any, Mapping] | None, b: Mapping[Any, Mapping]) -> dict
 def summarize_router_misses(observed: Mapping[Any, Mapping], missed: Mapping[Any, Mapping]) -> dict:
     """Per layer and in total: routed selections and mass, and the part that hit non-resident experts.
 
-    ``missed`` is ``observed`` masked to the experts outside the keep-set (mask_outside). The
-    controller masks each statistics segment when it closes, against the keep-set resident during
+    ``missed`` is ``observed`` masked to the experts outside the resident set (mask_outside). The
+    controller masks each statistics segment when it closes, against the resident set resident during
     that segment, so a request whose set changed mid-way (decode refresh) is measured correctly.
     A layer absent from ``missed`` had no misses.
     """

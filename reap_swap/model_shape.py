@@ -26,6 +26,7 @@ configs (``quantization_config``) are refused: their expert bytes are not ``dtyp
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,15 @@ class ModelShape:
 
 class ModelShapeError(ValueError):
     """The config does not describe a mixture-of-experts model we know how to read."""
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index_from_name(layer_name: str) -> int | None:
+    """'model.layers.3.mlp.experts' -> 3 (the decoder layer; the plan's layer_N)."""
+    m = _LAYER_RE.search(layer_name)
+    return int(m.group(1)) if m else None
 
 
 def _load_config(source: str | os.PathLike | Mapping) -> Mapping[str, Any]:

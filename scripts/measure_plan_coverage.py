@@ -88,7 +88,7 @@ def reap_saliency(model_dir: str, corpus: Path, out: Path, force: bool) -> None:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from reap_swap.observe import read_corpus, tokenize_records
+    from reap_swap.corpus import read_corpus, tokenize_records
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -157,7 +157,7 @@ def reap_saliency(model_dir: str, corpus: Path, out: Path, force: bool) -> None:
 
 
 def methods(calib, calib_reap):
-    from reap_swap.planner import Observations
+    from reap_swap.observation_types import Observations
 
     def strip_coact(o: Observations) -> Observations:
         layers = {i: dataclasses.replace(s, coactivation=None) for i, s in o.layers.items()}

@@ -11,12 +11,19 @@ import httpx
 import pytest
 from script_modules import load_script
 
-from reap_swap import bench, bench_report, serving
+from reap_swap import (
+    bench,
+    bench_arms,
+    bench_config,
+    bench_env,
+    bench_markdown,
+    bench_merge,
+    serving,
+)
+from reap_swap.bench_markdown import markdown_report, markdown_table
+from reap_swap.bench_plot import plot
 from reap_swap.bench_report import (
     GIB,
-    markdown_report,
-    markdown_table,
-    plot,
     pooled_hit_rate,
     ratio,
     ratio_matrix,
@@ -195,7 +202,7 @@ def test_compare_greedy_per_prompt_and_first_divergence():
 
 def test_bench_compare_falls_back_to_text():
     ref = [{"tokens": [], "text": "abc"}]
-    cmp = bench._compare(ref, [{"tokens": [], "text": "abd"}])
+    cmp = bench_merge.compare_outputs(ref, [{"tokens": [], "text": "abd"}])
     assert cmp["identical"] == 0 and cmp["first_divergence"] == [2]
     assert cmp["compared_on"].startswith("text")
 
@@ -229,21 +236,21 @@ def test_log_numbers_take_the_last_value():
         "reap-swap: reserved HBM pool of 512 expert slots (4.50 GiB, unit 9.00 MiB) in 0.2s\n"
         "INFO Model loading took 14.20 GiB memory and 1.0 seconds\n"
     )
-    assert bench.log_numbers(text) == {
+    assert bench_env.log_numbers(text) == {
         "model_loading_gib": 14.20,
         "uva_offloaded_gib": 6.59,
         "kv_cache_gib": 30.5,
         "reap_pool_gib": 4.50,
     }
-    assert bench.log_numbers("nothing here") == {}
+    assert bench_env.log_numbers("nothing here") == {}
 
 
 def test_flags_in_engine_args():
     args = ["--api-key", "k1", "--max-model-len=512", "--api-key=k2"]
-    assert bench.flag_value(args, "--api-key") == "k2"
-    assert bench.flag_value(args, "--max-model-len") == "512"
-    assert bench.flag_value(args, "--host") is None
-    assert bench.has_flag(args, "--max-model-len") and not bench.has_flag(args, "--max-model")
+    assert bench_config.flag_value(args, "--api-key") == "k2"
+    assert bench_config.flag_value(args, "--max-model-len") == "512"
+    assert bench_config.flag_value(args, "--host") is None
+    assert bench_config.has_flag(args, "--max-model-len") and not bench_config.has_flag(args, "--max-model")
 
 
 def test_load_prompts_chat_and_text_records(tmp_path):
@@ -252,18 +259,18 @@ def test_load_prompts_chat_and_text_records(tmp_path):
         '{"text": "' + "x" * 50 + '", "tag": "t"}\n\n'
         '{"messages": [{"role": "user", "content": "hello"}]}\n{"prompt": "abc"}\n'
     )
-    prompts = bench.load_prompts(f, limit=2, chars=10)
+    prompts = bench_config.load_prompts(f, limit=2, chars=10)
     assert [p["messages"] for p in prompts] == [
         [{"role": "user", "content": "x" * 10}],
         [{"role": "user", "content": "hello"}],
     ]
     assert prompts[0]["tag"] == "t" and prompts[1]["line"] == 3
     (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
-    with pytest.raises(bench.BenchError, match="line 1"):
-        bench.load_prompts(tmp_path / "bad.jsonl", None, 10)
+    with pytest.raises(bench_config.BenchError, match="line 1"):
+        bench_config.load_prompts(tmp_path / "bad.jsonl", None, 10)
     (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(bench.BenchError, match="no prompts"):
-        bench.load_prompts(tmp_path / "empty.jsonl", None, 10)
+    with pytest.raises(bench_config.BenchError, match="no prompts"):
+        bench_config.load_prompts(tmp_path / "empty.jsonl", None, 10)
 
 
 @pytest.fixture
@@ -290,7 +297,7 @@ def tiny(tmp_path):
 
 
 def _cfg(tmp_path, plan_path, **kw):
-    return bench.BenchConfig(
+    return bench_config.BenchConfig(
         model="/models/m",
         plan=plan_path,
         prompts=tmp_path / "p.jsonl",
@@ -303,7 +310,7 @@ def _cfg(tmp_path, plan_path, **kw):
 def test_plan_runs_on_cpu_skips_timing_arms_and_builds_commands(tmp_path, tiny):
     plan_path, plan, shape = tiny
     total = shape.expert_bytes * shape.num_experts * len(shape.moe_layers)
-    runs = bench.plan_runs(_cfg(tmp_path, plan_path), plan, shape, total, "cpu", timing_on=False)
+    runs = bench_arms.plan_runs(_cfg(tmp_path, plan_path), plan, shape, total, "cpu", timing_on=False)
     assert [r.label for r in runs] == ["resident", "stock-uva", "plan-static", "plan-swap"]
     by = {r.arm: r for r in runs}
     assert "no CUDA" in by["resident"].skip_reason and "no CUDA" in by["stock-uva"].skip_reason
@@ -321,7 +328,7 @@ def test_plan_runs_on_cpu_skips_timing_arms_and_builds_commands(tmp_path, tiny):
     # --timings on: stock vLLM runs on the CPU build too, UVA never does
     on = {
         r.arm: r
-        for r in bench.plan_runs(_cfg(tmp_path, plan_path), plan, shape, total, "cpu", timing_on=True)
+        for r in bench_arms.plan_runs(_cfg(tmp_path, plan_path), plan, shape, total, "cpu", timing_on=True)
     }
     assert on["resident"].skip_reason is None and on["stock-uva"].skip_reason is not None
 
@@ -336,7 +343,7 @@ def test_plan_runs_several_budgets_derive_plans(tmp_path, tiny):
         budget_gib=[core_gib * 2, core_gib * 3],
         arms=["plan-static", "plan-swap", "stock-uva"],
     )
-    runs = bench.plan_runs(cfg, plan, shape, total, "cuda", timing_on=True)
+    runs = bench_arms.plan_runs(cfg, plan, shape, total, "cuda", timing_on=True)
     assert [r.arm for r in runs] == ["plan-static", "plan-swap", "plan-swap", "stock-uva", "stock-uva"]
     assert runs[0].label == "plan-static" and runs[1].label.startswith("plan-swap@")
     assert "--moe-backend" in runs[0].argv  # the same MoE kernels in every arm on CUDA
@@ -346,8 +353,8 @@ def test_plan_runs_several_budgets_derive_plans(tmp_path, tiny):
         assert derived.core_sets() == plan.core_sets()
         assert spec.argv[-1] == str(spec.plan_path)
     assert all(r.skip_reason is None for r in runs)
-    with pytest.raises(bench.BenchError, match="core"):
-        bench.plan_runs(
+    with pytest.raises(bench_config.BenchError, match="core"):
+        bench_arms.plan_runs(
             _cfg(tmp_path, plan_path, budget_gib=[core_gib / 2]), plan, shape, total, "cpu", False
         )
 
@@ -356,23 +363,28 @@ def test_config_rejects_unknown_arms_and_bad_budgets(tmp_path):
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="unknown arm"):
-        bench.BenchConfig(model="m", plan=tmp_path, prompts=tmp_path, out=tmp_path, arms=["resident", "nope"])
+        bench_config.BenchConfig(
+            model="m", plan=tmp_path, prompts=tmp_path, out=tmp_path, arms=["resident", "nope"]
+        )
     with pytest.raises(ValidationError, match="> 0"):
-        bench.BenchConfig(model="m", plan=tmp_path, prompts=tmp_path, out=tmp_path, budget_gib=[0.0])
+        bench_config.BenchConfig(model="m", plan=tmp_path, prompts=tmp_path, out=tmp_path, budget_gib=[0.0])
     with pytest.raises(ValidationError):
-        bench.BenchConfig(model="m", plan=tmp_path, prompts=tmp_path, out=tmp_path, strategy="oracle")
+        bench_config.BenchConfig(model="m", plan=tmp_path, prompts=tmp_path, out=tmp_path, strategy="oracle")
 
 
 def test_derived_stock_hit_rates(tiny):
     _plan_path, plan, shape = tiny
     total = shape.expert_bytes * shape.num_experts * len(shape.moe_layers)
     layer = total // len(shape.moe_layers)
-    spec = bench.RunSpec(arm="stock-uva", label="u", budget_bytes=total - layer, budget_dependent=True)
+    spec = bench_arms.RunSpec(arm="stock-uva", label="u", budget_bytes=total - layer, budget_dependent=True)
     hit = bench._derived_hit_rate(spec, shape, total, {"uva_offloaded_gib": 0.0})
     assert hit["hit_rate"] == pytest.approx(1 - layer / total)  # exactly one layer (w13 + w2) offloaded
     assert hit["source"].startswith("derived") and "vLLM logged 0.0 GiB" in hit["source"]
     res = bench._derived_hit_rate(
-        bench.RunSpec(arm="resident", label="r", budget_bytes=None, budget_dependent=False), shape, total, {}
+        bench_arms.RunSpec(arm="resident", label="r", budget_bytes=None, budget_dependent=False),
+        shape,
+        total,
+        {},
     )
     assert res["hit_rate"] == 1.0
 
@@ -502,7 +514,7 @@ def test_plot_writes_a_png(tmp_path, budgets, timed):
 
 def test_write_outputs_json_keeps_raw_numbers(tmp_path):
     report = _synthetic_report([1.0, 2.0])
-    bench.write_outputs(report, tmp_path)
+    bench_merge.write_outputs(report, tmp_path)
     back = json.loads((tmp_path / "bench.json").read_text())
     swap = next(r for r in back["runs"] if r["label"] == "plan-swap@1GiB")
     assert [s["decode_tok_s"] for s in swap["timing"]["single"]] == [200.0, 220.0]
@@ -536,4 +548,4 @@ def test_bench_command_is_registered_and_parses_engine_args():
     )
     assert args.budget_gib == [1.0, 2.5]
     assert engine_args(args.engine_args) == ["--dtype", "float32"]
-    assert bench_report.fmt_bytes(3 * 2**20) == "3.00 MiB"
+    assert bench_markdown.fmt_bytes(3 * 2**20) == "3.00 MiB"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from reap_swap import bench
+from reap_swap import bench_config, bench_env, bench_markdown, bench_merge
 from reap_swap.commands import bench as bench_cmd
 
 FIXTURE = Path(__file__).resolve().parents[1] / "research-notes" / "bench-mini-cpu.json"
@@ -24,7 +24,7 @@ def _split():
 
 def test_merge_relabels_budgets_and_recompares():
     full, a, b = _split()
-    merged = bench.merge_reports([a, b], "reap-swap bench --merge a b --out m")
+    merged = bench_merge.merge_reports([a, b], "reap-swap bench --merge a b --out m")
     assert sorted(r["label"] for r in merged["runs"]) == sorted(r["label"] for r in full["runs"])
     assert merged["summary"]["reference"] == "plan-static"  # first successful run (resident was skipped)
     for run in merged["runs"]:
@@ -37,14 +37,14 @@ def test_merge_relabels_budgets_and_recompares():
 def test_merge_refuses_different_plans():
     _, a, b = _split()
     b["plan"] = dict(b["plan"], identity="something-else")
-    with pytest.raises(bench.BenchError, match="plan identity"):
-        bench.merge_reports([a, b], "x")
+    with pytest.raises(bench_config.BenchError, match="plan identity"):
+        bench_merge.merge_reports([a, b], "x")
 
 
 def test_merge_refuses_duplicate_labels():
     _, a, _ = _split()
-    with pytest.raises(bench.BenchError, match="same label"):
-        bench.merge_reports([a, copy.deepcopy(a)], "x")
+    with pytest.raises(bench_config.BenchError, match="same label"):
+        bench_merge.merge_reports([a, copy.deepcopy(a)], "x")
 
 
 def test_cli_merge_writes_table_and_plot(tmp_path, capsys):
@@ -71,14 +71,16 @@ def test_cli_without_model_or_merge_is_an_error(capsys):
 
 def test_merged_markdown_lists_its_sources():
     _, a, b = _split()
-    text = bench.markdown_report(bench.merge_reports([a, b], "reap-swap bench --merge a b --out m"))
+    text = bench_markdown.markdown_report(
+        bench_merge.merge_reports([a, b], "reap-swap bench --merge a b --out m")
+    )
     assert text.count("merged from:") == 2
 
 
 def test_visible_gpu_ids(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    assert bench.visible_gpu_ids() == ["--id=1"]
+    assert bench_env.visible_gpu_ids() == ["--id=1"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert bench.visible_gpu_ids() == ["--id=0,1"]
+    assert bench_env.visible_gpu_ids() == ["--id=0,1"]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert bench.visible_gpu_ids() == []
+    assert bench_env.visible_gpu_ids() == []

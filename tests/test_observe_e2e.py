@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from reap_swap.observe import CorpusIssue, CorpusRecord, parse_line, read_corpus
+from reap_swap.corpus import CorpusIssue, CorpusRecord, parse_line, read_corpus
 from reap_swap.plan import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,18 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reap_swap.model_shape import read_model_shape
+from reap_swap.observation_types import LayerStats, Observations
 from reap_swap.plan import validate_plan_document
-from reap_swap.planner import (
-    LayerStats,
-    Observations,
-    PlannerConfig,
-    PlannerError,
-    build_plan,
-    find_super_experts,
-    group_by_coactivation,
-    merge_layer_stats,
-    plan_bytes,
-)
+from reap_swap.planner import PlannerConfig, PlannerError, build_plan, plan_bytes
+from reap_swap.planner_allocation import find_super_experts
+from reap_swap.planner_inputs import merge_layer_stats
+from reap_swap.planner_slices import group_by_coactivation
 
 
 def shape_for(layers: int, experts: int, top_k: int):

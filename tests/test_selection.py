@@ -133,10 +133,10 @@ def _assert_valid(plan, sel, budget):
     body = sel.payload("r1")
     SwapRequest.model_validate(body)
     keep = resident_sets(plan, normalize_active_set(plan, body["active_set"]))
-    assert keep == sel.keep
+    assert keep == sel.resident
     assert check_budget(plan, keep, body.get("budget_bytes")) >= sel.resident_bytes
     assert signature(keep) == sel.signature
-    for index, ids in sel.keep.items():
+    for index, ids in sel.resident.items():
         assert plan.layers[index].core <= ids <= plan.layers[index].candidates
     for index, sids in sel.slices.items():
         assert set(sids) <= set(plan.layers[index].slice_by_id)
@@ -165,7 +165,7 @@ def test_random_plans_never_over_budget_never_outside_plan_deterministic(data):
         )
         assert (again.slices, again.signature, again.values) == (sel.slices, sel.signature, sel.values)
         if name == "static":
-            assert sel.slices == {} and sel.keep == plan.core_sets()
+            assert sel.slices == {} and sel.resident == plan.core_sets()
         for routed in (None, misses):
             new = S.refresh(plan, sel, misses, 0, prompt, routed=routed)
             if new is not None:
@@ -189,7 +189,7 @@ def test_greedy_fill_leaves_no_valuable_slice_that_would_still_fit(data):
         priors = S.slice_priors(plan, sel.features.weights)
         for index, layer in plan.layers.items():
             for i, s in enumerate(layer.slices):
-                new = set(s.experts) - sel.keep[index]
+                new = set(s.experts) - sel.resident[index]
                 if not new:
                     continue
                 worth = priors[index][i] > 0 or (

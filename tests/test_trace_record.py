@@ -45,7 +45,9 @@ def test_observe_write_trace_compares_prefill_with_the_counters(tmp_path):
     selections differ from the counters it is given (here an independent full forward)."""
     import argparse
 
-    from reap_swap.observe import CorpusRecord, _Accumulator, _write_trace
+    from reap_swap.corpus import CorpusRecord
+    from reap_swap.observe import _write_trace
+    from reap_swap.observed_counts import CountAccumulator
     from reap_swap.trace import load_trace
 
     shape = read_model_shape(MODEL)
@@ -63,7 +65,7 @@ def test_observe_write_trace_compares_prefill_with_the_counters(tmp_path):
                     torch.topk(r.reshape(len(ids), -1), shape.top_k, dim=-1).indices.numpy().ravel(),
                     1,
                 )
-    total = _Accumulator()
+    total = CountAccumulator()
     total.add(sum(len(ids) for _, ids in tokenized), {l: {"counts": counts[l]} for l in shape.moe_layers})
     args = argparse.Namespace(
         model=str(MODEL), trace=tmp_path / "t.npz", trace_decode_tokens=3, progress=False
@@ -78,7 +80,7 @@ def test_observe_write_trace_compares_prefill_with_the_counters(tmp_path):
     e_from = int(np.flatnonzero(moved[0])[0])
     moved[0, e_from] -= 1
     moved[0, (e_from + 1) % shape.num_experts] += 1
-    total2 = _Accumulator()
+    total2 = CountAccumulator()
     total2.add(total.tokens, {l: {"counts": moved[l]} for l in shape.moe_layers})
     _write_trace(args, shape, tokenized, {"name": "x.jsonl"}, total2)
     assert load_trace(args.trace).source["prefill_selections_differing_from_vllm"] == 1

@@ -30,10 +30,22 @@ import shutil
 import sys
 from pathlib import Path
 
-from reap_swap.bench import ARMS
+from reap_swap.bench_config import ARMS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _input_arguments(parser)
+    _measurement_arguments(parser)
+    parser.add_argument(
+        "engine_args",
+        nargs=argparse.REMAINDER,
+        metavar="-- VLLM_ARGS",
+        help="vLLM engine arguments for every arm, after --",
+    )
+
+
+def _input_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to bench: model, plan, prompts, arms, budgets, output (or reports to merge)."""
     parser.add_argument("--model", help="model folder (or hub id) that every arm serves (required)")
     parser.add_argument("--plan", type=Path, help="reap-swap plan JSON for the reap arms (required)")
     parser.add_argument(
@@ -61,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPU memory for experts; stock-uva and plan-swap run once per value "
         "(default: the plan's budget)",
     )
+
+
+def _measurement_arguments(parser: argparse.ArgumentParser) -> None:
+    """How each arm is measured."""
     parser.add_argument(
         "--batch", type=int, default=4, help="concurrent streams of the batch measurement (default 4)"
     )
@@ -104,12 +120,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="leave vLLM's prefix caching on (default off: the same prompts are sent repeatedly)",
     )
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    parser.add_argument(
-        "engine_args",
-        nargs=argparse.REMAINDER,
-        metavar="-- VLLM_ARGS",
-        help="vLLM engine arguments for every arm, after --",
-    )
 
 
 def engine_args(values: list[str] | None) -> list[str]:
@@ -121,7 +131,8 @@ def engine_args(values: list[str] | None) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from reap_swap.bench import BenchConfig, run_bench
+    from reap_swap.bench import run_bench
+    from reap_swap.bench_config import BenchConfig
 
     if args.merge:
         return merge(args)
@@ -165,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
 def merge(args: argparse.Namespace) -> int:
     import orjson
 
-    from reap_swap.bench import BenchError, merge_reports, write_outputs
+    from reap_swap.bench_config import BenchError
+    from reap_swap.bench_merge import merge_reports, write_outputs
 
     reports = []
     for folder in args.merge:

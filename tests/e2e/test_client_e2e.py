@@ -60,7 +60,7 @@ def _check_round_trip(client, plan, budget, result, messages):
     assert result.swap["signature"] == sel.signature
     status = client.status()
     assert status["signature"] == sel.signature and status["open_request"] == result.request_id
-    assert {int(k): frozenset(v) for k, v in status["layers"].items()} == sel.keep
+    assert {int(k): frozenset(v) for k, v in status["layers"].items()} == sel.resident
     assert result.completion["choices"][0]["message"]["content"] is not None
     usage = result.completion["usage"]
     assert usage["completion_tokens"] == 6
@@ -68,7 +68,7 @@ def _check_round_trip(client, plan, budget, result, messages):
     assert misses["request_id"] == result.request_id and misses["signature"] == sel.signature
     for layer, row in misses["layers"].items():
         # what missed is exactly what was outside the selection's keep-set
-        assert not set(row["inactive_experts"]) & sel.keep[int(layer)]
+        assert not set(row["inactive_experts"]) & sel.resident[int(layer)]
         assert row["missed_selections"] <= row["observed_selections"]
         if sel.strategy != "probe":  # probe's own pass cached the prompt's prefix blocks
             assert (

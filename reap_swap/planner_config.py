@@ -1,0 +1,53 @@
+"""The planner's knobs and its refusal: PlannerConfig (recorded verbatim in the plan) and PlannerError."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from reap_swap.model_shape import ModelShape
+
+GIB = 1 << 30
+
+
+class PlannerError(ValueError):
+    """The observations and the model or the budget do not admit a plan; the message says why."""
+
+
+class PlannerConfig(BaseModel):
+    """Every knob of the planner; recorded verbatim in scorerArtifacts.parameters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    budget_ratio: float | None = Field(
+        default=None, gt=0, le=1, description="resident budget as a fraction of all expert bytes"
+    )
+    budget_gib: float | None = Field(default=None, gt=0, description="resident budget in GiB")
+    core_fraction: float = Field(default=0.75, ge=0, le=1)
+    signal: Literal["frequency", "router_mass", "reap"] = "frequency"
+    layer_allocation: Literal["greedy", "uniform"] = "greedy"
+    slices_per_request: int = Field(default=2, ge=1, description="slices a request may add per layer")
+    slice_size: int | None = Field(default=None, ge=1, description="experts per slice; default derived")
+    candidate_pool_multiplier: float = Field(default=1.25, ge=1)
+    reap_guard: bool = True
+    reap_guard_multiple: float = Field(default=2.0, gt=0)
+    reap_guard_max_fraction: float = Field(default=0.1, ge=0, le=1)
+    super_experts: bool = True
+    super_expert_quantile: float = Field(default=99.5, gt=0, le=100)
+    super_expert_max_divisor: float = Field(default=10.0, ge=1)
+    max_refreshes_per_request: int = Field(default=1, ge=0)
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> PlannerConfig:
+        if (self.budget_ratio is None) == (self.budget_gib is None):
+            raise ValueError("give exactly one of budget_ratio and budget_gib")
+        return self
+
+
+def budget_bytes(shape: ModelShape, config: PlannerConfig) -> int:
+    total = shape.total_expert_bytes
+    if config.budget_ratio is not None:
+        return int(math.floor(config.budget_ratio * total))
+    return int(math.floor(config.budget_gib * GIB))
