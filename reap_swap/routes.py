@@ -34,16 +34,15 @@ from fastapi.responses import ORJSONResponse
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, TypeAdapter, ValidationError
 
-from reap_swap import compat
 from reap_swap.active_set import ActiveSetError, BudgetExceeded, RefreshLimitExceeded, SwapRequest
+from reap_swap.compat.serve import engine_client_rpc, engine_client_vllm_config
 from reap_swap.controller import Metrics, SwapController, SwapFailed, UnknownCartridge
 from reap_swap.logs import get_logger
 from reap_swap.plan import json_path
+from reap_swap.plugins import ENDPOINT_PLUGIN
 from reap_swap.settings import load_configured_plan, reap_config
 
 log = get_logger("reap_swap.routes")
-
-PLUGIN_NAME = "reap_swap"
 
 SWAPS = Counter("reap_swap_swaps", "REAP swap requests by kind and outcome", ["kind", "outcome"])
 SWAP_SECONDS = Histogram(
@@ -296,7 +295,7 @@ def api_key_digests(args: Any) -> list[bytes]:
 class ReapEndpointPlugin:
     """The object vLLM's endpoint-plugin loader gets from `endpoint_plugin()`."""
 
-    name = PLUGIN_NAME
+    name = ENDPOINT_PLUGIN
     required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
@@ -309,7 +308,7 @@ class ReapEndpointPlugin:
         if engine_client is None:
             state.reap_error = "reap-swap needs an engine (this is a render-only server)"
             return
-        cfg = reap_config(compat.engine_client_vllm_config(engine_client).additional_config)
+        cfg = reap_config(engine_client_vllm_config(engine_client).additional_config)
         if not cfg:
             state.reap_error = (
                 "reap-swap endpoint plugin loaded without its configuration: start the "
@@ -319,12 +318,9 @@ class ReapEndpointPlugin:
             return
         settings, plan = load_configured_plan(cfg)
 
-        async def rpc(method: str, *rpc_args):
-            return await engine_client.collective_rpc(method, args=tuple(rpc_args))
-
         controller = SwapController(
             plan,
-            rpc,
+            engine_client_rpc(engine_client),
             plan_file=settings.plan_file,
             validate_only=settings.validate_only,
             max_loaded_cartridges=settings.max_loaded_cartridges,
