@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import ORJSONResponse
+from fastapi.responses import Response
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, TypeAdapter, ValidationError
 
@@ -87,9 +87,16 @@ class ReapError(Exception):
         self.status, self.type, self.message, self.field, self.extra = status, type_, message, field, extra
 
 
-async def reap_error_handler(_request: Request, exc: ReapError) -> ORJSONResponse:
+def json_response(content: Any, status_code: int = 200) -> Response:
+    """`content` as orjson bytes: what FastAPI's deprecated ORJSONResponse rendered (same options),
+    without a response model (the bodies are the controller's dicts)."""
+    body = orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    return Response(body, status_code=status_code, media_type="application/json")
+
+
+async def reap_error_handler(_request: Request, exc: ReapError) -> Response:
     body = {"message": exc.message, "type": exc.type, "field": exc.field, "code": exc.status, **exc.extra}
-    return ORJSONResponse({"error": body}, status_code=exc.status)
+    return json_response({"error": body}, status_code=exc.status)
 
 
 _BRANCH_TAGS = {"int", "str", "bool", "float", "list", "dict", "none"}
@@ -158,9 +165,9 @@ def _check_auth(request: Request) -> None:
         )
 
 
-async def _run_swap(controller: SwapController, coro) -> ORJSONResponse:
+async def _run_swap(controller: SwapController, coro) -> Response:
     try:
-        return ORJSONResponse(await coro)
+        return json_response(await coro)
     except BudgetExceeded as exc:
         raise ReapError(
             422,
@@ -259,7 +266,7 @@ async def router_misses(request_id: str, request: Request):
             "(never opened by a swap or warm, or evicted)",
             "request_id",
         )
-    return ORJSONResponse(out)
+    return json_response(out)
 
 
 @router.get("/forensics/{request_id}")
@@ -269,7 +276,7 @@ async def forensics(request_id: str, request: Request):
     record = controller.forensics.get(request_id)
     if record is None:
         raise ReapError(404, "not_found", f"request_id: no forensic record for {request_id!r}", "request_id")
-    return ORJSONResponse(
+    return json_response(
         {
             **record,
             "refresh_count": controller.refreshes.count(request_id),
@@ -281,7 +288,7 @@ async def forensics(request_id: str, request: Request):
 @router.get("/reap/status")
 async def status(request: Request):
     _check_auth(request)
-    return ORJSONResponse(await _controller(request).status())
+    return json_response(await _controller(request).status())
 
 
 def api_key_digests(args: Any) -> list[bytes]:
