@@ -139,24 +139,24 @@ def engine_client_rpc(engine_client):
 
 
 def moe_backend_is_default(args: argparse.Namespace) -> bool:
-    """True when `--moe-backend` was left at vLLM's default ('auto'; 0.26.0 GPU, cpu 0.32.0)."""
+    """True when `--moe-backend` was left at vLLM's default ('auto'; 0.26.0 GPU, cpu 0.26.0, cpu 0.32.0)."""
     return getattr(args, "moe_backend", "auto") in (None, "auto")
 
 
 def use_triton_moe_backend(args: argparse.Namespace) -> None:
-    """`--moe-backend triton` (the flag and its value: 0.26.0 GPU, cpu 0.32.0)."""
+    """`--moe-backend triton` (the flag and its value: 0.26.0 GPU; parsed by cpu 0.26.0 and 0.32.0)."""
     args.moe_backend = "triton"
 
 
 def cpu_offload_chosen(args: argparse.Namespace) -> bool:
-    """True when the user set an offload budget (`--cpu-offload-gb`; 0.26.0 GPU, cpu 0.32.0)."""
+    """True when the user set an offload budget (`--cpu-offload-gb`; 0.26.0 GPU, cpu 0.26.0, cpu 0.32.0)."""
     return bool(getattr(args, "cpu_offload_gb", 0))
 
 
 def offload_experts_to_uva(args: argparse.Namespace, gib: float) -> None:
     """`--offload-backend uva --cpu-offload-gb GIB --cpu-offload-params w13_weight w2_weight`:
     experts load straight into pinned host memory (the three flags and the parameter names:
-    0.26.0 GPU, cpu 0.32.0; the UVA backend itself runs on CUDA only)."""
+    0.26.0 GPU; parsed by cpu 0.26.0 and 0.32.0; the UVA backend itself runs on CUDA only)."""
     args.offload_backend = "uva"
     args.cpu_offload_gb = round(gib, 3)
     args.cpu_offload_params = {"w13_weight", "w2_weight"}
