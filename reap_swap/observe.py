@@ -26,6 +26,7 @@ weight the model applied, after top-k renormalisation where the model renormalis
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -35,28 +36,21 @@ from typing import Any
 
 import numpy as np
 
+from reap_swap.compat import offline as vllm_offline
 from reap_swap.corpus import MAX_LISTED_ISSUES, CorpusRecord, read_corpus, tokenize_records
 from reap_swap.observed_counts import CountAccumulator, CountMismatch, check_counts, worker_layers
-
-WORKER_EXTENSION = "reap_swap.worker.ReapWorkerExtension"
-
+from reap_swap.plugins import LAYERS_PLUGIN, WORKER_EXTENSION_CLS, vllm_plugins_allowlist
 
 # ----------------------------------------------------------------------------- engine
 
 
 def _engine_kwargs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
     """The vLLM engine arguments the user set explicitly (LLM(...) fills in the rest)."""
-    import dataclasses
-
-    from vllm.engine.arg_utils import EngineArgs
-
-    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    names = vllm_offline.engine_arg_names()
     return {k: v for k, v in vars(args).items() if k in names and k != "model" and v != parser.get_default(k)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
     ours = parser.add_argument_group("reap-swap observe")
     ours.add_argument(
         "--corpus", required=True, type=Path, help="JSONL corpus (chat, prompt or text records)"
@@ -97,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace-decode-tokens", type=int, default=32, help="greedy tokens per request in the trace"
     )
     ours.add_argument("--no-progress", dest="progress", action="store_false")
-    EngineArgs.add_cli_args(parser)
+    vllm_offline.add_engine_cli_args(parser)
     parser.set_defaults(_parser=parser)
 
 
@@ -159,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}; nothing written", file=sys.stderr)
         return 1
     finally:
-        _shutdown(llm)
+        vllm_offline.shutdown_llm(llm)
         shutil.rmtree(workdir, ignore_errors=True)
 
     skipped = [{"line": i.line, "reason": i.reason} for i in (issues + tok_issues)[:MAX_LISTED_ISSUES]]
@@ -240,12 +234,10 @@ def observe_records(
 ):
     """Drive the engine; returns (overall accumulator, {tag: accumulator}, RecordCounts | None)."""
     from tqdm import tqdm
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from reap_swap.observation_types import RecordCounts
 
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    params = vllm_offline.greedy_one_token()
     _rpc_stats(llm)  # drop what start-up (profiling, warm-up) routed
     total = CountAccumulator()
     tags: dict[str, CountAccumulator] = {}
@@ -276,7 +268,7 @@ def observe_records(
         ):
             batch.append(order[i + len(batch)])
         i += len(batch)
-        prompts = [TokensPrompt(prompt_token_ids=tokenized[j][1]) for j in batch]
+        prompts = [vllm_offline.tokens_prompt(tokenized[j][1]) for j in batch]
         llm.generate(prompts, params, use_tqdm=False)
         layers = worker_layers(_rpc_stats(llm))
         tokens = sum(len(tokenized[j][1]) for j in batch)
@@ -303,21 +295,21 @@ def observe_records(
 
 
 def _start_engine(args: argparse.Namespace, shape, workdir: Path):
-    from vllm import LLM
-
     kwargs = _engine_kwargs(args._parser, args)
     if kwargs.pop("enable_prefix_caching", None):
         print(
             "note: prefix caching forced off (each corpus token must be routed exactly once)", file=sys.stderr
         )
-    if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION):
-        raise SystemExit(f"error: observe needs --worker-extension-cls {WORKER_EXTENSION}")
-    kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    if kwargs.get("worker_extension_cls") not in (None, "", WORKER_EXTENSION_CLS):
+        raise SystemExit(f"error: observe needs --worker-extension-cls {WORKER_EXTENSION_CLS}")
+    kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLS
     kwargs["enable_prefix_caching"] = False
     extra = dict(kwargs.get("additional_config") or {})
     extra.update(observe_worker_config(shape, args.coactivation, workdir))
     kwargs["additional_config"] = extra
-    return LLM(model=args.model, **kwargs)
+    # the counting RoutedExperts, in the engine's processes (they inherit the environment)
+    os.environ["VLLM_PLUGINS"] = vllm_plugins_allowlist(os.environ.get("VLLM_PLUGINS"), (LAYERS_PLUGIN,))
+    return vllm_offline.make_llm(args.model, **kwargs)
 
 
 def observe_worker_config(shape, coactivation: bool, workdir: Path) -> dict[str, Any]:
@@ -347,11 +339,3 @@ def observe_worker_config(shape, coactivation: bool, workdir: Path) -> dict[str,
     identity = load_plan(path, shape).identity
     settings = Settings(plan_file=path, coactivation=coactivation, residency="accounting")
     return {ADDITIONAL_CONFIG_KEY: settings.to_worker_config(plan_identity=identity)}
-
-
-def _shutdown(llm) -> None:
-    """Stop the engine's worker processes now (not at interpreter exit)."""
-    engine = getattr(llm, "llm_engine", None)
-    core = getattr(engine, "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()

@@ -30,20 +30,19 @@ from typing import Any, Literal
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import ORJSONResponse
+from fastapi.responses import Response
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, TypeAdapter, ValidationError
 
-from reap_swap import compat
 from reap_swap.active_set import ActiveSetError, BudgetExceeded, RefreshLimitExceeded, SwapRequest
+from reap_swap.compat.serve import engine_client_rpc, engine_client_vllm_config
 from reap_swap.controller import Metrics, SwapController, UnknownCartridge, WorkerSwapFailed
 from reap_swap.logs import get_logger
 from reap_swap.plan import json_path
+from reap_swap.plugins import ENDPOINT_PLUGIN
 from reap_swap.settings import load_configured_plan, reap_config
 
 log = get_logger("reap_swap.routes")
-
-PLUGIN_NAME = "reap_swap"
 
 SWAPS = Counter("reap_swap_swaps", "REAP swap requests by kind and outcome", ["kind", "outcome"])
 SWAP_SECONDS = Histogram(
@@ -88,9 +87,16 @@ class ReapError(Exception):
         self.status, self.type, self.message, self.field, self.extra = status, type_, message, field, extra
 
 
-async def reap_error_handler(_request: Request, exc: ReapError) -> ORJSONResponse:
+def json_response(content: Any, status_code: int = 200) -> Response:
+    """`content` as orjson bytes: what FastAPI's deprecated ORJSONResponse rendered (same options),
+    without a response model (the bodies are the controller's dicts)."""
+    body = orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    return Response(body, status_code=status_code, media_type="application/json")
+
+
+async def reap_error_handler(_request: Request, exc: ReapError) -> Response:
     body = {"message": exc.message, "type": exc.type, "field": exc.field, "code": exc.status, **exc.extra}
-    return ORJSONResponse({"error": body}, status_code=exc.status)
+    return json_response({"error": body}, status_code=exc.status)
 
 
 _BRANCH_TAGS = {"int", "str", "bool", "float", "list", "dict", "none"}
@@ -159,9 +165,9 @@ def _check_auth(request: Request) -> None:
         )
 
 
-async def _run_swap(controller: SwapController, coro) -> ORJSONResponse:
+async def _run_swap(controller: SwapController, coro) -> Response:
     try:
-        return ORJSONResponse(await coro)
+        return json_response(await coro)
     except BudgetExceeded as exc:
         raise ReapError(
             422,
@@ -260,7 +266,7 @@ async def router_misses(request_id: str, request: Request):
             "(never opened by a swap or warm, or evicted)",
             "request_id",
         )
-    return ORJSONResponse(out)
+    return json_response(out)
 
 
 @router.get("/forensics/{request_id}")
@@ -270,7 +276,7 @@ async def forensics(request_id: str, request: Request):
     record = controller.forensics.get(request_id)
     if record is None:
         raise ReapError(404, "not_found", f"request_id: no forensic record for {request_id!r}", "request_id")
-    return ORJSONResponse(
+    return json_response(
         {
             **record,
             "refresh_count": controller.refreshes.count(request_id),
@@ -282,7 +288,7 @@ async def forensics(request_id: str, request: Request):
 @router.get("/reap/status")
 async def status(request: Request):
     _check_auth(request)
-    return ORJSONResponse(await _controller(request).status())
+    return json_response(await _controller(request).status())
 
 
 def api_key_digests(args: Any) -> list[bytes]:
@@ -296,7 +302,7 @@ def api_key_digests(args: Any) -> list[bytes]:
 class ReapEndpointPlugin:
     """The object vLLM's endpoint-plugin loader gets from `endpoint_plugin()`."""
 
-    name = PLUGIN_NAME
+    name = ENDPOINT_PLUGIN
     required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
@@ -309,7 +315,7 @@ class ReapEndpointPlugin:
         if engine_client is None:
             state.reap_error = "reap-swap needs an engine (this is a render-only server)"
             return
-        cfg = reap_config(compat.engine_client_vllm_config(engine_client).additional_config)
+        cfg = reap_config(engine_client_vllm_config(engine_client).additional_config)
         if not cfg:
             state.reap_error = (
                 "reap-swap endpoint plugin loaded without its configuration: start the "
@@ -319,12 +325,9 @@ class ReapEndpointPlugin:
             return
         settings, plan = load_configured_plan(cfg)
 
-        async def rpc(method: str, **kwargs):  # the worker RPC takes keyword arguments (wire.py)
-            return await engine_client.collective_rpc(method, kwargs=kwargs)
-
         controller = SwapController(
             plan,
-            rpc,
+            engine_client_rpc(engine_client),
             plan_file=settings.plan_file,
             validate_only=settings.validate_only,
             max_loaded_cartridges=settings.max_loaded_cartridges,

@@ -6,14 +6,14 @@ nothing running), and the worker extension / plugin allowlist / plan configurati
 set on vLLM's arguments. Everything else is vLLM's own `serve` subcommand, unchanged, so every
 `vllm serve` argument behaves as it does there.
 
-What the launcher sets:
-- `--worker-extension-cls reap_swap.worker.ReapWorkerExtension` (worker RPCs; its import
-  registers the counting RoutedExperts in every worker before the model is built);
+What the launcher sets (names in reap_swap/plugins.py):
+- `--worker-extension-cls reap_swap.worker.ReapWorkerExtension` (worker RPCs);
 - `--additional-config {"reap_swap": {settings..., "plan_identity": ...}}`, merged into any
   user-given additional config: how plan and settings reach workers and API processes;
-- VLLM_PLUGINS gains `reap_swap` (the endpoint plugin). When VLLM_PLUGINS was unset, every
-  installed general/platform/stat-logger/io-processor plugin is listed too, because setting
-  the variable turns it into an allowlist for those groups.
+- VLLM_PLUGINS gains `reap_swap` (the endpoint plugin) and `reap_swap_layers` (the general plugin
+  that registers the counting RoutedExperts in every process before the model is built). When
+  VLLM_PLUGINS was unset, every installed general/platform/stat-logger/io-processor plugin is
+  listed too, because setting the variable turns it into an allowlist for those groups.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from importlib.metadata import entry_points
 from pathlib import Path
 
-from reap_swap import compat
+from reap_swap.compat import serve as vllm_serve
 from reap_swap.logs import get_logger
+from reap_swap.plugins import WORKER_EXTENSION_CLS, vllm_plugins_allowlist
 from reap_swap.settings import (
     ADDITIONAL_CONFIG_KEY,
     Resolved,
@@ -38,30 +38,10 @@ from reap_swap.settings import (
 log = get_logger("reap_swap.server")
 
 PROG = "python -m reap_swap.server"
-WORKER_EXTENSION = "reap_swap.worker.ReapWorkerExtension"
-PLUGIN_NAME = "reap_swap"
-# groups VLLM_PLUGINS allowlists once it is set (endpoint plugins load only when named anyway)
-_ALLOWLISTED_GROUPS = (
-    "vllm.general_plugins",
-    "vllm.platform_plugins",
-    "vllm.stat_logger_plugins",
-    "vllm.io_processor_plugins",
-)
 
 
 class LaunchError(RuntimeError):
     """Startup refused before any engine process exists; the message says why."""
-
-
-def plugin_allowlist(current: str | None) -> str:
-    """VLLM_PLUGINS value that adds reap_swap without disabling anything that loaded before."""
-    if current is not None:
-        names = [n for n in current.split(",") if n]
-    else:
-        names = sorted({ep.name for group in _ALLOWLISTED_GROUPS for ep in entry_points(group=group)})
-    if PLUGIN_NAME not in names:
-        names.append(PLUGIN_NAME)
-    return ",".join(names)
 
 
 def model_config_source(args: argparse.Namespace) -> str | Path:
@@ -99,9 +79,9 @@ def check_topology(args: argparse.Namespace) -> None:
             "engine 0's workers only, so router statistics would miss other engines"
         )
     ext = getattr(args, "worker_extension_cls", "") or ""
-    if ext and ext != WORKER_EXTENSION:
+    if ext and ext != WORKER_EXTENSION_CLS:
         raise LaunchError(
-            f"--worker-extension-cls {ext} conflicts with reap-swap's {WORKER_EXTENSION} "
+            f"--worker-extension-cls {ext} conflicts with reap-swap's {WORKER_EXTENSION_CLS} "
             "(vLLM takes one extension class)"
         )
 
@@ -133,7 +113,7 @@ def load_validated_plan(settings: Settings, args: argparse.Namespace):
 def install(args: argparse.Namespace, settings: Settings, plan) -> None:
     """Point vLLM at the worker extension and the plan configuration (prepare() already added the
     endpoint plugin to VLLM_PLUGINS, before vLLM read its environment)."""
-    args.worker_extension_cls = WORKER_EXTENSION
+    args.worker_extension_cls = WORKER_EXTENSION_CLS
     extra = dict(getattr(args, "additional_config", None) or {})
     extra[ADDITIONAL_CONFIG_KEY] = settings.to_worker_config(plan_identity=plan.identity)
     args.additional_config = extra
@@ -148,16 +128,14 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
     low; the engine then moves them into its own host-backed ranges and fills the HBM pool.
     No-op on the CPU build (and whenever swaps are accounting-only).
     """
-    if settings.accounting_reason(compat.platform_name()) is not None:
+    if settings.accounting_reason(vllm_serve.platform_name()) is not None:
         return
-    if getattr(args, "moe_backend", "auto") in (None, "auto"):
-        args.moe_backend = "triton"
+    if vllm_serve.moe_backend_is_default(args):
+        vllm_serve.use_triton_moe_backend(args)
         log.info("reap-swap: --moe-backend triton (the residency engine re-homes Triton expert weights)")
-    if not getattr(args, "cpu_offload_gb", 0):
+    if not vllm_serve.cpu_offload_chosen(args):
         gib = shape.total_expert_bytes / 2**30 + 0.5
-        args.offload_backend = "uva"
-        args.cpu_offload_gb = round(gib, 3)
-        args.cpu_offload_params = {"w13_weight", "w2_weight"}
+        vllm_serve.offload_experts_to_uva(args, gib)
         log.info(
             "reap-swap: experts load into pinned host memory (--offload-backend uva "
             "--cpu-offload-gb %.3f --cpu-offload-params w13_weight w2_weight)",
@@ -186,19 +164,19 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     reap_flags, vllm_argv = split_argv(argv)
     resolved = resolve(reap_flags, os.environ)
     settings = resolved.settings.model_copy(update={"plan_file": resolved.settings.plan_file.resolve()})
-    why = compat.check_supported_version()
+    why = vllm_serve.check_supported_version()
     if why:
         raise LaunchError(why)
     # before vLLM reads its environment (platform plugins load while the parser is built)
-    os.environ["VLLM_PLUGINS"] = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
-    compat.cli_env_setup()
+    os.environ["VLLM_PLUGINS"] = vllm_plugins_allowlist(os.environ.get("VLLM_PLUGINS"))
+    vllm_serve.cli_env_setup()
     if "-h" in vllm_argv or any(a.startswith("--help") for a in vllm_argv):
         print(settings_help(), file=sys.stderr)
-    parser, cmd = compat.make_serve_parser(PROG)
+    parser, cmd = vllm_serve.make_serve_parser(PROG)
     args = parser.parse_args(["serve", *vllm_argv])
     if getattr(args, "model_tag", None) is not None:
         args.model = args.model_tag  # as `vllm serve` does
-    compat.configure_logging_from_args(args)
+    vllm_serve.configure_logging_from_args(args)
     cmd.validate(args)
     check_topology(args)
     shape, plan, cartridges = load_validated_plan(settings, args)

@@ -4,9 +4,12 @@ Why its own module: the GPU driver (scripts/gpu_e2e.py) and
 ``reap-swap bench`` run the same server lifecycle and measure decode speed the same way, and the
 GPU machine runs them from a bare checkout, so this imports only the standard library and httpx.
 
-Lifecycle: every server runs in its own process group (``start_new_session``); stopping it sends
-SIGTERM, then SIGKILL, to the whole group and waits until no process of the group is left, so an
-engine core cannot outlive its API server and hold memory while the next server starts.
+Lifecycle (``Server``, the one way this project starts a server: ``reap-swap bench``, the GPU
+driver, ``scripts/demo.py`` and the end-to-end fixtures): every server runs in its own process
+group (``start_new_session``) and is healthy once ``/health`` answers 200; stopping it sends
+SIGTERM, then SIGKILL, to the group and to every other process of its family (processes.py: the
+group, the leader's descendants, every pid seen when it became healthy) and waits until none is
+left, so an engine core cannot outlive its API server and hold memory while the next one starts.
 
 Timing (``stream_request``): a streamed request records when it was sent, when the first and the
 last token chunk arrived, the chunk count and (with ``continuous_usage_stats``) the running token
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from reap_swap.processes import group_alive, kill_group, process_family  # noqa: F401 (re-exported)
 
 
 def log(*a):
@@ -40,51 +44,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def group_alive(pgid: int) -> list[int]:
-    """Pids still in process group ``pgid``."""
-    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
-def kill_group(
-    proc: subprocess.Popen, grace_s: float = 30.0, members: Callable[[], set[int]] | None = None
-) -> list[int]:
-    """SIGTERM, then SIGKILL, the process group of ``proc``; returns the pids that survived both.
-
-    ``members`` (default: the group's live pids) names every process that must be gone; those of
-    them outside the group (a descendant that started its own session, say) are signalled one by one.
-    """
-    pgid = proc.pid  # start_new_session: the group id is the leader's pid, even after it exited
-    members = members or (lambda: set(group_alive(pgid)))
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
-        for pid in members() - set(group_alive(pgid)) - {proc.pid}:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            proc.poll()
-            if not members():
-                return []
-            time.sleep(0.2)
-    proc.poll()
-    return sorted(members())
-
-
 class ServerError(RuntimeError):
     """The server exited or never became healthy; the message ends with its log tail."""
+
+
+def environ_without_reap(**extra: str) -> dict[str, str]:
+    """This process's environment without REAP_* (the launcher refuses a REAP_ variable it does
+    not know, so a stray one in the caller's shell must not reach it), plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("REAP_")}, **extra}
 
 
 class Server:
     """A server command run in its own process group; a context manager (start ... stop).
 
     ``argv`` is the full command without ``--port``; the port is appended. Output goes to
-    ``outdir/<name>.server.log``.
+    ``log_path`` (default ``outdir/<name>.server.log``). ``env`` is laid over ``base_env``
+    (default: this process's environment). ``on_wait(elapsed_s)`` is called at every /health poll
+    (the demo's progress bar). ``known`` holds the server's processes as seen when it became healthy.
     """
 
     def __init__(
@@ -97,15 +73,23 @@ class Server:
         startup_timeout_s: float = 420.0,
         headers: Mapping[str, str] | None = None,
         announce=None,
+        *,
+        log_path: Path | None = None,
+        cwd: Path | None = None,
+        base_env: Mapping[str, str] | None = None,
+        poll_s: float = 2.0,
+        on_wait: Callable[[float], None] | None = None,
     ):
         self.name, self.argv, self.outdir, self.port = name, list(argv), Path(outdir), port
-        self.env = {**os.environ, **(env or {})}
-        self.startup_timeout_s = startup_timeout_s
+        self.env = {**(os.environ if base_env is None else base_env), **(env or {})}
+        self.startup_timeout_s, self.poll_s, self.on_wait = startup_timeout_s, poll_s, on_wait
         self.headers = dict(headers or {})
+        self.cwd = cwd
         self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{port}"
-        self.log_path = self.outdir / f"{name}.server.log"
+        self.log_path = Path(log_path) if log_path else self.outdir / f"{name}.server.log"
         self.startup_s: float | None = None
+        self.known: set[int] = set()
         self.announce = announce or log
 
     @property
@@ -119,40 +103,59 @@ class Server:
             return ""
 
     def start(self) -> Server:
-        self.outdir.mkdir(parents=True, exist_ok=True)
-        t0 = time.time()
-        with open(self.log_path, "w") as logf:
+        """Start the command and wait for /health; ServerError (the server stopped) if it exits
+        or is not healthy within ``startup_timeout_s``."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as logf:
             self.proc = subprocess.Popen(
-                self.command, stdout=logf, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                self.command,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
             )
-        while time.time() - t0 < self.startup_timeout_s:
+        while time.monotonic() - t0 < self.startup_timeout_s:
             if self.proc.poll() is not None:
-                self.stop()
+                self.stop(check=False)
                 raise ServerError(
                     f"{self.name}: server exited with {self.proc.returncode} during startup; "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.startup_s = time.time() - t0
-                    self.announce(f"{self.name}: healthy after {self.startup_s:.0f}s")
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        self.stop()
+            if self.healthy():
+                self.startup_s = time.monotonic() - t0
+                self.known = process_family(self.proc.pid)
+                self.announce(f"{self.name}: healthy after {self.startup_s:.0f}s")
+                return self
+            time.sleep(self.poll_s)
+            if self.on_wait is not None:
+                self.on_wait(time.monotonic() - t0)
+        self.stop(check=False)
         raise ServerError(
             f"{self.name}: not healthy after {self.startup_timeout_s:.0f}s; log {self.log_path}:\n"
             f"{self.log_tail()}"
         )
 
-    def stop(self) -> None:
-        """Kill the whole process group; ServerError if any of it survives (never start another then)."""
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 30.0, check: bool = True) -> tuple[set[int], set[int]]:
+        """Kill the server's whole family; returns (the processes it had, those still alive).
+        ServerError if any survived and ``check`` (never start another server then)."""
         if self.proc is None:
-            return
-        left = kill_group(self.proc)
-        if left:
-            raise ServerError(f"{self.name}: processes of the server survived SIGKILL: {left}")
+            return set(), set()
+        self.known |= process_family(self.proc.pid)
+        left = set(kill_group(self.proc, grace_s, known=self.known))
+        if left and check:
+            raise ServerError(f"{self.name}: processes of the server survived SIGKILL: {sorted(left)}")
+        return set(self.known), left
 
     def __enter__(self) -> Server:
         return self.start()

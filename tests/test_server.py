@@ -8,7 +8,7 @@ import os
 import pytest
 from reap_fakes import tiny_plan_doc
 
-from reap_swap import server
+from reap_swap import plugins, server
 from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings
 
 
@@ -34,29 +34,30 @@ def test_prepare_installs_extension_plugin_and_configuration(tiny, monkeypatch):
         ]
     )
     assert args.model == str(tiny / "model") and args.port == 8123 and args.enforce_eager is True
-    assert args.worker_extension_cls == server.WORKER_EXTENSION
+    assert args.worker_extension_cls == plugins.WORKER_EXTENSION_CLS
     cfg = args.additional_config[ADDITIONAL_CONFIG_KEY]
     assert args.additional_config["other"] == 1  # the user's additional config is kept
     assert cfg["plan_file"] == str((tiny / "plan.json").resolve()) and len(cfg["plan_identity"]) == 64
     assert Settings.from_worker_config(cfg).plan_file == (tiny / "plan.json").resolve()
-    assert "reap_swap" in os.environ["VLLM_PLUGINS"].split(",")
+    assert {"reap_swap", "reap_swap_layers"} <= set(os.environ["VLLM_PLUGINS"].split(","))
     assert type(cmd).__name__ == "ServeSubcommand"
 
 
 def test_plugin_allowlist_keeps_what_loaded_before(monkeypatch):
-    assert server.plugin_allowlist("a,b") == "a,b,reap_swap"
-    assert server.plugin_allowlist("reap_swap") == "reap_swap"
+    ours = "reap_swap,reap_swap_layers"
+    assert plugins.vllm_plugins_allowlist("a,b") == f"a,b,{ours}"
+    assert plugins.vllm_plugins_allowlist("reap_swap_layers,reap_swap") == "reap_swap_layers,reap_swap"
     installed = {
-        "vllm.general_plugins": ["gen"],
+        "vllm.general_plugins": ["gen", "reap_swap_layers"],
         "vllm.platform_plugins": ["plat"],
         "vllm.endpoint_plugins": ["someone_elses_routes"],
     }
     monkeypatch.setattr(
-        server, "entry_points", lambda group: [argparse.Namespace(name=n) for n in installed.get(group, [])]
+        plugins, "entry_points", lambda group: [argparse.Namespace(name=n) for n in installed.get(group, [])]
     )
     # unset VLLM_PLUGINS loads every general/platform plugin: setting it must not drop them,
     # and must not opt other endpoint plugins in
-    assert server.plugin_allowlist(None) == "gen,plat,reap_swap"
+    assert plugins.vllm_plugins_allowlist(None) == "gen,plat,reap_swap_layers,reap_swap"
 
 
 @pytest.mark.parametrize(

