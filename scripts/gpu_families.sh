@@ -79,6 +79,7 @@ case "${1:-}" in
     sleep 2; step start "background families session started (lanes ${2:-1})"
     ;;
   session) session "${2:-1}" ;;
+  lane_a_only) mkdir -p $S/out; lane_a > $S/laneA.log 2>&1; cat $S/laneA.log ;;  # in the foreground
   wait)
     limit=${2:-540}; t0=$(date +%s)
     while [ ! -e $S/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 10; done

@@ -141,7 +141,7 @@ main_lanes() {
 
 pack() {
   mkdir -p "$OUT"
-  tar czf "$OUT/sess.tgz" --exclude='*.tmp' -C /tmp sess 2>/dev/null
+  tar czf "$OUT/sess.tgz" --exclude='*.tmp' --exclude='checkpoints' -C /tmp sess $([ -d /tmp/fam ] && echo fam) 2>/dev/null
   ls -la "$OUT"
 }
 
@@ -159,7 +159,7 @@ case "${1:-}" in
   wait)
     limit=${2:-540}; t0=$(date +%s)
     while [ ! -e $S/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 10; done
-    for f in main lane0 lane1 lane_tp; do [ -e $S/$f.log ] || continue; echo "== $f"; grep -v "^INFO\|^(APIServer\|^(EngineCore" $S/$f.log 2>/dev/null | tail -12 | cut -c1-400; done
+    for f in main lane0 lane1 lane_tp extra; do [ -e $S/$f.log ] || continue; echo "== $f"; grep -v "^INFO\|^(APIServer\|^(EngineCore" $S/$f.log 2>/dev/null | tail -12 | cut -c1-400; done
     pack
     ;;
   *) echo "usage: $0 start | wait SECONDS"; exit 2 ;;
