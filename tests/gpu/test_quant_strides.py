@@ -103,7 +103,19 @@ def _int4_case(cfg):
     return w13, w2, qc
 
 
-@pytest.mark.parametrize("m", [1, 8, 256])
+# Measured on the H200 (2026-12-01, vLLM 0.26.0, research.md run 8): at decode sizes the CUDA
+# ops.moe_wna16_gemm gives close but not bitwise-equal outputs when the same weights start at an
+# unaligned offset (its result depends on the base address); the Triton path (m=256) is bitwise.
+# So an INT4 group layout starting mid-page is not "identical to stock": kept strict, so a vLLM
+# that fixes it (or a wrong test) shows up.
+_UNALIGNED_NOT_BITWISE = pytest.mark.xfail(
+    strict=True, reason="moe_wna16_gemm (decode) is address-dependent: not bitwise at an unaligned offset"
+)
+
+
+@pytest.mark.parametrize(
+    "m", [pytest.param(1, marks=_UNALIGNED_NOT_BITWISE), pytest.param(8, marks=_UNALIGNED_NOT_BITWISE), 256]
+)
 def test_int4_contiguous_at_an_unaligned_offset_is_bitwise_stock(vllm_moe, m):
     """The contiguous layout: stride = payload, the tensor starting mid-page (as a group does)."""
     fused_experts, fused_topk, cfg = vllm_moe
