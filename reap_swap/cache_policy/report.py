@@ -5,19 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from reap_swap.cache_policy.replay import POLICIES
+
 MIB = 1 << 20
 # Candidates for the server's --reap-cache default: device caches a plain client gets.
-DEVICE_POLICIES = (
-    "lru",
-    "lru-seeded",
-    "lfu",
-    "lfu-seeded",
-    "lfru",
-    "lfru-seeded",
-    "core+lru",
-    "core+lfu",
-    "core+lfru",
-)
+DEVICE_POLICIES = tuple(p for p in POLICIES if p not in ("static", "probe", "belady"))
 
 
 def _pct(x: float | None) -> str:

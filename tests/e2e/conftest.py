@@ -159,10 +159,17 @@ class Recount:
 
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.num_experts = self.model.config.num_experts
+        self.num_experts = self._num_experts(self.model.config)
         self._seen: dict[int, object] = {}
-        for i, layer in enumerate(self.model.model.layers):
-            layer.mlp.gate.register_forward_hook(self._hook(i))
+        for i, module in self._routers():
+            module.register_forward_hook(self._hook(i))
+
+    def _num_experts(self, cfg) -> int:
+        return cfg.num_experts
+
+    def _routers(self):
+        """(decoder layer index, module whose output[2] is that layer's top-k ids)."""
+        return ((i, layer.mlp.gate) for i, layer in enumerate(self.model.model.layers))
 
     def _hook(self, index: int):
         def record(_module, _inputs, output):

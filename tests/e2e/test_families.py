@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from script_modules import load_script
 
-from .conftest import ROOT, ServerPool
+from .conftest import ROOT, Recount, ServerPool
 from .helpers import misses, prefill, status, swap, unique_prompt
 
 pytestmark = pytest.mark.e2e
@@ -36,42 +35,18 @@ EXACT = {"mixtral", "gpt_oss"}  # counts equal transformers' routing expert by e
 APPROXIMATE = {"deepseek_v3"}
 
 
-class FamilyRecount:
+class FamilyRecount(Recount):
     """Routing recomputed by transformers (float32) on the same checkpoint, any family: every
     module whose class name ends in "Router" returns (logits, weights, top-k ids) there."""
 
-    def __init__(self, model_dir: Path):
-        import torch
-        from transformers import AutoModelForCausalLM
+    def _num_experts(self, cfg) -> int:
+        names = ("n_routed_experts", "num_local_experts", "num_experts")
+        return next(getattr(cfg, n) for n in names if hasattr(cfg, n))
 
-        self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        cfg = self.model.config
-        self.num_experts = next(
-            getattr(cfg, n)
-            for n in ("n_routed_experts", "num_local_experts", "num_experts")
-            if hasattr(cfg, n)
-        )
-        self._seen: dict[int, object] = {}
+    def _routers(self):
         for name, module in self.model.named_modules():
             if type(module).__name__.endswith("Router"):
-                layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
-                module.register_forward_hook(self._hook(layer))
-
-    def _hook(self, layer: int):
-        def record(_module, _inputs, output):
-            self._seen[layer] = output[2]
-
-        return record
-
-    def counts(self, token_ids: list[int]) -> dict[int, list[int]]:
-        self._seen.clear()
-        with self.torch.no_grad():
-            self.model(self.torch.tensor([token_ids]))
-        return {
-            layer: self.torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()
-            for layer, ids in sorted(self._seen.items())
-        }
+                yield int(re.search(r"layers\.(\d+)\.", name).group(1)), module
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
