@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from reap_swap.compat import serve as vllm_serve
+from reap_swap.host_memory import HostMemoryNeed, mem_available_bytes
 from reap_swap.logs import get_logger
 from reap_swap.plugins import WORKER_EXTENSION_CLS, vllm_plugins_allowlist
 from reap_swap.settings import (
@@ -134,6 +135,7 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
         vllm_serve.use_triton_moe_backend(args)
         log.info("reap-swap: --moe-backend triton (the residency engine re-homes Triton expert weights)")
     if not vllm_serve.cpu_offload_chosen(args):
+        check_host_memory(shape)
         gib = shape.total_expert_bytes / 2**30 + 0.5
         vllm_serve.offload_experts_to_uva(args, gib)
         log.info(
@@ -141,6 +143,26 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
             "--cpu-offload-gb %.3f --cpu-offload-params w13_weight w2_weight)",
             gib,
         )
+
+
+def check_host_memory(shape, meminfo: Path = Path("/proc/meminfo")) -> None:
+    """Refuse before loading when the host cannot hold the experts in pinned memory (host_memory.py)."""
+    try:
+        available = mem_available_bytes(meminfo.read_text())
+    except OSError:
+        available = None
+    if available is None:
+        log.warning("reap-swap: cannot read MemAvailable from %s; host memory not checked", meminfo)
+        return
+    need = HostMemoryNeed(shape.total_expert_bytes, shape.layer_expert_bytes, available)
+    why = need.refusal()
+    if why:
+        raise LaunchError(why)
+    log.info(
+        "reap-swap: host memory: %.1f GiB needed for pinned experts, %.1f GiB available",
+        need.needed_bytes / 2**30,
+        available / 2**30,
+    )
 
 
 def settings_help() -> str:
