@@ -108,7 +108,8 @@ def _rpc_stats(llm) -> list[dict]:
     return llm.collective_rpc("reap_read_stats", kwargs={"reset": True})
 
 
-def run(args: argparse.Namespace) -> int:
+def _corpus_records(args: argparse.Namespace):
+    """(records, issues) of --corpus, or the exit code when nothing can be observed."""
     records, issues = read_corpus(args.corpus)
     for issue in issues[:MAX_LISTED_ISSUES]:
         print(f"{args.corpus}: {issue}", file=sys.stderr)
@@ -120,9 +121,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.max_records is not None:
         records = records[: args.max_records]
+    return records, issues
+
+
+def run(args: argparse.Namespace) -> int:
+    loaded = _corpus_records(args)
+    if isinstance(loaded, int):
+        return loaded
+    records, issues = loaded
 
     from reap_swap.model_shape import read_model_shape
-    from reap_swap.observations import file_digest, save_observations
 
     shape = read_model_shape(_hf_config(args))
     workdir = Path(tempfile.mkdtemp(prefix="reap-observe-"))
@@ -156,13 +164,21 @@ def run(args: argparse.Namespace) -> int:
         vllm_offline.shutdown_llm(llm)
         shutil.rmtree(workdir, ignore_errors=True)
 
-    skipped = [{"line": i.line, "reason": i.reason} for i in (issues + tok_issues)[:MAX_LISTED_ISSUES]]
+    _write_result(args, shape, tokenized, issues + tok_issues, result)
+    return 0
+
+
+def _write_result(args: argparse.Namespace, shape, tokenized, all_issues: list, result) -> None:
+    """The observation file (and --trace), with what was skipped and why."""
+    from reap_swap.observations import file_digest, save_observations
+
+    skipped = [{"line": i.line, "reason": i.reason} for i in all_issues[:MAX_LISTED_ISSUES]]
     meta = {
         "model": args.model,
         "top_k": shape.top_k,
         "num_experts": shape.num_experts,
         "records": len(tokenized),
-        "skipped_count": len(issues) + len(tok_issues),
+        "skipped_count": len(all_issues),
         "skipped": skipped,
         "corpus": {"name": args.corpus.name, "sha256": file_digest(args.corpus)},
         "per_request": bool(args.per_request),
@@ -178,11 +194,10 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"wrote {args.out}: {len(tokenized)} records, {total.tokens:,} tokens, {len(total.layers)} MoE layers, "
-        f"{len(tags)} tag(s); skipped {len(issues) + len(tok_issues)} line(s); sha256 {digest[:16]}"
+        f"{len(tags)} tag(s); skipped {len(all_issues)} line(s); sha256 {digest[:16]}"
     )
     if args.trace is not None:
         _write_trace(args, shape, tokenized, meta["corpus"], total)
-    return 0
 
 
 def _write_trace(args: argparse.Namespace, shape, tokenized, corpus: dict, total: CountAccumulator) -> None:
@@ -241,10 +256,6 @@ def observe_records(
     _rpc_stats(llm)  # drop what start-up (profiling, warm-up) routed
     total = CountAccumulator()
     tags: dict[str, CountAccumulator] = {}
-    # one tag at a time (untagged last) so a counter read never mixes tags; file order within a tag
-    order = sorted(
-        range(len(tokenized)), key=lambda i: (tokenized[i][0].tag is None, tokenized[i][0].tag or "", i)
-    )
     size = 1 if per_request else max(1, batch_size)
     rows: list[np.ndarray] = []
     row_meta: list[tuple[str, int, int]] = []
@@ -257,17 +268,7 @@ def observe_records(
         disable=not progress,
         file=sys.stderr,
     )
-    i = 0
-    while i < len(order):
-        tag = tokenized[order[i]][0].tag
-        batch = [order[i]]
-        while (
-            len(batch) < size
-            and i + len(batch) < len(order)
-            and tokenized[order[i + len(batch)]][0].tag == tag
-        ):
-            batch.append(order[i + len(batch)])
-        i += len(batch)
+    for tag, batch in _tag_batches(tokenized, size):
         prompts = [vllm_offline.tokens_prompt(tokenized[j][1]) for j in batch]
         llm.generate(prompts, params, use_tqdm=False)
         layers = worker_layers(_rpc_stats(llm))
@@ -292,6 +293,26 @@ def observe_records(
             lines=np.array([ln for _, _, ln in row_meta], dtype=np.int64),
         )
     return total, tags, per_record
+
+
+def _tag_batches(tokenized: Sequence[tuple[CorpusRecord, list[int]]], size: int):
+    """(tag, record indices) batches of at most `size`: one tag at a time (untagged last) so a
+    counter read never mixes tags; file order within a tag."""
+    order = sorted(
+        range(len(tokenized)), key=lambda i: (tokenized[i][0].tag is None, tokenized[i][0].tag or "", i)
+    )
+    i = 0
+    while i < len(order):
+        tag = tokenized[order[i]][0].tag
+        batch = [order[i]]
+        while (
+            len(batch) < size
+            and i + len(batch) < len(order)
+            and tokenized[order[i + len(batch)]][0].tag == tag
+        ):
+            batch.append(order[i + len(batch)])
+        i += len(batch)
+        yield tag, batch
 
 
 def _start_engine(args: argparse.Namespace, shape, workdir: Path):
