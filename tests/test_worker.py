@@ -22,9 +22,15 @@ def test_extension_adds_only_new_names_to_vllm_workers():
         assert not [n for n in names if hasattr(cls, n)]  # vLLM asserts exactly this
 
 
-def test_importing_the_worker_module_registers_the_counting_layer():
+def test_the_layers_plugin_registers_the_counting_layer(monkeypatch):
+    """The general plugin (what vLLM runs in every process) registers it, once named in VLLM_PLUGINS;
+    run alone too, not only after another test happened to register it."""
+    from reap_swap import plugins
     from reap_swap.routed_experts import ReapRoutedExperts, layer_index_from_name
 
+    monkeypatch.setenv("VLLM_PLUGINS", plugins.LAYERS_PLUGIN)
+    plugins.register()
+    plugins.register()  # idempotent
     assert vllm_moe.oot_registry()["RoutedExperts"] is ReapRoutedExperts
     assert issubclass(ReapRoutedExperts, vllm_moe.routed_experts_class())
     assert layer_index_from_name("model.layers.3.mlp.experts.routed_experts") == 3
