@@ -160,10 +160,15 @@ class CudaEngine:
         self.state: EngineState | None = None
         self._quant_configs: dict[int, dict | None] = {}  # id(layer) -> config read at hook time
 
-    def hook_layer(self, layer: torch.nn.Module, index: int | None) -> None:
-        """Attach `layer` (plan layer `index`) right after vLLM processes its loaded weights."""
-        # read now: the vLLM config is current while the layer is built, maybe not at load time
-        self._quant_configs[id(layer)] = vllm_moe.model_quant_config()
+    def hook_layer(self, layer: torch.nn.Module, index: int | None, quant_config: dict | None = None) -> None:
+        """Attach `layer` (plan layer `index`) right after vLLM processes its loaded weights.
+
+        `quant_config`: the model's quantization config as the binding rules read it; by default
+        read from vLLM's current config now, while the layer is built (maybe not current at load
+        time). GPU tests without vLLM's config pass it."""
+        if quant_config is None:
+            quant_config = vllm_moe.model_quant_config()
+        self._quant_configs[id(layer)] = quant_config
         vllm_moe.install_post_load_hook(layer, lambda module: self.attach_after_load(module, index))
 
     def _state_for(self, layer: torch.nn.Module) -> EngineState:
