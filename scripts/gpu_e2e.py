@@ -517,6 +517,10 @@ def main():
         help="replace the engine arguments every arm gets (a shell-quoted string; "
         "e.g. to smoke-test this driver on vLLM's CPU build)",
     )
+    ap.add_argument(
+        "--quantization",
+        help="vLLM --quantization for every arm (e.g. fp8: online FP8 of a bf16 checkpoint, issue 16)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny decode measurements (smoke tests)")
     ap.add_argument("--moe-probe", action="store_true", help="record bitwise MoE-layer output digests")
     args = ap.parse_args()
@@ -539,6 +543,7 @@ def main():
         base
         + (["--enforce-eager"] if args.eager else [])
         + (["--tensor-parallel-size", str(args.tp)] if args.tp > 1 else [])
+        + (["--quantization", args.quantization] if args.quantization else [])
     )
     vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)] + common
     reap = [sys.executable, "-m", "reap_swap.server", str(model)] + common

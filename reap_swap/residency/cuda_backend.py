@@ -21,11 +21,22 @@ from .swap import ExpertStore, apply_swap
 from .vmm_store import VmmStore
 
 
+def misplaced_tensors(entry: LayerEntry) -> list[str]:
+    """The re-homed tensors (aliases included) that no longer start where the engine put them in
+    its range (what swaps remap): empty when every one is in place."""
+    layout, base = entry.layout, entry.rng.base
+    names = {n: n for n in layout.names} | dict(entry.aliases)
+    return [
+        name
+        for name, primary in names.items()
+        if getattr(entry.module, name, None) is None
+        or getattr(entry.module, name).data_ptr() != base + layout.offset_of(primary)
+    ]
+
+
 def points_into_range(entry: LayerEntry) -> bool:
-    """Do the layer's parameters still read the engine's range (what swaps remap)?"""
-    lo = entry.rng.base
-    hi = lo + entry.rng.num_units * entry.rng.unit_bytes
-    return entry.module.w13_weight.data_ptr() == lo and lo <= entry.module.w2_weight.data_ptr() < hi
+    """Do the layer's re-homed tensors still read the engine's range at their unit offsets?"""
+    return not misplaced_tensors(entry)
 
 
 class CudaResidency:
@@ -40,10 +51,10 @@ class CudaResidency:
             raise RuntimeError(
                 "no MoE layer was re-homed at load time" + (f" ({reasons})" if reasons else "")
             )
-        moved = [i for i, e in st.layers.items() if not points_into_range(e)]
+        moved = {i: misplaced_tensors(e) for i, e in st.layers.items() if misplaced_tensors(e)}
         if moved:
             raise RuntimeError(
-                f"layers {moved}: the expert parameters no longer point into the engine's ranges "
+                f"layers {moved}: these expert tensors no longer point into the engine's ranges "
                 "(something replaced them after re-homing); swaps would move bytes the kernel never reads"
             )
         self._init(st, VmmStore(st), engine.refusals)
@@ -147,6 +158,8 @@ class CudaResidency:
             "pool_slots_used": st.table.used,
             "pool_hbm_bytes": st.pool.nbytes,
             "unit_bytes": st.pool.unit_bytes,
+            "rehomed_tensors": {i: list(e.layout.names) + list(e.aliases) for i, e in st.layers.items()},
+            "kept_whole_hbm_bytes": st.kept_hbm_bytes,  # scales / biases, outside the pool
             "capacity_bytes": self.capacity_bytes(),
             "swaps": st.swaps,
             "bytes_copied_total": st.bytes_copied_total,
@@ -160,7 +173,10 @@ def _time_layer(m: torch.nn.Module, experts: list[int], iters: int) -> float | N
     k = int(getattr(m, "top_k", 8))
     if len(experts) < k:
         return None
-    x = torch.randn(1, m.w13_weight.shape[2], device=m.w13_weight.device, dtype=m.w13_weight.dtype)
+    w13 = m.w13_weight
+    dtype = vllm_moe.activation_dtype(m, w13.dtype if w13.dtype in (torch.bfloat16, torch.float16) else None)
+    hidden = int(getattr(m, "hidden_size", w13.shape[2]))
+    x = torch.randn(1, hidden, device=w13.device, dtype=dtype or torch.bfloat16)
     ids = torch.tensor([experts[:k]], device=x.device, dtype=torch.int32)
     w = torch.full((1, k), 1.0 / k, device=x.device, dtype=torch.float32)
     vllm_moe.run_routed_experts(m, x, w, ids)

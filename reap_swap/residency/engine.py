@@ -1,8 +1,13 @@
-"""The CUDA residency engine, load time: per-expert HBM residency for vLLM's unquantized Triton MoE.
+"""The CUDA residency engine, load time: per-expert HBM residency for vLLM's stride-taking MoE kernels.
 
-Design (measured alternatives in research.md): every supported MoE layer's `w13_weight` and
-`w2_weight` are re-homed into one CUDA virtual-address range per layer, one *unit* per expert
-(w13 rows then w2 rows, padded to the 2 MiB mapping granularity). Each unit is backed by a pinned
+Design (measured alternatives in research.md): which of a MoE layer's tensors move with their
+expert is decided by the binding rules (`binding.bind_module` over `reap_swap.quant_layout`), the
+same for bf16, FP8 (block, per-tensor, channel, online) and bf16 with expert biases (GPT-OSS):
+every REHOME tensor (the weights) is re-homed into one CUDA virtual-address range per layer, one
+*unit* per expert (expert e's slab of each re-homed tensor at an aligned offset, padded to the
+2 MiB mapping granularity: `unit_layout.plan_unit`); KEEP_WHOLE tensors (scales, biases, input
+scales) stay where vLLM put them in HBM and are counted as fixed HBM. Kernels that imply the
+expert stride (Marlin, moe_wna16_gemm) and monolithic ones are refused by name. Each unit is backed by a pinned
 host allocation (the master copy) or by an HBM slot from a pool reserved at load time. The
 parameters become strided views of that range, so vLLM's unchanged Triton kernel reads resident
 experts from HBM and the rest over PCIe in one launch, with bit-identical results, and a swap
@@ -31,9 +36,11 @@ import torch
 from reap_swap.compat import moe as vllm_moe
 
 from . import vmm
+from .binding import BoundLayer, LayerSizes, bind_module
 from .refusals import LayerRefusals
 from .slot_table import SlotTable
 from .swap import apply_swap
+from .unit_layout import UnitLayout, plan_unit
 from .vmm_store import VmmStore
 
 logger = logging.getLogger("reap_swap.residency")
@@ -47,10 +54,13 @@ class LayerEntry:
     name: str
     num_experts: int
     unit_bytes: int
-    expert_bytes: int
+    expert_bytes: int  # bytes a swap copies per expert (the unit's payload)
     rng: vmm.MixedRange
     range_bytes: torch.Tensor  # uint8 view over the whole range (copy source)
     module: torch.nn.Module | None = None  # the RoutedExperts whose weights live in `rng`
+    layout: UnitLayout | None = None  # where each re-homed tensor's slab sits in a unit
+    aliases: dict[str, str] = field(default_factory=dict)  # alias name -> re-homed name
+    kept_bytes: int = 0  # HBM of the tensors kept whole (scales, biases): fixed, every expert
 
 
 @dataclass
@@ -70,53 +80,60 @@ class EngineState:
     load_seconds: float = 0.0
     host_cache_release: str | None = None  # the torch call that returned vLLM's old pinned copies
 
+    @property
+    def kept_hbm_bytes(self) -> int:
+        """HBM held by kept-whole per-layer tensors of the re-homed layers (outside the pool)."""
+        return sum(e.kept_bytes for e in self.layers.values())
+
 
 def unsupported_layer(layer: torch.nn.Module) -> str | None:
-    """Why this layer's experts cannot be pooled, or None."""
+    """Why no binding can serve this layer (its MoE path, EP), or None: the rules decide the rest."""
     reason = vllm_moe.unsupported_moe_method(layer)
     if reason is not None:
         return reason
     if getattr(layer, "expert_map", None) is not None:
         return "expert parallelism (expert_map set) is not supported"
-    if getattr(layer, "w13_bias", None) is not None or getattr(layer, "w2_bias", None) is not None:
-        return "expert biases are not pooled"
-    w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
-    if w13 is None or w2 is None or w13.dim() != 3 or w2.dim() != 3:
-        return "w13_weight / w2_weight missing or not 3-D"
-    if w13.device.type != "cuda":
-        return f"weights on {w13.device}, not CUDA"
-    if w13.dtype not in (torch.bfloat16, torch.float16) or w2.dtype != w13.dtype:
-        return f"dtype {w13.dtype} not supported (bf16/fp16 only)"
-    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
-        return "last dimension not contiguous"
     return None
 
 
-def unit_bytes_for(w13: torch.Tensor, w2: torch.Tensor, granularity: int) -> tuple[int, int]:
-    """(expert bytes, mapping-unit bytes): one expert's w13 and w2 rows, padded to the granularity."""
-    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-    return expert_bytes, -(-expert_bytes // granularity) * granularity
+def layer_sizes(layer: torch.nn.Module) -> LayerSizes | None:
+    """vLLM's sizes of the layer; a stand-in layer without them (tests) falls back to the
+    unquantized weight shapes [E, 2N, K] / [E, K, N]."""
+    sizes = vllm_moe.moe_layer_sizes(layer)
+    if sizes is not None:
+        return LayerSizes(*sizes)
+    w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
+    if (
+        not isinstance(w13, torch.Tensor)
+        or not isinstance(w2, torch.Tensor)
+        or w13.dim() != 3
+        or w2.dim() != 3
+    ):
+        return None
+    return LayerSizes(int(w13.shape[0]), int(w13.shape[2]), int(w2.shape[2]))
 
 
 def rehome(
-    w13: torch.Tensor, w2: torch.Tensor, unit_bytes: int, device: int
-) -> tuple[vmm.MixedRange, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Copy [E, ...] expert weights into a new host-backed mixed range; return it and the views.
+    tensors: Mapping[str, torch.Tensor], layout: UnitLayout, device: int, num_units: int | None = None
+) -> tuple[vmm.MixedRange, torch.Tensor, dict[str, torch.Tensor]]:
+    """Copy [E, ...] expert tensors into a new host-backed mixed range; return it and the views.
 
-    Unit e holds w13[e] then w2[e]; the views keep the kernel's layout (last dim contiguous) with
-    an expert stride of one unit.
+    Unit e holds slab e of each tensor at `layout.offset_of(name)`; each view keeps its tensor's
+    shape and inner strides, with an expert stride of one unit. `num_units` >= E leaves room for
+    extra units after the experts' (a device cache's slots); the views cover the first E.
     """
-    num_experts, elem = w13.shape[0], w13.element_size()
-    rng = vmm.MixedRange.create_host_backed(num_experts, unit_bytes, device)
+    num_experts = next(iter(tensors.values())).shape[0]
+    rng = vmm.MixedRange.create_host_backed(num_units or num_experts, layout.unit_bytes, device)
     range_bytes = rng.as_bytes()
-    flat = range_bytes.view(w13.dtype)
-    unit_elems = unit_bytes // elem
-    new_w13 = flat.as_strided(tuple(w13.shape), (unit_elems, w13.shape[2], 1), 0)
-    new_w2 = flat.as_strided(tuple(w2.shape), (unit_elems, w2.shape[2], 1), w13[0].numel())
-    new_w13.copy_(w13)
-    new_w2.copy_(w2)
+    views = {}
+    for name, t in tensors.items():
+        elem = t.element_size()
+        flat = range_bytes.view(t.dtype)
+        strides = (layout.unit_bytes // elem, *t.stride()[1:])
+        views[name] = flat.as_strided(tuple(t.shape), strides, layout.offset_of(name) // elem)
+        views[name].copy_(t)
     torch.cuda.synchronize(device)
-    return rng, range_bytes, new_w13, new_w2
+    return rng, range_bytes, views
 
 
 def swap_state(st: EngineState, target: Mapping[int, Any]):
@@ -141,9 +158,17 @@ class CudaEngine:
         self.plan = plan
         self.refusals = refusals
         self.state: EngineState | None = None
+        self._quant_configs: dict[int, dict | None] = {}  # id(layer) -> config read at hook time
 
-    def hook_layer(self, layer: torch.nn.Module, index: int | None) -> None:
-        """Attach `layer` (plan layer `index`) right after vLLM processes its loaded weights."""
+    def hook_layer(self, layer: torch.nn.Module, index: int | None, quant_config: dict | None = None) -> None:
+        """Attach `layer` (plan layer `index`) right after vLLM processes its loaded weights.
+
+        `quant_config`: the model's quantization config as the binding rules read it; by default
+        read from vLLM's current config now, while the layer is built (maybe not current at load
+        time). GPU tests without vLLM's config pass it."""
+        if quant_config is None:
+            quant_config = vllm_moe.model_quant_config()
+        self._quant_configs[id(layer)] = quant_config
         vllm_moe.install_post_load_hook(layer, lambda module: self.attach_after_load(module, index))
 
     def _state_for(self, layer: torch.nn.Module) -> EngineState:
@@ -156,53 +181,88 @@ class CudaEngine:
             self.state.copy_stream = torch.cuda.Stream(device=device)
         return self.state
 
+    def _bind(self, layer: torch.nn.Module, granularity: int) -> BoundLayer | str:
+        """The binding rules over the layer's real tensors, or the reason it cannot be bound."""
+        sizes = layer_sizes(layer)
+        if sizes is None:
+            return "no layer sizes and no 3-D w13_weight / w2_weight to read them from"
+        quant_config = self._quant_configs.get(id(layer))
+        if quant_config is None:
+            quant_config = vllm_moe.model_quant_config()
+        if quant_config is None:
+            method = vllm_moe.moe_kernel_names(layer)[0]
+            if method != "UnquantizedFusedMoEMethod":
+                return f"{method}: the model's quantization config is unknown (no vLLM config current)"
+            quant_config = {}
+        bound = bind_module(
+            layer,
+            sizes,
+            quant_config,
+            vllm_moe.moe_kernel_names(layer),
+            granularity,
+            vllm_moe.is_uva_offloaded,
+        )
+        return bound.refusal or bound
+
     def _check_layer(
         self, layer: torch.nn.Module, index: int | None
-    ) -> tuple[EngineState | None, str | None]:
+    ) -> tuple[EngineState | None, BoundLayer | None, str | None]:
         reason = unsupported_layer(layer)
         if reason is None and index is None:
             reason = f"cannot read the layer index from {getattr(layer, 'layer_name', '?')!r}"
+        if reason is None and not isinstance(getattr(layer, "w13_weight", None), torch.Tensor):
+            reason = "no w13_weight tensor on the layer"
         if reason is not None:
-            return None, reason
+            return None, None, reason
         try:
             st = self._state_for(layer)
         except vmm.VmmUnavailable as exc:
-            return None, f"CUDA virtual memory unavailable: {exc}"
+            return None, None, f"CUDA virtual memory unavailable: {exc}"
         if st.plan is not None and index not in st.plan.layers:
-            return None, f"layer {index} is not in the plan"
-        expert_bytes, unit_bytes = unit_bytes_for(layer.w13_weight, layer.w2_weight, st.granularity)
-        if unit_bytes > expert_bytes * (1 + MAX_PADDING_OVERHEAD):
-            return None, (
-                f"expert of {expert_bytes} B pads to a {unit_bytes} B mapping unit "
-                f"(> {MAX_PADDING_OVERHEAD:.0%} overhead)"
+            return None, None, f"layer {index} is not in the plan"
+        bound = self._bind(layer, st.granularity)
+        if isinstance(bound, str):
+            return None, None, bound
+        lay = bound.layout
+        if lay.padding_overhead > MAX_PADDING_OVERHEAD:
+            return (
+                None,
+                None,
+                (
+                    f"expert of {lay.expert_bytes} B pads to a {lay.unit_bytes} B mapping unit "
+                    f"(> {MAX_PADDING_OVERHEAD:.0%} overhead)"
+                ),
             )
-        if st.pool is not None and st.pool.unit_bytes != unit_bytes:
-            return None, "expert unit size differs from the first layer's (mixed shapes not pooled)"
-        return st, None
+        if st.pool is not None and st.pool.unit_bytes != lay.unit_bytes:
+            return None, None, "expert unit size differs from the first layer's (mixed shapes not pooled)"
+        return st, bound, None
 
     def attach_after_load(self, layer: torch.nn.Module, index: int | None) -> None:
         """Re-home one loaded MoE layer into a mixed range, then make its core experts resident."""
-        st, reason = self._check_layer(layer, index)
+        if getattr(layer, "_reap_vmm", False) or getattr(layer, "layer_name", "?") in self.refusals.reasons:
+            return  # called again (0.26's online fp8: layerwise processing, then the loader's pass)
+        st, bound, reason = self._check_layer(layer, index)
         if reason is not None:
-            on_hbm = (
-                not vllm_moe.is_uva_offloaded(layer.w13_weight) if hasattr(layer, "w13_weight") else False
-            )
+            w13 = getattr(layer, "w13_weight", None)
+            on_hbm = isinstance(w13, torch.Tensor) and not vllm_moe.is_uva_offloaded(w13)
             self.refusals.refuse(getattr(layer, "layer_name", "?"), index, reason, on_hbm)
             return
         t0 = time.perf_counter()
-        w13, w2 = layer.w13_weight, layer.w2_weight
-        expert_bytes, unit_bytes = unit_bytes_for(w13, w2, st.granularity)
-        _ensure_pool(st, unit_bytes)
-        rng, range_bytes, new_w13, new_w2 = rehome(w13.data, w2.data, unit_bytes, st.device)
-        layer.w13_weight.data = new_w13
-        layer.w2_weight.data = new_w2
-        # inside vLLM's device_loading_context: without the flag it would re-offload our range
-        vllm_moe.mark_uva_offloaded(layer.w13_weight)
-        vllm_moe.mark_uva_offloaded(layer.w2_weight)
-        layer._reap_vmm = True
-        st.layers[index] = LayerEntry(
-            index, layer.layer_name, w13.shape[0], unit_bytes, expert_bytes, rng, range_bytes, layer
+        _ensure_pool(st, bound.layout.unit_bytes)
+        rng, range_bytes, views = rehome(
+            {n: t.data for n, t in bound.rehome.items()}, bound.layout, st.device
         )
+        for name in (*bound.rehome, *bound.aliases):
+            param = getattr(layer, name)
+            param.data = views[bound.aliases.get(name, name)]
+            # inside vLLM's device_loading_context: without the flag it would re-offload our range
+            vllm_moe.mark_uva_offloaded(param)
+        layer._reap_vmm = True
+        num_experts = next(iter(views.values())).shape[0]
+        st.layers[index] = LayerEntry(
+            index, layer.layer_name, num_experts, bound.layout.unit_bytes, bound.layout.payload_bytes,
+            rng, range_bytes, layer, bound.layout, dict(bound.aliases), bound.kept_bytes,
+        )  # fmt: skip
         if st.plan is not None:
             current = {l: set(v) for l, v in st.table.resident().items()}
             current[index] = set(st.plan.layers[index].core)
@@ -212,13 +272,12 @@ class CudaEngine:
         st.host_cache_release = vllm_moe.release_cached_pinned_memory()
         st.load_seconds += time.perf_counter() - t0
         logger.info(
-            "reap-swap: layer %d re-homed (%d experts, unit %.2f MiB, %d resident) in %.2fs",
-            index,
-            w13.shape[0],
-            unit_bytes / 2**20,
-            len(st.table.resident().get(index, ())),
-            time.perf_counter() - t0,
-        )
+            "reap-swap: layer %d re-homed (%d experts, %s, unit %.2f MiB, kept whole %s = %.2f MiB, "
+            "%d resident) in %.2fs",
+            index, num_experts, "+".join(bound.layout.names), bound.layout.unit_bytes / 2**20,
+            ",".join(bound.kept) or "-", bound.kept_bytes / 2**20,
+            len(st.table.resident().get(index, ())), time.perf_counter() - t0,
+        )  # fmt: skip
 
     def release(self) -> None:
         """Give the HBM pool and the ranges back (worker shutdown)."""
@@ -252,17 +311,29 @@ def standalone_state(
 
     Returns the state and, per layer, the (w13, w2) views that a kernel should read.
     """
+    named = {i: {"w13_weight": w13, "w2_weight": w2} for i, (w13, w2) in layers.items()}
+    st, views = standalone_tensors_state(named, num_slots, device)
+    return st, {i: (v["w13_weight"], v["w2_weight"]) for i, v in views.items()}
+
+
+def standalone_tensors_state(
+    layers: Mapping[int, Mapping[str, torch.Tensor]], num_slots: int, device: int = 0
+) -> tuple[EngineState, dict[int, dict[str, torch.Tensor]]]:
+    """As standalone_state for any set of re-homed [E, ...] tensors per layer (name -> tensor,
+    in unit order): the quantized layouts' GPU tests re-home FP8 weights this way."""
     st = EngineState(device=device, plan=None, budget_bytes=0, granularity=vmm.ensure_available(device))
     st.copy_stream = torch.cuda.Stream(device=device)
     views = {}
-    for index, (w13, w2) in layers.items():
-        expert_bytes, unit_bytes = unit_bytes_for(w13, w2, st.granularity)
+    for index, tensors in layers.items():
+        slabs = [(n, t[0].numel() * t.element_size()) for n, t in tensors.items()]
+        layout = plan_unit(slabs, st.granularity)
         if st.pool is None:
-            st.pool = vmm.DeviceSlotPool.create(num_slots, unit_bytes, device)
+            st.pool = vmm.DeviceSlotPool.create(num_slots, layout.unit_bytes, device)
             st.table = SlotTable(num_slots)
-        rng, range_bytes, v13, v2 = rehome(w13, w2, unit_bytes, device)
+        rng, range_bytes, views[index] = rehome(tensors, layout, device)
+        num_experts = next(iter(tensors.values())).shape[0]
         st.layers[index] = LayerEntry(
-            index, f"layer{index}", w13.shape[0], unit_bytes, expert_bytes, rng, range_bytes
-        )
-        views[index] = (v13, v2)
+            index, f"layer{index}", num_experts, layout.unit_bytes, layout.payload_bytes, rng, range_bytes,
+            layout=layout,
+        )  # fmt: skip
     return st, views
