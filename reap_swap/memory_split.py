@@ -177,9 +177,7 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f}"
 
 
-def split_line(
-    growth: Growth, *, weights_bytes: int, kv_bytes: int, resident: int, experts: int
-) -> str:
+def split_line(growth: Growth, *, weights_bytes: int, kv_bytes: int, resident: int, experts: int) -> str:
     """The one startup line with the split."""
     pool = growth.slots_after * growth.unit_bytes
     return (
@@ -234,3 +232,24 @@ def slots_beyond_pinned(num_slots: int, pinned: Mapping[int, Iterable[int]]) -> 
     """Pool slots not taken by the pinned set (core + active set): what a device cache may use
     (`--reap-cache-slots auto`, issue 17)."""
     return max(int(num_slots) - sum(len(set(v)) for v in pinned.values()), 0)
+
+
+def launch_check(budget: str | float, plan_budget_bytes: int, accounting_reason: str | None) -> str | None:
+    """At launch: None, or the sentence refusing the budget (a GiB cap below the plan's pool).
+    On accounting residency (the CPU build) budget auto/GiB is inactive: `inactive_note` says so."""
+    if isinstance(budget, float) and budget * GIB < plan_budget_bytes and accounting_reason is None:
+        return (
+            f"--reap-budget {budget} GiB is below the plan's budget of {gib(plan_budget_bytes)} GiB: "
+            "the plan's pool is reserved at load; lower the plan's budget instead"
+        )
+    return None
+
+
+def inactive_note(budget: str | float, accounting_reason: str | None) -> str | None:
+    """Why budget auto/GiB does nothing here (no device memory to split), or None when it applies."""
+    if budget == "plan" or accounting_reason is None:
+        return None
+    return (
+        f"--reap-budget {budget} is inactive: {accounting_reason} (accounting residency has no HBM "
+        "pool to size); the resident set stays the plan's budget and vLLM sizes its KV cache as usual"
+    )
