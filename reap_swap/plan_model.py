@@ -56,6 +56,30 @@ class Plan:
     def core_bytes(self) -> int:
         return sum(len(layer.core) for layer in self.layers.values()) * self.per_expert_bytes
 
+    def fill_order(self) -> tuple[list[tuple[int, int]], str]:
+        """(experts beyond the core, best first; where the order came from): the plan's `fillOrder`
+        (entries outside the plan's layers, ids or core dropped), followed by the fallback order for
+        whatever it does not rank, so every expert has a place."""
+        from reap_swap.memory_split import fallback_fill_order
+
+        fallback = fallback_fill_order(
+            self.core_sets(),
+            {i: [e for s in layer.slices for e in s.experts] for i, layer in self.layers.items()},
+            {i: layer.num_experts for i, layer in self.layers.items()},
+        )
+        raw = self.document.get("fillOrder")
+        if not raw:
+            return fallback, "fallback: round-robin over layers, slice experts first, then by id"
+        seen: set[tuple[int, int]] = set()
+        ranked = []
+        for layer, e in ((int(a), int(b)) for a, b in raw):
+            lp = self.layers.get(layer)
+            if lp is None or not 0 <= e < lp.num_experts or e in lp.core or (layer, e) in seen:
+                continue
+            seen.add((layer, e))
+            ranked.append((layer, e))
+        return ranked + [x for x in fallback if x not in seen], "plan fillOrder"
+
 
 def canonical_json(obj: Any) -> bytes:
     """Sorted keys, no whitespace: the bytes whose SHA-256 is a plan's identity."""

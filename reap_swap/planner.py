@@ -49,6 +49,7 @@ from reap_swap.planner_allocation import (
     Slots,
     allocate_core,
     allocate_specialists,
+    fill_order,
     force_reap_guarded,
     force_super_experts,
     layer_work,
@@ -116,6 +117,7 @@ def build_plan(
         "sourceSummaries": _source_summaries(inputs),
         "budget": _budget_section(slots, shape.expert_bytes, config),
         "perLayer": per_layer,
+        "fillOrder": fill_order(work),
         "scorerArtifacts": artifacts,
         "summary": _summary(per_layer, work),
     }

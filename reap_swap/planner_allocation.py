@@ -180,6 +180,18 @@ def allocate_core(work: dict[int, LayerWork], slots: int, uniform: bool) -> None
         work[layer].core.add(e)
 
 
+def fill_order(work: dict[int, LayerWork]) -> list[list[int]]:
+    """Every non-core expert as [layer, expert], best first, by the key the greedy core fill uses:
+    a pool of any size holds the core plus this order's prefix, the greedy core of a larger budget."""
+    items = sorted(
+        (-w.values[e], -w.secondary[e], rank, w.index, e)
+        for w in work.values()
+        for rank, e in enumerate(w.order)
+        if e not in w.core
+    )
+    return [[int(layer), int(e)] for *_, layer, e in items]
+
+
 def allocate_specialists(work: dict[int, LayerWork], slots: int, slice_size: int) -> None:
     """Per-layer specialist capacity, in whole slices, by the mass the next slice would add."""
     heap: list[tuple[float, int, int, int]] = []

@@ -35,6 +35,7 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, TypeAdapter, ValidationError
 
 from reap_swap.active_set import ActiveSetError, BudgetExceeded, RefreshLimitExceeded, SwapRequest
+from reap_swap.budget_startup import BudgetRefused, fill_budget
 from reap_swap.compat.serve import engine_client_rpc, engine_client_vllm_config
 from reap_swap.controller import Metrics, SwapController, UnknownCartridge, WorkerSwapFailed
 from reap_swap.logs import get_logger
@@ -333,6 +334,12 @@ class ReapEndpointPlugin:
             max_loaded_cartridges=settings.max_loaded_cartridges,
             metrics=PrometheusMetrics(),
         )
+        try:  # --reap-budget auto | GiB: grow and fill the pool before serving (budget_startup.py)
+            state.reap_budget = await fill_budget(engine_client_rpc(engine_client))
+        except BudgetRefused as exc:
+            log.error("reap-swap: startup refused: %s", exc)
+            raise
+        controller.budget_report = state.reap_budget
         started = await controller.start()
         state.reap = controller
         log.info(

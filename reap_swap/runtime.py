@@ -75,6 +75,10 @@ class WorkerRuntime:
             )
             return None
         self.engine = CudaEngine(self.plan, self.refusals)
+        if self.settings.budget != "plan":  # --reap-budget auto | GiB (residency/budget.py)
+            from reap_swap.residency.budget import BudgetHook
+
+            self.engine.on_state = BudgetHook(self.settings).on_state
         return self.engine
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from reap_swap.compat import serve as vllm_serve
 from reap_swap.host_memory import HostMemoryNeed, mem_available_bytes
 from reap_swap.logs import get_logger
+from reap_swap.memory_split import inactive_note, launch_check
 from reap_swap.plugins import WORKER_EXTENSION_CLS, vllm_plugins_allowlist
 from reap_swap.settings import (
     ADDITIONAL_CONFIG_KEY,
@@ -213,7 +214,20 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     )
     install(args, settings, plan)
     gpu_engine_args(settings, args, shape)
+    check_budget(settings, plan)
     return args, cmd
+
+
+def check_budget(settings: Settings, plan) -> None:
+    """--reap-budget at launch: refuse a GiB cap below the plan's pool; say when it is inactive."""
+    why_accounting = settings.accounting_reason(vllm_serve.platform_name())
+    budget = settings.budget_request()
+    refusal = launch_check(budget, plan.swappable_budget_bytes, why_accounting)
+    if refusal:
+        raise LaunchError(refusal)
+    note = inactive_note(budget, why_accounting)
+    if note:
+        log.warning("reap-swap: %s", note)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,8 @@ error listing the known names: a typo must not start a server that silently igno
 | REAP_MAX_LOADED_CARTRIDGES  | --reap-max-loaded-cartridges N| LRU bound of loaded cartridges (resolved to resident sets; default 8) |
 | REAP_COACTIVATION           | --reap-coactivation           | also count the expert co-activation matrix (E*E int64 per layer) for `reap-swap observe` |
 | REAP_RESIDENCY              | --reap-residency MODE         | auto (CUDA engine on CUDA, accounting elsewhere), accounting, cuda |
+| REAP_BUDGET                 | --reap-budget auto|plan|GIB   | HBM expert pool: plan (default: the plan's budget), auto (what memory leaves after weights, activations and the KV target, up to all experts), or a GiB cap on that; CUDA only (accounting residency keeps the plan's budget and says so) |
+| REAP_KV_TOKENS              | --reap-kv-tokens N            | KV target in tokens for budget auto/GiB (default --max-model-len x --max-num-seqs as vLLM resolves them) |
 
 Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
 "reap_swap" (vllm_config.additional_config), which every worker and API process receives; the
@@ -29,7 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from reap_swap.memory_split import parse_budget
 
 ADDITIONAL_CONFIG_KEY = "reap_swap"
 CPU_REASON = (
@@ -52,6 +56,17 @@ class Settings(BaseModel):
     max_loaded_cartridges: int = Field(default=8, ge=1)
     coactivation: bool = False
     residency: Literal["auto", "accounting", "cuda"] = "auto"
+    budget: str = "plan"
+    kv_tokens: int | None = Field(default=None, ge=1)
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> str:
+        return str(parse_budget(value))
+
+    def budget_request(self) -> str | float:
+        """'plan' | 'auto' | GiB (float): memory_split.parse_budget of the setting."""
+        return parse_budget(self.budget)
 
     def log_line(self) -> str:
         return "reap-swap settings: " + ", ".join(f"{k}={v}" for k, v in self.model_dump().items())
@@ -117,6 +132,16 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         "REAP_RESIDENCY",
         "--reap-residency",
         {"choices": ["auto", "accounting", "cuda"], "help": "residency backend"},
+    ),
+    "budget": (
+        "REAP_BUDGET",
+        "--reap-budget",
+        {"metavar": "auto|plan|GIB", "help": "HBM expert pool size (default: the plan's budget)"},
+    ),
+    "kv_tokens": (
+        "REAP_KV_TOKENS",
+        "--reap-kv-tokens",
+        {"type": int, "metavar": "N", "help": "KV target (tokens) kept for --reap-budget auto/GiB"},
     ),
 }
 ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())

@@ -86,6 +86,7 @@ def status_report(ctl: Any, statuses: list[wire.StatusReply]) -> dict:
         "resident_experts": sum(len(v) for v in ctl.resident.values()),
         "resident_bytes": resident_bytes(ctl.plan, ctl.resident),
         "budget_bytes": ctl.plan.swappable_budget_bytes,
+        "memory_split": getattr(ctl, "budget_report", None),  # --reap-budget (budget_startup.py)
         "swap_count": ctl.swap_count,
         "noop_count": ctl.noop_count,
         "failed_count": ctl.failed_count,
@@ -99,7 +100,12 @@ def status_report(ctl: Any, statuses: list[wire.StatusReply]) -> dict:
             "max_loaded": ctl.cartridges.max_entries,
         },
         "workers": [
-            {**{k: getattr(s, k) for k in _STATUS_WORKER_KEYS}, "mode": s.residency_mode} for s in statuses
+            {
+                **{k: getattr(s, k) for k in _STATUS_WORKER_KEYS},
+                "mode": s.residency_mode,
+                "budget": s.backend.get("budget"),
+            }
+            for s in statuses
         ],
         "workers_consistent": all(s.layers == mine for s in statuses),
     }

@@ -27,6 +27,7 @@ READ_STATS = "reap_read_stats"
 RESET_STATS = "reap_reset_stats"
 ARM_SWAP_FAULT = "reap_arm_swap_fault"
 SELFCHECK = "reap_selfcheck"
+FILL_BUDGET = "reap_fill_budget"  # --reap-budget auto | GiB: probe, then grow (worker.py)
 
 
 def encode_resident_sets(sets: Mapping[int, Any]) -> WireResidentSets:

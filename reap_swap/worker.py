@@ -106,6 +106,37 @@ class ReapWorkerExtension(MoeProbeExtension, WorkerRpc):
             log.debug("reap-swap: runtime teardown through %s", hook)
         return core
 
+    def reap_fill_budget(self, extra_slots: int | None = None) -> dict:
+        """--reap-budget auto | GiB (residency/budget.py): without `extra_slots`, measure and answer
+        how many slots this rank could add; with it, grow the pool by that many and fill them."""
+        runtime = worker_runtime.for_config(self.vllm_config.additional_config)
+        self._reap_core()  # the backend exists (and checked the engine) before the pool grows
+        st = runtime.engine.state if runtime.engine is not None else None
+        if runtime.settings.budget == "plan" or st is None or st.pool is None:
+            why = "--reap-budget plan" if runtime.settings.budget == "plan" else _no_device_budget(runtime)
+            return {"rank": self._reap_core().rank, "active": False, "reason": why}
+        from reap_swap.memory_split import BudgetError
+        from reap_swap.residency import budget
+
+        try:
+            if extra_slots is None:
+                st.budget_growth = budget.probe(self, st)
+                return {"rank": self._reap_core().rank, "active": True, **st.budget_growth.__dict__}
+            return {
+                "rank": self._reap_core().rank,
+                "active": True,
+                **budget.grow_and_fill(st, st.budget_growth, int(extra_slots)),
+            }
+        except BudgetError as exc:
+            return {"rank": self._reap_core().rank, "active": True, "error": str(exc)}
+
     def destroy_worker_extension(self) -> None:
         """vLLM 0.33+ calls this on shutdown (compat.moe.add_worker_teardown): free the HBM pool."""
         worker_runtime.for_config(self.vllm_config.additional_config).close()
+
+
+def _no_device_budget(runtime: WorkerRuntime) -> str:
+    why = runtime.settings.accounting_reason(compat.platform_name()) or runtime.engine_error
+    return f"--reap-budget {runtime.settings.budget}: no HBM pool here ({why or 'no layer re-homed'}); " + (
+        "the resident set is the plan's budget"
+    )

@@ -213,6 +213,11 @@ class WorkerRpc:
         """wire.ReadStats -> wire.StatsReply"""
         return self._reap_core().read_stats({"reset": reset})
 
+    def reap_fill_budget(self, extra_slots: int | None = None) -> dict:
+        """--reap-budget auto | GiB: workers without an HBM pool (tests' fakes) answer inactive;
+        the vLLM worker (worker.ReapWorkerExtension) overrides this."""
+        return {"rank": self._reap_core().rank, "active": False, "reason": "no HBM pool in this worker"}
+
     def reap_reset_stats(self) -> dict:
         """-> wire.ResetReply"""
         return self._reap_core().reset_stats()

@@ -165,6 +165,7 @@ class CudaResidency:
             "bytes_copied_total": st.bytes_copied_total,
             "load_seconds": st.load_seconds,
             "host_cache_release": st.host_cache_release,
+            "budget": getattr(st, "budget_report", None),  # --reap-budget auto | GiB split
         }
 
 

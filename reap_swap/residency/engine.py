@@ -179,6 +179,8 @@ class CudaEngine:
             budget = int(plan.swappable_budget_bytes) if plan is not None else 0
             self.state = EngineState(device=device, plan=plan, budget_bytes=budget, granularity=granularity)
             self.state.copy_stream = torch.cuda.Stream(device=device)
+            if getattr(self, "on_state", None) is not None:  # --reap-budget auto | GiB
+                self.on_state(self.state)
         return self.state
 
     def _bind(self, layer: torch.nn.Module, granularity: int) -> BoundLayer | str:

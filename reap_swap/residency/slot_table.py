@@ -72,6 +72,14 @@ class SlotTable:
     def used(self) -> int:
         return len(self._where)
 
+    def grow(self, extra: int) -> None:
+        """`extra` more slots (the pool grew: --reap-budget auto | GiB); new slots are free."""
+        if extra < 0:
+            raise ValueError("a pool only grows")
+        new = range(self.num_slots, self.num_slots + extra)
+        self.num_slots += extra
+        self._free = sorted([*self._free, *new], reverse=True)
+
     # -- planning ------------------------------------------------------------------------------
     def plan(self, target: Mapping[int, Iterable[int]]) -> SwapPlan:
         """Plan the move to `target` (layers absent from `target` keep nothing resident)."""

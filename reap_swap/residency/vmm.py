@@ -237,10 +237,51 @@ class DeviceSlotPool(_UnitRange):
     a MixedRange, so HBM use never exceeds the pool.
     """
 
+    extra: list[_UnitRange] = field(default_factory=list)  # segments added by grow()
+
     @classmethod
     def create(cls, num_slots: int, unit_bytes: int, device: int) -> DeviceSlotPool:
         return cls._create("device", num_slots, unit_bytes, device)
 
     @property
     def num_slots(self) -> int:
-        return self.num_units
+        return self.num_units + sum(seg.num_units for seg in self.extra)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.unit_bytes
+
+    def slot_handle(self, slot: int) -> Any:
+        """The HBM allocation of `slot` (what a MixedRange unit is mapped to)."""
+        seg, local = self._segment(slot)
+        return seg.handles[local]
+
+    def unit_address(self, unit: int) -> int:
+        """The staging address of slot `unit` (copies land there; it stays mapped)."""
+        seg, local = self._segment(unit)
+        return seg.base + local * seg.unit_bytes
+
+    def _segment(self, slot: int) -> tuple[_UnitRange, int]:
+        if slot < self.num_units:
+            return self, slot
+        slot -= self.num_units
+        for seg in self.extra:
+            if slot < seg.num_units:
+                return seg, slot
+            slot -= seg.num_units
+        raise IndexError("slot beyond the pool")
+
+    def grow(self, extra_slots: int) -> int:
+        """Add `extra_slots` HBM slots in a new reservation of their own (no existing address
+        moves: expert ranges, earlier slots and captured CUDA graphs stay valid). Returns the new
+        slot count; all or nothing (a failed allocation frees what this call made)."""
+        if extra_slots <= 0:
+            return self.num_slots
+        self.extra.append(_UnitRange._create("device", extra_slots, self.unit_bytes, self.device))
+        return self.num_slots
+
+    def release(self) -> None:
+        for seg in self.extra:
+            seg.release()
+        self.extra.clear()
+        _UnitRange.release(self)

@@ -35,7 +35,7 @@ class VmmStore:
         token.synchronize()
 
     def map_slot(self, layer: int, expert: int, slot: int) -> None:
-        self.st.layers[layer].rng.map_device(expert, self.st.pool.handles[slot], defer_access=True)
+        self.st.layers[layer].rng.map_device(expert, self.st.pool.slot_handle(slot), defer_access=True)
 
     def publish(self) -> None:
         for entry in self.st.layers.values():

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""H200 lane for `--reap-budget auto | GiB` (issue 15 item 5): one model, four servers.
+
+  python3 scripts/gpu_budget_auto.py --model /tmp/skew --plan OUT/skew.plan.json --out DIR
+
+Arms (each one server, enforce-eager off, prefix caching off, one request at a time):
+  auto@0.5, auto@0.85   --reap-budget auto at two --gpu-memory-utilization values
+  cap                   --reap-budget <--cap-gib> at 0.85
+  refused               --reap-kv-tokens far beyond memory: the server must exit before serving
+For each serving arm: the "reap-swap memory split" log line, GET /reap/status (memory_split and
+the workers' budget), greedy text of 4 prompts compared with auto@0.85's, one /swap_active_set of
+the plan's first cartridge-free slice per layer (bytes must move). Writes DIR/budget_auto.json.
+Bounded: each server start <= 300 s; about 4 GPU minutes for the mini/skewed model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from reap_swap.serving import Server, ServerError, free_port, greedy_completions  # noqa: E402
+
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time", "SELECT * FROM"]
+SPLIT = re.compile(r"reap-swap memory split: .*")
+
+
+def serve_args(model: str, plan: str, util: float, budget: str, extra: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "reap_swap.server", model, "--served-model-name", "m",
+        "--reap-plan", plan, "--reap-budget", budget, "--gpu-memory-utilization", str(util),
+        "--max-model-len", "2048", "--max-num-seqs", "8", "--no-enable-prefix-caching", *extra,
+    ]  # fmt: skip
+
+
+def one_slice_per_layer(plan_doc: dict) -> dict:
+    return {
+        k: [l["sliceCatalog"][0]["sliceId"]] for k, l in plan_doc["perLayer"].items() if l.get("sliceCatalog")
+    }
+
+
+def run_arm(name: str, argv: list[str], out: Path, plan_doc: dict) -> dict:
+    rec: dict = {"arm": name, "argv": argv}
+    srv = Server(name, argv, out, port=free_port(), startup_timeout_s=300)
+    try:
+        with srv:
+            rec["startup_s"] = srv.startup_s
+            rec["status"] = httpx.get(srv.url + "/reap/status", timeout=30).json()
+            rec["greedy"] = greedy_completions(srv.url, PROMPTS, max_tokens=32)
+            body = {"active_set": one_slice_per_layer(plan_doc)}
+            r = httpx.post(srv.url + "/swap_active_set", json=body, timeout=120)
+            rec["swap"] = {"code": r.status_code, "body": r.json()}
+            rec["greedy_after_swap"] = greedy_completions(srv.url, PROMPTS, max_tokens=32)
+    except ServerError as exc:
+        rec["server_error"] = str(exc)[-4000:]
+    log = srv.log_path.read_text(errors="replace") if srv.log_path.exists() else ""
+    rec["split_line"] = (SPLIT.findall(log) or [None])[-1]
+    rec["refusal_lines"] = [l for l in log.splitlines() if "startup refused" in l or "BudgetError" in l][-5:]
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cap-gib", default="4")
+    ap.add_argument("--arms", default="auto@0.5,auto@0.85,cap,refused")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan_doc = json.loads(Path(a.plan).read_text())
+    arms = {
+        "auto@0.5": serve_args(a.model, a.plan, 0.5, "auto", []),
+        "auto@0.85": serve_args(a.model, a.plan, 0.85, "auto", []),
+        "cap": serve_args(a.model, a.plan, 0.85, a.cap_gib, []),
+        "refused": serve_args(a.model, a.plan, 0.5, "auto", ["--reap-kv-tokens", str(2**31 - 1)]),
+    }
+    results = {}
+    for name in a.arms.split(","):
+        results[name] = run_arm(name, arms[name], out, plan_doc)
+        (out / "budget_auto.json").write_text(json.dumps(results, indent=2, default=str))
+        print(
+            name, results[name].get("split_line") or results[name].get("server_error", "")[:300], flush=True
+        )
+    ref = results.get("auto@0.85", {}).get("greedy")
+    summary = {
+        n: {
+            "served": "greedy" in r,
+            "text_same_as_auto@0.85": ref is not None and [g["text"] for g in r.get("greedy", [])] == [g["text"] for g in ref],
+            "text_same_after_swap": [g["text"] for g in r.get("greedy", [])] == [g["text"] for g in r.get("greedy_after_swap", [])],
+            "swap_bytes": (r.get("swap") or {}).get("body", {}).get("bytes_copied"),
+            "split_line": r.get("split_line"),
+        }
+        for n, r in results.items()
+    }  # fmt: skip
+    summary["refused_ok"] = "refused" not in results or "greedy" not in results["refused"]
+    (out / "budget_auto.summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return (
+        0
+        if summary["refused_ok"]
+        and all(v["served"] for k, v in summary.items() if k not in ("refused", "refused_ok"))
+        else 1
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
