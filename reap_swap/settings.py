@@ -13,6 +13,9 @@ error listing the known names: a typo must not start a server that silently igno
 | REAP_MAX_LOADED_CARTRIDGES  | --reap-max-loaded-cartridges N| LRU bound of loaded cartridges (resolved to resident sets; default 8) |
 | REAP_COACTIVATION           | --reap-coactivation           | also count the expert co-activation matrix (E*E int64 per layer) for `reap-swap observe` |
 | REAP_RESIDENCY              | --reap-residency MODE         | auto (CUDA engine on CUDA, accounting elsewhere), accounting, cuda |
+| REAP_CACHE                  | --reap-cache lfu,lru,off      | the per-layer expert cache beside the pinned set (default lfu: the plan-core-seeded LFU, decay 0.8, that `reap-swap simulate` found best online; research.md, issue 17); in accounting residency the policy runs as state only |
+| REAP_CACHE_SLOTS            | --reap-cache-slots N,auto      | cache slots beyond the pinned set, over all layers (auto: what the pool budget leaves after the plan core; reap_swap.cache_accounting.tail_slots) |
+| REAP_CACHE_RECORD_STEPS     | --reap-cache-record-steps N   | keep the last N steps' routing the cache saw (0 = off), read back by GET /reap/cache/trace |
 
 Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
 "reap_swap" (vllm_config.additional_config), which every worker and API process receives; the
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 ADDITIONAL_CONFIG_KEY = "reap_swap"
 CPU_REASON = (
@@ -52,6 +55,19 @@ class Settings(BaseModel):
     max_loaded_cartridges: int = Field(default=8, ge=1)
     coactivation: bool = False
     residency: Literal["auto", "accounting", "cuda"] = "auto"
+    cache: Literal["lfu", "lru", "off"] = "lfu"
+    cache_slots: Literal["auto"] | int = "auto"
+    cache_record_steps: int = Field(default=0, ge=0)
+
+    @field_validator("cache_slots", mode="before")
+    @classmethod
+    def _cache_slots(cls, v: Any) -> Any:
+        text = str(v).strip().lower()
+        if text == "auto":
+            return "auto"
+        if isinstance(v, bool) or not text.isdigit():
+            raise ValueError("expected auto or an integer >= 0 (cache slots beyond the pinned set)")
+        return int(text)
 
     def log_line(self) -> str:
         return "reap-swap settings: " + ", ".join(f"{k}={v}" for k, v in self.model_dump().items())
@@ -117,6 +133,21 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         "REAP_RESIDENCY",
         "--reap-residency",
         {"choices": ["auto", "accounting", "cuda"], "help": "residency backend"},
+    ),
+    "cache": (
+        "REAP_CACHE",
+        "--reap-cache",
+        {"choices": ["lfu", "lru", "off"], "help": "per-layer expert cache policy (default lfu)"},
+    ),
+    "cache_slots": (
+        "REAP_CACHE_SLOTS",
+        "--reap-cache-slots",
+        {"metavar": "N|auto", "help": "cache slots beyond the pinned set over all layers (auto)"},
+    ),
+    "cache_record_steps": (
+        "REAP_CACHE_RECORD_STEPS",
+        "--reap-cache-record-steps",
+        {"type": int, "metavar": "N", "help": "keep the last N steps' routing for /reap/cache/trace"},
     ),
 }
 ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())
@@ -224,6 +255,8 @@ def _parse_env(name: str, env: str, raw: str) -> Any:
     """Environment strings -> the field's type (pydantic's lax parsing: 1/0, true/false, yes/no)."""
     if Settings.model_fields[name].annotation is bool and raw.strip() == "":
         return False
+    if name == "cache_slots":  # "auto" or N: its field validator parses and names the error
+        return raw.strip()
     try:
         return TypeAdapter(Settings.model_fields[name].annotation).validate_python(raw.strip())
     except ValidationError as exc:
