@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from reap_swap import wire
+from reap_swap import cache_surface, wire
 from reap_swap.active_set import resident_bytes
 
 _BRIEF_KEYS = {
@@ -102,4 +102,5 @@ def status_report(ctl: Any, statuses: list[wire.StatusReply]) -> dict:
             {**{k: getattr(s, k) for k in _STATUS_WORKER_KEYS}, "mode": s.residency_mode} for s in statuses
         ],
         "workers_consistent": all(s.layers == mine for s in statuses),
+        "cache": cache_surface.report(statuses),
     }
