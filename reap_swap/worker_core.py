@@ -140,9 +140,12 @@ class WorkerCore:
             resident = check_resident_sets(self.plan, wire.decode_resident_sets(req.resident))
             take = req.read_stats and not req.dry_run
             stats = self.read_counters(reset=False) if take else {}
+            before = self.backend.resident()
             result = self.backend.apply(resident, dry_run=req.dry_run)
-            if self.cache is not None and not req.dry_run:
-                self.cache.pin(resident)  # the swap's set is pinned; the cache's tail yields to it
+            if self.cache is not None and not req.dry_run and resident != before:
+                # a swap that changes the set pins it; the cache's tail yields (a no-op swap,
+                # e.g. a plain client's bookkeeping swap to the core, leaves the cache alone)
+                self.cache.pin(resident)
             if take:
                 self.zero_counters()
         except Exception as exc:  # noqa: BLE001 - reported to the controller, which rolls back
