@@ -170,3 +170,26 @@ def test_cache_settings():
             reap_settings.resolve({"plan_file": "p", **bad}, {})
     with pytest.raises(reap_settings.SettingsError, match="REAP_CACHE_SLOTS"):
         reap_settings.resolve({"plan_file": "p"}, {"REAP_CACHE_SLOTS": "x"})
+
+
+def test_surface_report_and_prometheus_deltas(plan):
+    from reap_swap import cache_surface
+
+    acc = CacheAccounting.build(plan, "lfu", 4, {l: 16 for l in plan.layers}, {}, top_k=2)
+    row = np.zeros(16, dtype=np.int64)
+    row[[0, 9]] = 1
+    acc.step({l: row for l in plan.layers}, True)
+
+    class S:  # what report() reads of a wire.StatusReply
+        def __init__(self, st):
+            self.cache = wire.CacheStatus.model_validate(st)
+
+    same = cache_surface.report([S(acc.status()), S(acc.status())])
+    assert same["engaged"] and same["ranks_agree"]
+    other = CacheAccounting.build(plan, "lfu", 4, {l: 16 for l in plan.layers}, {}, top_k=2)
+    assert cache_surface.report([S(acc.status()), S(other.status())])["ranks_agree"] is False
+    m = cache_surface.CacheMetrics()
+    before = cache_surface.COUNTERS["misses"]._value.get()
+    m.update(same)
+    m.update(same)  # the same totals twice: counted once
+    assert cache_surface.COUNTERS["misses"]._value.get() - before == same["totals"]["misses"] > 0
