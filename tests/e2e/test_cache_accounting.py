@@ -40,6 +40,8 @@ ARGS = [
     "--reap-cache-record-steps",
     "1024",
     "--no-enable-prefix-caching",
+    "--reap-residency",
+    "accounting",  # the CPU build is accounting anyway; on CUDA it runs the policy as state only
 ]
 
 
