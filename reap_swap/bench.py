@@ -7,6 +7,9 @@ Arms (each its own server, started, measured and stopped in turn; never two at o
                --cpu-offload-params w13_weight w2_weight (whole parameters, layer by layer)
   plan-static  python -m reap_swap.server with the plan: core resident, no swaps
   plan-swap    the same with the client's per-request selection (--strategy), swapped in per request
+  plan-cache   the plan with the expert cache (--reap-cache lfu), plain client: no set changes
+  plan-swap+cache  per-request swaps and the cache (the swapped set pinned, the tail adapting)
+  (plan-static and plan-swap run with --reap-cache off, so they keep their meaning)
 Several --budget-gib values run stock-uva and plan-swap once per budget (plan-swap with a copy of
 the plan whose budget is that value, so the CUDA engine's HBM pool has that size too).
 
@@ -290,6 +293,12 @@ def _hit_rate(s: _Session, spec: RunSpec, run: Mapping, log_info: Mapping) -> di
     if spec.arm in REAP_ARMS:
         hit = pooled_hit_rate(run["requests"]) or {}
         mode = (run.get("reap_status") or {}).get("mode")
+        cache = (run.get("reap_status") or {}).get("cache") or {}
+        if cache.get("engaged"):
+            t = cache.get("totals") or {}
+            seen = t.get("hits", 0) + t.get("misses", 0)
+            hit["cache_hit_rate"] = t.get("hits", 0) / seen if seen else None
+            hit["cache_totals"] = t  # the whole arm, warm-up included (the cache never resets)
         return {**hit, "source": f"server counters (GET /router_misses per request; residency {mode})"}
     return _derived_hit_rate(spec, s.shape, s.shape.total_expert_bytes, log_info)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 from pydantic import BaseModel, Field
 
-from reap_swap.bench_config import BUDGET_ARMS, NO_CUDA, BenchConfig, BenchError, has_flag
+from reap_swap.bench_config import BUDGET_ARMS, CACHE_ARMS, NO_CUDA, BenchConfig, BenchError, has_flag
 from reap_swap.bench_report import GIB, uva_offloaded_bytes
 
 
@@ -135,6 +135,6 @@ def _reap_arm(spec: RunSpec, reap: list[str], cfg: BenchConfig, plan, shape) -> 
         spec.plan_path = derived_plan(cfg.plan, budget, cfg.out / "plans", shape)
     else:
         spec.plan_path = cfg.plan.resolve()
-    spec.argv = reap + ["--reap-plan", str(spec.plan_path)]
+    spec.argv = reap + ["--reap-plan", str(spec.plan_path), "--reap-cache", CACHE_ARMS[spec.arm]]
     if spec.arm == "plan-static":
         spec.budget_bytes = None

@@ -8,9 +8,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-ARMS = ("resident", "stock-uva", "plan-static", "plan-swap")
-REAP_ARMS = ("plan-static", "plan-swap")
-BUDGET_ARMS = ("stock-uva", "plan-swap")
+ARMS = ("resident", "stock-uva", "plan-static", "plan-swap", "plan-cache", "plan-swap+cache")
+DEFAULT_ARMS = ARMS[:4]  # the cache arms are asked for by name (--arms ...,plan-cache,plan-swap+cache)
+REAP_ARMS = ("plan-static", "plan-swap", "plan-cache", "plan-swap+cache")
+BUDGET_ARMS = ("stock-uva", "plan-swap", "plan-cache", "plan-swap+cache")
+# --reap-cache per reap arm: the cache arms use the default policy (lfu), the others keep their
+# meaning from before the cache existed (the core only / per-request slices only)
+CACHE_ARMS = {"plan-static": "off", "plan-swap": "off", "plan-cache": "lfu", "plan-swap+cache": "lfu"}
 NO_CUDA = (
     "no CUDA device (vLLM {platform} build): {what} needs a GPU; the accounting arms still report "
     "router hit rates and greedy outputs"
@@ -25,7 +29,7 @@ class BenchConfig(BaseModel):
     plan: Path
     prompts: Path
     out: Path
-    arms: list[str] = Field(default_factory=lambda: list(ARMS))
+    arms: list[str] = Field(default_factory=lambda: list(DEFAULT_ARMS))
     budget_gib: list[float] | None = None
     batch: int = Field(default=4, ge=1)
     repeats: int = Field(default=3, ge=1)

@@ -46,8 +46,9 @@ def _swap_record(rid: str, kind: str, summary: Mapping, client_ms: float | None 
 
 
 def arm_strategy(cfg: BenchConfig, arm: str) -> str:
-    """plan-static is the core only (the 'static' selection: no swaps); plan-swap uses --strategy."""
-    return "static" if arm == "plan-static" else cfg.strategy
+    """plan-static and plan-cache are plain clients (the 'static' selection: the core, no set
+    changes; plan-cache's cache adapts on its own); plan-swap(+cache) use --strategy."""
+    return "static" if arm in ("plan-static", "plan-cache") else cfg.strategy
 
 
 class ArmRunner:
@@ -104,7 +105,7 @@ class ArmRunner:
                 r.raise_for_status()
                 outputs.append(serving.chat_greedy_record(r.json()))
             else:
-                refresh = self.cfg.refresh_every if self.spec.arm == "plan-swap" else None
+                refresh = self.cfg.refresh_every if self.spec.arm.startswith("plan-swap") else None
                 res = self.client.chat(
                     p["messages"],
                     strategy=self.strategy,

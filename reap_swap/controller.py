@@ -70,6 +70,7 @@ class Metrics:
 
     def swap(self, kind: str, outcome: str, seconds: float, bytes_copied: int) -> None: ...
     def selections(self, routed: int, missed: int) -> None: ...
+    def cache(self, cache: Mapping[str, object]) -> None: ...
 
 
 def _failures(results: list[wire.ApplyReply]) -> tuple[str, list[int]]:
@@ -371,7 +372,13 @@ class SwapController:
 
     async def status(self) -> dict:
         async with self.lock:
-            return status_report(self, await self._statuses())
+            out = status_report(self, await self._statuses())
+        self.metrics.cache(out["cache"])
+        return out
+
+    async def cache_trace(self, reset: bool) -> list[wire.CacheTraceReply]:
+        async with self.lock:
+            return wire.replies(wire.CacheTraceReply, list(await self._rpc(wire.CACHE_TRACE, reset=reset)))
 
 
 _FORENSIC_KEYS = (

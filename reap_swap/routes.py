@@ -23,6 +23,7 @@ Errors (JSON {"error": {"message", "type", "field", "code"}}; the message names 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import secrets
@@ -36,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, TypeAda
 
 from reap_swap.active_set import ActiveSetError, BudgetExceeded, RefreshLimitExceeded, SwapRequest
 from reap_swap.budget_startup import BudgetRefused, fill_budget
+from reap_swap.cache_surface import CacheMetrics, refresh
 from reap_swap.compat.serve import engine_client_rpc, engine_client_vllm_config
 from reap_swap.controller import Metrics, SwapController, UnknownCartridge, WorkerSwapFailed
 from reap_swap.logs import get_logger
@@ -58,6 +60,12 @@ MISSED = Counter("reap_swap_missed_selections", "Routed selections of experts ou
 
 
 class PrometheusMetrics(Metrics):
+    def __init__(self) -> None:
+        self.cache_metrics = CacheMetrics()
+
+    def cache(self, cache) -> None:
+        self.cache_metrics.update(cache)
+
     def swap(self, kind: str, outcome: str, seconds: float, bytes_copied: int) -> None:
         SWAPS.labels(kind=kind, outcome=outcome).inc()
         SWAP_SECONDS.labels(kind=kind).observe(seconds)
@@ -251,13 +259,7 @@ _BOOL = TypeAdapter(bool)
 async def router_misses(request_id: str, request: Request):
     _check_auth(request)
     controller = _controller(request)
-    raw = request.query_params.get("reset", "false")
-    try:
-        reset = _BOOL.validate_python(raw)
-    except ValidationError:
-        raise ReapError(
-            422, "invalid_request", f"reset: expected true or false, got {raw!r}", "reset"
-        ) from None
+    reset = _query_bool(request, "reset")
     out = await controller.router_misses(request_id, reset)
     if out is None:
         raise ReapError(
@@ -290,6 +292,27 @@ async def forensics(request_id: str, request: Request):
 async def status(request: Request):
     _check_auth(request)
     return json_response(await _controller(request).status())
+
+
+@router.get("/reap/cache/trace")
+async def cache_trace(request: Request):
+    """The per-step routing the expert cache was fed (rank 0; --reap-cache-record-steps N keeps
+    the last N steps), in step order; ?reset=true clears it after reading."""
+    _check_auth(request)
+    reset = _query_bool(request, "reset")
+    replies = await _controller(request).cache_trace(reset)
+    first = replies[0]
+    return json_response({"rank": first.rank, "recording": first.recording, "steps": first.steps})
+
+
+def _query_bool(request: Request, name: str) -> bool:
+    raw = request.query_params.get(name, "false")
+    try:
+        return _BOOL.validate_python(raw)
+    except ValidationError:
+        raise ReapError(
+            422, "invalid_request", f"{name}: expected true or false, got {raw!r}", name
+        ) from None
 
 
 def api_key_digests(args: Any) -> list[bytes]:
@@ -342,6 +365,8 @@ class ReapEndpointPlugin:
         controller.budget_report = state.reap_budget
         started = await controller.start()
         state.reap = controller
+        if (await controller.status())["cache"].get("engaged"):
+            state.reap_cache_refresh = asyncio.create_task(refresh(controller.status))
         log.info(
             "reap-swap ready: plan %s (%s), %d worker(s), residency %s, signature %s, REAP routes %s",
             plan.identity[:12],

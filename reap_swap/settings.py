@@ -15,6 +15,9 @@ error listing the known names: a typo must not start a server that silently igno
 | REAP_RESIDENCY              | --reap-residency MODE         | auto (CUDA engine on CUDA, accounting elsewhere), accounting, cuda |
 | REAP_BUDGET                 | --reap-budget auto|plan|GIB   | HBM expert pool: plan (default: the plan's budget), auto (what memory leaves after weights, activations and the KV target, up to all experts), or a GiB cap on that; CUDA only (accounting residency keeps the plan's budget and says so) |
 | REAP_KV_TOKENS              | --reap-kv-tokens N            | KV target in tokens for budget auto/GiB (default --max-model-len x --max-num-seqs as vLLM resolves them) |
+| REAP_CACHE                  | --reap-cache lfu,lru,off      | the per-layer expert cache beside the pinned set (default lfu: the plan-core-seeded LFU, decay 0.8, that `reap-swap simulate` found best online; research.md, issue 17); in accounting residency the policy runs as state only |
+| REAP_CACHE_SLOTS            | --reap-cache-slots N,auto      | cache slots beyond the pinned set, over all layers (auto: what the pool budget leaves after the plan core; reap_swap.cache_accounting.tail_slots) |
+| REAP_CACHE_RECORD_STEPS     | --reap-cache-record-steps N   | keep the last N steps' routing the cache saw (0 = off), read back by GET /reap/cache/trace |
 
 Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
 "reap_swap" (vllm_config.additional_config), which every worker and API process receives; the
@@ -67,6 +70,20 @@ class Settings(BaseModel):
     def budget_request(self) -> str | float:
         """'plan' | 'auto' | GiB (float): memory_split.parse_budget of the setting."""
         return parse_budget(self.budget)
+
+    cache: Literal["lfu", "lru", "off"] = "lfu"
+    cache_slots: Literal["auto"] | int = "auto"
+    cache_record_steps: int = Field(default=0, ge=0)
+
+    @field_validator("cache_slots", mode="before")
+    @classmethod
+    def _cache_slots(cls, v: Any) -> Any:
+        text = str(v).strip().lower()
+        if text == "auto":
+            return "auto"
+        if isinstance(v, bool) or not text.isdigit():
+            raise ValueError("expected auto or an integer >= 0 (cache slots beyond the pinned set)")
+        return int(text)
 
     def log_line(self) -> str:
         return "reap-swap settings: " + ", ".join(f"{k}={v}" for k, v in self.model_dump().items())
@@ -142,6 +159,21 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         "REAP_KV_TOKENS",
         "--reap-kv-tokens",
         {"type": int, "metavar": "N", "help": "KV target (tokens) kept for --reap-budget auto/GiB"},
+    ),
+    "cache": (
+        "REAP_CACHE",
+        "--reap-cache",
+        {"choices": ["lfu", "lru", "off"], "help": "per-layer expert cache policy (default lfu)"},
+    ),
+    "cache_slots": (
+        "REAP_CACHE_SLOTS",
+        "--reap-cache-slots",
+        {"metavar": "N|auto", "help": "cache slots beyond the pinned set over all layers (auto)"},
+    ),
+    "cache_record_steps": (
+        "REAP_CACHE_RECORD_STEPS",
+        "--reap-cache-record-steps",
+        {"type": int, "metavar": "N", "help": "keep the last N steps' routing for /reap/cache/trace"},
     ),
 }
 ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())
@@ -249,6 +281,8 @@ def _parse_env(name: str, env: str, raw: str) -> Any:
     """Environment strings -> the field's type (pydantic's lax parsing: 1/0, true/false, yes/no)."""
     if Settings.model_fields[name].annotation is bool and raw.strip() == "":
         return False
+    if name == "cache_slots":  # "auto" or N: its field validator parses and names the error
+        return raw.strip()
     try:
         return TypeAdapter(Settings.model_fields[name].annotation).validate_python(raw.strip())
     except ValidationError as exc:

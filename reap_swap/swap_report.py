@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from reap_swap import wire
+from reap_swap import cache_surface, wire
 from reap_swap.active_set import resident_bytes
 
 _BRIEF_KEYS = {
@@ -108,4 +108,5 @@ def status_report(ctl: Any, statuses: list[wire.StatusReply]) -> dict:
             for s in statuses
         ],
         "workers_consistent": all(s.layers == mine for s in statuses),
+        "cache": cache_surface.report(statuses),
     }

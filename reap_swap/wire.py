@@ -28,6 +28,7 @@ RESET_STATS = "reap_reset_stats"
 ARM_SWAP_FAULT = "reap_arm_swap_fault"
 SELFCHECK = "reap_selfcheck"
 FILL_BUDGET = "reap_fill_budget"  # --reap-budget auto | GiB: probe, then grow (worker.py)
+CACHE_TRACE = "reap_cache_trace"
 
 
 def encode_resident_sets(sets: Mapping[int, Any]) -> WireResidentSets:
@@ -91,6 +92,27 @@ class ApplyReply(WorkerHeader, ResidentSummary):
     rolled_back_locally: bool | None = None  # the worker's own rollback (CUDA), when it failed
 
 
+# -- the expert cache (reap_swap.cache_accounting) -----------------------------------------------
+class CacheStatus(BaseModel):
+    """Extra keys allowed: per-layer detail is the accounting's (engaged, reason, slots, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+    engaged: bool
+    reason: str | None = None
+    policy: str | None = None
+    totals: dict[str, int] = Field(default_factory=dict)
+    layers: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class CacheTrace(_Model):
+    reset: bool = False
+
+
+class CacheTraceReply(WorkerHeader):
+    recording: int  # steps kept (0: --reap-cache-record-steps is off)
+    steps: list[dict[str, Any]]  # [{"request_start": bool, "layers": {"<layer>": [counts per expert]}}]
+
+
 # -- reap_status ---------------------------------------------------------------------------------
 class StatusReply(WorkerHeader, ResidentSummary):
     residency_mode: str
@@ -102,6 +124,7 @@ class StatusReply(WorkerHeader, ResidentSummary):
     coactivation: bool = False
     counter_kernel: dict[str, Any] = Field(default_factory=dict)
     backend: dict[str, Any] = Field(default_factory=dict)
+    cache: CacheStatus | None = None  # the expert cache (cache_accounting.CacheAccounting.status)
 
 
 # -- reap_read_stats / reap_reset_stats ----------------------------------------------------------

@@ -18,7 +18,9 @@ from typing import Any
 from reap_swap import compat
 from reap_swap import routed_experts as _experts
 from reap_swap import runtime as worker_runtime
+from reap_swap.cache_accounting import CacheAccounting
 from reap_swap.compat import moe as vllm_moe
+from reap_swap.counting import counters
 from reap_swap.logs import get_logger
 from reap_swap.moe_probe import MoeProbeExtension
 from reap_swap.residency.accounting import AccountingResidency
@@ -52,6 +54,34 @@ def make_residency_backend(runtime: WorkerRuntime, platform: str) -> ResidencyBa
         return AccountingResidency(core, plan.per_expert_bytes, reason)
 
 
+def build_cache(runtime: WorkerRuntime, layers: dict, uncounted: dict, backend) -> CacheAccounting:
+    """The expert cache of this worker: accounting state on an accounting backend, else disengaged
+    with the reason (the CUDA slot-tail mechanism is built by the device-cache work, not here)."""
+    settings, plan = runtime.settings, runtime.plan
+    if settings.cache == "off":
+        return CacheAccounting.disengaged("--reap-cache off")
+    if backend.residency_mode != "accounting":
+        return CacheAccounting.disengaged(
+            f"residency {backend.residency_mode}: the device cache (slot tail, device policy kernel) "
+            "is not in this build; use --reap-residency accounting to run the policy as state only"
+        )
+    counted = {l: int(getattr(m, counters.COUNTS).shape[0]) for l, m in layers.items() if m.reap_countable}
+    why = dict(uncounted)
+    why.update({l: "monolithic MoE kernel" for l, m in layers.items() if not m.reap_countable})
+    top_k = max((int(getattr(m, "top_k", 1)) for m in layers.values()), default=1)
+    pool = getattr(runtime.engine, "pool_tail_slots", None)  # --reap-budget auto's interface, if present
+    return CacheAccounting.build(
+        plan,
+        settings.cache,
+        settings.cache_slots,
+        counted,
+        why,
+        top_k,
+        record_steps=settings.cache_record_steps,
+        pool_tail_slots=pool,
+    )
+
+
 def build_core(worker: Any, runtime: WorkerRuntime) -> WorkerCore:
     """This vLLM worker's WorkerCore: its counting layers, its backend, its ranks."""
     if not runtime.configured:
@@ -74,6 +104,7 @@ def build_core(worker: Any, runtime: WorkerRuntime) -> WorkerCore:
         )
     backend = make_residency_backend(runtime, compat.platform_name())
     rank = int(getattr(worker, "rank", 0))
+    cache = build_cache(runtime, layers, uncounted, backend)
     core = WorkerCore(
         plan,
         layers,
@@ -82,7 +113,11 @@ def build_core(worker: Any, runtime: WorkerRuntime) -> WorkerCore:
         compat.parallel_ranks(worker.vllm_config),
         runtime.count_kernel,
         uncounted=uncounted,
+        cache=cache,
     )
+    if cache.caches:
+        hook = vllm_moe.wrap_execute_model(worker, core.cache_before_step, core.cache_after_step)
+        log.debug("reap-swap: cache fed per step through %s", hook)
     log.info(
         "reap-swap worker rank %d: %d MoE layers counted, residency %s",
         rank,

