@@ -6,6 +6,10 @@ layer by layer (compat.moe.release_cached_pinned_memory). So the host must hold 
 once, plus one layer in flight, plus the process itself. Measured (research.md run 8, H200, vLLM
 0.26.0): Qwen3.5-35B-A3B at full size, 60 GiB of bf16 experts, peaked at 67.2 GiB in use, i.e.
 7.2 GiB above the experts (Python, CUDA context, compile workers, one 1.5 GiB layer in flight).
+Quantized checkpoints (issue 16): the expert bytes are as the checkpoint stores them
+(`ModelShape.expert_bytes`: FP8 one byte per weight); the launcher does not offload (so does not
+check) formats the engine refuses (quant_budget.py). Online `--quantization fp8` of a bf16
+checkpoint is checked at its bf16 bytes, an upper bound (vLLM loads bf16 and quantizes after).
 Pure: the caller reads /proc/meminfo.
 """
 

@@ -19,8 +19,13 @@ model folder or an already-parsed dict, across the naming schemes of the MoE fam
   ``intermediate_size`` is the expert width, every layer is MoE, and each expert carries bias rows
 
 Plan layers are the decoder layers that hold routed experts. Shared experts stay with vLLM (always
-resident, never in a plan): their width is reported, not counted in the expert bytes. Quantized
-configs (``quantization_config``) are refused: their expert bytes are not ``dtype`` bytes.
+resident, never in a plan): their width is reported, not counted in the expert bytes.
+
+Quantized checkpoints (``quantization_config``: fp8 block / tensor, compressed-tensors FP8 or
+INT4, AWQ, GPTQ, MXFP4) count an expert as its weights are stored after vLLM loads them (FP8 one
+byte, INT4 / MXFP4 half a byte per weight: ``quant_padding.expert_format``); the scales, zero
+points and biases the engine keeps whole in HBM are ``expert_kept_bytes``, outside the plan's unit.
+A method with no byte model is refused by name.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from reap_swap.quant_padding import ExpertFormat, expert_format
+from reap_swap.quant_scheme import QuantScheme, scheme_from_config
 
 # torch dtype names as they appear in config.json -> bytes per element.
 DTYPE_BYTES = {
@@ -68,15 +76,31 @@ class ModelShape:
     expert_bias: bool = False
     # Width of the always-resident shared expert(s) of one MoE layer; 0 when the family has none.
     shared_expert_intermediate_size: int = 0
+    # the checkpoint's quantization_config read as shapes (quant_scheme); unquantized by default
+    quant: QuantScheme = QuantScheme("unquantized", 16, "none")
+    quant_method: str = ""  # the HF quant_method, "" for an unquantized checkpoint
+
+    @property
+    def expert_format(self) -> ExpertFormat:
+        """One expert's bytes in the stored format: re-homed w13 / w2 and the kept-whole rest."""
+        return expert_format(
+            self.quant, self.hidden_size, self.moe_intermediate_size, self.dtype_bytes, self.expert_bias
+        )
 
     @property
     def expert_bytes(self) -> int:
-        """One expert's weights: gate, up (hidden x inter) and down (inter x hidden).
+        """One expert's weights: gate, up (hidden x inter) and down (inter x hidden), as stored.
 
-        This is the unit a plan budgets (``per_expert_bytes``). Bias rows are not in it: they are
-        ``expert_bias_bytes``, small, and kept whole in HBM beside the layer (issue 15, item 2).
+        This is the unit a plan budgets (``per_expert_bytes``): 3 x hidden x inter x dtype bytes
+        unquantized, x 1 for FP8, x 1/2 for INT4 and MXFP4. Bias rows, scales and zero points are
+        not in it: they are ``expert_kept_bytes``, small, and kept whole in HBM beside the layer.
         """
-        return 3 * self.hidden_size * self.moe_intermediate_size * self.dtype_bytes
+        return self.expert_format.ideal
+
+    @property
+    def expert_kept_bytes(self) -> int:
+        """One expert's scales, zero points and bias rows (kept whole in HBM); 0 for bf16 experts."""
+        return self.expert_format.kept
 
     @property
     def expert_bias_bytes(self) -> int:
@@ -235,15 +259,26 @@ def _architecture(outer: Mapping[str, Any], config: Mapping[str, Any]) -> str:
     return str(_first(config, "model_type") or _first(outer, "model_type") or "unknown")
 
 
-def _refuse_quantized(architecture: str, *configs: Mapping[str, Any]) -> None:
+def quantization_config(*configs: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The first ``quantization_config`` of the given configs (text config, then the wrapper)."""
     for config in configs:
         quant = config.get("quantization_config")
         if isinstance(quant, Mapping):
-            method = quant.get("quant_method", "unknown")
-            raise ModelShapeError(
-                f"{architecture}: quantization_config ({method}) present; quantized expert bytes "
-                "are not modelled (issue 16), use the bf16 config (drop quantization_config)"
-            )
+            return quant
+    return None
+
+
+def _quant_scheme(architecture: str, quant: Mapping[str, Any] | None) -> tuple[QuantScheme, str]:
+    scheme = scheme_from_config(quant)
+    method = str((quant or {}).get("quant_method", "")).lower()
+    bad_int = scheme.kind == "int" and scheme.bits not in (4, 8)
+    if scheme.kind == "unknown" or bad_int or scheme.strategy == "unknown":
+        raise ModelShapeError(
+            f"{architecture}: quantization_config.quant_method {method!r} ({scheme.kind}, "
+            f"{scheme.bits} bits, {scheme.strategy}) has no expert byte model; known: fp8, "
+            "compressed-tensors (fp8 / int4 / int8), awq, gptq, moe_wna16, mxfp4"
+        )
+    return scheme, method
 
 
 def read_model_shape(source: str | os.PathLike | Mapping) -> ModelShape:
@@ -258,7 +293,7 @@ def read_model_shape(source: str | os.PathLike | Mapping) -> ModelShape:
             f"{architecture}: no num_experts / num_local_experts / n_routed_experts in config; "
             "not a MoE model"
         )
-    _refuse_quantized(architecture, config, outer)
+    scheme, method = _quant_scheme(architecture, quantization_config(config, outer))
     num_layers = _first(config, "num_hidden_layers")
     fields = reader(config, int(num_layers or 0))
     hidden_size = _first(config, "hidden_size")
@@ -286,4 +321,6 @@ def read_model_shape(source: str | os.PathLike | Mapping) -> ModelShape:
         family=fields.family,
         expert_bias=fields.expert_bias,
         shared_expert_intermediate_size=fields.shared_intermediate,
+        quant=scheme,
+        quant_method=method,
     )

@@ -197,6 +197,24 @@ def _budget_issues(budget: Mapping, pe: int | None, core_bytes: int, t: _Tally) 
             )
 
 
+def _weight_size(shape: ModelShape) -> str:
+    if shape.quant.kind == "unquantized":
+        return f"{shape.dtype_bytes} bytes"
+    return f"{shape.quant.bits} bits, {shape.quant_method} weights as stored"
+
+
+def _replan_hint(shape: ModelShape, pe: int) -> str:
+    """A plan made on the bf16 sibling of a quantized checkpoint: say so (plans count experts in
+    the served checkpoint's bytes; quant_budget.py)."""
+    unquantized = 3 * shape.hidden_size * shape.moe_intermediate_size * shape.dtype_bytes
+    if shape.quant.kind != "unquantized" and pe == unquantized:
+        return (
+            f"; the plan was made on the unquantized model: re-plan against this {shape.quant_method} "
+            "checkpoint (reap-swap plan --model it), or serve the bf16 checkpoint with --quantization fp8"
+        )
+    return ""
+
+
 def _model_issues(shape: ModelShape, pe: int | None, t: _Tally) -> None:
     """The plan against the model's config: expert size and the set of MoE layers."""
     if pe is not None and pe != shape.expert_bytes:
@@ -205,7 +223,7 @@ def _model_issues(shape: ModelShape, pe: int | None, t: _Tally) -> None:
                 "budget.per_expert_bytes",
                 f"{pe:,} != model's expert size {shape.expert_bytes:,} "
                 f"(3 x hidden {shape.hidden_size} x moe_intermediate "
-                f"{shape.moe_intermediate_size} x {shape.dtype_bytes} bytes)",
+                f"{shape.moe_intermediate_size} x {_weight_size(shape)})" + _replan_hint(shape, pe),
             )
         )
     missing = sorted(set(shape.moe_layers) - set(t.layer_indices))

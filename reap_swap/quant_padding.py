@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from reap_swap.quant_scheme import QuantScheme
+
 MiB = 2**20
 GRANULE = 2 * MiB
 
@@ -45,29 +47,60 @@ class ExpertFormat:
         return self.w13 + self.w2
 
 
-def qwen3_30b_formats(hidden: int = 2048, inter: int = 768) -> list[ExpertFormat]:
-    """Per-expert bytes after vLLM 0.26's process_weights_after_loading on SM90, TP=1."""
+def expert_format(
+    scheme: QuantScheme, hidden: int, inter: int, dtype_bytes: int = 2, bias: bool = False, name: str = ""
+) -> ExpertFormat:
+    """One expert's bytes after vLLM 0.26's process_weights_after_loading on SM90, TP=1: the
+    re-homed w13 ([2I, H]) and w2 ([H, I]) as stored, and the per-expert bytes kept whole (scales,
+    zero points, biases). `dtype_bytes` is the model dtype (biases, INT4 group scales)."""
     h, n = hidden, inter
-    g13, g2 = h // 128, n // 128  # int4 group-128 groups along K
-    bf16 = ExpertFormat("bf16 (Triton)", 2 * n * h * 2, h * n * 2, 0, "strided")
-    fp8b = ExpertFormat(
-        "FP8 block 128x128 (Triton)",
-        2 * n * h,
-        h * n,
-        4 * (math.ceil(2 * n / 128) * math.ceil(h / 128) + math.ceil(h / 128) * math.ceil(n / 128)),
-        "strided",
-    )
-    fp8c = ExpertFormat("FP8 channel, CT (Triton)", 2 * n * h, h * n, 4 * (2 * n + h), "strided")
-    fp8t = ExpertFormat("FP8 tensor / online fp8 (Triton)", 2 * n * h, h * n, 4 * 2, "strided")
-    int4_scales = 2 * (2 * n * g13 + h * g2)  # bf16/fp16 group scales
-    int4_zeros = (2 * n * g13 + h * g2) // 2  # packed 4-bit zero points (AWQ)
-    # every INT4 path is contiguous: Marlin, and moe_wna16's CUDA kernel (decode) as well
-    int4 = ExpertFormat(
-        "INT4 g128 AWQ/GPTQ/CT (Marlin; moe_wna16)", n * h, h * n // 2, int4_scales + int4_zeros, "contiguous"
-    )
-    mx_scales = 2 * n * (h // 32) + h * (n // 32)  # e8m0 per 32 values
-    mxfp4 = ExpertFormat("MXFP4 (Marlin)", n * h, h * n // 2, mx_scales + 2 * (2 * n + h), "contiguous")
-    return [bf16, fp8b, fp8c, fp8t, int4, mxfp4]
+    biases = (2 * n + h) * dtype_bytes if bias else 0
+    if scheme.kind == "unquantized":
+        return ExpertFormat(
+            name or "unquantized", 2 * n * h * dtype_bytes, h * n * dtype_bytes, biases, "strided"
+        )
+    if scheme.kind == "fp8":
+        if scheme.strategy == "block" and scheme.block:
+            bn, bk = scheme.block
+            scales = math.ceil(2 * n / bn) * math.ceil(h / bk) + math.ceil(h / bn) * math.ceil(n / bk)
+        elif scheme.strategy == "channel":
+            scales = 2 * n + h
+        else:  # tensor (checkpoint or online): one f32 per projection
+            scales = 2
+        return ExpertFormat(name or "fp8", 2 * n * h, h * n, 4 * scales + biases, "strided")
+    if scheme.kind == "int" and scheme.bits in (4, 8):
+        g = scheme.group_size or max(h, n)  # channel-wise: one group spans K
+        groups = 2 * n * math.ceil(h / g) + h * math.ceil(n / g)
+        kept = dtype_bytes * groups + groups * scheme.bits // 8 + biases  # scales + packed zeros
+        # every INT4 path is contiguous: Marlin, and moe_wna16's CUDA kernel (decode) as well
+        bits = scheme.bits
+        return ExpertFormat(name or "int", 2 * n * h * bits // 8, h * n * bits // 8, kept, "contiguous")
+    if scheme.kind == "mxfp4":
+        scales = 2 * n * (h // 32) + h * (n // 32)  # e8m0 per 32 values
+        return ExpertFormat(name or "mxfp4", n * h, h * n // 2, scales + biases, "contiguous")
+    raise ValueError(f"no per-expert byte model for quantization {scheme}")
+
+
+def qwen3_30b_formats(hidden: int = 2048, inter: int = 768) -> list[ExpertFormat]:
+    """Per-expert bytes of the formats of issue 16 at Qwen3-30B-A3B shape (the research.md table)."""
+    h, n = hidden, inter
+    return [
+        expert_format(QuantScheme("unquantized", 16, "none"), h, n, name="bf16 (Triton)"),
+        expert_format(
+            QuantScheme("fp8", 8, "block", block=(128, 128)), h, n, name="FP8 block 128x128 (Triton)"
+        ),
+        expert_format(QuantScheme("fp8", 8, "channel"), h, n, name="FP8 channel, CT (Triton)"),
+        expert_format(QuantScheme("fp8", 8, "tensor"), h, n, name="FP8 tensor / online fp8 (Triton)"),
+        expert_format(
+            QuantScheme("int", 4, "group", group_size=128),
+            h,
+            n,
+            name="INT4 g128 AWQ/GPTQ/CT (Marlin; moe_wna16)",
+        ),
+        expert_format(
+            QuantScheme("mxfp4", 4, "group", group_size=32), h, n, bias=True, name="MXFP4 (Marlin)"
+        ),
+    ]
 
 
 def private_bytes(fmt: ExpertFormat, g: int = GRANULE) -> int:

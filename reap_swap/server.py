@@ -28,6 +28,7 @@ from reap_swap.host_memory import HostMemoryNeed, mem_available_bytes
 from reap_swap.logs import get_logger
 from reap_swap.memory_split import inactive_note, launch_check
 from reap_swap.plugins import WORKER_EXTENSION_CLS, vllm_plugins_allowlist
+from reap_swap.quant_budget import served_quant
 from reap_swap.settings import (
     ADDITIONAL_CONFIG_KEY,
     Resolved,
@@ -124,13 +125,23 @@ def install(args: argparse.Namespace, settings: Settings, plan) -> None:
 def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None:
     """Launcher hook for the CUDA residency engine: adjust vLLM arguments before the engine starts.
 
-    The engine re-homes vLLM's Triton expert weights, so `--moe-backend` defaults to triton. Unless
+    The engine re-homes vLLM's Triton expert weights, so `--moe-backend` defaults to triton. For a
+    quantized format the engine refuses on every layer (INT4 Marlin / moe_wna16, MXFP4:
+    quant_budget.py) nothing is changed: stock vLLM, every expert in HBM. Otherwise, unless
     the user chose an offload budget, experts load straight into pinned host memory through stock
     UVA offload (`--cpu-offload-params w13_weight w2_weight`), so peak VRAM during loading stays
     low; the engine then moves them into its own host-backed ranges and fills the HBM pool.
     No-op on the CPU build (and whenever swaps are accounting-only).
     """
     if settings.accounting_reason(vllm_serve.platform_name()) is not None:
+        return
+    served = served_quant(shape.quant, shape.quant_method, getattr(args, "quantization", None))
+    if not served.launcher_may_offload:
+        log.info(
+            "reap-swap: vLLM arguments left as given (stock path, every expert in HBM): %s; "
+            "each MoE layer's refusal is in /reap/status",
+            served.engine_refusal,
+        )
         return
     if vllm_serve.moe_backend_is_default(args):
         vllm_serve.use_triton_moe_backend(args)

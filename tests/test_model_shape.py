@@ -202,8 +202,13 @@ def test_dense_deepseek_and_quantized_configs_are_refused():
     with pytest.raises(ModelShapeError, match="not a MoE model"):
         read_model_shape(dense)
     quantized = orjson.loads((DATA / "gpt_oss_20b_bf16_config.json").read_bytes())
-    quantized["quantization_config"] = {"quant_method": "mxfp4"}
-    with pytest.raises(ModelShapeError, match=r"quantization_config \(mxfp4\)"):
+    quantized["quantization_config"] = {"quant_method": "mxfp4"}  # read since issue 16: 4-bit experts
+    assert (
+        read_model_shape(quantized).expert_bytes * 4
+        == read_model_shape(DATA / "gpt_oss_20b_bf16_config.json").expert_bytes
+    )
+    quantized["quantization_config"] = {"quant_method": "hqq"}
+    with pytest.raises(ModelShapeError, match=r"quant_method 'hqq'"):
         read_model_shape(quantized)
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from reap_swap.compat import moe as vllm_moe
+from reap_swap.quant_budget import pool_slots
 
 from . import vmm
 from .binding import BoundLayer, LayerSizes, bind_module
@@ -293,7 +294,7 @@ def _ensure_pool(st: EngineState, unit_bytes: int) -> None:
     if st.pool is not None:
         return
     per_expert = int(st.plan.per_expert_bytes) if st.plan is not None else unit_bytes
-    num_slots = st.budget_bytes // max(per_expert, 1)
+    num_slots = pool_slots(st.budget_bytes, max(per_expert, 1))  # the plan's experts (quant_budget)
     t0 = time.perf_counter()
     st.pool = vmm.DeviceSlotPool.create(num_slots, unit_bytes, st.device)
     st.table = SlotTable(num_slots)

@@ -1,0 +1,95 @@
+"""How a checkpoint's quantization reaches the launcher, and how a plan's budget becomes pool slots.
+
+Why: the launcher changes vLLM's arguments (``--moe-backend triton``, every expert loaded into
+pinned host memory through UVA offload) only for layers the residency engine can re-home. For a
+format the engine refuses on every layer, those changes would break stock vLLM (0.26.0 raises on
+``--moe-backend triton`` for the INT4 WNA16 methods: ``map_wna16_backend`` knows only marlin,
+humming, flashinfer_trtllm and emulation) or slow it down for nothing (experts left in host
+memory behind a refused layer). So for those formats the launcher leaves vLLM's arguments alone:
+the server comes up on vLLM's stock path with every expert in HBM, and the engine records each
+layer's refusal in ``/reap/status``.
+
+**Budget → slots (the rule).** A plan budgets *experts*: its bytes are counted in
+``per_expert_bytes``, which validation pins to the checkpoint's expert bytes as the config stores
+them (``ModelShape.expert_bytes``: bf16 3·H·I·2, FP8 3·H·I, INT4/MXFP4 3·H·I/2). The engine's
+pool gets ``swappable_budget_bytes // per_expert_bytes`` slots, each one mapping unit of the
+*served* format (the expert's re-homed payload padded to the 2 MiB granularity), so its HBM is
+``slots × unit_bytes``. The number of resident experts is therefore what the plan chose, whatever
+the served precision: a plan made on a bf16 checkpoint (9 MiB experts at Qwen3-30B-A3B shape)
+served with online ``--quantization fp8`` (the config is still bf16, so the plan validates) gets
+the same slot count, and the pool takes 6 MiB per slot instead of 10 MiB. The HBM a plan names is
+an upper bound then, never exceeded; the KV cache gets the rest. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from reap_swap.quant_scheme import QuantScheme, scheme_from_config
+
+# vLLM `--quantization` values that pick a method the engine refuses, whatever the checkpoint
+# (0.26.0: MoeWNA16Method; the Marlin names route AWQ/GPTQ to MarlinExperts).
+REFUSED_CLI_METHODS = frozenset({"moe_wna16", "awq_marlin", "gptq_marlin", "marlin", "mxfp4"})
+
+
+@dataclass(frozen=True)
+class ServedQuant:
+    """A checkpoint's quantization as the launcher sees it, before vLLM loads anything."""
+
+    method: str  # the HF quant_method ("" for none), or the --quantization value when it overrides
+    scheme: QuantScheme
+    engine_refusal: str | None  # why the engine will refuse every MoE layer; None: it binds them
+
+    @property
+    def launcher_may_offload(self) -> bool:
+        """Whether the launcher may set --moe-backend triton and the UVA expert offload."""
+        return self.engine_refusal is None
+
+
+def _refusal(method: str, scheme: QuantScheme) -> str | None:
+    if scheme.kind == "int":
+        return (
+            f"{method}: INT{scheme.bits} weight-only experts run on Marlin or moe_wna16, kernels that "
+            "read expert e at e x payload (contiguous); the engine has no page-sharing layout yet"
+        )
+    if scheme.kind == "mxfp4":
+        return (
+            f"{method}: MXFP4 experts run on triton_kernels' monolithic OAI kernel (swizzled, routing "
+            "inside the kernel) or Marlin (contiguous); the engine binds neither"
+        )
+    if scheme.kind == "unknown":
+        return f"{method}: quantization method unknown to the engine"
+    return None
+
+
+def served_quant(scheme: QuantScheme, method: str = "", cli_quantization: str | None = None) -> ServedQuant:
+    """The checkpoint's scheme (``ModelShape.quant``), its ``quant_method`` and ``--quantization``."""
+    cli = (cli_quantization or "").lower()
+    if cli in REFUSED_CLI_METHODS:
+        why = f"--quantization {cli}: a method the engine refuses ({_refusal(cli, scheme) or 'not bound'})"
+        return ServedQuant(cli, scheme, why)
+    if cli == "fp8" and scheme.kind == "unquantized":  # online fp8 of a bf16 checkpoint: bound
+        return ServedQuant("fp8 (online)", QuantScheme("fp8", 8, "tensor"), None)
+    return ServedQuant(method, scheme, _refusal(method or "unquantized", scheme))
+
+
+def served_quant_of(
+    quant_config: Mapping[str, Any] | None, cli_quantization: str | None = None
+) -> ServedQuant:
+    """As `served_quant`, from an HF ``quantization_config`` (or None)."""
+    method = str((quant_config or {}).get("quant_method", "")).lower()
+    return served_quant(scheme_from_config(quant_config), method, cli_quantization)
+
+
+def pool_slots(swappable_budget_bytes: int, per_expert_bytes: int) -> int:
+    """Slots of the engine's HBM pool: the number of experts the plan's budget holds (module doc)."""
+    if per_expert_bytes < 1:
+        raise ValueError(f"per_expert_bytes must be positive (got {per_expert_bytes})")
+    return max(int(swappable_budget_bytes), 0) // int(per_expert_bytes)
+
+
+def pool_hbm_bytes(slots: int, unit_bytes: int) -> int:
+    """HBM the pool reserves: one served-format mapping unit per slot."""
+    return int(slots) * int(unit_bytes)

@@ -1,0 +1,372 @@
+#!/usr/bin/env python3
+"""Quantized checkpoints end to end on one GPU (issue 16): stock vLLM vs reap-swap, per format.
+
+For each case it writes (once) a seeded checkpoint with scripts/make_quant_checkpoint.py
+(Qwen3-30B-A3B layer shape, `--layers` layers, attention unquantized), then, in its own process
+with a hard timeout, runs
+  stock   stock vLLM, every expert in HBM (+ the reap_moe_probe worker extension): greedy text and
+          the MoE-layer digests, the reference;
+  reap    python -m reap_swap.server with a plan whose pool holds every expert and whose core is
+          empty: greedy text and reap_moe_probe at 0 / 25 / 50 / 100 % resident, back at 0 % and
+          at a different 50 % set after the swaps; each swap's bytes actually copied (against
+          admitted experts x the served payload) and GB/s; /reap/status (HBM unit per resident
+          expert, kept-whole bytes, per-layer refusals).
+Both servers of a case get the same vLLM arguments (CUDA graphs on, prefix caching off, requests
+one at a time), with `--moe-backend triton` only where the engine binds the format: for the formats
+it refuses (AWQ, GPTQ, CT W4A16, MXFP4; quant_budget.py) the launcher leaves vLLM's arguments alone
+and the server must come up on the stock path with the refusals recorded. Cases run `--jobs` at a
+time, each server with a small fixed KV cache, so all nine fit one H200 in about 6 minutes.
+Helpers are scripts/gpu_e2e.py's (plan, swaps, greedy, probe, status), imported, not copied.
+
+  python3 scripts/gpu_quant_e2e.py --out DIR [--cases bf16,awq] [--jobs 5] [--case-timeout 330]
+  python3 scripts/gpu_quant_e2e.py --out DIR --dry-run --tiny     # CPU: checkpoints + commands only
+Writes DIR/checkpoints/<fmt>/, DIR/cases/<case>.json, DIR/<case>/*.server.log, DIR/quant_e2e.json
+and DIR/quant_e2e.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (gpu_e2e, make_quant_checkpoint)
+import gpu_e2e  # noqa: E402
+import make_quant_checkpoint as mqc  # noqa: E402
+
+from reap_swap.model_shape import quantization_config, read_model_shape  # noqa: E402
+from reap_swap.moe_probe import compare_probes  # noqa: E402
+from reap_swap.quant_budget import served_quant_of  # noqa: E402
+from reap_swap.quant_padding import expert_format  # noqa: E402
+from reap_swap.serving import Server, compare, free_port, log  # noqa: E402
+
+# case -> (checkpoint format, extra vLLM arguments)
+CASES = {
+    "bf16": ("bf16", []),
+    "fp8-block": ("fp8-block", []),
+    "fp8-tensor": ("fp8-tensor", []),
+    "ct-fp8": ("ct-fp8", []),
+    "fp8-online": ("bf16", ["--quantization", "fp8"]),
+    "awq": ("awq", []),
+    "gptq": ("gptq", []),
+    "ct-w4a16": ("ct-w4a16", []),
+    "mxfp4": ("mxfp4", []),
+}
+TINY = ["--hidden", "256", "--moe-intermediate", "128", "--experts", "8", "--top-k", "2", "--heads", "4"]
+TINY += ["--kv-heads", "2", "--head-dim", "64", "--vocab", "512"]
+KV_BYTES = 512 * 2**20
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=5, help="cases at a time (one H200 holds 5 at 0.1)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.1)
+    ap.add_argument("--case-timeout", type=float, default=330.0, help="seconds per case, both servers")
+    ap.add_argument("--greedy-tokens", type=int, default=24)
+    ap.add_argument("--tiny", action="store_true", help="tiny checkpoints (CPU dry runs)")
+    ap.add_argument("--dry-run", action="store_true", help="write checkpoints, plans and commands only")
+    ap.add_argument("--one-case", help=argparse.SUPPRESS)  # the per-case child process
+    a = ap.parse_args(argv)
+    bad = sorted(set(a.cases.split(",")) - set(CASES))
+    if bad:
+        ap.error(f"--cases: unknown {bad}; known: {', '.join(CASES)}")
+    return a
+
+
+def checkpoint(a: argparse.Namespace, fmt: str) -> Path:
+    folder = a.out / "checkpoints" / fmt
+    if not (folder / "config.json").exists():
+        shape = TINY if a.tiny else []
+        mqc.main(
+            [
+                "--out",
+                str(folder.parent),
+                "--format",
+                fmt,
+                "--layers",
+                str(a.layers),
+                "--plain-attention",
+                "1",
+                *shape,
+            ]
+        )
+    return folder
+
+
+def case_info(name: str, model: Path) -> dict:
+    """What the launcher will do with the case (bound or refused) and the served expert payload."""
+    cfg = json.loads((model / "config.json").read_text())
+    extra = CASES[name][1]
+    cli = extra[extra.index("--quantization") + 1] if "--quantization" in extra else None
+    served = served_quant_of(quantization_config(cfg.get("text_config") or cfg, cfg), cli)
+    s = read_model_shape(cfg)
+    fmt = expert_format(served.scheme, s.hidden_size, s.moe_intermediate_size, s.dtype_bytes, s.expert_bias)
+    return {
+        "binds": served.engine_refusal is None,
+        "engine_refusal": served.engine_refusal,
+        "served_method": served.method,
+        "payload_bytes": fmt.ideal,
+        "plan_per_expert_bytes": s.expert_bytes,
+        "kept_bytes_per_expert_model": fmt.kept,
+        "dtype": cfg.get("torch_dtype", "bfloat16"),
+    }
+
+
+def common_args(name: str, info: dict, a: argparse.Namespace) -> list[str]:
+    cc = {"cudagraph_capture_sizes": [1, 2, 4]}  # CUDA graphs on, few captures (start-up time)
+    args = ["--served-model-name", "m", "--dtype", info["dtype"], "--max-model-len", "1024"]
+    args += ["--max-num-seqs", "4", "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    args += ["--kv-cache-memory-bytes", str(KV_BYTES), "--no-enable-prefix-caching"]
+    args += ["--compilation-config", json.dumps(cc)]
+    return args + (["--moe-backend", "triton"] if info["binds"] else []) + CASES[name][1]
+
+
+def commands(name: str, model: Path, info: dict, a: argparse.Namespace) -> dict:
+    common = common_args(name, info, a)
+    py = sys.executable
+    stock = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *common]
+    reap = [py, "-m", "reap_swap.server", str(model), *common]
+    return {"stock": stock + gpu_e2e.PROBE_EXTENSION, "reap": reap}
+
+
+def sample(srv: Server, label: str) -> dict:
+    return {"greedy": gpu_e2e.greedy(srv.url), "moe_probe": gpu_e2e.moe_probe(srv, label)}
+
+
+def run_stock(argv: list[str], out: Path, deadline: float) -> dict:
+    with Server(
+        "stock", argv, out, port=free_port(), startup_timeout_s=max(30.0, deadline - time.time())
+    ) as srv:
+        return {"startup_s": srv.startup_s, **sample(srv, "stock")}
+
+
+SWAPS = (("25", 25, 0), ("50", 50, 0), ("100", 100, 0), ("0-after", 0, 0), ("50-other", 50, 50))
+
+
+def run_reap(argv: list[str], model: Path, out: Path, info: dict, deadline: float) -> dict:
+    plan_path = out / "plan.json"
+    gpu_e2e.make_plan(model, 0.0, 8, plan_path)  # empty core, a pool slot for every expert
+    shape = gpu_e2e.model_shape(model)
+    r: dict = {"phases": {}}
+    timeout = max(30.0, deadline - time.time())
+    argv = argv + ["--reap-plan", str(plan_path)]
+    with Server("reap", argv, out, env=gpu_e2e.DEV, port=free_port(), startup_timeout_s=timeout) as srv:
+        r["startup_s"], r["status_start"] = srv.startup_s, gpu_e2e.status(srv)
+        gpu_e2e.open_request(srv, "p0")
+        r["phases"]["0"] = sample(srv, "reap 0")
+        resident: set[tuple[int, int]] = set()
+        for label, pct, start in SWAPS:
+            k = shape["experts"] * pct // 100
+            wanted = gpu_e2e.first_experts(shape, k, start=min(start, shape["experts"] - k))
+            want = {(int(lk.split("_")[1]), e) for lk, ids in wanted.items() for e in ids}
+            sw = gpu_e2e.swap(srv, f"p{label}", wanted)
+            sw["admitted_experts"] = len(want - resident)
+            sw["expected_bytes"] = len(want - resident) * info["payload_bytes"] if info["binds"] else 0
+            resident = want
+            r["phases"][label] = {"swap": sw, **sample(srv, f"reap {label}")}
+        r["status_end"] = gpu_e2e.status(srv)
+    return r
+
+
+def one_case(a: argparse.Namespace, name: str) -> dict:
+    """The child process: stock then reap for one case, within the case's deadline."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # servers stop in their __exit__
+    deadline = time.time() + a.case_timeout - 15
+    gpu_e2e.PROBE, gpu_e2e.GREEDY_TOKENS = True, a.greedy_tokens
+    model = checkpoint(a, CASES[name][0])
+    info = case_info(name, model)
+    out = a.out / name
+    out.mkdir(parents=True, exist_ok=True)
+    cmds = commands(name, model, info, a)
+    res = {"case": name, "model": str(model), **info, "commands": cmds}
+    for arm, fn in (
+        ("stock", lambda: run_stock(cmds["stock"], out, deadline)),
+        ("reap", lambda: run_reap(cmds["reap"], model, out, info, deadline)),
+    ):
+        t0 = time.time()
+        try:
+            res[arm] = fn()
+        except Exception as exc:  # noqa: BLE001 - record and go on with the other arm
+            log(name, arm, "FAILED", repr(exc)[:2000])
+            res[arm] = {"error": repr(exc)[:5000]}
+        res[arm]["wall_s"] = time.time() - t0
+        write_case(a, name, res)
+    return res
+
+
+def write_case(a: argparse.Namespace, name: str, res: dict) -> None:
+    path = a.out / "cases" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+
+
+def spawn(a: argparse.Namespace, name: str) -> dict:
+    """Run one case in a child process with a hard timeout; its JSON (or the timeout) back."""
+    argv = [sys.executable, __file__, "--one-case", name, "--out", str(a.out), "--layers", str(a.layers)]
+    argv += ["--gpu-memory-utilization", str(a.gpu_memory_utilization), "--case-timeout", str(a.case_timeout)]
+    argv += ["--greedy-tokens", str(a.greedy_tokens)] + (["--tiny"] if a.tiny else [])
+    t0 = time.time()
+    with open(a.out / f"{name}.case.log", "w") as logf:
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=a.case_timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # SIGTERM: the child stops its servers
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    path = a.out / "cases" / f"{name}.json"
+    res = json.loads(path.read_text()) if path.exists() else {"case": name}
+    res.update(case_wall_s=time.time() - t0, case_rc=proc.returncode, timed_out=proc.returncode == 124)
+    return res
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def _find(d, key: str):
+    """The first value of `key` anywhere in a nested status document (None: absent)."""
+    if isinstance(d, dict):
+        if key in d:
+            return d[key]
+        d = list(d.values())
+    if isinstance(d, list):
+        for v in d:
+            found = _find(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def _rank0(probe: dict | None) -> dict | None:
+    ranks = (probe or {}).get("ranks") or []
+    return ranks[0] if ranks and not ranks[0].get("error") else None
+
+
+def _phase_checks(stock: dict, phases: dict) -> tuple[list[str], list[str]]:
+    """Phases whose greedy text / MoE digests differ from stock's (or could not be compared)."""
+    bad_text, bad_probe = [], []
+    ref_p = _rank0(stock.get("moe_probe"))
+    for label, ph in phases.items():
+        c = compare(stock["greedy"], ph.get("greedy") or [])
+        if c["identical"] != c["of"] or c["of"] != len(stock["greedy"]):
+            bad_text.append(label)
+        got = _rank0(ph.get("moe_probe"))
+        cp = compare_probes(ref_p, got) if ref_p and got else {"comparable": False}
+        if not cp.get("comparable") or cp["equal"] != cp["of"]:
+            bad_probe.append(label)
+    return bad_text, bad_probe
+
+
+def _swap_stats(phases: dict) -> dict:
+    swaps = [ph["swap"] for ph in phases.values() if ph.get("swap")]
+    moved = [s for s in swaps if s.get("bytes_copied")]
+    return {
+        "bytes_mismatch": [
+            s.get("expected_bytes") for s in swaps if (s.get("bytes_copied") or 0) != s.get("expected_bytes")
+        ],
+        "swap_errors": [s.get("error") for s in swaps if s.get("status") != 200],
+        "gbps_client": [round(s["bytes_copied"] / (s["client_ms"] / 1000) / 1e9, 2) for s in moved],
+        "gbps_workers": [round(s["gbps_workers"], 2) for s in moved if s.get("gbps_workers")],
+    }
+
+
+def case_row(res: dict) -> dict:
+    stock, reap = res.get("stock") or {}, res.get("reap") or {}
+    row = {"case": res.get("case"), "binds": res.get("binds"), "timed_out": res.get("timed_out", False)}
+    row["errors"] = {k: v["error"][:300] for k, v in (("stock", stock), ("reap", reap)) if v.get("error")}
+    status = reap.get("status_end") or reap.get("status_start") or {}
+    unit, kept = _find(status, "unit_bytes"), _find(status, "kept_whole_hbm_bytes")
+    layers = len(_find(status, "layers_rehomed") or []) or 1
+    row.update(
+        unit_mib=unit / 2**20 if unit else None,
+        payload_mib=(res.get("payload_bytes") or 0) / 2**20,
+        kept_whole_bytes=kept,
+        pool_slots=_find(status, "pool_slots"),
+        refusal=_find(status, "refused_layers") or _find(status, "reason") or res.get("engine_refusal"),
+        kept_per_layer=kept / layers if kept else None,
+    )
+    if stock.get("greedy") and reap.get("phases"):
+        row["text_differs"], row["probe_differs"] = _phase_checks(stock, reap["phases"])
+        row.update(_swap_stats(reap["phases"]))
+    row["pass"] = _verdict(row, reap)
+    return row
+
+
+def _verdict(row: dict, reap: dict) -> bool:
+    if row["errors"] or row["timed_out"] or "text_differs" not in row:
+        return False
+    same = not row["text_differs"] and not row["probe_differs"] and not row["swap_errors"]
+    if row["binds"]:
+        return same and not row["bytes_mismatch"] and bool(row["unit_mib"])
+    return same and bool(row["refusal"])  # refused formats: up on the stock path, refusal recorded
+
+
+def markdown(doc: dict) -> str:
+    head = (
+        "| case | engine | pass | greedy differs at | MoE digests differ at | swap GB/s (client; workers) | "
+        "bytes moved = admitted x payload | unit MiB (payload MiB) | pool slots | kept whole B/layer | refusal / error |"
+    )
+    lines = [f"quant e2e, {doc.get('wall_s', 0):.0f} s wall", "", head, "|" + "---|" * 11]
+    for r in doc.get("rows") or [case_row(c) for c in doc["cases"].values()]:
+        note = "; ".join(f"{k}: {v}" for k, v in r["errors"].items()) or str(r.get("refusal") or "")
+        note = ("TIMED OUT; " if r["timed_out"] else "") + note.replace("|", "/")[:240]
+        gb = f"{r.get('gbps_client')}; {r.get('gbps_workers')}" if r.get("gbps_client") else "-"
+        unit = (
+            f"{r['unit_mib']:.1f} ({r['payload_mib']:.2f})"
+            if r.get("unit_mib")
+            else f"- ({r['payload_mib']:.2f})"
+        )
+        mism = r.get("bytes_mismatch")
+        lines.append(
+            f"| {r['case']} | {'bound' if r['binds'] else 'refused'} | {'PASS' if r['pass'] else 'FAIL'} | "
+            f"{r.get('text_differs', '-')} | {r.get('probe_differs', '-')} | {gb} | "
+            f"{'yes' if mism == [] else mism if mism else '-'} | {unit} | {r.get('pool_slots')} | "
+            f"{r.get('kept_per_layer')} | {note} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.one_case:
+        one_case(a, a.one_case)
+        return 0
+    names = a.cases.split(",")
+    for fmt in dict.fromkeys(CASES[n][0] for n in names):  # once, before any server starts
+        checkpoint(a, fmt)
+    if a.dry_run:
+        plans = {}
+        for n in names:
+            model = checkpoint(a, CASES[n][0])
+            info = case_info(n, model)
+            plans[n] = {**info, "commands": commands(n, model, info, a)}
+            gpu_e2e.make_plan(model, 0.0, 8, a.out / f"plan-{n}.json")
+        (a.out / "dry_run.json").write_text(json.dumps(plans, indent=1))
+        print(json.dumps(plans, indent=1))
+        return 0
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    t0 = time.time()
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        results = dict(zip(names, pool.map(lambda n: spawn(a, n), names)))
+    doc = {"wall_s": time.time() - t0, "cases": results}
+    doc["rows"] = [case_row(r) for r in results.values()]
+    (a.out / "quant_e2e.json").write_text(json.dumps(doc, indent=1))
+    (a.out / "quant_e2e.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

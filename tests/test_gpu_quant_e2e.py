@@ -1,0 +1,84 @@
+"""scripts/gpu_quant_e2e.py on CPU: argument parsing, the tiny dry run (checkpoints, plans, the
+commands per case) and the summary on fake results. The servers themselves need the H200."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from script_modules import load_script
+
+qe = load_script("gpu_quant_e2e")
+
+
+def test_unknown_case_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        qe.parse_args(["--out", "x", "--cases", "bf16,int3"])
+    assert "int3" in capsys.readouterr().err
+
+
+def test_dry_run_writes_checkpoints_plans_and_commands(tmp_path):
+    assert qe.main(["--out", str(tmp_path), "--dry-run", "--tiny"]) == 0
+    plans = json.loads((tmp_path / "dry_run.json").read_text())
+    assert set(plans) == set(qe.CASES)
+    for name, p in plans.items():
+        reap, stock = p["commands"]["reap"], p["commands"]["stock"]
+        assert ("--moe-backend" in reap) == p["binds"] == (name not in {"awq", "gptq", "ct-w4a16", "mxfp4"})
+        assert "--no-enable-prefix-caching" in reap and "--enforce-eager" not in reap  # CUDA graphs on
+        assert stock[stock.index("--model") + 2 :] == reap[4:] + qe.gpu_e2e.PROBE_EXTENSION
+        plan = json.loads((tmp_path / f"plan-{name}.json").read_text())
+        assert plan["budget"]["per_expert_bytes"] == p["plan_per_expert_bytes"]
+    # online fp8: the plan counts bf16 experts, the pool moves fp8 payloads
+    assert plans["fp8-online"]["plan_per_expert_bytes"] == 2 * plans["fp8-online"]["payload_bytes"]
+    assert plans["fp8-online"]["commands"]["reap"][-2:] == ["--quantization", "fp8"]
+    assert plans["awq"]["dtype"] == "float16" and "Marlin" in plans["awq"]["engine_refusal"]
+
+
+def _probe(digest):
+    return {"status": 200, "ranks": [{"inputs": {"seed": 0}, "layers": {"l0": {"1": digest, "8": "b"}}}]}
+
+
+def _greedy(tok):
+    return [{"text": "x", "tokens": ["a", tok], "logprobs": [0, 0]}]
+
+
+def _fake(binds, tok="b", digest="a", copied=100):
+    phases = {"0": {"greedy": _greedy("b"), "moe_probe": _probe("a")}}
+    phases["25"] = {
+        "greedy": _greedy(tok),
+        "moe_probe": _probe(digest),
+        "swap": {
+            "status": 200,
+            "bytes_copied": copied,
+            "expected_bytes": 100 if binds else 0,
+            "client_ms": 1.0,
+        },
+    }
+    status = {"residency": {"unit_bytes": 6 * 2**20, "kept_whole_hbm_bytes": 16, "pool_slots": 256}}
+    if not binds:
+        status = {"residency": {"mode": "accounting", "reason": "no MoE layer was re-homed (awq: Marlin)"}}
+    return {
+        "case": "c",
+        "binds": binds,
+        "payload_bytes": 4.5 * 2**20,
+        "stock": {"greedy": _greedy("b"), "moe_probe": _probe("a")},
+        "reap": {"phases": phases, "status_end": status},
+    }
+
+
+def test_summary_passes_identical_runs_and_fails_each_kind_of_difference():
+    assert qe.case_row(_fake(True))["pass"]
+    assert qe.case_row(_fake(False, copied=0))["pass"]  # refused: up on the stock path, reason recorded
+    text = qe.case_row(_fake(True, tok="z"))
+    assert not text["pass"] and text["text_differs"] == ["25"]
+    probe = qe.case_row(_fake(True, digest="q"))
+    assert not probe["pass"] and probe["probe_differs"] == ["25"]
+    moved = qe.case_row(_fake(True, copied=50))
+    assert not moved["pass"] and moved["bytes_mismatch"] == [100]
+    crashed = _fake(False)
+    crashed["reap"] = {"error": "ServerError('exited')"}
+    assert not qe.case_row(crashed)["pass"]
+    row = qe.case_row(_fake(True))
+    assert row["unit_mib"] == 6 and row["gbps_client"] == [0.0] and row["pool_slots"] == 256
+    md = qe.markdown({"wall_s": 1, "cases": {"a": _fake(True), "b": crashed}})
+    assert "| c | bound | PASS |" in md and "| c | refused | FAIL |" in md and "exited" in md
