@@ -215,10 +215,11 @@ def fallback_fill_order(
 def ranked_fill(
     order: Iterable[tuple[int, int]], base: Mapping[int, Iterable[int]], slots: int, layers: Iterable[int]
 ) -> dict[int, frozenset[int]]:
-    """`base` plus the first experts of `order` (not in base, in `layers`) while `slots` allow."""
+    """`base` plus the first experts of `order` (not in base, in `layers`) while `slots` allow.
+    Only `layers` (the pooled ones) occupy slots; base's other layers are kept as they are."""
     allowed = set(layers)
     out = {layer: set(v) for layer, v in base.items()}
-    room = slots - sum(len(v) for v in out.values())
+    room = slots - sum(len(v) for layer, v in out.items() if layer in allowed)
     for layer, e in order:
         if room <= 0:
             break
@@ -251,5 +252,6 @@ def inactive_note(budget: str | float, accounting_reason: str | None) -> str | N
         return None
     return (
         f"--reap-budget {budget} is inactive: {accounting_reason} (accounting residency has no HBM "
-        "pool to size); the resident set stays the plan's budget and vLLM sizes its KV cache as usual"
+        "pool to size); the plan's budget is the pool, which swaps keep full from the plan's fill order, "
+        "and vLLM sizes its KV cache as usual"
     )
