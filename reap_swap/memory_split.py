@@ -19,6 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 GIB = 2**30
+# KV tokens per sequence are rounded up to this many: vLLM 0.26.0 picks the attention backend's block
+# size *after* the model loads (Platform.update_block_size_for_backend: 16 by default, 64 for
+# FlashMLA, up to 256), and its max-model-len check needs cdiv(max_model_len, block) whole blocks.
+KV_TOKEN_ROUND = 256
 DEFAULT_MARGIN_BYTES = 512 * 2**20  # left unused under the utilization cap (allocator slack)
 
 
@@ -81,9 +85,33 @@ def kv_layout(cfg: Mapping, dtype_bytes: int, tp_size: int = 1) -> KvLayout:
 
 
 def kv_bytes_for(layout: KvLayout, tokens_per_seq: int, num_seqs: int, block_size: int) -> int:
-    """KV bytes for `num_seqs` sequences of `tokens_per_seq` tokens, in whole blocks per sequence."""
-    blocks = -(-int(tokens_per_seq) // int(block_size))
-    return int(num_seqs) * blocks * int(block_size) * layout.bytes_per_token
+    """KV bytes for `num_seqs` sequences of `tokens_per_seq` tokens, in whole blocks per sequence
+    (a block of `block_size` rounded up to a multiple of KV_TOKEN_ROUND: see there)."""
+    block = -(-max(int(block_size), KV_TOKEN_ROUND) // KV_TOKEN_ROUND) * KV_TOKEN_ROUND
+    blocks = -(-int(tokens_per_seq) // block)
+    return int(num_seqs) * blocks * block * layout.bytes_per_token
+
+
+def kv_refusal(
+    *, kv_bytes: int, pool_bytes: int, total: int, free: int, utilization: float, source: str,
+    bytes_per_token: int | None, max_model_len: int,
+) -> str | None:  # fmt: skip
+    """At load: None when the KV target and the plan's pool fit under the cap, else the refusal
+    with the numbers and the --reap-kv-tokens that would fit (or why none does)."""
+    cap, in_use = int(total * utilization), int(total - free)
+    left = cap - in_use
+    if kv_bytes + pool_bytes <= left:
+        return None
+    hint = "lower --max-model-len, the plan's budget, or raise --gpu-memory-utilization"
+    if bytes_per_token:
+        fits = (left - pool_bytes) // bytes_per_token // KV_TOKEN_ROUND * KV_TOKEN_ROUND
+        if fits >= max_model_len:
+            hint = f"pass --reap-kv-tokens {fits} (or lower --max-num-seqs / --max-model-len)"
+    return (
+        f"KV target ({source}) needs {gib(kv_bytes)} GiB and the plan's pool {gib(pool_bytes)} GiB, "
+        f"but only {gib(left)} GiB is left under the cap of {gib(cap)} GiB (--gpu-memory-utilization "
+        f"{utilization} of {gib(total)} GiB, {gib(in_use)} GiB in use at load); {hint}"
+    )
 
 
 def kv_target(max_model_len: int, max_num_seqs: int, kv_tokens: int | None) -> tuple[int, int]:

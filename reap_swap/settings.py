@@ -13,8 +13,8 @@ error listing the known names: a typo must not start a server that silently igno
 | REAP_MAX_LOADED_CARTRIDGES  | --reap-max-loaded-cartridges N| LRU bound of loaded cartridges (resolved to resident sets; default 8) |
 | REAP_COACTIVATION           | --reap-coactivation           | also count the expert co-activation matrix (E*E int64 per layer) for `reap-swap observe` |
 | REAP_RESIDENCY              | --reap-residency MODE         | auto (CUDA engine on CUDA, accounting elsewhere), accounting, cuda |
-| REAP_BUDGET                 | --reap-budget auto|plan|GIB   | HBM expert pool: plan (default: the plan's budget), auto (what memory leaves after weights, activations and the KV target, up to all experts), or a GiB cap on that; CUDA only (accounting residency keeps the plan's budget and says so) |
-| REAP_KV_TOKENS              | --reap-kv-tokens N            | KV target in tokens for budget auto/GiB (default --max-model-len x --max-num-seqs as vLLM resolves them) |
+| REAP_BUDGET                 | --reap-budget auto|plan|GIB   | HBM expert pool: plan (default: the plan's budget), auto (what memory leaves after weights, activations and the KV target, up to all experts), or a GiB cap on that; with auto/GiB every swap keeps the pool full (core + active set + the plan's fill-order prefix); accounting residency uses the plan's budget as that pool |
+| REAP_KV_TOKENS              | --reap-kv-tokens N            | KV target in tokens for budget auto/GiB (default --max-model-len x --max-num-seqs as vLLM resolves them: vLLM 0.26 defaults max_num_seqs to 1024 on a >= 70 GiB GPU, so pass this or --max-num-seqs; a refusal names the N that fits) |
 
 Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
 "reap_swap" (vllm_config.additional_config), which every worker and API process receives; the
