@@ -120,19 +120,24 @@ def resident_bytes(plan: Plan, resident: ResidentSets) -> int:
     return sum(len(ids) for ids in resident.values()) * plan.per_expert_bytes
 
 
-def check_budget(plan: Plan, resident: ResidentSets, budget_bytes: int | None) -> int:
-    """Returns the budget applied (the request's, else the plan's); raises BudgetExceeded.
+def check_budget(
+    plan: Plan, resident: ResidentSets, budget_bytes: int | None, pool_slots: int | None = None
+) -> int:
+    """Returns the budget applied (the request's, else the pool's); raises BudgetExceeded.
 
-    A request may lower the budget, never raise it: the HBM pool is reserved at startup for the
-    plan's budget, so more could not be made resident.
+    The pool is the plan's budget, or with `pool_slots` (--reap-budget auto | GiB: the HBM pool the
+    workers have, pool_fill.py) that many experts. A request may lower the budget, never raise it
+    above the pool: more could not be made resident.
     """
-    if budget_bytes is not None and budget_bytes > plan.swappable_budget_bytes:
+    if pool_slots is None:
+        cap, what = plan.swappable_budget_bytes, "the plan's budget of"
+    else:
+        cap, what = pool_slots * plan.per_expert_bytes, f"the HBM pool of {pool_slots} expert slots,"
+    if budget_bytes is not None and budget_bytes > cap:
         raise ActiveSetError(
-            "budget_bytes",
-            f"{budget_bytes:,} bytes is above the plan's budget of "
-            f"{plan.swappable_budget_bytes:,} bytes (the HBM pool's size)",
+            "budget_bytes", f"{budget_bytes:,} bytes is above {what} {cap:,} bytes (the HBM pool's size)"
         )
-    budget = plan.swappable_budget_bytes if budget_bytes is None else budget_bytes
+    budget = cap if budget_bytes is None else budget_bytes
     needed = resident_bytes(plan, resident)
     if needed > budget:
         raise BudgetExceeded("budget_bytes" if budget_bytes is not None else "active_set", needed, budget)

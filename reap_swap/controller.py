@@ -41,7 +41,6 @@ from reap_swap.active_set import (
     check_budget,
     delta,
     delta_summary,
-    normalize_active_set,
     resident_bytes,
     resident_sets,
     signature,
@@ -51,6 +50,7 @@ from reap_swap.cartridges import load_cartridges
 from reap_swap.forensics import ForensicsLog, aggregate_workers, summarize_router_misses
 from reap_swap.lru import LRUDict
 from reap_swap.plan import Plan
+from reap_swap.pool_fill import Pool, fill_pool, pool_from_workers, resolve_swap
 from reap_swap.swap_failure import WorkerSwapFailed, ranks_named_in
 from reap_swap.swap_report import brief, status_report, swap_response, timing
 
@@ -89,6 +89,7 @@ class SwapController:
         max_loaded_cartridges: int = 8,
         cartridges: Mapping[str, Mapping[str, list]] | None = None,
         metrics: Metrics | None = None,
+        keep_pool_full: bool = False,
     ):
         self.plan = plan
         self.plan_file = str(plan_file) if plan_file is not None else None
@@ -110,6 +111,10 @@ class SwapController:
         self.last_swap_time: float | None = None
         self.last_swap_seconds: float | None = None
         self.workers = 0
+        # --reap-budget auto | GiB: swaps fill the workers' pool from the plan's order (pool_fill.py)
+        self.keep_pool_full = keep_pool_full
+        self.pool: Pool | None = None  # set by start() when keep_pool_full
+        self.fill_order = plan.fill_order()[0] if keep_pool_full else []
 
     @property
     def open_request(self) -> str | None:
@@ -147,6 +152,8 @@ class SwapController:
             if any(s.plan_identity != self.plan.identity for s in statuses):
                 raise RuntimeError("a worker loaded a different plan than the API process")
             self.resident = wire.decode_resident_sets(statuses[0].layers)
+            if self.keep_pool_full:
+                await self._fill_pool_at_start([s.backend for s in statuses])
             self.sig = signature(self.resident)
             self.attribution.open_resident = self.resident
             self.residency_mode = statuses[0].residency_mode
@@ -154,24 +161,29 @@ class SwapController:
             await self._rpc(wire.RESET_STATS)
             return {"workers": self.workers, "mode": self.residency_mode, "signature": self.sig}
 
+    async def _fill_pool_at_start(self, backends: list[dict]) -> None:
+        """Adopt the workers' pool; fill it (core + order's prefix) if startup did not (accounting)."""
+        try:
+            self.pool = pool_from_workers(self.plan, backends)
+        except ValueError as exc:
+            raise RuntimeError(str(exc)) from None
+        target, _added = fill_pool(resident_sets(self.plan, {}), self.fill_order, self.pool)
+        if all(self.resident.get(layer) == target[layer] for layer in self.pool.layers):
+            return
+        results = await self._apply_on_workers(target, dry_run=False, read_stats=False)
+        message, _ranks = _failures(results)
+        if message:
+            raise RuntimeError(f"filling the pool at startup failed: {message}")
+        self.resident = target
+
     # -- swaps -------------------------------------------------------------------------------
     def resolve_active_set(
         self, active_set: Mapping[str, list], budget_bytes: int | None
     ) -> tuple[ResidentSets, int, dict]:
-        """Validate an active set against the plan: (resident set, budget applied, validation
-        details). Raises ActiveSetError."""
-        requested = normalize_active_set(self.plan, active_set)
-        resident = resident_sets(self.plan, requested)
-        budget = check_budget(self.plan, resident, budget_bytes)
-        details = {
-            "requested_layers": sorted(requested),
-            "requested_experts": sum(len(v) for v in requested.values()),
-            "resident_experts": sum(len(v) for v in resident.values()),
-            "resident_bytes": resident_bytes(self.plan, resident),
-            "budget_bytes": budget,
-            "budget_source": "request" if budget_bytes is not None else "plan",
-        }
-        return resident, budget, details
+        """(resident set, budget applied, validation details) of an active set, checked against the
+        plan (keep_pool_full: the workers' pool, filled from the plan's order). Raises ActiveSetError."""
+        pool = self.pool if self.keep_pool_full else None
+        return resolve_swap(self.plan, active_set, budget_bytes, pool, self.fill_order)
 
     async def swap(self, req: SwapRequest, kind: str = "swap") -> dict:
         """Validate outside the lock (pure), then apply under it."""
@@ -188,13 +200,14 @@ class SwapController:
         if cartridge_id not in self.cartridge_defs:
             raise UnknownCartridge(cartridge_id)
         loaded = cartridge_id in self.cartridges
-        if loaded:
+        if loaded and (budget_bytes is None or not self.keep_pool_full):  # a filled set: pool's budget
             resident = self.cartridges[cartridge_id]
             details = {
                 "resident_experts": sum(len(v) for v in resident.values()),
                 "resident_bytes": resident_bytes(self.plan, resident),
             }
-            details["budget_bytes"] = check_budget(self.plan, resident, budget_bytes)
+            pool_slots = self.pool.slots if self.keep_pool_full and self.pool is not None else None
+            details["budget_bytes"] = check_budget(self.plan, resident, budget_bytes, pool_slots)
         else:
             resident, _b, details = self.resolve_active_set(self.cartridge_defs[cartridge_id], budget_bytes)
             self.cartridges[cartridge_id] = resident

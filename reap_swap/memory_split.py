@@ -19,6 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 GIB = 2**30
+# KV tokens per sequence are rounded up to this many: vLLM 0.26.0 picks the attention backend's block
+# size *after* the model loads (Platform.update_block_size_for_backend: 16 by default, 64 for
+# FlashMLA, up to 256), and its max-model-len check needs cdiv(max_model_len, block) whole blocks.
+KV_TOKEN_ROUND = 256
 DEFAULT_MARGIN_BYTES = 512 * 2**20  # left unused under the utilization cap (allocator slack)
 
 
@@ -81,9 +85,33 @@ def kv_layout(cfg: Mapping, dtype_bytes: int, tp_size: int = 1) -> KvLayout:
 
 
 def kv_bytes_for(layout: KvLayout, tokens_per_seq: int, num_seqs: int, block_size: int) -> int:
-    """KV bytes for `num_seqs` sequences of `tokens_per_seq` tokens, in whole blocks per sequence."""
-    blocks = -(-int(tokens_per_seq) // int(block_size))
-    return int(num_seqs) * blocks * int(block_size) * layout.bytes_per_token
+    """KV bytes for `num_seqs` sequences of `tokens_per_seq` tokens, in whole blocks per sequence
+    (a block of `block_size` rounded up to a multiple of KV_TOKEN_ROUND: see there)."""
+    block = -(-max(int(block_size), KV_TOKEN_ROUND) // KV_TOKEN_ROUND) * KV_TOKEN_ROUND
+    blocks = -(-int(tokens_per_seq) // block)
+    return int(num_seqs) * blocks * block * layout.bytes_per_token
+
+
+def kv_refusal(
+    *, kv_bytes: int, pool_bytes: int, total: int, free: int, utilization: float, source: str,
+    bytes_per_token: int | None, max_model_len: int,
+) -> str | None:  # fmt: skip
+    """At load: None when the KV target and the plan's pool fit under the cap, else the refusal
+    with the numbers and the --reap-kv-tokens that would fit (or why none does)."""
+    cap, in_use = int(total * utilization), int(total - free)
+    left = cap - in_use
+    if kv_bytes + pool_bytes <= left:
+        return None
+    hint = "lower --max-model-len, the plan's budget, or raise --gpu-memory-utilization"
+    if bytes_per_token:
+        fits = (left - pool_bytes) // bytes_per_token // KV_TOKEN_ROUND * KV_TOKEN_ROUND
+        if fits >= max_model_len:
+            hint = f"pass --reap-kv-tokens {fits} (or lower --max-num-seqs / --max-model-len)"
+    return (
+        f"KV target ({source}) needs {gib(kv_bytes)} GiB and the plan's pool {gib(pool_bytes)} GiB, "
+        f"but only {gib(left)} GiB is left under the cap of {gib(cap)} GiB (--gpu-memory-utilization "
+        f"{utilization} of {gib(total)} GiB, {gib(in_use)} GiB in use at load); {hint}"
+    )
 
 
 def kv_target(max_model_len: int, max_num_seqs: int, kv_tokens: int | None) -> tuple[int, int]:
@@ -215,10 +243,11 @@ def fallback_fill_order(
 def ranked_fill(
     order: Iterable[tuple[int, int]], base: Mapping[int, Iterable[int]], slots: int, layers: Iterable[int]
 ) -> dict[int, frozenset[int]]:
-    """`base` plus the first experts of `order` (not in base, in `layers`) while `slots` allow."""
+    """`base` plus the first experts of `order` (not in base, in `layers`) while `slots` allow.
+    Only `layers` (the pooled ones) occupy slots; base's other layers are kept as they are."""
     allowed = set(layers)
     out = {layer: set(v) for layer, v in base.items()}
-    room = slots - sum(len(v) for v in out.values())
+    room = slots - sum(len(v) for layer, v in out.items() if layer in allowed)
     for layer, e in order:
         if room <= 0:
             break
@@ -251,5 +280,6 @@ def inactive_note(budget: str | float, accounting_reason: str | None) -> str | N
         return None
     return (
         f"--reap-budget {budget} is inactive: {accounting_reason} (accounting residency has no HBM "
-        "pool to size); the resident set stays the plan's budget and vLLM sizes its KV cache as usual"
+        "pool to size); the plan's budget is the pool, which swaps keep full from the plan's fill order, "
+        "and vLLM sizes its KV cache as usual"
     )

@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
+from reap_swap.budget_startup import BudgetRefused, arm_refusal_file, read_refusal
 from reap_swap.compat import serve as vllm_serve
 from reap_swap.host_memory import HostMemoryNeed, mem_available_bytes
 from reap_swap.logs import get_logger
@@ -249,7 +251,17 @@ def main(argv: list[str] | None = None) -> int:
         log.error("reap-swap: startup refused: %s", exc)
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, SettingsError) else 1
-    cmd.cmd(args)
+    refusal_file = arm_refusal_file(Path(tempfile.gettempdir()))
+    try:
+        cmd.cmd(args)
+    except BaseException as exc:  # noqa: BLE001 - a budget refusal ends as one line, anything else re-raises
+        why = str(exc) if isinstance(exc, BudgetRefused) else read_refusal(refusal_file)
+        if why is None:
+            raise
+        print(f"{PROG}: error: startup refused: {why}", file=sys.stderr)  # the worker / routes logged it
+        return 1
+    finally:
+        refusal_file.unlink(missing_ok=True)
     return 0
 
 

@@ -86,6 +86,7 @@ def status_report(ctl: Any, statuses: list[wire.StatusReply]) -> dict:
         "resident_experts": sum(len(v) for v in ctl.resident.values()),
         "resident_bytes": resident_bytes(ctl.plan, ctl.resident),
         "budget_bytes": ctl.plan.swappable_budget_bytes,
+        "pool": _pool(ctl),  # --reap-budget auto | GiB: what swaps fill (pool_fill.py)
         "memory_split": getattr(ctl, "budget_report", None),  # --reap-budget (budget_startup.py)
         "swap_count": ctl.swap_count,
         "noop_count": ctl.noop_count,
@@ -109,4 +110,16 @@ def status_report(ctl: Any, statuses: list[wire.StatusReply]) -> dict:
         ],
         "workers_consistent": all(s.layers == mine for s in statuses),
         "cache": cache_surface.report(statuses),
+    }
+
+
+def _pool(ctl: Any) -> dict | None:
+    pool = getattr(ctl, "pool", None)
+    if pool is None:
+        return None
+    return {
+        "slots": pool.slots,
+        "bytes": pool.nbytes(ctl.plan),
+        "layers": sorted(pool.layers),
+        "source": pool.source,
     }

@@ -35,14 +35,18 @@ class ResidencyBackend(Protocol):
 
 
 def check_resident_sets(plan: Plan, resident: ResidentSets) -> ResidentSets:
-    """Every plan layer, only candidate experts (defence in depth: the API process validated the
-    same plan already). Raises ValueError naming the layer."""
+    """Every plan layer, only expert ids the layer has (defence in depth: the API process validated
+    the active set against the plan's candidates already; with --reap-budget auto | GiB the pool is
+    also filled from the plan's fill order, which ranks every expert: pool_fill.py). Raises
+    ValueError naming the layer."""
     for layer, ids in resident.items():
         if layer not in plan.layers:
             raise ValueError(f"layer {layer} is not in the plan")
-        bad = sorted(set(ids) - plan.layers[layer].candidates)
+        bad = sorted(e for e in ids if not 0 <= e < plan.layers[layer].num_experts)
         if bad:
-            raise ValueError(f"layer {layer}: experts {bad} are not candidates of the plan")
+            raise ValueError(
+                f"layer {layer}: experts {bad} are outside the layer's {plan.layers[layer].num_experts}"
+            )
     missing = sorted(set(plan.layers) - set(resident))
     if missing:
         raise ValueError(f"resident set lacks plan layers {missing}")

@@ -52,16 +52,26 @@ def run_arm(name: str, argv: list[str], out: Path, plan_doc: dict) -> dict:
             rec["startup_s"] = srv.startup_s
             rec["status"] = httpx.get(srv.url + "/reap/status", timeout=30).json()
             rec["greedy"] = greedy_completions(srv.url, PROMPTS, max_tokens=32)
-            body = {"active_set": one_slice_per_layer(plan_doc)}
+            body = {"request_id": f"{name}-swap", "active_set": one_slice_per_layer(plan_doc)}
             r = httpx.post(srv.url + "/swap_active_set", json=body, timeout=120)
             rec["swap"] = {"code": r.status_code, "body": r.json()}
+            rec["status_after_swap"] = httpx.get(srv.url + "/reap/status", timeout=30).json()
             rec["greedy_after_swap"] = greedy_completions(srv.url, PROMPTS, max_tokens=32)
     except ServerError as exc:
         rec["server_error"] = str(exc)[-4000:]
     log = srv.log_path.read_text(errors="replace") if srv.log_path.exists() else ""
     rec["split_line"] = (SPLIT.findall(log) or [None])[-1]
     rec["refusal_lines"] = [l for l in log.splitlines() if "startup refused" in l or "BudgetError" in l][-5:]
+    rec["tracebacks_in_log"] = log.count("Traceback (most recent call last)")
     return rec
+
+
+def _pool_kept_full(r: dict) -> bool | None:
+    """After the swap the workers' pool is as full as before it (pool_fill.py), or holds all experts."""
+    before, after = r.get("status") or {}, r.get("status_after_swap") or {}
+    if not before.get("pool") or not after:
+        return None
+    return after["resident_experts"] >= min(before["resident_experts"], before["pool"]["slots"])
 
 
 def main() -> int:
@@ -95,11 +105,16 @@ def main() -> int:
             "text_same_as_auto@0.85": ref is not None and [g["text"] for g in r.get("greedy", [])] == [g["text"] for g in ref],
             "text_same_after_swap": [g["text"] for g in r.get("greedy", [])] == [g["text"] for g in r.get("greedy_after_swap", [])],
             "swap_bytes": (r.get("swap") or {}).get("body", {}).get("bytes_copied"),
+            "pool_kept_full": _pool_kept_full(r),
             "split_line": r.get("split_line"),
         }
         for n, r in results.items()
     }  # fmt: skip
-    summary["refused_ok"] = "refused" not in results or "greedy" not in results["refused"]
+    refused = results.get("refused", {})
+    summary["refused_ok"] = "refused" not in results or (
+        "greedy" not in refused
+        and any("startup refused" in l and "GiB" in l for l in refused["refusal_lines"])
+    )
     (out / "budget_auto.summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     return (

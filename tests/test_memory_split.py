@@ -16,6 +16,7 @@ from reap_swap.memory_split import (
     inactive_note,
     kv_bytes_for,
     kv_layout,
+    kv_refusal,
     kv_target,
     launch_check,
     parse_budget,
@@ -75,7 +76,9 @@ def test_kv_layout_gqa_mla_and_refusals():
 def test_kv_bytes_and_target():
     layout = kv_layout(QWEN3_30B, 2)
     assert kv_bytes_for(layout, 4096, 8, 16) == 8 * 4096 * layout.bytes_per_token
-    assert kv_bytes_for(layout, 100, 2, 16) == 2 * 112 * layout.bytes_per_token  # whole blocks
+    # whole blocks of a multiple of 256 tokens: vLLM 0.26 picks the backend's block (16..256) after load
+    assert kv_bytes_for(layout, 100, 2, 16) == 2 * 256 * layout.bytes_per_token
+    assert kv_bytes_for(layout, 300, 1, 512) == 512 * layout.bytes_per_token
     assert kv_target(4096, 8, None) == (4096, 8)
     assert kv_target(4096, 8, 65536) == (65536, 1)
     with pytest.raises(BudgetError, match="below --max-model-len"):
@@ -244,3 +247,58 @@ def test_fill_budget_refuses_and_reports_inactive():
     rpc, calls = _fake_rpc([{"rank": 0, "active": False, "reason": "--reap-budget auto is inactive"}], [])
     assert asyncio.run(fill_budget(rpc)) == {"active": False, "reason": "--reap-budget auto is inactive"}
     assert len(calls) == 1
+
+
+def test_kv_refusal_names_the_numbers_and_a_kv_tokens_that_fits():
+    gi = GIB
+    fits = kv_refusal(kv_bytes=10 * gi, pool_bytes=20 * gi, total=140 * gi, free=100 * gi, utilization=0.9,
+                      source="t", bytes_per_token=2**20, max_model_len=4096)  # fmt: skip
+    assert fits is None  # 126 cap - 40 in use = 86 GiB left >= 30
+    why = kv_refusal(kv_bytes=100 * gi, pool_bytes=20 * gi, total=140 * gi, free=100 * gi, utilization=0.9,
+                     source="4096 tokens x 1024 seqs", bytes_per_token=2**20, max_model_len=4096)  # fmt: skip
+    # (86 - 20) GiB / 1 MiB per token = 67584 tokens, a multiple of 256
+    assert "needs 100.00 GiB" in why and "pool 20.00 GiB" in why and "86.00 GiB is left" in why
+    assert "--reap-kv-tokens 67584" in why and "4096 tokens x 1024 seqs" in why
+    none = kv_refusal(kv_bytes=100 * gi, pool_bytes=85 * gi, total=140 * gi, free=100 * gi, utilization=0.9,
+                      source="t", bytes_per_token=2**20, max_model_len=4096)  # fmt: skip
+    assert "--reap-kv-tokens" not in none and "lower --max-model-len" in none
+
+
+def test_a_workers_refusal_reaches_the_launcher_as_one_line(tmp_path, monkeypatch, capsys):
+    from reap_swap import budget_startup, server
+
+    monkeypatch.setenv(budget_startup.REFUSAL_ENV, "")  # restored after the test (main arms it)
+    env: dict = {}
+    path = budget_startup.arm_refusal_file(tmp_path, env)
+    assert budget_startup.read_refusal(path) is None
+    budget_startup.record_refusal("KV target needs 9 GiB\nmore", env)
+    budget_startup.record_refusal("second rank", env)
+    assert budget_startup.read_refusal(path) == "KV target needs 9 GiB more"
+    budget_startup.record_refusal("nothing armed", {})  # no launcher: no file, no error
+
+    class Cmd:  # what vLLM's engine start does when a worker raised: a RuntimeError of its own
+        def cmd(self, args):
+            budget_startup.record_refusal("rank 0: over the memory cap: 1 GiB")
+            raise RuntimeError("Engine core initialization failed. See root cause above.")
+
+    monkeypatch.setattr(server, "prepare", lambda argv: (None, Cmd()))
+    monkeypatch.setattr(server.tempfile, "gettempdir", lambda: str(tmp_path))
+    assert server.main(["m"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().endswith("startup refused: rank 0: over the memory cap: 1 GiB")
+    assert not list(tmp_path.glob("reap-swap-refusal-*"))  # cleaned up
+
+    class Other:
+        def cmd(self, args):
+            raise RuntimeError("not a budget refusal")
+
+    monkeypatch.setattr(server, "prepare", lambda argv: (None, Other()))
+    with pytest.raises(RuntimeError, match="not a budget refusal"):
+        server.main(["m"])
+
+    class Api:
+        def cmd(self, args):
+            raise budget_startup.BudgetRefused("rank 1: --reap-budget 9.0 GiB needs 3 more slots")
+
+    monkeypatch.setattr(server, "prepare", lambda argv: (None, Api()))
+    assert server.main(["m"]) == 1 and "needs 3 more slots" in capsys.readouterr().err

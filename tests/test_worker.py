@@ -102,7 +102,7 @@ def test_dry_run_changes_nothing():
     "keep,needle",
     [
         ({"0": [0], "1": [5], "2": [10], "3": [0], "4": [0]}, "layer 4"),
-        ({"0": [0], "1": [5], "2": [10], "3": [14]}, "experts \\[14\\]"),
+        ({"0": [0], "1": [5], "2": [10], "3": [16]}, "experts \\[16\\] are outside"),
         ({"0": [0], "1": [5]}, "resident set lacks plan layers \\[2, 3\\]"),
     ],
 )

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from reap_swap.budget_startup import record_refusal
 from reap_swap.compat import memory as vllm_memory
 from reap_swap.memory_split import (
     BudgetError,
@@ -26,6 +27,7 @@ from reap_swap.memory_split import (
     gib,
     kv_bytes_for,
     kv_layout,
+    kv_refusal,
     kv_target,
     plan_growth,
     ranked_fill,
@@ -57,16 +59,14 @@ class BudgetHook:
             source = f"{tokens} tokens x {seqs} seqs, {layout.kind}, {layout.bytes_per_token} B/token"
             vllm_memory.set_kv_cache_memory_bytes(cfg, kv_bytes)
         free, total = torch.cuda.mem_get_info(st.device)
-        cap = int(total * kv["utilization"])
-        pool = st.budget_bytes
-        if kv_bytes + pool > cap - (total - free):
-            raise BudgetError(
-                f"KV target ({source}) needs {gib(kv_bytes)} GiB and the plan's pool {gib(pool)} GiB, "
-                f"but only {gib(cap - (total - free))} GiB is left under the cap of {gib(cap)} GiB "
-                f"(--gpu-memory-utilization {kv['utilization']} of {gib(total)} GiB, "
-                f"{gib(total - free)} GiB in use at load); lower --reap-kv-tokens / --max-num-seqs / "
-                "--max-model-len"
-            )
+        refusal = kv_refusal(
+            kv_bytes=kv_bytes, pool_bytes=st.budget_bytes, total=total, free=free,
+            utilization=kv["utilization"], source=source, max_model_len=kv["max_model_len"],
+            bytes_per_token=None if kv["user_kv_bytes"] else layout.bytes_per_token,
+        )  # fmt: skip
+        if refusal:
+            record_refusal(refusal)  # the launcher prints it as its one error line (budget_startup.py)
+            raise BudgetError(refusal)
         st.budget_report = {"budget": self.budget, "kv_bytes": kv_bytes, "kv_source": source}
         logger.info("reap-swap budget %s: KV cache %s GiB (%s)", self.budget, gib(kv_bytes), source)
 
