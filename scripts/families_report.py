@@ -247,7 +247,7 @@ def markdown(families: Sequence[Mapping]) -> list[str]:
             b = rows.get(label, {})
             swap = p.get("swap_bytes")
             lines.append(
-                f"| {f['family']} | {label} | {p.get('resident') or '–'} | "
+                f"| {f['family']} | {label} | {'–' if p.get('resident') is None else p['resident']} | "
                 f"{_fmt(swap / GIB, 2) if swap else '–'} | {_fmt(p.get('swap_gbps'))} | {_fmt(p.get('h'), 3)} | "
                 f"{_fmt(p.get('decode_1'))} | {_fmt(b.get('bound'))} | "
                 f"{_fmt(b.get('ratio'), 3)}{' (fit)' if b.get('fit') else ''} | {_cmp_cell(p.get('greedy_vs_stock'))} | "

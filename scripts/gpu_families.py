@@ -153,7 +153,7 @@ def counters_under_graphs(srv: serving.Server, shape: dict) -> dict:
     return {"prompt_tokens": tokens, "observed": got, "expected": want, "equal": got == want}
 
 
-def readme_curl(srv: serving.Server, plan: dict) -> dict | None:
+def readme_curl(srv: serving.Server, plan: dict, shape: dict) -> dict | None:
     """The README's three curls: swap request r1 to one layer's first slice, a chat completion,
     then /router_misses/r1 (the slice's bytes must move; the chat's selections must be counted)."""
     key = next((k for k, v in plan["perLayer"].items() if v.get("sliceCatalog")), None)
@@ -163,15 +163,18 @@ def readme_curl(srv: serving.Server, plan: dict) -> dict | None:
     code, data, ms = e2e.post(
         srv, "/swap_active_set", {"request_id": "r1", "phase": "prefill", "active_set": {key: [sid]}}
     )
-    chat = httpx.post(
-        srv.url + "/v1/chat/completions",
-        json={"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
-        timeout=300,
+    # vLLM renders GPT-OSS chats with openai-harmony, whose encoding file is fetched on first use:
+    # offline that fails or hangs, so that family's request is the completions form
+    route, body = (
+        ("/v1/completions", {"prompt": "Hello"})
+        if shape["family"] == "gpt_oss"
+        else ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]})
     )
+    chat = httpx.post(srv.url + route, json={"model": "m", "max_tokens": 8, **body}, timeout=120)
     totals = (httpx.get(srv.url + "/router_misses/r1", timeout=60).json().get("totals")) or {}
     out = {
         "layer": key, "slice": sid, "swap_status": code, "swap_ms": ms,
-        "bytes_copied": data.get("bytes_copied"), "chat_status": chat.status_code,
+        "bytes_copied": data.get("bytes_copied"), "route": route, "chat_status": chat.status_code,
         "observed_selections": totals.get("observed_selections"),
         "missed_selections": totals.get("missed_selections"),
         "error": data if code != 200 else (chat.text[:500] if chat.status_code != 200 else None),
@@ -192,7 +195,7 @@ def reap_steps(srv, plan: dict, shape: dict, res: dict, a, save) -> None:
     r["worker_status"] = e2e.collective_rpc(srv, "reap_status")
     save()
     r["counters"] = counters_under_graphs(srv, shape)
-    r["readme_curl"] = readme_curl(srv, plan)
+    r["readme_curl"] = readme_curl(srv, plan, shape)
     save()
     label = fr.startup_label(plan)
     e2e.open_request(srv, f"p-{label}")  # the startup set, statistics reset
