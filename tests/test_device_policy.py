@@ -115,3 +115,27 @@ def test_seed_and_set_pinned_refuse_bad_input():
         c.set_pinned([], active_slots=5)
     with pytest.raises(ValueError, match="outside"):
         c.set_pinned([4])
+
+
+def test_layer_step_chain_is_bitwise_equal_on_a_toy_kernel():
+    """step -> copy -> remap -> a kernel over E + N units, on CPU: the slot units hold the bytes
+    of the experts the remapped ids name, so a toy MoE gives bitwise the stock result."""
+    from reap_swap.residency.device_cache import LayerStep
+    from reap_swap.residency.device_cache_copy import copy_units_torch, unit_view
+
+    E, N, H = 12, 4, 16
+    gen = torch.Generator().manual_seed(1)
+    raw = torch.zeros((E + N) * H * H * 4, dtype=torch.uint8)
+    w = raw.view(torch.float32).view(E + N, H, H)
+    w[:E] = torch.randn(E, H, H, generator=gen)
+    stock = w[:E].clone()
+    layer = LayerStep(DeviceCache(E, N, "cpu"), unit_view(raw, E + N, H * H * 4), copy_units_torch)
+    for t in range(60):
+        rows = 1 + t % 5
+        ids = torch.multinomial(torch.linspace(1, 3, E), 2 * rows, generator=gen).view(rows, 2)
+        x = torch.randn(rows, H, generator=gen)
+        got = torch.einsum("rkij,rj->ri", w[layer(ids)], x)
+        want = torch.einsum("rkij,rj->ri", stock[ids], x)
+        assert torch.equal(got, want), t
+    r = layer.cache.read_counters()
+    assert r["admitted"] > N and r["evicted"] > 0 and r["expert_hits"] > 0 and r["read_through_steps"] > 0

@@ -143,6 +143,10 @@ class DeviceCache:
         )
         self.copy_expert.fill_(-1)
 
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor a step writes (snapshot/restore around a CUDA-graph warm-up)."""
+        return (self.score, self.slot_expert, self.expert_slot, self.copy_expert, self.table, self.counters)
+
     def read_counters(self, reset: bool = False) -> dict[str, int]:
         vals = self.counters.tolist()
         if reset:
@@ -216,6 +220,31 @@ class DeviceCache:
         self.copy_expert.copy_(copy)
         self.counters[_C["admitted"]] += n_admit
         self.counters[_C["evicted"]] += evict.sum()
+
+
+class LayerStep:
+    """What the layer runs per step, in stream order (fixed shapes, captured with the forward):
+    count the step's routing (original ids), update the cache, copy admissions into slots, return
+    the remapped ids for the kernel over E + N units. ``units``: device_cache_copy.unit_view."""
+
+    def __init__(self, cache: DeviceCache, units: torch.Tensor, copy_fn=None) -> None:
+        from reap_swap.residency.device_cache_copy import copy_units
+
+        self.cache, self.units = cache, units
+        self.copy_fn = copy_fn or copy_units
+
+    def seed(self, experts: Iterable[int]) -> list[tuple[int, int]]:
+        """Fill free slots with ``experts`` and copy their bytes (between steps: startup fill)."""
+        placed = self.cache.seed(experts)
+        for e, s in placed:
+            self.units[self.cache.num_experts + s].copy_(self.units[e])
+        return placed
+
+    def __call__(self, topk_ids: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.cache
+        table = c.step(step_counts(topk_ids, c.num_experts, valid_rows))
+        self.copy_fn(self.units, c.copy_expert, c.num_experts)
+        return remap_ids(topk_ids, table)
 
 
 def remap_ids(topk_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

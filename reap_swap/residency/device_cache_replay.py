@@ -75,6 +75,7 @@ def compare_layer(
     device="cpu",
     decay: float = 0.8,
     step_fn: Callable | None = None,
+    pad_to: int = 8,
 ) -> dict:
     """Drive both per step; raise AssertionError at the first differing step. Returns the counts.
 
@@ -88,7 +89,7 @@ def compare_layer(
     step_fn = step_fn or _eager_step
     pad_id = trace.num_experts - 1
     for t, ids in enumerate(layer_ids(trace, layer)):
-        x, valid = padded(ids, 8, pad_id, device)
+        x, valid = padded(ids, pad_to, pad_id, device)
         step_fn(cache, x, valid)
         resident = frozenset(ref.choose(t, resident, steps.needed[t], steps.counts[t]))
         slots, pinned = cache.resident_experts()
