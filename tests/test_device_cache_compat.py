@@ -73,3 +73,37 @@ def test_config_alias_looks_up_the_stock_expert_count():
         moe_cache._INSTALLED[:] = saved_installed
         moe_cache._ALIASES.clear()
         moe_cache._ALIASES.update(saved_aliases)
+
+
+def test_device_caches_interface_on_a_fake_layer():
+    """DeviceCaches.engage/forward/read_counters/on_swap/status with a toy kernel (CPU tensors)."""
+    from reap_swap.residency.device_cache_api import DeviceCaches
+
+    E, N, H = 8, 3, 4
+    raw = torch.zeros((E + N) * H * H * 4, dtype=torch.uint8)
+    w = raw.view(torch.float32).view(E + N, H, H)
+    w[:E] = torch.randn(E, H, H, generator=torch.Generator().manual_seed(0))
+    stock = w[:E].clone()
+    layer = _layer()
+
+    def apply(hidden_states, w1, w2, topk_weights, topk_ids, global_num_experts, **_):
+        assert global_num_experts == E + N and w1.shape[0] == E + N
+        return torch.einsum("rkij,rj->ri", w1[topk_ids], hidden_states)
+
+    layer.quant_method.moe_kernel.apply = apply
+    layer.activation, layer.apply_router_weight_on_input = "silu", False
+    rng = SimpleNamespace(num_experts=E, num_slots=N, unit_bytes=H * H * 4)
+    caches = DeviceCaches()
+    with pytest.raises(ValueError, match="dlfu only"):
+        DeviceCaches("lru")
+    assert caches.engage(layer, 0, rng, raw, (w, w), seed=[1])
+    assert not caches.engage(_layer(w13_bias=torch.zeros(8)), 1, rng, raw, (w, w))
+    x = torch.randn(2, H)
+    for ids in ([[0, 1], [2, 3]], [[0, 5], [1, 2]]):
+        ti = torch.tensor(ids)
+        out = caches.forward(layer, 0, x, None, ti, None, None, None)
+        assert torch.equal(out, torch.einsum("rkij,rj->ri", stock[ti], x))
+    assert caches.read_counters()[0]["expert_hits"] >= 1
+    assert caches.on_swap(0, [0], active_slots=2) and 0 in caches.status()["layers"][0]["pinned"]
+    st = caches.status()
+    assert st["layers"][0]["active"] == 2 and "50562" in st["refused"][1]

@@ -228,10 +228,11 @@ class LayerStep:
     the remapped ids for the kernel over E + N units. ``units``: device_cache_copy.unit_view."""
 
     def __init__(self, cache: DeviceCache, units: torch.Tensor, copy_fn=None) -> None:
-        from reap_swap.residency.device_cache_copy import copy_units
+        from reap_swap.residency.device_cache_copy import copy_units, copy_units_torch
 
         self.cache, self.units = cache, units
-        self.copy_fn = copy_fn or copy_units
+        # CUDA: the Triton kernel; CPU tensors (tests, accounting): the torch reference
+        self.copy_fn = copy_fn or (copy_units if units.is_cuda else copy_units_torch)
 
     def seed(self, experts: Iterable[int]) -> list[tuple[int, int]]:
         """Fill free slots with ``experts`` and copy their bytes (between steps: startup fill)."""
