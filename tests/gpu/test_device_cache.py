@@ -157,7 +157,9 @@ def test_c_a_swap_pins_its_set_and_the_tail_yields(fm, layer):
     pool = vmm.DeviceSlotPool.create(len(pinned), unit, 0)
     try:
         for i, e in enumerate(pinned):  # a per-request swap: the experts' own units -> HBM
-            vmm.copy_async(pool.unit_address(i), rng.unit_address(e), unit, 0)
+            vmm.copy_async(
+                pool.unit_address(i), rng.unit_address(e), unit, torch.cuda.current_stream().cuda_stream
+            )
         torch.cuda.synchronize()
         for i, e in enumerate(pinned):
             rng.map_device(e, pool.handles[i], defer_access=True)
