@@ -139,3 +139,21 @@ def test_layer_step_chain_is_bitwise_equal_on_a_toy_kernel():
         assert torch.equal(got, want), t
     r = layer.cache.read_counters()
     assert r["admitted"] > N and r["evicted"] > 0 and r["expert_hits"] > 0 and r["read_through_steps"] > 0
+
+
+def test_the_step_compiles_whole_and_equals_eager():
+    """torch.compile(fullgraph=True) takes the step without a graph break (the fused candidate
+    that scripts/bench_device_cache.py times on the GPU) and gives the same state and ids."""
+
+    def one(cache, ids):
+        return remap_ids(ids, cache.step(step_counts(ids, cache.num_experts)))
+
+    gen = torch.Generator().manual_seed(0)
+    compiled, eager = DeviceCache(32, 8, "cpu"), DeviceCache(32, 8, "cpu")
+    fn = torch.compile(one, dynamic=False, fullgraph=True)
+    for _ in range(20):
+        ids = torch.topk(torch.randn(4, 32, generator=gen) + torch.linspace(3, 0, 32), 4).indices
+        assert torch.equal(fn(compiled, ids), one(eager, ids))
+        assert all(
+            torch.equal(a, b) for a, b in zip(compiled.state_tensors(), eager.state_tensors(), strict=True)
+        )
