@@ -107,3 +107,24 @@ def test_device_caches_interface_on_a_fake_layer():
     assert caches.on_swap(0, [0], active_slots=2) and 0 in caches.status()["layers"][0]["pinned"]
     st = caches.status()
     assert st["layers"][0]["active"] == 2 and "50562" in st["refused"][1]
+
+
+def test_engine_lending_splits_the_pool_and_refuses_by_reason():
+    from reap_swap.residency.device_cache_api import DeviceCaches
+    from reap_swap.residency.device_cache_engine import CacheConfig, rehome_layer
+
+    cfg = CacheConfig(DeviceCaches(), slots_per_layer=4)
+    assert cfg.split(20, 3) == 8 and cfg.refusal is None
+    small = CacheConfig(DeviceCaches(), slots_per_layer=4)
+    assert small.split(10, 3) == 10 and "12 > the pool's 10" in small.refusal
+    st = SimpleNamespace(
+        plan=object(), table=SimpleNamespace(num_slots=10), pool=SimpleNamespace(num_slots=10)
+    )
+    assert rehome_layer(small, st, _layer(), 0, None, None, 0) is None
+    assert "12 > the pool's 10" in small.caches.refused[0]
+    side = _layer(w13_bias=torch.zeros(8, 4))
+    st = SimpleNamespace(
+        plan=object(), table=SimpleNamespace(num_slots=8), pool=SimpleNamespace(num_slots=20)
+    )
+    assert rehome_layer(cfg, st, side, 5, None, None, 0) is None and "w13_bias" in cfg.caches.refused[5]
+    assert cfg.lent == {}

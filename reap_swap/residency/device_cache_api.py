@@ -35,9 +35,13 @@ Accounting mode on CPU (cacheacc): replay the counters' stream through
 cache_policy.device.DLFU (or DeviceCache on CPU tensors: the same integers, tests/
 test_device_policy.py proves the two agree step by step) -- same counts as ``read_counters``.
 
-NOT wired yet (issue 17, step 5): engine.attach_after_load does not call rehome_with_slots /
-engage (branch ``qbind`` is rewriting the unit layout in engine.py); the slot units are fresh
-device allocations, not taken from the pool; cuda_backend.apply does not call on_swap.
+Wired (issue 17, step 5; GPU-untested): ``CudaEngine(plan, refusals, cache=CacheConfig(...))``
+(device_cache_engine.py) lends N pool slots per layer, re-homes with slot units and engages; with
+``cache=None`` (the default) the engine is unchanged. NOT wired: the runtime does not build a
+CacheConfig from settings (``--reap-cache`` / ``--reap-cache-slots`` are cacheacc's); after a
+per-request swap nobody calls ``on_swap`` yet (correct anyway -- a swapped expert then sits in
+both its own unit and a slot, with the same bytes -- but it wastes the slot and the tail does not
+yield).
 """
 
 from __future__ import annotations

@@ -70,11 +70,14 @@ class CacheRange(vmm.MixedRange):
         self.base = 0
 
 
-def rehome_with_slots(w13: torch.Tensor, w2: torch.Tensor, unit_bytes: int, num_slots: int, device: int):
-    """engine.rehome with N slot units behind the experts. Returns (range, uint8 view of the whole
-    range, (w13, w2) views over E units, (w13, w2) views over E + N units)."""
+def rehome_with_slots(
+    w13: torch.Tensor, w2: torch.Tensor, unit_bytes: int, num_slots: int, device: int, slot_handles=None
+):
+    """engine.rehome with N slot units behind the experts (``slot_handles``: lent by the pool, else
+    fresh). Returns (range, uint8 view of the whole range, (w13, w2) views over E units, (w13, w2)
+    views over E + N units)."""
     num_experts, elem = w13.shape[0], w13.element_size()
-    rng = CacheRange.create(num_experts, num_slots, unit_bytes, device)
+    rng = CacheRange.create(num_experts, num_slots, unit_bytes, device, slot_handles)
     range_bytes = rng.as_bytes()
     flat = range_bytes.view(w13.dtype)
     unit_elems = unit_bytes // elem

@@ -30,7 +30,7 @@ import torch
 
 from reap_swap.compat import moe as vllm_moe
 
-from . import vmm
+from . import device_cache_engine, vmm
 from .refusals import LayerRefusals
 from .slot_table import SlotTable
 from .swap import apply_swap
@@ -137,9 +137,10 @@ def release_state(st: EngineState) -> None:
 class CudaEngine:
     """Re-homes each supported MoE layer at load time; holds the process's EngineState."""
 
-    def __init__(self, plan: Any | None, refusals: LayerRefusals) -> None:
+    def __init__(self, plan: Any | None, refusals: LayerRefusals, cache: Any | None = None) -> None:
         self.plan = plan
         self.refusals = refusals
+        self.cache = cache  # device_cache_engine.CacheConfig (issue 17), None: no device cache
         self.state: EngineState | None = None
 
     def hook_layer(self, layer: torch.nn.Module, index: int | None) -> None:
@@ -192,8 +193,13 @@ class CudaEngine:
         t0 = time.perf_counter()
         w13, w2 = layer.w13_weight, layer.w2_weight
         expert_bytes, unit_bytes = unit_bytes_for(w13, w2, st.granularity)
-        _ensure_pool(st, unit_bytes)
-        rng, range_bytes, new_w13, new_w2 = rehome(w13.data, w2.data, unit_bytes, st.device)
+        _ensure_pool(st, unit_bytes, self.cache)
+        cached = self.cache and device_cache_engine.rehome_layer(
+            self.cache, st, layer, index, w13.data, w2.data, unit_bytes
+        )
+        rng, range_bytes, new_w13, new_w2 = (
+            cached[:4] if cached else rehome(w13.data, w2.data, unit_bytes, st.device)
+        )
         layer.w13_weight.data = new_w13
         layer.w2_weight.data = new_w2
         # inside vLLM's device_loading_context: without the flag it would re-offload our range
@@ -203,10 +209,12 @@ class CudaEngine:
         st.layers[index] = LayerEntry(
             index, layer.layer_name, w13.shape[0], unit_bytes, expert_bytes, rng, range_bytes, layer
         )
-        if st.plan is not None:
+        if st.plan is not None and not (cached and self.cache.seed_core):
             current = {l: set(v) for l, v in st.table.resident().items()}
             current[index] = set(st.plan.layers[index].core)
             swap_state(st, current)
+        if cached:
+            device_cache_engine.engage(self.cache, st, layer, index, rng, range_bytes, cached[4])
         torch.cuda.empty_cache()
         # the old pinned copy is free now: give it back so the expert set is not held twice
         st.host_cache_release = vllm_moe.release_cached_pinned_memory()
@@ -228,14 +236,15 @@ class CudaEngine:
             self.state = None
 
 
-def _ensure_pool(st: EngineState, unit_bytes: int) -> None:
+def _ensure_pool(st: EngineState, unit_bytes: int, cache: Any | None = None) -> None:
     if st.pool is not None:
         return
     per_expert = int(st.plan.per_expert_bytes) if st.plan is not None else unit_bytes
     num_slots = st.budget_bytes // max(per_expert, 1)
     t0 = time.perf_counter()
     st.pool = vmm.DeviceSlotPool.create(num_slots, unit_bytes, st.device)
-    st.table = SlotTable(num_slots)
+    kept = cache.split(num_slots, len(st.plan.layers)) if cache and st.plan is not None else num_slots
+    st.table = SlotTable(kept)  # slots [kept, num_slots) are lent to device caches (issue 17)
     logger.info(
         "reap-swap: reserved HBM pool of %d expert slots (%.2f GiB, unit %.2f MiB) in %.2fs",
         num_slots,

@@ -181,3 +181,85 @@ def test_c_a_swap_pins_its_set_and_the_tail_yields(fm, layer):
         for e in pinned:
             rng.map_host(e)
         pool.release()
+
+
+class _Kernel:  # stands in for vLLM's FusedMoEKernel by the class names compat checks
+    def __init__(self):
+        self.fused_experts = type("TritonExperts", (), {"_lora_context": None})()
+        self.prepare_finalize = type("MoEPrepareAndFinalizeNoDPEPModular", (), {})()
+        self.calls = []
+
+    def apply(self, hidden_states, w1, w2, topk_weights, topk_ids, global_num_experts, **_):
+        self.calls.append(global_num_experts)
+        return _torch_moe(hidden_states, w1, w2, topk_weights, topk_ids)
+
+
+def _torch_moe(x, w13, w2, tw, ti):
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for k in range(ti.shape[1]):
+            e = int(ti[t, k])
+            gate, up = (w13[e].float() @ x[t].float()).chunk(2)
+            out[t] += tw[t, k] * (w2[e].float() @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+class _Method:
+    is_monolithic = False
+    unquantized_backend = type("B", (), {"name": "TRITON"})()
+
+    def __init__(self):
+        self.moe_kernel = _Kernel()
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+
+_Method.__name__ = _Method.__qualname__ = "UnquantizedFusedMoEMethod"
+
+
+def test_e_engine_lends_pool_slots_seeds_and_serves_bitwise(monkeypatch):
+    """CudaEngine with a CacheConfig: pool split (swap table keeps K), lent slot units mapped in
+    the layer range, dlfu-seeded start (core copied into slots), forward through DeviceCaches equal
+    to the masters' result bitwise, the kernel called over E + N units."""
+    from types import SimpleNamespace
+
+    from reap_swap.residency.device_cache_api import DeviceCaches
+    from reap_swap.residency.device_cache_engine import CacheConfig
+    from reap_swap.residency.engine import CudaEngine
+    from reap_swap.residency.refusals import LayerRefusals
+
+    monkeypatch.setattr("reap_swap.compat.moe_cache.install_config_alias", lambda: "stand-in")
+    unit = (2 * INTER * H + H * INTER) * 2
+    plan = SimpleNamespace(
+        layers={0: SimpleNamespace(core=[3, 4], num_experts=E)},
+        swappable_budget_bytes=10 * unit,
+        per_expert_bytes=unit,
+    )
+    cfg = CacheConfig(DeviceCaches(), slots_per_layer=4, seed_core=True)
+    engine = CudaEngine(plan, LayerRefusals(), cache=cfg)
+    m = torch.nn.Module()
+    m.layer_name, m.expert_map, m.global_num_experts = "model.layers.0.mlp.experts", None, E
+    m.activation, m.apply_router_weight_on_input, m.quant_method = "silu", False, _Method()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for name, shape in (("w13_weight", (E, 2 * INTER, H)), ("w2_weight", (E, H, INTER))):
+        w = (torch.randn(*shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        m.register_parameter(name, torch.nn.Parameter(w, requires_grad=False))
+    masters = (m.w13_weight.detach().clone(), m.w2_weight.detach().clone())
+    try:
+        engine.hook_layer(m, 0)
+        m.quant_method.process_weights_after_loading(m)
+        st = engine.state
+        assert st.table.num_slots == 6 and cfg.lent == {0: 6} and not cfg.caches.refused
+        assert st.table.resident().get(0, frozenset()) == frozenset()  # seeded: core in slots, not pinned
+        owner, index = m.reap_device_cache
+        assert owner.status()["layers"][0]["cached"] == [3, 4]
+        g = torch.Generator().manual_seed(6)
+        for t in range(12):
+            x, tw, ti = _routing(g, 2)
+            out = owner.forward(m, index, x, tw, ti, None, None, None)
+            assert torch.equal(out, _torch_moe(x, *masters, tw, ti)), t
+        assert set(m.quant_method.moe_kernel.calls) == {E + 4}
+        assert owner.read_counters()[0]["admitted"] > 0
+    finally:
+        engine.release()
