@@ -117,7 +117,8 @@ def test_seed_and_set_pinned_refuse_bad_input():
         c.set_pinned([4])
 
 
-def test_layer_step_chain_is_bitwise_equal_on_a_toy_kernel():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_layer_step_chain_is_bitwise_equal_on_a_toy_kernel(compiled):
     """step -> copy -> remap -> a kernel over E + N units, on CPU: the slot units hold the bytes
     of the experts the remapped ids name, so a toy MoE gives bitwise the stock result."""
     from reap_swap.residency.device_cache import LayerStep
@@ -129,7 +130,8 @@ def test_layer_step_chain_is_bitwise_equal_on_a_toy_kernel():
     w = raw.view(torch.float32).view(E + N, H, H)
     w[:E] = torch.randn(E, H, H, generator=gen)
     stock = w[:E].clone()
-    layer = LayerStep(DeviceCache(E, N, "cpu"), unit_view(raw, E + N, H * H * 4), copy_units_torch)
+    units = unit_view(raw, E + N, H * H * 4)
+    layer = LayerStep(DeviceCache(E, N, "cpu"), units, copy_units_torch, compiled=compiled)
     for t in range(60):
         rows = 1 + t % 5
         ids = torch.multinomial(torch.linspace(1, 3, E), 2 * rows, generator=gen).view(rows, 2)

@@ -227,12 +227,15 @@ class LayerStep:
     count the step's routing (original ids), update the cache, copy admissions into slots, return
     the remapped ids for the kernel over E + N units. ``units``: device_cache_copy.unit_view."""
 
-    def __init__(self, cache: DeviceCache, units: torch.Tensor, copy_fn=None) -> None:
+    def __init__(self, cache: DeviceCache, units: torch.Tensor, copy_fn=None, compiled: bool = False) -> None:
         from reap_swap.residency.device_cache_copy import copy_units, copy_units_torch
 
         self.cache, self.units = cache, units
         # CUDA: the Triton kernel; CPU tensors (tests, accounting): the torch reference
         self.copy_fn = copy_fn or (copy_units if units.is_cuda else copy_units_torch)
+        # compiled: the policy step fused by Inductor (equal to eager: tests/test_device_policy.py);
+        # compiled on the first call, which must come before CUDA-graph capture (vLLM's warm-up)
+        self._policy = torch.compile(_policy, fullgraph=True) if compiled else _policy
 
     def seed(self, experts: Iterable[int]) -> list[tuple[int, int]]:
         """Fill free slots with ``experts`` and copy their bytes (between steps: startup fill)."""
@@ -242,10 +245,16 @@ class LayerStep:
         return placed
 
     def __call__(self, topk_ids: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
-        c = self.cache
-        table = c.step(step_counts(topk_ids, c.num_experts, valid_rows))
-        self.copy_fn(self.units, c.copy_expert, c.num_experts)
-        return remap_ids(topk_ids, table)
+        ids = self._policy(self.cache, topk_ids, valid_rows)
+        self.copy_fn(self.units, self.cache.copy_expert, self.cache.num_experts)
+        return ids
+
+
+def _policy(cache: DeviceCache, topk_ids: torch.Tensor, valid_rows: torch.Tensor | None) -> torch.Tensor:
+    """Count, update, remap: the ids the kernel reads (the copy is launched after, in stream order;
+    the remap may run first: the copy writes only slot units, the kernel reads them after both)."""
+    table = cache.step(step_counts(topk_ids, cache.num_experts, valid_rows))
+    return remap_ids(topk_ids, table)
 
 
 def remap_ids(topk_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
