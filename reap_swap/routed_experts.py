@@ -64,6 +64,12 @@ class ReapRoutedExperts(RoutedExperts):
         # padding mask of the step is available; on CPU Dynamo traces this and there is no padding
         padding = vllm_moe.padding_source(topk_ids.shape[0]) if topk_ids.is_cuda else None
         counters.record(self, topk_ids, topk_weights, padding=padding, kernel=self.reap_count_kernel)
+        cache = getattr(self, "reap_device_cache", None)  # issue 17: set by DeviceCaches.engage
+        if cache is not None:  # after counting: the counters keep the model's own expert ids
+            owner, index = cache
+            return owner.forward(
+                self, index, x, topk_weights, topk_ids, padding, shared_experts, shared_experts_input
+            )
         return super().forward_modular(
             x=x,
             topk_weights=topk_weights,

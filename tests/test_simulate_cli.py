@@ -4,6 +4,7 @@ import orjson
 from test_simulate import PLAN, mini_trace
 
 from reap_swap import cli
+from reap_swap.cache_policy.replay import POLICIES
 from reap_swap.trace import save_trace
 
 
@@ -29,7 +30,7 @@ def test_simulate_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert "| 0.5 | 10/9/7/6 | lfu |" in text and "| 0.25 | 4/4/4/4 | static | refused:" in text
     assert "| budget | policy | layer 0 |" in text
     report = orjson.loads(out_json.read_bytes())
-    assert report["trace"]["requests"] == 3 and len(report["rows"]) == 24
+    assert report["trace"]["requests"] == 3 and len(report["rows"]) == 2 * len(POLICIES)
     belady = next(r for r in report["rows"] if r["policy"] == "belady" and r["budget"] == "0.5")
     assert set(belady["layers"]) == {"0", "1", "2", "3"} and belady["totals"]["expert_hit_rate"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

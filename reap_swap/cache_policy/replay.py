@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from reap_swap.cache_policy.belady import Belady
+from reap_swap.cache_policy.device import DLFU
 from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
 from reap_swap.cache_policy.online import LFRU, LFU, LRU, PerRequest, Static
 from reap_swap.plan import Plan
@@ -25,6 +26,9 @@ POLICIES = (
     "core+lru",
     "core+lfu",
     "core+lfru",
+    "dlfu",
+    "dlfu-seeded",
+    "core+dlfu",
     "belady",
 )
 PLAN_POLICIES = frozenset(p for p in POLICIES if p in ("static", "probe") or "seeded" in p or "+" in p)
@@ -120,9 +124,9 @@ def _factory(name: str, core: frozenset[int], lfu_decay: float) -> Callable[[], 
     base, _, seeded = name.partition("-")
     pinned = base.startswith("core+")
     kind = base.removeprefix("core+")
-    cls = {"lru": LRU, "lfu": LFU, "lfru": LFRU}[kind]
+    cls = {"lru": LRU, "lfu": LFU, "lfru": LFRU, "dlfu": DLFU}[kind]
     seed = core if (seeded or pinned) else frozenset()
-    kwargs = {"decay": lfu_decay} if cls is LFU else {}
+    kwargs = {"decay": lfu_decay} if cls in (LFU, DLFU) else {}
     return lambda: cls(name, seed=seed, pinned=core if pinned else frozenset(), **kwargs)
 
 

@@ -36,7 +36,7 @@ import torch
 from reap_swap.compat import moe as vllm_moe
 from reap_swap.quant_budget import pool_slots
 
-from . import vmm
+from . import device_cache_engine, vmm
 from .binding import BoundLayer, LayerSizes, bind_module
 from .refusals import LayerRefusals
 from .slot_table import SlotTable
@@ -155,9 +155,10 @@ def release_state(st: EngineState) -> None:
 class CudaEngine:
     """Re-homes each supported MoE layer at load time; holds the process's EngineState."""
 
-    def __init__(self, plan: Any | None, refusals: LayerRefusals) -> None:
+    def __init__(self, plan: Any | None, refusals: LayerRefusals, cache: Any | None = None) -> None:
         self.plan = plan
         self.refusals = refusals
+        self.cache = cache  # device_cache_engine.CacheConfig (issue 17), None: no device cache
         self.state: EngineState | None = None
         self._quant_configs: dict[int, dict | None] = {}  # id(layer) -> config read at hook time
 
@@ -251,10 +252,29 @@ class CudaEngine:
             self.refusals.refuse(getattr(layer, "layer_name", "?"), index, reason, on_hbm)
             return
         t0 = time.perf_counter()
-        _ensure_pool(st, bound.layout.unit_bytes)
-        rng, range_bytes, views = rehome(
-            {n: t.data for n, t in bound.rehome.items()}, bound.layout, st.device
+        _ensure_pool(st, bound.layout.unit_bytes, self.cache)
+        tensors = {n: t.data for n, t in bound.rehome.items()}
+        cached = (  # the device cache (issue 17) engages only on plain w13/w2 layers: no side tensors
+            self.cache
+            and set(tensors) == {"w13_weight", "w2_weight"}
+            and not bound.aliases
+            and bound.layout.offset_of("w2_weight")
+            == tensors["w13_weight"][0].numel() * tensors["w13_weight"].element_size()
+            and device_cache_engine.rehome_layer(
+                self.cache,
+                st,
+                layer,
+                index,
+                tensors["w13_weight"],
+                tensors["w2_weight"],
+                bound.layout.unit_bytes,
+            )
         )
+        if cached:
+            rng, range_bytes = cached[0], cached[1]
+            views = {"w13_weight": cached[2], "w2_weight": cached[3]}
+        else:
+            rng, range_bytes, views = rehome(tensors, bound.layout, st.device)
         for name in (*bound.rehome, *bound.aliases):
             param = getattr(layer, name)
             param.data = views[bound.aliases.get(name, name)]
@@ -266,10 +286,12 @@ class CudaEngine:
             index, layer.layer_name, num_experts, bound.layout.unit_bytes, bound.layout.payload_bytes,
             rng, range_bytes, layer, bound.layout, dict(bound.aliases), bound.kept_bytes,
         )  # fmt: skip
-        if st.plan is not None:
+        if st.plan is not None and not (cached and self.cache.seed_core):
             current = {l: set(v) for l, v in st.table.resident().items()}
             current[index] = set(st.plan.layers[index].core)
             swap_state(st, current)
+        if cached:
+            device_cache_engine.engage(self.cache, st, layer, index, rng, range_bytes, cached[4])
         torch.cuda.empty_cache()
         # the old pinned copy is free now: give it back so the expert set is not held twice
         st.host_cache_release = vllm_moe.release_cached_pinned_memory()
@@ -290,14 +312,15 @@ class CudaEngine:
             self.state = None
 
 
-def _ensure_pool(st: EngineState, unit_bytes: int) -> None:
+def _ensure_pool(st: EngineState, unit_bytes: int, cache: Any | None = None) -> None:
     if st.pool is not None:
         return
     per_expert = int(st.plan.per_expert_bytes) if st.plan is not None else unit_bytes
     num_slots = pool_slots(st.budget_bytes, max(per_expert, 1))  # the plan's experts (quant_budget)
     t0 = time.perf_counter()
     st.pool = vmm.DeviceSlotPool.create(num_slots, unit_bytes, st.device)
-    st.table = SlotTable(num_slots)
+    kept = cache.split(num_slots, len(st.plan.layers)) if cache and st.plan is not None else num_slots
+    st.table = SlotTable(kept)  # slots [kept, num_slots) are lent to device caches (issue 17)
     logger.info(
         "reap-swap: reserved HBM pool of %d expert slots (%.2f GiB, unit %.2f MiB) in %.2fs",
         num_slots,

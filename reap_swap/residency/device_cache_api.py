@@ -1,0 +1,124 @@
+"""The device expert cache of a worker process: what the layers, the engine and the server call.
+
+THE INTERFACE (agreed in writing here; branch ``cacheacc`` builds ``--reap-cache``, Prometheus and
+CPU accounting on it; nothing below is called on the hot path except ``forward``):
+
+``DeviceCaches(policy="dlfu", decay=0.8)`` -- one per worker process (per GPU / TP rank), owned by
+the worker runtime next to the CudaEngine. ``policy``: only ``dlfu`` (reap_swap.cache_policy.device,
+the simulator's ``dlfu-seeded`` when seeded with the plan core, ``core+dlfu`` when the core is
+pinned). ``--reap-cache lru`` is not implemented on the device: refuse it by name.
+
+Load time (engine, per layer, after re-homing it with device_cache_range.rehome_with_slots):
+  ``engage(layer, index, rng, range_bytes, ext_views, seed=())`` -> None, or
+  ``refuse(index, reason)`` when compat.moe_cache.cache_refusal(layer) or the pool says no.
+  A refused layer keeps the plain pooled/stock path; the reason is in ``status()`` and the log.
+
+Per step (ReapRoutedExperts.forward_modular, inside vLLM's MoE op, captured by CUDA graphs):
+  ``forward(layer, x, topk_weights, topk_ids, padding, shared_experts, shared_experts_input)``:
+  the router counters have already counted the ORIGINAL ids; this counts the step into the
+  cache, copies admissions into slots, remaps ids and runs the kernel over E + N units.
+
+Between steps (worker RPC on the engine-core thread; no forward races with it):
+  ``read_counters(reset=False) -> {layer: {name: int}}`` -- names: device_cache.COUNTER_NAMES
+      (steps, selections, selection_hits, experts, expert_hits, admitted = promotions, evicted,
+      bypassed = missed experts read through, read_through_steps). Monotonic unless reset.
+      Prometheus (cacheacc): hits = expert_hits, misses = experts - expert_hits, promotions =
+      admitted, evictions = evicted, read-through steps = read_through_steps; the per-selection
+      pair (selections, selection_hits) is the router-miss unit.
+  ``status() -> {"policy", "decay", "layers": {layer: {"slots", "active", "occupied", "cached":
+      [experts], "pinned": [experts]}}, "refused": {layer: reason}}`` -- ``/reap/status``.
+  ``on_swap(layer, pinned, active_slots)`` -- after a per-request swap made ``pinned`` resident in
+      their own units: they leave the cache and the tail shrinks to ``active_slots`` (the tail
+      yields to the swap); returns the emptied slots.
+
+Accounting mode on CPU (cacheacc): replay the counters' stream through
+cache_policy.device.DLFU (or DeviceCache on CPU tensors: the same integers, tests/
+test_device_policy.py proves the two agree step by step) -- same counts as ``read_counters``.
+
+Wired (issue 17, step 5; GPU-untested): ``CudaEngine(plan, refusals, cache=CacheConfig(...))``
+(device_cache_engine.py) lends N pool slots per layer, re-homes with slot units and engages; with
+``cache=None`` (the default) the engine is unchanged. NOT wired: the runtime does not build a
+CacheConfig from settings (``--reap-cache`` / ``--reap-cache-slots`` are cacheacc's); after a
+per-request swap nobody calls ``on_swap`` yet (correct anyway -- a swapped expert then sits in
+both its own unit and a slot, with the same bytes -- but it wastes the slot and the tail does not
+yield).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from reap_swap.compat import moe_cache
+from reap_swap.counting import counters
+from reap_swap.logs import get_logger
+
+from .device_cache import DeviceCache, LayerStep
+from .device_cache_copy import unit_view
+
+log = get_logger("reap_swap.device_cache")
+
+
+class DeviceCaches:
+    """Every cached layer of one worker process (see the module docstring: the interface)."""
+
+    def __init__(self, policy: str = "dlfu", decay: float = 0.8) -> None:
+        if policy != "dlfu":
+            raise ValueError(f"--reap-cache {policy}: the device cache implements dlfu only")
+        self.policy, self.decay = policy, decay
+        self.layers: dict[int, LayerStep] = {}
+        self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.refused: dict[int, str] = {}
+
+    def refuse(self, index: int, reason: str) -> None:
+        self.refused[index] = reason
+        log.warning("reap-swap: device cache not engaged on layer %s: %s", index, reason)
+
+    def engage(self, layer: Any, index: int, rng: Any, range_bytes: torch.Tensor, ext_views, seed=()) -> bool:
+        """Attach a cache over ``rng`` (a CacheRange) to ``layer``; False (refused) if it cannot."""
+        reason = moe_cache.cache_refusal(layer)
+        if reason is None and rng.num_slots == 0:
+            reason = "no slot units (the pool leaves nothing after the pinned set)"
+        if reason is not None:
+            self.refuse(index, reason)
+            return False
+        e, n = rng.num_experts, rng.num_slots
+        step = LayerStep(
+            DeviceCache(e, n, range_bytes.device, self.decay), unit_view(range_bytes, e + n, rng.unit_bytes)
+        )
+        step.seed(seed)
+        moe_cache.install_config_alias()
+        moe_cache.alias_units(e + n, e, int(ext_views[0].shape[1]), int(ext_views[0].shape[2]))
+        self.layers[index], self.views[index] = step, ext_views
+        layer.reap_device_cache = (self, index)
+        log.info("reap-swap: device cache on layer %d: %d slots, %d seeded", index, n, len(tuple(seed)))
+        return True
+
+    def forward(self, layer, index, x, topk_weights, topk_ids, padding, shared_experts, shared_experts_input):
+        """The step (captured): cache update, slot copies, remapped ids, kernel over E + N units."""
+        ids = self.layers[index](topk_ids, counters.rows_from_padding(padding))
+        w13, w2 = self.views[index]
+        return moe_cache.run_extended(
+            layer, x, w13, w2, topk_weights, ids, shared_experts, shared_experts_input
+        )
+
+    def read_counters(self, reset: bool = False) -> dict[int, dict[str, int]]:
+        return {i: s.cache.read_counters(reset) for i, s in sorted(self.layers.items())}
+
+    def on_swap(self, index: int, pinned, active_slots: int | None = None) -> list[int]:
+        step = self.layers.get(index)
+        return [] if step is None else step.cache.set_pinned(pinned, active_slots)
+
+    def status(self) -> dict:
+        layers = {}
+        for i, s in sorted(self.layers.items()):
+            cached, pinned = s.cache.resident_experts()
+            layers[i] = {
+                "slots": s.cache.num_slots,
+                "active": int(s.cache.active),
+                "occupied": len(cached),
+                "cached": sorted(cached),
+                "pinned": sorted(pinned),
+            }
+        return {"policy": self.policy, "decay": self.decay, "layers": layers, "refused": dict(self.refused)}

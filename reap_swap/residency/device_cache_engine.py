@@ -1,0 +1,70 @@
+"""The CUDA engine's side of the device cache (issue 17): lend N pool slots per layer, re-home a
+layer with its slot units, engage the cache. Off unless CudaEngine is given a CacheConfig.
+
+The pool (engine._ensure_pool, the plan's budget) is split once: slots [0, K) stay with the swap
+SlotTable (plan core and per-request swaps), slots [K, K + L*N) are lent, N per cached layer, as
+the slot units of that layer's CacheRange (the same HBM allocation mapped a second time; the
+pool keeps ownership). K = pool - L*N where L = the plan's layer count; a pool too small for the
+lending refuses the cache on every layer, by reason, and keeps the plain engine.
+
+``seed_core``: True = the simulator's ``dlfu-seeded`` (the plan core goes into the cache slots,
+evictable; N should then be the core plus a tail); False = ``core+dlfu`` (the engine pins the core
+in its own units as before; the cache runs on the N-slot tail).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from reap_swap.compat import moe_cache
+
+from .device_cache_api import DeviceCaches
+from .device_cache_range import rehome_with_slots
+
+
+@dataclass
+class CacheConfig:
+    caches: DeviceCaches
+    slots_per_layer: int
+    seed_core: bool = False
+    lent: dict[int, int] = field(default_factory=dict)  # layer -> first lent pool slot
+    refusal: str | None = None  # why no layer can be cached (set when the pool is split)
+
+    def split(self, pool_slots: int, num_layers: int) -> int:
+        """Slots kept for swaps (K); records a refusal when the lending does not fit."""
+        want = self.slots_per_layer * num_layers
+        if self.slots_per_layer <= 0:
+            self.refusal = "--reap-cache-slots is 0"
+        elif want > pool_slots:
+            self.refusal = (
+                f"{num_layers} layers x {self.slots_per_layer} cache slots = {want} > the pool's {pool_slots}"
+            )
+        return pool_slots if self.refusal else pool_slots - want
+
+
+def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, unit_bytes: int):
+    """(rng, range_bytes, w13 view, w2 view, ext views or None): with slot units when the cache can
+    engage on this layer, else None for the caller to use engine.rehome (and a refusal recorded)."""
+    n = cfg.slots_per_layer
+    first = st.table.num_slots + n * len(cfg.lent)
+    reason = cfg.refusal or ("no plan: the pool is not split" if st.plan is None else None)
+    if reason is None and first + n > st.pool.num_slots:
+        reason = f"pool slots {first}..{first + n - 1} do not exist (pool of {st.pool.num_slots})"
+    reason = reason or moe_cache.cache_refusal(layer)
+    if reason is not None:
+        cfg.caches.refuse(index, reason)
+        return None
+    handles = [st.pool.slot_handle(s) for s in range(first, first + n)]
+    rng, range_bytes, (v13, v2), ext = rehome_with_slots(w13, w2, unit_bytes, n, st.device, handles)
+    cfg.lent[index] = first
+    return rng, range_bytes, v13, v2, ext
+
+
+def engage(cfg: CacheConfig, st: Any, layer: Any, index: int, rng, range_bytes, ext) -> None:
+    """After the core swap (or instead of it, with seed_core): start the layer's cache."""
+    core = set(st.plan.layers[index].core) if st.plan is not None else set()
+    if cfg.seed_core:
+        cfg.caches.engage(layer, index, rng, range_bytes, ext, seed=sorted(core)[: cfg.slots_per_layer])
+    elif cfg.caches.engage(layer, index, rng, range_bytes, ext):
+        cfg.caches.on_swap(index, core)

@@ -1,0 +1,114 @@
+"""Time the device cache's per-layer step on CUDA (issue 17): eager, replayed in a CUDA graph, and
+torch.compile'd then replayed in a graph (checked equal to eager, state and remap, every step).
+
+    PYTHONPATH=$PWD python scripts/bench_device_cache.py --log-dir $LOGDIR   # ~1-2 min on an H200
+
+Writes $LOGDIR/device_cache_bench.json and prints one line per case: microseconds per layer-step
+(policy only: no slot copy, whose cost is bytes / PCIe bandwidth and measured elsewhere).
+Decision input: the torch-op step must cost well under ~3 % of a decode token per layer, else a
+fused kernel is needed (research.md, issue 17, device mechanism).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from reap_swap.residency.device_cache import DeviceCache, remap_ids, step_counts
+
+
+def _ids(gen, steps, rows, experts, top_k):
+    logits = torch.randn(steps, rows, experts, generator=gen) + torch.linspace(3, 0, experts)
+    return torch.topk(logits, top_k, dim=-1).indices.to(torch.int32).cuda()
+
+
+def _one(cache, ids):
+    return remap_ids(ids, cache.step(step_counts(ids, cache.num_experts)))
+
+
+def _graph(fn, cache, static):
+    saved = [t.clone() for t in cache.state_tensors()]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn(cache, static)
+    torch.cuda.current_stream().wait_stream(s)
+    for t, v in zip(cache.state_tensors(), saved, strict=True):
+        t.copy_(v)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn(cache, static)
+    return g, out
+
+
+def _time(run, steps) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for t in range(steps):
+        run(t)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+def bench(experts, slots, rows, top_k, steps, compiled) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    ids = _ids(gen, steps, rows, experts, top_k)
+    eager = DeviceCache(experts, slots, "cuda")
+    out = {"experts": experts, "slots": slots, "rows": rows, "top_k": top_k, "steps": steps}
+    out["eager_us"] = _time(lambda t: _one(eager, ids[t]), steps)
+    for name, fn in (("graph_us", _one), ("compiled_graph_us", torch.compile(_one, dynamic=False)))[
+        : 2 if compiled else 1
+    ]:
+        cache, ref = DeviceCache(experts, slots, "cuda"), DeviceCache(experts, slots, "cuda")
+        static = ids[0].clone()
+        g, remapped = _graph(fn, cache, static)
+        mismatches = 0
+        for t in range(steps):
+            static.copy_(ids[t])
+            g.replay()
+            want = _one(ref, ids[t])
+            same = torch.equal(remapped, want) and all(
+                torch.equal(a, b) for a, b in zip(cache.state_tensors(), ref.state_tensors(), strict=True)
+            )
+            mismatches += 0 if same else 1
+        out[name.replace("_us", "_mismatched_steps")] = mismatches
+
+        def replay(t, static=static, g=g):
+            static.copy_(ids[t])
+            g.replay()
+
+        out[name] = _time(replay, steps)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--log-dir", required=True, type=Path)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile case")
+    args = p.parse_args()
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for experts, slots, rows, top_k in (
+        (128, 64, 1, 8),
+        (128, 64, 8, 8),
+        (128, 32, 256, 8),
+        (256, 128, 8, 8),
+    ):
+        try:
+            r = bench(experts, slots, rows, top_k, args.steps, not args.no_compile)
+        except Exception as exc:  # noqa: BLE001 - record the failure, keep the other cases
+            r = {"experts": experts, "slots": slots, "rows": rows, "error": f"{type(exc).__name__}: {exc}"}
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    (args.log_dir / "device_cache_bench.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
