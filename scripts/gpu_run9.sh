@@ -4,6 +4,7 @@
 #   bash scripts/gpu_run9.sh wait 530     # progress, then $OUT/run9.tgz
 # Phases (sequential where a phase needs the whole GPU or measures free memory):
 #  1. pytest tests/gpu (engine binding per format, device cache, counters, VMM)  || quant checkpoints written (CPU)
+#     then the device cache's policy-step timing (scripts/bench_device_cache.py)
 #  2. families at full size (scripts/gpu_families.sh: the whole GPU, side-by-side servers)
 #  3. quantized formats end to end (scripts/gpu_quant_e2e.py: 5 small servers at a time)
 #  4. --reap-budget auto at two --gpu-memory-utilization values (scripts/gpu_budget_auto.py: alone)
@@ -11,6 +12,7 @@
 set -u
 R=/tmp/run9
 PY=python3
+export PYTHONPATH=$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1  # the synced tree first
 stamp() { date +%H:%M:%S; }
 step() { echo "$(stamp) [$1] $2"; }
 skip() { case " ${SKIP:-} " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -22,6 +24,11 @@ session() {
   ckpt=$!
   timeout 420 $PY -m pytest -q -rs tests/gpu -p no:cacheprovider > $R/gpu_tests.log 2>&1
   tail -5 $R/gpu_tests.log
+  if ! skip dcache; then
+    step run9 "device-cache step bench"
+    timeout 300 $PY scripts/bench_device_cache.py --log-dir $R/dcache > $R/dcache.log 2>&1
+    tail -5 $R/dcache.log
+  fi
   if ! skip families; then
     step run9 "families"
     FIELD_PLAN=.kit/strict30-v2-plan.json DEADLINE=${FAM_DEADLINE:-540} \
@@ -57,7 +64,7 @@ case "${1:-}" in
     limit=${2:-530}; t0=$(date +%s)
     while [ ! -e $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 10; done
     cat $R/main.log; free -g | head -2; nvidia-smi --query-gpu=memory.used --format=csv
-    for f in families quant budget; do [ -e $R/$f.log ] && { echo "== $f"; tail -6 $R/$f.log | cut -c1-300; }; done
+    for f in dcache families quant budget; do [ -e $R/$f.log ] && { echo "== $f"; tail -6 $R/$f.log | cut -c1-300; }; done
     mkdir -p "$OUT"
     tar czf "$OUT/run9.tgz" --exclude='checkpoints' --exclude='*.safetensors' -C /tmp run9 2>/dev/null
     ls -la "$OUT"
