@@ -46,7 +46,7 @@ done
 T0=$(date +%s)
 stamp() { date +%H:%M:%S; }
 step() { echo "$(stamp) +$(( $(date +%s) - T0 ))s [$1] $2"; }
-left() { echo $(( DEADLINE - ($(date +%s) - T0) - 15 )); }
+left() { echo $(( DEADLINE - ($(date +%s) - T0) - 30 )); }  # 20 s kill-after + merge
 min() { [ "$1" -lt "$2" ] && echo "$1" || echo "$2"; }
 
 arm() {  # NAME ARM CAP ARGS... : one arm of one family in its own process, capped
