@@ -228,19 +228,19 @@ def arm_reap(argv: list[str], out: Path, shape: dict, plan_path: Path, res: dict
 
 def arm_stock(argv: list[str], out: Path, res: dict, a) -> None:
     with HostMemory(a.host_guard_gib) as mem:
+        mem.server = srv = serving.Server(
+            "stock", argv + e2e.PROBE_EXTENSION, out, env=e2e.DEV,
+            port=serving.free_port(), startup_timeout_s=a.startup_timeout,
+        )  # fmt: skip
         try:
-            argv = argv + e2e.PROBE_EXTENSION
-            with serving.Server(
-                "stock", argv, out, env=e2e.DEV, port=serving.free_port(), startup_timeout_s=a.startup_timeout
-            ) as srv:
-                mem.server = srv
-                res["stock"] = {
+            with srv:
+                res["stock"] = r = {
                     "startup_s": srv.startup_s,
                     "argv": srv.command,
                     "host_startup": mem.snapshot(),
                 }
-                res["stock"].update(e2e.measure(srv, None, d1=a.decode, d8=None))
-                res["stock"]["moe_probe"] = e2e.moe_probe(srv, "stock")
+                r.update(e2e.measure(srv, None, d1=a.decode, d8=None))
+                r["moe_probe"] = e2e.moe_probe(srv, "stock")
         finally:
             res.setdefault("stock", {})["host"] = mem.snapshot()
 

@@ -12,22 +12,33 @@
 # Results: DIR/<family>/{meta,reap,stock,family}.json + server logs, DIR/pin_bench.json,
 # DIR/families.md (scripts/gpu_summarize.py --families DIR), DIR/<family>-<arm>.log, DIR/lane.log.
 #
-# Schedule (servers side by side where HBM and host memory allow; each arm its own process):
-#  t=0     pin micro-bench (gpu_pin_bench.py, ~20 s): picks the pinned-allocator setting of the
-#          reap-swap servers below (register8 only if its UVA check passed and it was faster)
-#  then    A  qwen35 reap  (40 x 256, field plan unchanged, CUDA graphs)   host ~67 GiB, HBM ~26
-#          B  qwen35 stock (every expert in HBM, CUDA graphs)              host ~5,  HBM ~70
-#          C  mixtral_8x7b_d2 reap+stock, gpt_oss_20b_d4 reap+stock (eager, side by side)
-#             then deepseek_v3_d2 reap (1 dense + 1 MoE layer of 256 x 84 MiB = 21 GiB; eager;
-#             no stock twin: HBM is taken by B until it ends)
-#          D  after B and C: deepseek_v2_lite reap+stock (full 26 x 64, 26.8 GiB, eager)
+# Schedule (servers side by side where HBM and host memory allow; each arm its own process;
+# estimates from run 8's Qwen3.5 log: dense 4.7 GiB, reap host peak 1.09 x experts + ~7 GiB):
+#  t=0     B  qwen35 stock (every expert in HBM, CUDA graphs)              HBM ~70, host ~5
+#          and the pin micro-bench (gpu_pin_bench.py, ~30 s): picks the pinned-allocator setting
+#          of the reap-swap servers below (register8 only if its UVA check passed and it was faster)
+#  then    A  qwen35 reap  (40 x 256, field plan unchanged, CUDA graphs)   HBM ~25, host ~67
+#          C  mixtral_8x7b_d2 reap+stock, gpt_oss_20b_d2 reap+stock (eager, side by side)
+#                                                       HBM ~15 + ~13, host ~14 + ~11
+#             then deepseek_v2_lite reap (full 26 x 64 x 16.5 MiB = 26.8 GiB, eager)
+#                                                       HBM ~30, host ~37
+#          D  after B: deepseek_v2_lite stock                      HBM ~30, host ~4
+#             after C: deepseek_v3_d2 reap (1 dense + 1 MoE layer of 256 x 84 MiB = 21 GiB; eager;
+#             the engine holds that layer twice while re-homing it: host ~49; no stock twin)
+#  Peaks: HBM ~126 of 140 GiB at t=0 (A+B+C); host ~107 of 126 GiB (A+B+V2-Lite reap), ~118
+#  (A + V3 reap + V2-Lite stock if it still runs).
+#  KV caches are fixed (--kv-cache-memory-bytes: 2 GiB Qwen3.5, 0.5 GiB the others), so vLLM never
+#  sizes one from a neighbour's allocations; --gpu-memory-utilization 0.1 is only its start check.
 #  A family whose cap would be under 60 s when its turn comes is skipped and recorded as such.
-# What each arm proves: family.json / families.md (research.md "Families at full size").
+#  Host guard (MemAvailable): 5 GiB for C and D, 4 for B, 2.5 for A, so the small families are
+#  killed first if the estimates above are wrong.
+# What each arm proves: research.md "Families lane on one H200".
 set -u
 PY=${PY:-python3}
 DEADLINE=${DEADLINE:-540}
 FIELD_PLAN=${FIELD_PLAN:-.kit/strict30-v2-plan.json}
 S=/tmp/fam
+PINNED=""
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   [ "${args[$i]}" = "--out" ] && S=${args[$((i + 1))]}
@@ -35,7 +46,7 @@ done
 T0=$(date +%s)
 stamp() { date +%H:%M:%S; }
 step() { echo "$(stamp) +$(( $(date +%s) - T0 ))s [$1] $2"; }
-left() { echo $(( DEADLINE - ($(date +%s) - T0) - 15 )); }
+left() { echo $(( DEADLINE - ($(date +%s) - T0) - 30 )); }  # 20 s kill-after + merge
 min() { [ "$1" -lt "$2" ] && echo "$1" || echo "$2"; }
 
 arm() {  # NAME ARM CAP ARGS... : one arm of one family in its own process, capped
@@ -66,50 +77,66 @@ pair() {  # NAME CAP ARGS... : reap and stock side by side, then family.json
   $PY scripts/gpu_families.py --name "$name" --out "$S" --arms merge > /dev/null 2>&1
 }
 
-qwen() {
+qwen_args() {
   local plan=$FIELD_PLAN
   [ -f "$plan" ] || plan=../shared/fixtures/strict30-v2-plan.json
-  if [ ! -f "$plan" ]; then step qwen35 "no field plan (set FIELD_PLAN)"; touch "$S/qwen_stock.done"; return; fi
-  local q=(--config tests/data/qwen3_5_moe_35b_a3b_config.json --plan "$plan" --kv-gib 4 --gpu-util 0.1)
-  prep qwen35 "${q[@]}"
-  (arm qwen35 stock 330 "${q[@]}"; touch "$S/qwen_stock.done") &
-  arm qwen35 reap "$(left)" "${q[@]}"
-  wait
+  [ -f "$plan" ] || return 1
+  echo --config tests/data/qwen3_5_moe_35b_a3b_config.json --plan "$plan" --kv-gib 2 --gpu-util 0.1
+}
+
+qwen_stock() {  # needs no pinned memory: starts before the micro-bench
+  local q; q=$(qwen_args) || { step qwen35 "no field plan (set FIELD_PLAN)"; touch "$S/qwen_stock.done"; return; }
+  prep qwen35 $q
+  arm qwen35 stock 330 $q --host-guard-gib 4
+  touch "$S/qwen_stock.done"
+}
+
+qwen_reap() {  # the critical path: every step is saved as it ends, so a cut run keeps the first ones
+  local q; q=$(qwen_args) || return
+  while [ ! -e "$S/qwen35/meta.json" ] && [ "$(left)" -ge 60 ]; do sleep 1; done
+  arm qwen35 reap "$(left)" $q --host-guard-gib 2.5
+  while [ ! -e "$S/qwen_stock.done" ] && [ "$(left)" -ge 0 ]; do sleep 2; done
   $PY scripts/gpu_families.py --name qwen35 --out "$S" --arms merge > /dev/null 2>&1
 }
 
+V2=(--config tests/data/deepseek_v2_lite_config.json --eager --kv-gib 0.5 --host-guard-gib 5)
+
 chain_c() {
-  pair mixtral_8x7b_d2 "$(min 220 "$(left)")" --config tests/data/mixtral_8x7b_config.json --layers 2 --eager &
-  pair gpt_oss_20b_d4 "$(min 220 "$(left)")" --config tests/data/gpt_oss_20b_bf16_config.json --layers 4 --eager &
+  pair mixtral_8x7b_d2 "$(min 220 "$(left)")" --config tests/data/mixtral_8x7b_config.json --layers 2 --eager --kv-gib 0.5 --host-guard-gib 5 &
+  pair gpt_oss_20b_d2 "$(min 220 "$(left)")" --config tests/data/gpt_oss_20b_bf16_config.json --layers 2 --eager --kv-gib 0.5 --host-guard-gib 5 &
   wait
-  arm deepseek_v3_d2 reap "$(min 200 "$(left)")" --config tests/data/deepseek_v3_bf16_depth2_config.json --eager
-  $PY scripts/gpu_families.py --name deepseek_v3_d2 --out "$S" --arms merge > /dev/null 2>&1
-  touch "$S/chain_c.done"
+  prep deepseek_v2_lite "${V2[@]}"
+  touch "$S/v2_prepared"
+  arm deepseek_v2_lite reap "$(min 260 "$(left)")" "${V2[@]}"
+  touch "$S/v2_reap.done"
 }
 
-chain_d() {
-  while [ ! -e "$S/qwen_stock.done" ] || [ ! -e "$S/chain_c.done" ]; do
-    [ "$(left)" -lt 60 ] && break
-    sleep 3
-  done
-  pair deepseek_v2_lite "$(min 260 "$(left)")" --config tests/data/deepseek_v2_lite_config.json --eager
+chain_d() {  # HBM: the stock V2-Lite only after the stock Qwen3.5; host: V3's 21 GiB layer only
+  # after the V2-Lite reap server (the engine holds a layer twice while re-homing it)
+  while { [ ! -e "$S/qwen_stock.done" ] || [ ! -e "$S/v2_prepared" ]; } && [ "$(left)" -ge 60 ]; do sleep 3; done
+  arm deepseek_v2_lite stock "$(min 200 "$(left)")" "${V2[@]}"
+  while [ ! -e "$S/v2_reap.done" ] && [ "$(left)" -ge 60 ]; do sleep 3; done
+  $PY scripts/gpu_families.py --name deepseek_v2_lite --out "$S" --arms merge > /dev/null 2>&1
+  arm deepseek_v3_d2 reap "$(min 200 "$(left)")" --config tests/data/deepseek_v3_bf16_depth2_config.json --eager --kv-gib 0.5 --host-guard-gib 5
+  $PY scripts/gpu_families.py --name deepseek_v3_d2 --out "$S" --arms merge > /dev/null 2>&1
 }
 
 lane() {
   mkdir -p "$S"
-  rm -f "$S/qwen_stock.done" "$S/chain_c.done" "$S/all.done"
+  rm -f "$S/qwen_stock.done" "$S/v2_prepared" "$S/v2_reap.done" "$S/all.done"
   {
     $PY -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 2>&1
     nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv 2>&1
     grep -E "MemTotal|MemAvailable" /proc/meminfo
     git rev-parse HEAD 2>/dev/null
   } > "$S/versions.txt"
+  qwen_stock &
   step pin "micro-bench"
-  timeout 90 $PY scripts/gpu_pin_bench.py --out "$S" --gib 4 > "$S/pin_bench.log" 2>&1
+  timeout 75 $PY scripts/gpu_pin_bench.py --out "$S" --gib 2 --timeout 35 > "$S/pin_bench.log" 2>&1
   PINNED=$($PY -c "import json; print(json.load(open('$S/pin_bench.json')).get('chosen_conf') or '')" 2>/dev/null)
   step pin "reap-swap servers use PYTORCH_CUDA_ALLOC_CONF='${PINNED}'"
   export PINNED
-  qwen &
+  qwen_reap &
   chain_c &
   chain_d &
   wait
@@ -121,6 +148,9 @@ lane() {
 case "${1:-}" in
   all) mkdir -p "$S"; lane 2>&1 | tee "$S/lane.log" ;;
   session) lane ;;
+  lane_a_only)  # gpu_followups.sh (run 8's lease): only Qwen3.5, side by side, in the foreground
+    mkdir -p "$S"; rm -f "$S/qwen_stock.done"
+    qwen_stock & qwen_reap; wait ;;
   start)
     mkdir -p "$S"
     setsid nohup bash "$0" session --out "$S" > "$S/lane.log" 2>&1 < /dev/null &
@@ -136,5 +166,5 @@ case "${1:-}" in
     ls -la "${OUT:-/tmp/out}"
     ;;
   schedule) sed -n '/^# Schedule/,/^# What each/p' "$0" ;;
-  *) echo "usage: $0 all|start --out DIR | wait SECONDS --out DIR | schedule"; exit 2 ;;
+  *) echo "usage: $0 all|start|lane_a_only --out DIR | wait SECONDS --out DIR | schedule"; exit 2 ;;
 esac

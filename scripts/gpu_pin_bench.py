@@ -40,7 +40,10 @@ GIB = 2**30
 def child(gib: int) -> dict:
     """In a fresh process (the allocator setting is read once): time the offloader's steps."""
     import torch
-    from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+    import vllm._C_stable_libtorch  # noqa: F401 - registers torch.ops._C (0.26.0 platforms/cuda.py)
+
+    def get_accelerator_view_from_cpu_tensor(cpu):  # vllm.utils.torch_utils' CUDA branch, 0.26.0
+        return torch.ops._C.get_cuda_view_from_cpu_tensor(cpu)
 
     torch.manual_seed(0)
     t_cpu = t_pin = 0.0

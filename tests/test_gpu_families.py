@@ -36,7 +36,7 @@ def test_qwen3_5_becomes_its_text_only_model_with_a_full_vocabulary_tokenizer(gf
 # the lane's families (gpu_families.sh): name, config, depth -> MoE layers, experts, expert GiB
 LANE = [
     ("mixtral_8x7b_d2", "mixtral_8x7b_config.json", 2, 2, 8, 5.25),
-    ("gpt_oss_20b_d4", "gpt_oss_20b_bf16_config.json", 4, 4, 32, 5.93),
+    ("gpt_oss_20b_d2", "gpt_oss_20b_bf16_config.json", 2, 2, 32, 2.97),
     ("deepseek_v3_d2", "deepseek_v3_bf16_depth2_config.json", None, 1, 256, 21.0),
     ("deepseek_v2_lite", "deepseek_v2_lite_config.json", None, 26, 64, 26.81),
 ]

@@ -145,3 +145,20 @@ def test_pin_bench_chooses_register_only_when_it_read_back_and_was_faster():
     assert pb.choose([slow, {**fast, "uva_view_ok": False}]) == "default"
     assert pb.choose([slow, {**fast, "gib_per_s": 0.62}]) == "default"
     assert pb.choose([slow, {"setting": "register8", "error": "boom"}]) == "default"
+
+
+def test_gpu_summarize_families_lists_tables_skips_and_unmerged(fr, tmp_path):
+    from reap_swap.serving import compare
+
+    doc = fr.summarize("mixtral", {}, {"phases": {"0": phase(1.0, 100.0)}}, None, compare)
+    (tmp_path / "mixtral").mkdir()
+    (tmp_path / "mixtral" / "family.json").write_text(json.dumps(doc))
+    (tmp_path / "deepseek_v3_d2").mkdir()
+    (tmp_path / "deepseek_v3_d2" / "reap.skipped.json").write_text(json.dumps({"skipped": "40s left"}))
+    (tmp_path / "qwen35").mkdir()
+    (tmp_path / "pin_bench.json").write_text(
+        json.dumps({"chosen": "default", "results": [{"setting": "default", "gib_per_s": 0.5}]})
+    )
+    text = "\n".join(load_script("gpu_summarize").families_section(tmp_path))
+    assert "| mixtral | 0 |" in text and "- deepseek_v3_d2 reap: 40s left" in text
+    assert "- qwen35: no family.json" in text and "chosen default" in text
