@@ -25,7 +25,9 @@ The device mechanism modelled (one MoE layer; layers are independent):
 Policies (``replay.POLICIES``): ``static`` (the plan's core, never changed), ``probe`` (core +
 the client's per-request ``probe`` slices, reap_swap.selection), ``lru``, ``lfu`` (with decay),
 ``lfru`` (each unseeded, ``-seeded`` starting from the plan core, ``core+`` with the core pinned
-and the policy on the tail) and ``belady``: the offline optimum of distinct misses under the same
+and the policy on the tail), the plan-aware device policies of prior.py (``dlfu-admit-seeded``:
+admission control; ``dlfu-markov-seeded``: plus a transition prior from a calibration trace) and
+``belady``: the offline optimum of distinct misses under the same
 rules (belady.py says why, and what it does not bound).
 """
 

@@ -10,6 +10,7 @@ from reap_swap.cache_policy.belady import Belady
 from reap_swap.cache_policy.device import DLFU
 from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
 from reap_swap.cache_policy.online import LFRU, LFU, LRU, PerRequest, Static
+from reap_swap.cache_policy.prior import MARKOV_WEIGHT, DLFUAdmit, DLFUMarkov, transition_table
 from reap_swap.plan import Plan
 from reap_swap.selection import SelectionError, select_probe
 from reap_swap.trace import Trace
@@ -29,8 +30,11 @@ POLICIES = (
     "dlfu",
     "dlfu-seeded",
     "core+dlfu",
+    "dlfu-admit-seeded",
+    "dlfu-markov-seeded",
     "belady",
 )
+PRIOR_POLICIES = frozenset({"dlfu-markov-seeded"})  # need a calibration routing trace (--prior-trace)
 PLAN_POLICIES = frozenset(p for p in POLICIES if p in ("static", "probe") or "seeded" in p or "+" in p)
 ALLOCATIONS = ("core+tail", "uniform")
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(GiB|MiB|KiB|B)\s*$", re.IGNORECASE)
@@ -148,7 +152,7 @@ def check_inputs(trace: Trace, plan: Plan | None) -> None:
         )
 
 
-def _refusal(name: str, plan: Plan | None, slots: Mapping[int, int], layers: Sequence[int]) -> str | None:
+def _refusal(name, plan, slots, layers, tables) -> str | None:
     if name not in PLAN_POLICIES:
         return None
     if plan is None:
@@ -156,11 +160,17 @@ def _refusal(name: str, plan: Plan | None, slots: Mapping[int, int], layers: Seq
     for l in layers:
         if len(plan.layers[l].core) > slots[l]:
             return f"layer {l}: the plan's core ({len(plan.layers[l].core)} experts) exceeds its {slots[l]} slots"
+    if name in PRIOR_POLICIES and tables is None:
+        return "needs --prior-trace (a calibration routing trace of the same model: its transition table)"
     return None
 
 
-def _policy(name, l, plan, probe_sets, lfu_decay):
+def _policy(name, l, plan, probe_sets, lfu_decay, tables=None):
     core = plan.layers[l].core if plan is not None else frozenset()
+    if name == "dlfu-admit-seeded":
+        return DLFUAdmit(name, seed=core, decay=lfu_decay)
+    if name == "dlfu-markov-seeded":
+        return DLFUMarkov(name, tables[l], seed=core, decay=lfu_decay)
     if name == "static":
         return Static(core)
     if name == "probe":
@@ -170,10 +180,10 @@ def _policy(name, l, plan, probe_sets, lfu_decay):
     return _factory(name, core, lfu_decay)()
 
 
-def _run_policy(name, trace, plan, steps, slots, probe_sets, lfu_decay) -> dict:
+def _run_policy(name, trace, plan, steps, slots, probe_sets, lfu_decay, tables) -> dict:
     per_layer, total = {}, LayerCounts()
     for l in trace.layers:
-        c = replay_layer(_policy(name, l, plan, probe_sets, lfu_decay), steps[l], slots[l])
+        c = replay_layer(_policy(name, l, plan, probe_sets, lfu_decay, tables), steps[l], slots[l])
         per_layer[str(l)] = c.to_dict(trace.per_expert_bytes)
         total.add(c)
     return {"totals": total.to_dict(trace.per_expert_bytes), "layers": per_layer}
@@ -187,9 +197,14 @@ def simulate(
     *,
     allocation: str = "core+tail",
     lfu_decay: float = 0.8,
+    prior_trace: Trace | None = None,
+    markov_weight: float = MARKOV_WEIGHT,
 ) -> dict:
-    """Every budget x policy on the trace -> a JSON-able report (rows in budget, policy order)."""
+    """Every budget x policy on the trace -> a JSON-able report (rows in budget, policy order).
+    ``prior_trace``: a calibration routing trace of the same model (never the trace replayed),
+    the source of ``dlfu-markov-seeded``'s transition tables."""
     check_inputs(trace, plan)
+    tables = _prior_tables(trace, prior_trace, markov_weight)
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SimulationError(f"--policy {unknown[0]}: choose from {', '.join(POLICIES)}")
@@ -213,7 +228,7 @@ def simulate(
                 "allocation": how,
                 "policy": name,
             }
-            reason = _refusal(name, plan, slots, trace.layers)
+            reason = _refusal(name, plan, slots, trace.layers, tables)
             if name == "probe" and reason is None and probe_sets is None and probe_error is None:
                 try:
                     probe_sets = _probe_sets(plan, trace, counts, budget.bytes, slots)
@@ -224,9 +239,38 @@ def simulate(
                 rows.append({**row, "status": "refused", "reason": reason})
                 continue
             rows.append(
-                {**row, "status": "ok", **_run_policy(name, trace, plan, steps, slots, probe_sets, lfu_decay)}
+                {
+                    **row,
+                    "status": "ok",
+                    **_run_policy(name, trace, plan, steps, slots, probe_sets, lfu_decay, tables),
+                }
             )
-    return {"trace": trace_summary(trace), "plan": _plan_summary(plan), "lfu_decay": lfu_decay, "rows": rows}
+    prior = None if prior_trace is None else {**trace_summary(prior_trace), "markov_weight": markov_weight}
+    return {
+        "trace": trace_summary(trace),
+        "plan": _plan_summary(plan),
+        "lfu_decay": lfu_decay,
+        "prior_trace": prior,
+        "rows": rows,
+    }
+
+
+def _prior_tables(trace: Trace, prior: Trace | None, weight: float) -> dict[int, object] | None:
+    """Per layer: the transition table of the prior trace (refused unless it has the same model)."""
+    if prior is None:
+        return None
+    if prior.num_experts != trace.num_experts or not set(trace.layers) <= set(prior.layers):
+        raise SimulationError(
+            f"--prior-trace: {prior.num_experts} experts, layers {list(prior.layers)}; the trace has "
+            f"{trace.num_experts} experts, layers {list(trace.layers)}"
+        )
+    if weight < 0:
+        raise SimulationError(f"--markov-weight {weight}: must be >= 0")
+    starts = prior.request_first_steps()
+    return {
+        l: transition_table(LayerSteps.from_counts(l, prior.step_counts(l), starts), weight)
+        for l in trace.layers
+    }
 
 
 def trace_summary(trace: Trace) -> dict:

@@ -1,7 +1,8 @@
 """Replay a routing trace under device-cache policies and budgets: hits, misses, bytes moved.
 
 usage: reap-swap simulate --trace T.npz [--plan P.json] --budget 0.125 0.25 0.5 [--policy lru belady ...]
-                          [--layer-slots core+tail|uniform] [--json OUT.json] [--plot OUT.png] [--per-layer]
+                          [--layer-slots core+tail|uniform] [--prior-trace CAL.npz]
+                          [--json OUT.json] [--plot OUT.png] [--per-layer]
 
 A budget is a fraction of all expert bytes (0.25) or a size (1.5GiB); each layer gets a fixed
 number of slots from it (--layer-slots; the mechanism and every policy are described in
@@ -40,6 +41,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.8,
         help="LFU score decay per step (0.8: chosen on a calibration trace, research.md)",
     )
+    parser.add_argument(
+        "--prior-trace",
+        type=Path,
+        help="calibration routing trace of the same model (never the replayed one): the transition "
+        "table of dlfu-markov-seeded, which is refused without it",
+    )
+    parser.add_argument(
+        "--markov-weight",
+        type=float,
+        default=16.0,
+        help="weight of the transition prior in score units (16: chosen on the calibration trace)",
+    )
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here")
     parser.add_argument("--per-layer", action="store_true", help="also print the per-layer expert hit rates")
@@ -54,8 +67,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         trace = load_trace(args.trace)
         plan = load_plan(args.plan) if args.plan is not None else None
+        prior = load_trace(args.prior_trace) if args.prior_trace is not None else None
         result = simulate(
-            trace, plan, args.budget, args.policy, allocation=args.layer_slots, lfu_decay=args.lfu_decay
+            trace,
+            plan,
+            args.budget,
+            args.policy,
+            allocation=args.layer_slots,
+            lfu_decay=args.lfu_decay,
+            prior_trace=prior,
+            markov_weight=args.markov_weight,
         )
     except (TraceError, SimulationError, ValueError) as exc:
         if isinstance(exc, PlanError):
