@@ -228,7 +228,12 @@ class LayerStep:
     the remapped ids for the kernel over E + N units. ``units``: device_cache_copy.unit_view."""
 
     def __init__(
-        self, cache: DeviceCache, units: torch.Tensor, copy_fn=None, compiled: bool = False, fused: bool = False
+        self,
+        cache: DeviceCache,
+        units: torch.Tensor,
+        copy_fn=None,
+        compiled: bool = False,
+        fused: bool = False,
     ) -> None:
         from reap_swap.residency.device_cache_copy import copy_units, copy_units_torch
         from reap_swap.residency.device_cache_fused import fused_policy
@@ -239,7 +244,9 @@ class LayerStep:
         # compiled: the policy step fused by Inductor (equal to eager: tests/test_device_policy.py);
         # compiled on the first call, which must come before CUDA-graph capture (vLLM's warm-up)
         # fused: the one-program Triton step (device_cache_fused.py; equal to _policy bit for bit)
-        self._policy = fused_policy if fused else torch.compile(_policy, fullgraph=True) if compiled else _policy
+        self._policy = (
+            fused_policy if fused else torch.compile(_policy, fullgraph=True) if compiled else _policy
+        )
 
     def seed(self, experts: Iterable[int]) -> list[tuple[int, int]]:
         """Fill free slots with ``experts`` and copy their bytes (between steps: startup fill)."""

@@ -23,11 +23,11 @@ Limits: E <= 512 and N <= 512 (one block each; checked at construction).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from reap_swap.cache_policy.device import DECAY_SHIFT, SCORE_FRAC, SCORE_MAX
-
-from .device_cache import COUNTER_NAMES, DeviceCache
 
 MAX_FUSED = 512
 _kernel = None
@@ -154,7 +154,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
-def scratch_for(cache: DeviceCache) -> torch.Tensor:
+def scratch_for(cache: Any) -> torch.Tensor:
     """The cache's int64 scratch (allocated once, before any capture; state of no step)."""
     buf = getattr(cache, "_fused_scratch", None)
     if buf is None:
@@ -168,12 +168,12 @@ def scratch_for(cache: DeviceCache) -> torch.Tensor:
     return buf
 
 
-def fused_policy(cache: DeviceCache, topk_ids: torch.Tensor, valid_rows: torch.Tensor | None) -> torch.Tensor:
+def fused_policy(cache: Any, topk_ids: torch.Tensor, valid_rows: torch.Tensor | None) -> torch.Tensor:
     """device_cache._policy in one launch: updates ``cache`` and returns the remapped ids."""
     global _kernel
     if _kernel is None:
         _kernel = _build()
-    assert len(COUNTER_NAMES) == 9
+    # counters: device_cache.COUNTER_NAMES, 9 of them, in that order (not imported: no cycle)
     ids = topk_ids.contiguous()
     out = torch.empty_like(ids)
     scratch = scratch_for(cache)
