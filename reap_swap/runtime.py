@@ -37,6 +37,7 @@ class WorkerRuntime:
     count_kernel: CountKernel = field(default_factory=CountKernel)
     engine: Any | None = None  # residency.engine.CudaEngine, made by the first CUDA MoE layer
     engine_error: str | None = None  # why the engine could not be imported (accounting fallback)
+    cache_reason: str | None = None  # why the CUDA device cache is not built (issue 17), None: built
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None) -> WorkerRuntime:
@@ -74,7 +75,10 @@ class WorkerRuntime:
                 self.engine_error,
             )
             return None
-        self.engine = CudaEngine(self.plan, self.refusals)
+        from reap_swap.residency.device_cache_serving import cache_config_for
+
+        cache, self.cache_reason = cache_config_for(self.settings, self.plan)
+        self.engine = CudaEngine(self.plan, self.refusals, cache=cache)
         if self.settings.budget != "plan":  # --reap-budget auto | GiB (residency/budget.py)
             from reap_swap.residency.budget import BudgetHook
 

@@ -73,6 +73,7 @@ class Settings(BaseModel):
 
     cache: Literal["lfu", "lru", "off"] = "lfu"
     cache_slots: Literal["auto"] | int = "auto"
+    cache_device: Literal["on", "off"] = "off"  # the CUDA device cache (issue 17); off until measured
     cache_record_steps: int = Field(default=0, ge=0)
 
     @field_validator("cache_slots", mode="before")
@@ -169,6 +170,14 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         "REAP_CACHE_SLOTS",
         "--reap-cache-slots",
         {"metavar": "N|auto", "help": "cache slots beyond the pinned set over all layers (auto)"},
+    ),
+    "cache_device": (
+        "REAP_CACHE_DEVICE",
+        "--reap-cache-device",
+        {
+            "choices": ["on", "off"],
+            "help": "CUDA: run --reap-cache lfu on the device slot tail (default off)",
+        },
     ),
     "cache_record_steps": (
         "REAP_CACHE_RECORD_STEPS",

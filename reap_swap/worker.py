@@ -60,6 +60,13 @@ def build_cache(runtime: WorkerRuntime, layers: dict, uncounted: dict, backend) 
     settings, plan = runtime.settings, runtime.plan
     if settings.cache == "off":
         return CacheAccounting.disengaged("--reap-cache off")
+    cfg = getattr(runtime.engine, "cache", None) if backend.residency_mode == "cuda" else None
+    if cfg is not None:  # the CUDA device cache (issue 17): counters read from the device
+        from reap_swap.residency.device_cache_serving import DeviceCacheView
+
+        return DeviceCacheView(cfg)
+    if backend.residency_mode == "cuda" and getattr(runtime, "cache_reason", None):
+        return CacheAccounting.disengaged(runtime.cache_reason)
     if backend.residency_mode != "accounting":
         return CacheAccounting.disengaged(
             f"residency {backend.residency_mode}: the device cache (slot tail, device policy kernel) "

@@ -5,7 +5,9 @@ torch.compile'd then replayed in a graph (checked equal to eager, state and rema
 
 Writes $LOGDIR/device_cache_bench.json and prints one line per case: microseconds per layer-step
 (policy only: no slot copy, whose cost is bytes / PCIe bandwidth and measured elsewhere).
-Decision input: the torch-op step must cost well under ~3 % of a decode token per layer, else a
+``fused_*``: the one-program Triton step (device_cache_fused.py; target <= 10 us per layer-step),
+its mismatch count against the torch step (state tensors and remapped ids, every step). Decision
+input: the torch-op step must cost well under ~3 % of a decode token per layer, else a
 fused kernel is needed (research.md, issue 17, device mechanism).
 """
 
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from reap_swap.residency.device_cache import DeviceCache, remap_ids, step_counts
+from reap_swap.residency.device_cache_fused import fused_policy
 
 
 def _ids(gen, steps, rows, experts, top_k):
@@ -28,6 +31,10 @@ def _ids(gen, steps, rows, experts, top_k):
 
 def _one(cache, ids):
     return remap_ids(ids, cache.step(step_counts(ids, cache.num_experts)))
+
+
+def _fused(cache, ids):
+    return fused_policy(cache, ids, None)
 
 
 def _graph(fn, cache, static):
@@ -61,9 +68,13 @@ def bench(experts, slots, rows, top_k, steps, compiled) -> dict:
     eager = DeviceCache(experts, slots, "cuda")
     out = {"experts": experts, "slots": slots, "rows": rows, "top_k": top_k, "steps": steps}
     out["eager_us"] = _time(lambda t: _one(eager, ids[t]), steps)
-    for name, fn in (("graph_us", _one), ("compiled_graph_us", torch.compile(_one, dynamic=False)))[
-        : 2 if compiled else 1
-    ]:
+    fused_eager = DeviceCache(experts, slots, "cuda")
+    _fused(fused_eager, ids[0].clone())  # compile the Triton kernel outside the timing
+    out["fused_eager_us"] = _time(lambda t: _fused(fused_eager, ids[t]), steps)
+    cases = [("graph_us", _one), ("fused_graph_us", _fused)]
+    if compiled:
+        cases.append(("compiled_graph_us", torch.compile(_one, dynamic=False)))
+    for name, fn in cases:
         cache, ref = DeviceCache(experts, slots, "cuda"), DeviceCache(experts, slots, "cuda")
         static = ids[0].clone()
         g, remapped = _graph(fn, cache, static)

@@ -58,6 +58,8 @@ class CudaResidency:
                 "(something replaced them after re-homing); swaps would move bytes the kernel never reads"
             )
         self._init(st, VmmStore(st), engine.refusals)
+        cache = getattr(engine, "cache", None)  # device_cache_engine.CacheConfig (issue 17)
+        self.device_caches = cache.caches if cache is not None else None
 
     @classmethod
     def over(cls, st: Any, store: ExpertStore, refusals: LayerRefusals | None = None) -> CudaResidency:
@@ -68,6 +70,7 @@ class CudaResidency:
 
     def _init(self, st: EngineState, store: ExpertStore, refusals: LayerRefusals) -> None:
         self.st = st
+        self.device_caches = None
         self.store = store  # the data path; fault.FaultInjectingBackend may wrap it for one apply
         self.refusals = refusals
 
@@ -97,6 +100,10 @@ class CudaResidency:
             }
         t0 = time.perf_counter()
         result = apply_swap(self.st.table, self.store, target)
+        if self.device_caches is not None:  # the swapped-in set leaves the caches: the tail yields
+            from .device_cache_serving import on_swap
+
+            on_swap(self.device_caches, target)
         seconds = time.perf_counter() - t0
         self.st.swaps += 1
         self.st.bytes_copied_total += result.bytes_copied

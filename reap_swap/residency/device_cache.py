@@ -227,15 +227,26 @@ class LayerStep:
     count the step's routing (original ids), update the cache, copy admissions into slots, return
     the remapped ids for the kernel over E + N units. ``units``: device_cache_copy.unit_view."""
 
-    def __init__(self, cache: DeviceCache, units: torch.Tensor, copy_fn=None, compiled: bool = False) -> None:
+    def __init__(
+        self,
+        cache: DeviceCache,
+        units: torch.Tensor,
+        copy_fn=None,
+        compiled: bool = False,
+        fused: bool = False,
+    ) -> None:
         from reap_swap.residency.device_cache_copy import copy_units, copy_units_torch
+        from reap_swap.residency.device_cache_fused import fused_policy
 
         self.cache, self.units = cache, units
         # CUDA: the Triton kernel; CPU tensors (tests, accounting): the torch reference
         self.copy_fn = copy_fn or (copy_units if units.is_cuda else copy_units_torch)
         # compiled: the policy step fused by Inductor (equal to eager: tests/test_device_policy.py);
         # compiled on the first call, which must come before CUDA-graph capture (vLLM's warm-up)
-        self._policy = torch.compile(_policy, fullgraph=True) if compiled else _policy
+        # fused: the one-program Triton step (device_cache_fused.py; equal to _policy bit for bit)
+        self._policy = (
+            fused_policy if fused else torch.compile(_policy, fullgraph=True) if compiled else _policy
+        )
 
     def seed(self, experts: Iterable[int]) -> list[tuple[int, int]]:
         """Fill free slots with ``experts`` and copy their bytes (between steps: startup fill)."""

@@ -35,6 +35,10 @@ Accounting mode on CPU (cacheacc): replay the counters' stream through
 cache_policy.device.DLFU (or DeviceCache on CPU tensors: the same integers, tests/
 test_device_policy.py proves the two agree step by step) -- same counts as ``read_counters``.
 
+Serving (branch dfix, GPU-untested): ``--reap-cache lfu --reap-cache-device on`` with residency
+cuda builds the CacheConfig (device_cache_serving.py), the worker reports it through
+DeviceCacheView, cuda_backend.apply calls ``on_swap`` after every swap. The notes below predate it.
+
 Wired (issue 17, step 5; GPU-untested): ``CudaEngine(plan, refusals, cache=CacheConfig(...))``
 (device_cache_engine.py) lends N pool slots per layer, re-homes with slot units and engages; with
 ``cache=None`` (the default) the engine is unchanged. NOT wired: the runtime does not build a
@@ -63,10 +67,11 @@ log = get_logger("reap_swap.device_cache")
 class DeviceCaches:
     """Every cached layer of one worker process (see the module docstring: the interface)."""
 
-    def __init__(self, policy: str = "dlfu", decay: float = 0.8) -> None:
+    def __init__(self, policy: str = "dlfu", decay: float = 0.8, fused: bool = False) -> None:
         if policy != "dlfu":
             raise ValueError(f"--reap-cache {policy}: the device cache implements dlfu only")
         self.policy, self.decay = policy, decay
+        self.fused = fused  # the one-program Triton policy step (device_cache_fused.py)
         self.layers: dict[int, LayerStep] = {}
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.refused: dict[int, str] = {}
@@ -85,7 +90,9 @@ class DeviceCaches:
             return False
         e, n = rng.num_experts, rng.num_slots
         step = LayerStep(
-            DeviceCache(e, n, range_bytes.device, self.decay), unit_view(range_bytes, e + n, rng.unit_bytes)
+            DeviceCache(e, n, range_bytes.device, self.decay),
+            unit_view(range_bytes, e + n, rng.unit_bytes),
+            fused=self.fused and e <= 512 and n <= 512,
         )
         step.seed(seed)
         moe_cache.install_config_alias()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reap_swap.compat import moe_cache
+from reap_swap.memory_split import slots_beyond_pinned
 
 from .device_cache_api import DeviceCaches
 from .device_cache_range import rehome_with_slots
@@ -30,9 +31,14 @@ class CacheConfig:
     seed_core: bool = False
     lent: dict[int, int] = field(default_factory=dict)  # layer -> first lent pool slot
     refusal: str | None = None  # why no layer can be cached (set when the pool is split)
+    auto: bool = False  # --reap-cache-slots auto: the pool's slots beyond the pinned set, per layer
 
-    def split(self, pool_slots: int, num_layers: int) -> int:
-        """Slots kept for swaps (K); records a refusal when the lending does not fit."""
+    def split(self, pool_slots: int, num_layers: int, pinned=None) -> int:
+        """Slots kept for swaps (K); records a refusal when the lending does not fit. ``pinned``:
+        layer -> the plan core (what auto leaves to the swap table)."""
+        if self.auto:
+            beyond = slots_beyond_pinned(pool_slots, pinned or {})
+            self.slots_per_layer = beyond // max(num_layers, 1)
         want = self.slots_per_layer * num_layers
         if self.slots_per_layer <= 0:
             self.refusal = "--reap-cache-slots is 0"

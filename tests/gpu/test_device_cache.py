@@ -29,12 +29,13 @@ def fm():
 def layer():
     from reap_swap.residency import vmm
     from reap_swap.residency.device_cache_range import rehome_with_slots
-    from reap_swap.residency.engine import unit_bytes_for
+    from reap_swap.residency.unit_layout import plan_unit
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     w13 = (torch.randn(E, 2 * INTER, H, generator=gen) / 32).to(torch.bfloat16).cuda()
     w2 = (torch.randn(E, H, INTER, generator=gen) / 32).to(torch.bfloat16).cuda()
-    _, unit = unit_bytes_for(w13, w2, vmm.ensure_available(0))
+    slabs = [("w13_weight", w13[0].numel() * 2), ("w2_weight", w2[0].numel() * 2)]
+    unit = plan_unit(slabs, vmm.ensure_available(0)).unit_bytes
     rng, range_bytes, views, ext = rehome_with_slots(w13, w2, unit, N, 0)
     yield {"w13": w13, "w2": w2, "unit": unit, "rng": rng, "bytes": range_bytes, "views": views, "ext": ext}
     rng.release()
@@ -247,7 +248,7 @@ def test_e_engine_lends_pool_slots_seeds_and_serves_bitwise(monkeypatch):
         m.register_parameter(name, torch.nn.Parameter(w, requires_grad=False))
     masters = (m.w13_weight.detach().clone(), m.w2_weight.detach().clone())
     try:
-        engine.hook_layer(m, 0)
+        engine.hook_layer(m, 0, quant_config={})
         m.quant_method.process_weights_after_loading(m)
         st = engine.state
         assert st.table.num_slots == 6 and cfg.lent == {0: 6} and not cfg.caches.refused

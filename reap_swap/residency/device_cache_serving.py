@@ -1,0 +1,128 @@
+"""The device cache in serving (issue 17): from the settings to a CacheConfig, and the worker's view
+of the engaged caches in the shape cache_accounting's surfaces read (/reap/status "cache" section,
+cache_surface's Prometheus counters).
+
+Default OFF on CUDA: ``--reap-cache lfu`` (the default, accounting on the CPU build) engages the
+device cache on CUDA only with ``--reap-cache-device on``. Reason: the CUDA mechanism (slot units,
+the fused policy kernel, the kernel over E + N units) has passed no H200 serve yet; existing GPU
+users keep exactly the path they had until scripts/gpu_e2e.py's ``reap-cache`` arm measured it
+(stock-equal text, counters, tok/s). Device policy: ``dlfu`` (the integer LFU with decay 0.8,
+cache_policy.device) in the ``core+dlfu`` form: the plan core pinned in its own units, the cache on
+the tail. ``--reap-cache lru`` on CUDA is refused by name (not implemented on the device).
+
+Counters are read between steps (the status RPC on the engine-core thread: one ``.tolist()`` per
+layer there, nothing on the step path; the per-step stream of accounting mode is not used).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reap_swap.logs import get_logger
+
+from .device_cache_api import DeviceCaches
+from .device_cache_engine import CacheConfig
+
+log = get_logger("reap_swap.cache")
+
+
+def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str | None]:
+    """(config, None) when the device cache should engage, else (None, why not)."""
+    if settings.cache == "off":
+        return None, "--reap-cache off"
+    if getattr(settings, "cache_device", "off") != "on":
+        return None, "device cache off on CUDA (default; --reap-cache-device on engages it)"
+    if settings.cache != "lfu":
+        return None, f"--reap-cache {settings.cache}: the device cache implements lfu (dlfu) only"
+    layers = max(len(plan.layers), 1)
+    auto = settings.cache_slots == "auto"
+    per_layer = 0 if auto else int(settings.cache_slots) // layers
+    caches = DeviceCaches(decay=0.8, fused=True)
+    return CacheConfig(caches, slots_per_layer=per_layer, seed_core=False, auto=auto), None
+
+
+class DeviceCacheView:
+    """What WorkerCore holds as ``cache`` when the device cache is built: status() and totals() in
+    cache_accounting's shape; no per-step stream (``caches`` is empty, so WorkerCore takes no
+    counter snapshots); ``pin`` is a no-op because cuda_backend.apply calls ``on_swap`` itself."""
+
+    caches: dict = {}  # noqa: RUF012 - read-only marker for WorkerCore.cache_before_step
+    record = None
+
+    def __init__(self, cfg: CacheConfig) -> None:
+        self.cfg = cfg
+
+    def step(self, rows, request_start: bool) -> None:  # the device counts inside the forward
+        return None
+
+    def pin(self, resident) -> None:
+        return None
+
+    def trace(self, reset: bool) -> list:
+        return []
+
+    def totals(self) -> dict[str, int]:
+        out = dict.fromkeys(("hits", "misses", "expert_hits", "expert_misses", "promotions"), 0)
+        out.update(evictions=0, read_through_steps=0)
+        for c in self.cfg.caches.read_counters().values():
+            for k, v in counters_of(c).items():
+                out[k] += v
+        return out
+
+    def status(self) -> dict[str, Any]:
+        dev = self.cfg.caches.status()
+        counts = self.cfg.caches.read_counters()
+        layers: dict[str, Any] = {}
+        for l, s in dev["layers"].items():
+            layers[str(l)] = {
+                "slots": s["slots"],
+                "occupied": s["occupied"],
+                "pinned": len(s["pinned"]),
+                "tail_slots": s["active"],
+                "resident": sorted(set(s["cached"]) | set(s["pinned"])),
+                "engaged": True,
+                **counters_of(counts[l]),
+                "counts": counts[l],
+            }
+        for l, why in dev["refused"].items():
+            layers[str(l)] = {"engaged": False, "reason": why}
+        reason = self.cfg.refusal
+        return {
+            "engaged": bool(dev["layers"]),
+            "mode": "device",
+            "policy": "core+dlfu",
+            "lfu_decay": dev["decay"],
+            "tail_slots": self.cfg.slots_per_layer * len(dev["layers"]),
+            "tail_source": "--reap-cache-slots auto: pool slots beyond the plan core"
+            if self.cfg.auto
+            else "--reap-cache-slots",
+            "steps": max((c["steps"] for c in counts.values()), default=0),
+            "recording": 0,
+            "totals": self.totals(),
+            "layers": layers,
+            **({"reason": reason} if reason else {}),
+        }
+
+
+def counters_of(c: dict[str, int]) -> dict[str, int]:
+    """cache_accounting.counters_of's names from the device counters (device_cache.COUNTER_NAMES)."""
+    return {
+        "hits": c["selection_hits"],
+        "misses": c["selections"] - c["selection_hits"],
+        "expert_hits": c["expert_hits"],
+        "expert_misses": c["experts"] - c["expert_hits"],
+        "promotions": c["admitted"],
+        "evictions": c["evicted"],
+        "read_through_steps": c["read_through_steps"],
+    }
+
+
+def on_swap(caches: DeviceCaches | None, target) -> None:
+    """After a swap made ``target`` (layer -> experts) resident in their own units: those experts
+    leave each layer's cache (the tail yields to the swap)."""
+    if caches is None:
+        return
+    for layer, experts in target.items():
+        emptied = caches.on_swap(int(layer), experts)
+        if emptied:
+            log.info("reap-swap cache: layer %s: swap pinned its set, %d slots emptied", layer, len(emptied))

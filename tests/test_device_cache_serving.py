@@ -1,0 +1,55 @@
+"""The device cache's serving shell on CPU tensors: settings -> CacheConfig (default off on CUDA,
+lru refused by name, N over layers / auto), the status and totals in cache_accounting's shape,
+on_swap after a swap (pinned experts leave the slots)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from reap_swap.residency.device_cache import DeviceCache, LayerStep  # noqa: E402
+from reap_swap.residency.device_cache_copy import copy_units_torch, unit_view  # noqa: E402
+from reap_swap.residency.device_cache_serving import (  # noqa: E402
+    DeviceCacheView,
+    cache_config_for,
+    on_swap,
+)
+
+PLAN = SimpleNamespace(layers={0: SimpleNamespace(core=[0, 1]), 1: SimpleNamespace(core=[2])})
+
+
+def _s(**kw):
+    return SimpleNamespace(**{"cache": "lfu", "cache_slots": "auto", "cache_device": "on", **kw})
+
+
+def test_config_from_settings():
+    assert cache_config_for(_s(cache_device="off"), PLAN)[1].startswith("device cache off")
+    assert "lfu (dlfu) only" in cache_config_for(_s(cache="lru"), PLAN)[1]
+    assert cache_config_for(_s(cache="off"), PLAN) == (None, "--reap-cache off")
+    cfg, why = cache_config_for(_s(cache_slots=9), PLAN)
+    assert why is None and cfg.slots_per_layer == 4 and not cfg.auto and cfg.caches.fused
+    auto = cache_config_for(_s(), PLAN)[0]
+    assert auto.split(11, 2, {0: [0, 1], 1: [2]}) == 3 and auto.slots_per_layer == 4  # (11-3)//2
+
+
+def test_view_status_totals_and_on_swap():
+    cfg = cache_config_for(_s(cache_slots=8), PLAN)[0]
+    units = unit_view(torch.zeros(12 * 64, dtype=torch.uint8), 12, 64)
+    cfg.caches.layers[0] = LayerStep(DeviceCache(8, 4, "cpu"), units, copy_units_torch)
+    cfg.caches.refuse(1, "test refusal")
+    cfg.caches.layers[0](torch.tensor([[1, 5], [5, 7]], dtype=torch.int32))
+    view = DeviceCacheView(cfg)
+    st = view.status()
+    assert (
+        st["engaged"]
+        and st["mode"] == "device"
+        and st["layers"]["1"] == {"engaged": False, "reason": "test refusal"}
+    )
+    t = view.totals()
+    assert (
+        t["hits"] + t["misses"] == 4 and t["promotions"] == 3 and st["layers"]["0"]["resident"] == [1, 5, 7]
+    )
+    on_swap(cfg.caches, {0: [5]})
+    assert view.status()["layers"]["0"]["resident"] == [1, 5, 7]  # 5 pinned now, not in a slot
+    assert 5 not in cfg.caches.layers[0].cache.slot_expert.tolist()
