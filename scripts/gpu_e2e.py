@@ -13,6 +13,10 @@ Arms (each: start a server, measure, stop; results merged into OUT/gpu_e2e.json)
   reap-routed     reap-swap with the plan core (25 %) filled at startup and vLLM's
                   --enable-return-routed-experts: our CUDA-graph counters vs vLLM's own per-token
                   routed experts, request by request
+  reap-cache      reap-swap, plan core 25 %, pool 50 %, the device cache on the tail
+                  (--reap-cache lfu --reap-cache-device on): greedy text, decode, cache counters
+                  (/reap/status) and router misses of a plain client (no swap calls), issue 17
+  reap-plan25     the same plan and pool with --reap-cache off: the plain client's static core
   reap-tp         (with --tp 2) reap-swap, core 25 %, pool 50 %: per-rank status, counters vs
                   routed experts, swap to 50 %, a failure injected on rank 1 mid-swap (both ranks
                   must stay on the previous set), swaps back, greedy text throughout
@@ -474,6 +478,22 @@ def arm_routed(reap, out, shape, res):
         core_and_counters(srv, shape, r, (128, 1), 4)
 
 
+def arm_plain_client(name, reap, out, shape, res, cache_flags, d1=(256, 3), d8=(128, 2)):
+    """A plain OpenAI client on the plan core 25 % / pool 50 % (no swap calls): what the cache adds."""
+    r = res.setdefault(name, {})
+    plan_path = out / f"plan-{name}.json"
+    make_plan(Path(reap[3]), 0.25, 8, plan_path, budget_fraction=0.5)
+    argv = reap + ["--reap-plan", str(plan_path), *cache_flags]
+    with Server(name, argv, out, env=DEV, port=serving.free_port()) as srv:
+        r["startup_s"], r["argv"] = srv.startup_s, srv.command
+        r["status_start"] = status(srv)
+        open_request(srv, "plain")
+        r["plain"] = measure(srv, "plain", d1=d1, d8=d8)
+        r["plain"]["moe_probe"] = moe_probe(srv, f"{name} plain")
+        r["status_end"] = st = status(srv)
+        log(name, "cache", json.dumps(st.get("cache"))[:1500])
+
+
 def arm_tp(reap, out, shape, res, save):
     r = res.setdefault("reap-tp", {})
     with routed_server("reap-tp", reap, out, 0.5) as srv:
@@ -569,6 +589,11 @@ def main():
                 arm_clean(reap, out, shape, results, save)
             elif arm == "reap-routed":
                 arm_routed(reap, out, shape, results)
+            elif arm == "reap-cache":
+                flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
+                arm_plain_client(arm, reap, out, shape, results, flags)
+            elif arm == "reap-plan25":
+                arm_plain_client(arm, reap, out, shape, results, ["--reap-cache", "off"])
             elif arm == "reap-tp":
                 arm_tp(reap, out, shape, results, save)
             else:

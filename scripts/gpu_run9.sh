@@ -3,11 +3,12 @@
 #   bash scripts/gpu_run9.sh start        # after the kit is installed and /tmp/model exists
 #   bash scripts/gpu_run9.sh wait 530     # progress, then $OUT/run9.tgz
 # Phases (sequential where a phase needs the whole GPU or measures free memory):
-#  1. pytest tests/gpu (engine binding per format, device cache, counters, VMM)  || quant checkpoints written (CPU)
-#     then the device cache's policy-step timing (scripts/bench_device_cache.py)
+#  1. the device cache's policy-step timing (scripts/bench_device_cache.py), alone
 #  2. families at full size (scripts/gpu_families.sh: the whole GPU, side-by-side servers)
-#  3. quantized formats end to end (scripts/gpu_quant_e2e.py: 5 small servers at a time)
-#  4. --reap-budget auto at two --gpu-memory-utilization values (scripts/gpu_budget_auto.py: alone)
+#     || pytest tests/gpu (engine binding per format, device cache, counters, VMM)
+#  3. --reap-budget auto at two --gpu-memory-utilization values (scripts/gpu_budget_auto.py: alone)
+#  4. the device cache in the server for a plain client (gpu_e2e.py reap-cache vs reap-plan25)
+#  5. quantized formats end to end (scripts/gpu_quant_e2e.py, a subset)
 # SKIP="families quant" skips phases; everything lands in /tmp/run9.
 set -u
 R=/tmp/run9
@@ -18,36 +19,42 @@ step() { echo "$(stamp) [$1] $2"; }
 skip() { case " ${SKIP:-} " in *" $1 "*) return 0 ;; esac; return 1; }
 
 session() {
-  step run9 "pytest tests/gpu || quant checkpoints"
-  (timeout 600 $PY scripts/make_quant_checkpoint.py --out $R/quant/checkpoints --plain-attention 1 \
-     > $R/quant_ckpt.log 2>&1; echo "ckpt exit $?" >> $R/quant_ckpt.log) &
-  ckpt=$!
-  timeout 420 $PY -m pytest -q -rs tests/gpu -p no:cacheprovider > $R/gpu_tests.log 2>&1
-  tail -5 $R/gpu_tests.log
   if ! skip dcache; then
-    step run9 "device-cache step bench"
-    timeout 300 $PY scripts/bench_device_cache.py --log-dir $R/dcache > $R/dcache.log 2>&1
-    tail -5 $R/dcache.log
+    step run9 "device-cache step bench (torch ops, compiled, fused Triton)"
+    timeout 150 $PY scripts/bench_device_cache.py --log-dir $R/dcache > $R/dcache.log 2>&1
+    tail -8 $R/dcache.log
   fi
+  step run9 "pytest tests/gpu (background) || families"
+  (timeout 420 $PY -m pytest -q -rs tests/gpu -p no:cacheprovider > $R/gpu_tests.log 2>&1) &
+  tests=$!
   if ! skip families; then
-    step run9 "families"
-    FIELD_PLAN=.kit/strict30-v2-plan.json DEADLINE=${FAM_DEADLINE:-540} \
+    FIELD_PLAN=.kit/strict30-v2-plan.json DEADLINE=${FAM_DEADLINE:-500} \
       bash scripts/gpu_families.sh all --out $R/fam > $R/families.log 2>&1
     tail -5 $R/families.log
   fi
-  wait $ckpt
-  if ! skip quant; then
-    step run9 "quant e2e"
-    timeout 480 $PY scripts/gpu_quant_e2e.py --out $R/quant --jobs 5 > $R/quant.log 2>&1
-    tail -5 $R/quant.log
-  fi
+  wait $tests; tail -3 $R/gpu_tests.log
   if ! skip budget; then
     step run9 "budget auto"
     $PY -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import gpu_e2e; \
 gpu_e2e.make_plan(Path('/tmp/model'), 0.25, 8, Path('$R/budget.plan.json'), budget_fraction=0.5)"
-    timeout 360 $PY scripts/gpu_budget_auto.py --model /tmp/model --plan $R/budget.plan.json --out $R/budget \
-      > $R/budget.log 2>&1
+    timeout 280 $PY scripts/gpu_budget_auto.py --model /tmp/model --plan $R/budget.plan.json --out $R/budget \
+      --arms ${BUDGET_ARMS:-auto@0.5,auto@0.85,refused} > $R/budget.log 2>&1
     tail -5 $R/budget.log
+  fi
+  if ! skip cache; then
+    step run9 "device cache in the server (plain client): reap-cache, reap-plan25"
+    mkdir -p $R/cache  # stock-gpu's greedy text from run 8 (same kit, same seeded mk_model, same flags)
+    $PY -c "import json; d=json.load(open('research-notes/h200-2026-12-01/run8-gpu_e2e.json')); \
+json.dump({'stock-gpu': d['stock-gpu']}, open('$R/cache/gpu_e2e.json', 'w'))"
+    timeout 300 $PY scripts/gpu_e2e.py --model /tmp/model --out $R/cache --moe-probe --arms reap-cache,reap-plan25 \
+      > $R/cache.log 2>&1
+    tail -5 $R/cache.log
+  fi
+  if ! skip quant; then
+    step run9 "quant e2e (${QUANT_CASES:-bf16,fp8-block,fp8-online,awq})"
+    timeout 400 $PY scripts/gpu_quant_e2e.py --out $R/quant --jobs 4 --cases ${QUANT_CASES:-bf16,fp8-block,fp8-online,awq} \
+      > $R/quant.log 2>&1
+    tail -5 $R/quant.log
   fi
   touch $R/all.done
   step run9 "all done"
@@ -60,13 +67,20 @@ case "${1:-}" in
     sleep 2; step start "background run9 session started"
     ;;
   session) session ;;
-  wait)
-    limit=${2:-530}; t0=$(date +%s)
-    while [ ! -e $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do sleep 10; done
-    cat $R/main.log; free -g | head -2; nvidia-smi --query-gpu=memory.used --format=csv
-    for f in dcache families quant budget; do [ -e $R/$f.log ] && { echo "== $f"; tail -6 $R/$f.log | cut -c1-300; }; done
+  wait)  # packs $OUT/run9.tgz every 60 s too, so a call cut short still brings results back
+    limit=${2:-530}; t0=$(date +%s); last=0
     mkdir -p "$OUT"
-    tar czf "$OUT/run9.tgz" --exclude='checkpoints' --exclude='*.safetensors' -C /tmp run9 2>/dev/null
+    while [ ! -e $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
+      sleep 10
+      if [ $(( $(date +%s) - last )) -ge 60 ]; then
+        tar czf "$OUT/run9.tgz.tmp" --exclude='checkpoints' --exclude='*.safetensors' -C /tmp run9 $([ -d /tmp/fam ] && echo fam) 2>/dev/null \
+          && mv "$OUT/run9.tgz.tmp" "$OUT/run9.tgz"; last=$(date +%s)
+      fi
+    done
+    cat $R/main.log; free -g | head -2; nvidia-smi --query-gpu=memory.used --format=csv
+    for f in dcache families quant budget cache; do [ -e $R/$f.log ] && { echo "== $f"; tail -6 $R/$f.log | cut -c1-300; }; done
+    tar czf "$OUT/run9.tgz.tmp" --exclude='checkpoints' --exclude='*.safetensors' -C /tmp run9 $([ -d /tmp/fam ] && echo fam) 2>/dev/null \
+      && mv "$OUT/run9.tgz.tmp" "$OUT/run9.tgz"
     ls -la "$OUT"
     ;;
   *) echo "usage: $0 start | wait SECONDS"; exit 2 ;;
