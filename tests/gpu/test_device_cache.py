@@ -29,12 +29,14 @@ def fm():
 def layer():
     from reap_swap.residency import vmm
     from reap_swap.residency.device_cache_range import rehome_with_slots
-    from reap_swap.residency.engine import unit_bytes_for
+    from reap_swap.residency.unit_layout import plan_unit
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     w13 = (torch.randn(E, 2 * INTER, H, generator=gen) / 32).to(torch.bfloat16).cuda()
     w2 = (torch.randn(E, H, INTER, generator=gen) / 32).to(torch.bfloat16).cuda()
-    _, unit = unit_bytes_for(w13, w2, vmm.ensure_available(0))
+    # the engine's unit for a plain w13/w2 layer (unit_bytes_for went with the binding rewrite)
+    slabs = [(n, t[0].numel() * t.element_size()) for n, t in (("w13_weight", w13), ("w2_weight", w2))]
+    unit = plan_unit(slabs, vmm.ensure_available(0)).unit_bytes
     rng, range_bytes, views, ext = rehome_with_slots(w13, w2, unit, N, 0)
     yield {"w13": w13, "w2": w2, "unit": unit, "rng": rng, "bytes": range_bytes, "views": views, "ext": ext}
     rng.release()
