@@ -41,11 +41,25 @@ class ServedQuant:
     method: str  # the HF quant_method ("" for none), or the --quantization value when it overrides
     scheme: QuantScheme
     engine_refusal: str | None  # why the engine will refuse every MoE layer; None: it binds them
+    # why vLLM's UVA offloader must not be asked to load the experts into host memory (None: it may)
+    uva_refusal: str | None = None
 
     @property
     def launcher_may_offload(self) -> bool:
         """Whether the launcher may set --moe-backend triton and the UVA expert offload."""
         return self.engine_refusal is None
+
+
+# vLLM 0.26.0 online quantization creates the weights on the meta device (`uses_meta_device`) and
+# materializes them layer by layer while loading; its UVA offloader copies every chosen parameter
+# to host memory when the layer is built, and a meta tensor has no data (run 9a: "Cannot copy out
+# of meta tensor"). So the experts load into HBM, one layer at a time, and the engine moves each
+# layer into its host-backed range right after that layer is quantized.
+ONLINE_UVA_REFUSAL = (
+    "online --quantization fp8: vLLM creates the weights on the meta device and its UVA offloader "
+    "cannot copy them at model construction; experts load into HBM layer by layer and the engine "
+    "re-homes each layer after it is quantized"
+)
 
 
 def _refusal(method: str, scheme: QuantScheme) -> str | None:
@@ -71,7 +85,7 @@ def served_quant(scheme: QuantScheme, method: str = "", cli_quantization: str | 
         why = f"--quantization {cli}: a method the engine refuses ({_refusal(cli, scheme) or 'not bound'})"
         return ServedQuant(cli, scheme, why)
     if cli == "fp8" and scheme.kind == "unquantized":  # online fp8 of a bf16 checkpoint: bound
-        return ServedQuant("fp8 (online)", QuantScheme("fp8", 8, "tensor"), None)
+        return ServedQuant("fp8 (online)", QuantScheme("fp8", 8, "tensor"), None, ONLINE_UVA_REFUSAL)
     return ServedQuant(method, scheme, _refusal(method or "unquantized", scheme))
 
 

@@ -273,6 +273,8 @@ def bind_tensor(
     if not p.shape or p.shape[0] != spec.num_experts:
         return _not_per_expert(p, role, spec)
     slab = int(p.nbytes / spec.num_experts)
+    if p.numel == 0:  # e.g. Marlin's [E, 0] g_idx_sort_indices without act-order: no rows to bind
+        return TensorBinding(p.name, role, Decision.KEEP_WHOLE, "empty (0 bytes): nothing to bind", 0)
     problem = _layout_problem(p) or _shape_problem(p, role, spec, scheme) or _implied_stride_problem(p, spec)
     if problem:
         return TensorBinding(p.name, role, Decision.REFUSE, problem, slab)

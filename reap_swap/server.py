@@ -148,6 +148,10 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
     if vllm_serve.moe_backend_is_default(args):
         vllm_serve.use_triton_moe_backend(args)
         log.info("reap-swap: --moe-backend triton (the residency engine re-homes Triton expert weights)")
+    if served.uva_refusal is not None:
+        check_host_memory(shape)  # the engine's pinned host copies
+        log.info("reap-swap: no UVA expert offload: %s", served.uva_refusal)
+        return
     if not vllm_serve.cpu_offload_chosen(args):
         check_host_memory(shape)
         gib = shape.total_expert_bytes / 2**30 + 0.5

@@ -105,12 +105,36 @@ def status_report(ctl: Any, statuses: list[wire.StatusReply]) -> dict:
                 **{k: getattr(s, k) for k in _STATUS_WORKER_KEYS},
                 "mode": s.residency_mode,
                 "budget": s.backend.get("budget"),
+                "engine": engine_summary(s.backend),
             }
             for s in statuses
         ],
         "workers_consistent": all(s.layers == mine for s in statuses),
         "cache": cache_surface.report(statuses),
     }
+
+
+# what a worker's residency backend reports about the engine (cuda_backend.CudaResidency.status,
+# accounting.AccountingResidency.status): pool, mapping unit, kept-whole HBM, per-layer refusals
+_ENGINE_KEYS = (
+    "reason",
+    "layers_rehomed",
+    "refused_layers",
+    "pool_slots",
+    "pool_hbm_bytes",
+    "unit_bytes",
+    "kept_whole_hbm_bytes",
+    "rehomed_tensors",
+    "bytes_copied_total",
+)
+
+
+def engine_summary(backend: dict) -> dict:
+    """One worker's engine facts for /reap/status (absent keys: that backend has no such fact)."""
+    out = {k: backend[k] for k in _ENGINE_KEYS if k in backend}
+    if isinstance(out.get("rehomed_tensors"), dict):  # int layer keys: JSON wants strings
+        out["rehomed_tensors"] = {str(k): v for k, v in out["rehomed_tensors"].items()}
+    return out
 
 
 def _pool(ctl: Any) -> dict | None:

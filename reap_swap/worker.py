@@ -51,7 +51,8 @@ def make_residency_backend(runtime: WorkerRuntime, platform: str) -> ResidencyBa
             raise
         reason = f"CUDA residency engine unavailable ({type(exc).__name__}: {exc})"
         log.error("reap-swap: %s; falling back to accounting residency (no bytes will move)", reason)
-        return AccountingResidency(core, plan.per_expert_bytes, reason)
+        refusals = getattr(runtime.engine, "refusals", None)
+        return AccountingResidency(core, plan.per_expert_bytes, reason, getattr(refusals, "reasons", None))
 
 
 def build_cache(runtime: WorkerRuntime, layers: dict, uncounted: dict, backend) -> CacheAccounting:

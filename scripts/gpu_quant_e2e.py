@@ -14,11 +14,16 @@ with a hard timeout, runs
 Both servers of a case get the same vLLM arguments (CUDA graphs on, prefix caching off, requests
 one at a time), with `--moe-backend triton` only where the engine binds the format: for the formats
 it refuses (AWQ, GPTQ, CT W4A16, MXFP4; quant_budget.py) the launcher leaves vLLM's arguments alone
-and the server must come up on the stock path with the refusals recorded. Cases run `--jobs` at a
-time, each server with a small fixed KV cache, so all nine fit one H200 in about 6 minutes.
+and the server must come up on the stock path with the refusals recorded (/reap/status: each
+worker's `engine`, swap_report.engine_summary). For refused formats stock is served a second time
+in its own process (`--stock-twice`): if stock differs from itself (tokens, logprobs or MoE digests)
+a reap difference is reported as STOCK-NONDET, not FAIL. Cases run `--jobs` at a time and the arms
+of a case at once (`--serial-arms`: one after the other), each server with a small fixed KV cache;
+checkpoints are written `--ckpt-jobs` processes at a time and reused when complete (their recipe
+names the format and depth). Run 9a: nine cases, arms serial, 5 jobs: 396 s.
 Helpers are scripts/gpu_e2e.py's (plan, swaps, greedy, probe, status), imported, not copied.
 
-  python3 scripts/gpu_quant_e2e.py --out DIR [--cases bf16,awq] [--jobs 5] [--case-timeout 330]
+  python3 scripts/gpu_quant_e2e.py --out DIR [--cases bf16,awq] [--jobs 6] [--case-timeout 330]
   python3 scripts/gpu_quant_e2e.py --out DIR --dry-run --tiny     # CPU: checkpoints + commands only
 Writes DIR/checkpoints/<fmt>/, DIR/cases/<case>.json, DIR/<case>/*.server.log, DIR/quant_e2e.json
 and DIR/quant_e2e.md.
@@ -33,7 +38,7 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (gpu_e2e, make_quant_checkpoint)
@@ -74,6 +79,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--greedy-tokens", type=int, default=24)
     ap.add_argument("--tiny", action="store_true", help="tiny checkpoints (CPU dry runs)")
     ap.add_argument("--dry-run", action="store_true", help="write checkpoints, plans and commands only")
+    ap.add_argument(
+        "--stock-twice",
+        choices=("refused", "all", "none"),
+        default="refused",
+        help="serve stock a second time (its own process) to tell stock nondeterminism from a reap difference",
+    )
+    ap.add_argument("--serial-arms", action="store_true", help="one server per case at a time")
+    ap.add_argument("--ckpt-jobs", type=int, default=4, help="checkpoints written at a time (processes)")
     ap.add_argument("--one-case", help=argparse.SUPPRESS)  # the per-case child process
     a = ap.parse_args(argv)
     bad = sorted(set(a.cases.split(",")) - set(CASES))
@@ -82,9 +95,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def checkpoint_ready(folder: Path, fmt: str, layers: int) -> bool:
+    """A complete checkpoint of this format and depth (its recipe is the writer's last file)."""
+    try:
+        recipe = json.loads((folder / "reap_quant_recipe.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return recipe.get("format") == fmt and recipe.get("layers") == layers
+
+
 def checkpoint(a: argparse.Namespace, fmt: str) -> Path:
     folder = a.out / "checkpoints" / fmt
-    if not (folder / "config.json").exists():
+    if not checkpoint_ready(folder, fmt, a.layers):
         shape = TINY if a.tiny else []
         mqc.main(
             [
@@ -142,11 +164,12 @@ def sample(srv: Server, label: str) -> dict:
     return {"greedy": gpu_e2e.greedy(srv.url), "moe_probe": gpu_e2e.moe_probe(srv, label)}
 
 
-def run_stock(argv: list[str], out: Path, deadline: float) -> dict:
-    with Server(
-        "stock", argv, out, port=free_port(), startup_timeout_s=max(30.0, deadline - time.time())
-    ) as srv:
-        return {"startup_s": srv.startup_s, **sample(srv, "stock")}
+def run_stock(argv: list[str], out: Path, deadline: float, name: str = "stock") -> dict:
+    # VLLM_SERVER_DEV_MODE=1 opens /collective_rpc, which reap_moe_probe goes through (as in
+    # gpu_e2e.py's stock arms; without it the probe answers 404 and no digest is comparable)
+    timeout = max(30.0, deadline - time.time())
+    with Server(name, argv, out, env=gpu_e2e.DEV, port=free_port(), startup_timeout_s=timeout) as srv:
+        return {"startup_s": srv.startup_s, **sample(srv, name)}
 
 
 SWAPS = (("25", 25, 0), ("50", 50, 0), ("100", 100, 0), ("0-after", 0, 0), ("50-other", 50, 50))
@@ -188,18 +211,27 @@ def one_case(a: argparse.Namespace, name: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cmds = commands(name, model, info, a)
     res = {"case": name, "model": str(model), **info, "commands": cmds}
-    for arm, fn in (
-        ("stock", lambda: run_stock(cmds["stock"], out, deadline)),
-        ("reap", lambda: run_reap(cmds["reap"], model, out, info, deadline)),
-    ):
+    arms = {
+        "stock": lambda: run_stock(cmds["stock"], out, deadline),
+        "reap": lambda: run_reap(cmds["reap"], model, out, info, deadline),
+    }
+    if a.stock_twice == "all" or (a.stock_twice == "refused" and not info["binds"]):
+        # a second stock server: is stock itself reproducible across processes (Marlin, ...)?
+        arms["stock2"] = lambda: run_stock(cmds["stock"], out, deadline, name="stock2")
+
+    def run_arm(arm: str) -> None:
         t0 = time.time()
         try:
-            res[arm] = fn()
-        except Exception as exc:  # noqa: BLE001 - record and go on with the other arm
+            res[arm] = arms[arm]()
+        except Exception as exc:  # noqa: BLE001 - record and go on with the other arms
             log(name, arm, "FAILED", repr(exc)[:2000])
             res[arm] = {"error": repr(exc)[:5000]}
         res[arm]["wall_s"] = time.time() - t0
         write_case(a, name, res)
+
+    # the arms are independent (compared only in the summary): served at once unless --serial-arms
+    with ThreadPoolExecutor(max_workers=1 if a.serial_arms else len(arms)) as pool:
+        list(pool.map(run_arm, arms))
     return res
 
 
@@ -213,7 +245,8 @@ def spawn(a: argparse.Namespace, name: str) -> dict:
     """Run one case in a child process with a hard timeout; its JSON (or the timeout) back."""
     argv = [sys.executable, __file__, "--one-case", name, "--out", str(a.out), "--layers", str(a.layers)]
     argv += ["--gpu-memory-utilization", str(a.gpu_memory_utilization), "--case-timeout", str(a.case_timeout)]
-    argv += ["--greedy-tokens", str(a.greedy_tokens)] + (["--tiny"] if a.tiny else [])
+    argv += ["--greedy-tokens", str(a.greedy_tokens), "--stock-twice", a.stock_twice]
+    argv += (["--tiny"] if a.tiny else []) + (["--serial-arms"] if a.serial_arms else [])
     t0 = time.time()
     with open(a.out / f"{name}.case.log", "w") as logf:
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
@@ -232,20 +265,6 @@ def spawn(a: argparse.Namespace, name: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- summary
-
-
-def _find(d, key: str):
-    """The first value of `key` anywhere in a nested status document (None: absent)."""
-    if isinstance(d, dict):
-        if key in d:
-            return d[key]
-        d = list(d.values())
-    if isinstance(d, list):
-        for v in d:
-            found = _find(v, key)
-            if found is not None:
-                return found
-    return None
 
 
 def _rank0(probe: dict | None) -> dict | None:
@@ -281,35 +300,82 @@ def _swap_stats(phases: dict) -> dict:
     }
 
 
+def engine_facts(status: dict) -> dict:
+    """Rank 0's engine facts from /reap/status (`workers[i].engine`, swap_report.engine_summary):
+    the mapping unit, pool slots, kept-whole HBM, re-homed layers and per-layer refusals."""
+    workers = (status or {}).get("workers") or [{}]
+    return workers[0].get("engine") or {}
+
+
+def _stock_repeat(stock: dict, stock2: dict) -> dict | None:
+    """Stock served twice (separate processes): identical tokens, logprobs and MoE digests?"""
+    if not stock2.get("greedy") or not stock.get("greedy"):
+        return None
+    c = compare(stock["greedy"], stock2["greedy"])
+    logprobs = [a.get("logprobs") == b.get("logprobs") for a, b in zip(stock["greedy"], stock2["greedy"])]
+    p1, p2 = _rank0(stock.get("moe_probe")), _rank0(stock2.get("moe_probe"))
+    cp = compare_probes(p1, p2) if p1 and p2 else {"comparable": False}
+    probe_same = bool(cp.get("comparable")) and cp["equal"] == cp["of"]
+    same = c["identical"] == c["of"] and all(logprobs) and probe_same
+    return {
+        "tokens": c,
+        "logprobs_identical": sum(logprobs),
+        "probe_equal": probe_same,
+        "deterministic": same,
+    }
+
+
 def case_row(res: dict) -> dict:
-    stock, reap = res.get("stock") or {}, res.get("reap") or {}
+    stock, reap, stock2 = res.get("stock") or {}, res.get("reap") or {}, res.get("stock2") or {}
     row = {"case": res.get("case"), "binds": res.get("binds"), "timed_out": res.get("timed_out", False)}
-    row["errors"] = {k: v["error"][:300] for k, v in (("stock", stock), ("reap", reap)) if v.get("error")}
-    status = reap.get("status_end") or reap.get("status_start") or {}
-    unit, kept = _find(status, "unit_bytes"), _find(status, "kept_whole_hbm_bytes")
-    layers = len(_find(status, "layers_rehomed") or []) or 1
+    arms = (("stock", stock), ("reap", reap), ("stock2", stock2))
+    row["errors"] = {k: v["error"][:300] for k, v in arms if v.get("error")}
+    eng = engine_facts(reap.get("status_end") or reap.get("status_start") or {})
+    unit, kept = eng.get("unit_bytes"), eng.get("kept_whole_hbm_bytes")
+    layers = len(eng.get("layers_rehomed") or []) or 1
     row.update(
         unit_mib=unit / 2**20 if unit else None,
         payload_mib=(res.get("payload_bytes") or 0) / 2**20,
         kept_whole_bytes=kept,
-        pool_slots=_find(status, "pool_slots"),
-        refusal=_find(status, "refused_layers") or _find(status, "reason") or res.get("engine_refusal"),
-        kept_per_layer=kept / layers if kept else None,
+        pool_slots=eng.get("pool_slots"),
+        layers_rehomed=eng.get("layers_rehomed"),
+        refused_layers=eng.get("refused_layers") or {},
+        engine_reason=eng.get("reason"),
+        kept_per_layer=kept / layers if kept is not None else None,
     )
+    row["refusal"] = _refusal_note(row) or res.get("engine_refusal")
+    row["stock_repeat"] = _stock_repeat(stock, stock2)
     if stock.get("greedy") and reap.get("phases"):
         row["text_differs"], row["probe_differs"] = _phase_checks(stock, reap["phases"])
         row.update(_swap_stats(reap["phases"]))
-    row["pass"] = _verdict(row, reap)
+    row["verdict"] = _verdict(row)
+    row["pass"] = row["verdict"] == "PASS"
     return row
 
 
-def _verdict(row: dict, reap: dict) -> bool:
+def _refusal_note(row: dict) -> str | None:
+    """Per-layer refusals, deduplicated: 'layers 0,1: <reason>'."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in row["refused_layers"].items():
+        by_reason.setdefault(why, []).append(name.split(".")[2] if name.count(".") >= 2 else name)
+    return "; ".join(f"layers {','.join(ls)}: {why}" for why, ls in by_reason.items()) or None
+
+
+def _verdict(row: dict) -> str:
+    """PASS / FAIL, or STOCK-NONDET where stock served twice already differs from itself."""
     if row["errors"] or row["timed_out"] or "text_differs" not in row:
-        return False
+        return "FAIL"
     same = not row["text_differs"] and not row["probe_differs"] and not row["swap_errors"]
     if row["binds"]:
-        return same and not row["bytes_mismatch"] and bool(row["unit_mib"])
-    return same and bool(row["refusal"])  # refused formats: up on the stock path, refusal recorded
+        ok = same and not row["bytes_mismatch"] and bool(row["unit_mib"]) and not row["refused_layers"]
+    else:  # refused formats: up on the stock path, every layer's refusal recorded, no layer re-homed
+        ok = same and bool(row["refused_layers"]) and not row["layers_rehomed"]
+    if ok:
+        return "PASS"
+    repeat = row.get("stock_repeat")
+    if not same and repeat is not None and not repeat["deterministic"]:
+        return "STOCK-NONDET"  # reap cannot be held to bitwise equality with a stock that varies
+    return "FAIL"
 
 
 def markdown(doc: dict) -> str:
@@ -320,7 +386,11 @@ def markdown(doc: dict) -> str:
     lines = [f"quant e2e, {doc.get('wall_s', 0):.0f} s wall", "", head, "|" + "---|" * 11]
     for r in doc.get("rows") or [case_row(c) for c in doc["cases"].values()]:
         note = "; ".join(f"{k}: {v}" for k, v in r["errors"].items()) or str(r.get("refusal") or "")
-        note = ("TIMED OUT; " if r["timed_out"] else "") + note.replace("|", "/")[:240]
+        rep = r.get("stock_repeat")
+        if rep is not None:
+            det = "deterministic" if rep["deterministic"] else f"NOT deterministic {rep}"
+            note = f"stock x2: {det}; {note}"
+        note = ("TIMED OUT; " if r["timed_out"] else "") + note.replace("|", "/")[:400]
         gb = f"{r.get('gbps_client')}; {r.get('gbps_workers')}" if r.get("gbps_client") else "-"
         unit = (
             f"{r['unit_mib']:.1f} ({r['payload_mib']:.2f})"
@@ -329,12 +399,26 @@ def markdown(doc: dict) -> str:
         )
         mism = r.get("bytes_mismatch")
         lines.append(
-            f"| {r['case']} | {'bound' if r['binds'] else 'refused'} | {'PASS' if r['pass'] else 'FAIL'} | "
+            f"| {r['case']} | {'bound' if r['binds'] else 'refused'} | {r.get('verdict') or 'FAIL'} | "
             f"{r.get('text_differs', '-')} | {r.get('probe_differs', '-')} | {gb} | "
             f"{'yes' if mism == [] else mism if mism else '-'} | {unit} | {r.get('pool_slots')} | "
             f"{r.get('kept_per_layer')} | {note} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def write_checkpoints(a: argparse.Namespace, names: list[str]) -> None:
+    """Each missing checkpoint once, before any server starts, `--ckpt-jobs` processes at a time;
+    complete ones (their recipe matches) are reused."""
+    todo = [f for f in dict.fromkeys(CASES[n][0] for n in names)]
+    todo = [f for f in todo if not checkpoint_ready(a.out / "checkpoints" / f, f, a.layers)]
+    log("checkpoints: reused", len(set(CASES[n][0] for n in names)) - len(todo), "to write", todo)
+    if len(todo) <= 1 or a.ckpt_jobs <= 1:
+        for fmt in todo:
+            checkpoint(a, fmt)
+        return
+    with ProcessPoolExecutor(max_workers=min(a.ckpt_jobs, len(todo))) as pool:
+        list(pool.map(checkpoint, [a] * len(todo), todo))
 
 
 def main(argv=None) -> int:
@@ -344,8 +428,7 @@ def main(argv=None) -> int:
         one_case(a, a.one_case)
         return 0
     names = a.cases.split(",")
-    for fmt in dict.fromkeys(CASES[n][0] for n in names):  # once, before any server starts
-        checkpoint(a, fmt)
+    write_checkpoints(a, names)
     if a.dry_run:
         plans = {}
         for n in names:

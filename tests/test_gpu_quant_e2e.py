@@ -54,9 +54,16 @@ def _fake(binds, tok="b", digest="a", copied=100):
             "client_ms": 1.0,
         },
     }
-    status = {"residency": {"unit_bytes": 6 * 2**20, "kept_whole_hbm_bytes": 16, "pool_slots": 256}}
+    # /reap/status as the controller answers it: each worker's engine facts under workers[i].engine
+    engine = {"unit_bytes": 6 * 2**20, "kept_whole_hbm_bytes": 16, "pool_slots": 256, "layers_rehomed": [0]}
+    engine["refused_layers"] = {}
     if not binds:
-        status = {"residency": {"mode": "accounting", "reason": "no MoE layer was re-homed (awq: Marlin)"}}
+        why = "<layout>: MarlinExperts implies the expert stride (= slab bytes, no padding)"
+        engine = {
+            "reason": "CUDA residency engine unavailable (RuntimeError: no MoE layer was re-homed ...)",
+            "refused_layers": {"model.layers.0.mlp.experts": why, "model.layers.1.mlp.experts": why},
+        }
+    status = {"mode": "cuda" if binds else "accounting", "workers": [{"rank": 0, "engine": engine}]}
     return {
         "case": "c",
         "binds": binds,
@@ -80,5 +87,44 @@ def test_summary_passes_identical_runs_and_fails_each_kind_of_difference():
     assert not qe.case_row(crashed)["pass"]
     row = qe.case_row(_fake(True))
     assert row["unit_mib"] == 6 and row["gbps_client"] == [0.0] and row["pool_slots"] == 256
+    assert row["kept_per_layer"] == 16
     md = qe.markdown({"wall_s": 1, "cases": {"a": _fake(True), "b": crashed}})
     assert "| c | bound | PASS |" in md and "| c | refused | FAIL |" in md and "exited" in md
+    refused = qe.case_row(_fake(False, copied=0))
+    assert refused["refusal"].startswith("layers 0,1: <layout>: MarlinExperts implies the expert stride")
+
+
+def test_a_bound_format_with_a_refused_layer_fails():
+    res = _fake(True)
+    res["reap"]["status_end"]["workers"][0]["engine"]["refused_layers"] = {"model.layers.1.mlp.experts": "x"}
+    assert qe.case_row(res)["verdict"] == "FAIL"
+
+
+def test_stock_served_twice_tells_nondeterminism_from_a_reap_difference():
+    differs = _fake(False, tok="z", copied=0)  # refused format, reap's text differs from stock's
+    differs["stock2"] = {"greedy": _greedy("b"), "moe_probe": _probe("a")}  # stock == stock
+    row = qe.case_row(differs)
+    assert row["verdict"] == "FAIL" and row["stock_repeat"]["deterministic"]
+    differs["stock2"]["greedy"][0]["logprobs"] = [0, -1e-5]  # stock's own logprobs vary
+    row = qe.case_row(differs)
+    assert row["verdict"] == "STOCK-NONDET" and not row["pass"] and not row["stock_repeat"]["deterministic"]
+    assert "stock x2: NOT deterministic" in qe.markdown({"cases": {"c": differs}})
+    same = _fake(False, copied=0)
+    same["stock2"] = {"greedy": _greedy("b"), "moe_probe": _probe("a")}
+    assert qe.case_row(same)["verdict"] == "PASS"
+
+
+def test_complete_checkpoints_are_reused(tmp_path, monkeypatch):
+    a = qe.parse_args(
+        ["--out", str(tmp_path), "--tiny", "--cases", "bf16,fp8-online,awq", "--ckpt-jobs", "1"]
+    )
+    written = []
+    monkeypatch.setattr(qe.mqc, "main", lambda argv: written.append(argv[argv.index("--format") + 1]))
+    for fmt in ("bf16", "awq"):
+        (tmp_path / "checkpoints" / fmt).mkdir(parents=True)
+    (tmp_path / "checkpoints" / "bf16" / "reap_quant_recipe.json").write_text(
+        '{"format": "bf16", "layers": 2}'
+    )
+    (tmp_path / "checkpoints" / "awq" / "config.json").write_text("{}")  # a partial one: rewritten
+    qe.write_checkpoints(a, ["bf16", "fp8-online", "awq"])
+    assert written == ["awq"]  # fp8-online serves the bf16 checkpoint

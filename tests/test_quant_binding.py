@@ -224,3 +224,19 @@ def test_compat_refuses_monolithic_and_non_triton_unquantized():
     assert moe.moe_layer_sizes(
         SimpleNamespace(local_num_experts=4, hidden_size=8, intermediate_size_per_partition=2)
     ) == (4, 8, 2)
+
+
+def test_empty_g_idx_tensors_are_kept_whole_and_the_refusal_names_the_real_reason():
+    """Run 9a, AWQ on MarlinExperts: vLLM leaves [E, 0] g_idx / sort-index tensors without
+    act-order. Zero bytes are kept whole (nothing to bind); the layer is still refused, for the
+    contiguous kernel, and the reason says so rather than blaming the empty tensors."""
+    layer = _awq_marlin()
+    for name in ("w13_g_idx_sort_indices", "w2_g_idx_sort_indices", "w13_g_idx", "w2_g_idx"):
+        layer.register_parameter(name, torch.nn.Parameter(z(E, 0, dtype=torch.int32), requires_grad=False))
+    b = bind(
+        layer, {"quant_method": "awq", "bits": 4, "group_size": 128}, "AutoAWQMoEMethod", "MarlinExperts"
+    )
+    assert b.refusal.startswith("<layout>: MarlinExperts implies the expert stride"), b.refusal
+    assert "g_idx" not in b.refusal
+    kept = {t.name: t for t in b.binding.tensors if t.name.endswith("g_idx_sort_indices")}
+    assert all(t.decision.value == "keep_whole" and t.expert_bytes == 0 for t in kept.values()), kept

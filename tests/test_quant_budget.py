@@ -159,6 +159,16 @@ def test_gpu_engine_args_per_format(monkeypatch, fmt):
     assert calls == []
 
 
+def test_online_fp8_is_bound_but_never_uva_offloaded(monkeypatch):
+    """vLLM 0.26's online fp8 builds its weights on meta: the UVA offloader would crash on them
+    (run 9a, fp8-online: "Cannot copy out of meta tensor"). Triton yes, offload no, host checked."""
+    calls, shape = _launch(monkeypatch, "bf16", quantization="fp8")
+    assert calls == ["triton", ("host", shape.total_expert_bytes)]
+    online = served_quant(shape.quant, shape.quant_method, "fp8")
+    assert online.engine_refusal is None and "meta device" in online.uva_refusal
+    assert served_quant(shape.quant, shape.quant_method, None).uva_refusal is None
+
+
 def test_budget_to_slots_for_a_bf16_plan_served_with_online_fp8():
     """Qwen3-30B-A3B: a plan made on bf16 (9 MiB experts) for 100 experts, served with online fp8."""
     h, n = 2048, 768

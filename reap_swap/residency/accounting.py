@@ -17,10 +17,18 @@ ResidentSets = dict[int, frozenset[int]]
 class AccountingResidency:
     residency_mode = "accounting"
 
-    def __init__(self, initial: ResidentSets, per_expert_bytes: int, reason: str):
+    def __init__(
+        self,
+        initial: ResidentSets,
+        per_expert_bytes: int,
+        reason: str,
+        refused_layers: dict[str, str] | None = None,
+    ):
         self._resident: ResidentSets = {int(k): frozenset(v) for k, v in initial.items()}
         self._per_expert_bytes = int(per_expert_bytes)
         self.reason = reason
+        # the CUDA engine's per-layer refusals when it fell back here (layer name -> why stock path)
+        self.refused_layers = dict(refused_layers or {})
         self._applies = 0
 
     def apply(self, resident: ResidentSets, *, dry_run: bool = False) -> dict:
@@ -47,6 +55,7 @@ class AccountingResidency:
         return {
             "mode": self.residency_mode,
             "reason": self.reason,
+            "refused_layers": dict(self.refused_layers),
             "applies": self._applies,
             "resident_bytes": sum(len(v) for v in self._resident.values()) * self._per_expert_bytes,
             "bytes_copied_total": 0,

@@ -77,7 +77,10 @@ def layer_tensors(layer: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
             (
                 p
                 for p, t in tensors.items()
-                if value.numel() > 0 and t.numel() > 0 and t.data_ptr() == value.data_ptr()
+                if value.numel() > 0
+                and t.numel() > 0
+                and not value.is_meta
+                and t.data_ptr() == value.data_ptr()
             ),
             None,
         )
@@ -92,6 +95,17 @@ def layer_tensors(layer: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
         else:
             opaque[name] = f"a different view of {primary}'s storage"
     return tensors, aliases, opaque
+
+
+def meta_tensors(layer: torch.nn.Module) -> list[str]:
+    """The layer's expert tensors still on the meta device (no data yet).
+
+    vLLM 0.26's online quantization (`--quantization fp8` of a bf16 checkpoint:
+    Fp8PerTensorOnlineMoEMethod, `uses_meta_device`) creates the weights on meta and materializes,
+    loads and quantizes them layer by layer (model_loader/reload/layerwise.py `_layerwise_process`);
+    a post-load call that sees meta tensors must wait for the call that follows the real data."""
+    values = {n: layer._parameters.get(n, getattr(layer, n, None)) for n in _tensor_names(layer)}
+    return [n for n, t in values.items() if isinstance(t, torch.Tensor) and t.is_meta]
 
 
 def layer_spec(

@@ -48,6 +48,8 @@ class CudaResidency:
         st = engine.state
         if st is None or not st.layers:
             reasons = engine.refusals.summary()
+            if getattr(engine, "pending_meta", None):
+                reasons += f"; never left the meta device (no post-load call with data): {sorted(engine.pending_meta)}"
             raise RuntimeError(
                 "no MoE layer was re-homed at load time" + (f" ({reasons})" if reasons else "")
             )

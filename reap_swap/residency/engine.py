@@ -37,7 +37,7 @@ from reap_swap.compat import moe as vllm_moe
 from reap_swap.quant_budget import pool_slots
 
 from . import device_cache_engine, vmm
-from .binding import BoundLayer, LayerSizes, bind_module
+from .binding import BoundLayer, LayerSizes, bind_module, meta_tensors
 from .refusals import LayerRefusals
 from .slot_table import SlotTable
 from .swap import apply_swap
@@ -161,6 +161,7 @@ class CudaEngine:
         self.cache = cache  # device_cache_engine.CacheConfig (issue 17), None: no device cache
         self.state: EngineState | None = None
         self._quant_configs: dict[int, dict | None] = {}  # id(layer) -> config read at hook time
+        self.pending_meta: dict[str, int | None] = {}  # layers seen only on meta so far (online quant)
 
     def hook_layer(self, layer: torch.nn.Module, index: int | None, quant_config: dict | None = None) -> None:
         """Attach `layer` (plan layer `index`) right after vLLM processes its loaded weights.
@@ -222,11 +223,12 @@ class CudaEngine:
             st = self._state_for(layer)
         except vmm.VmmUnavailable as exc:
             return None, None, f"CUDA virtual memory unavailable: {exc}"
-        if st.plan is not None and index not in st.plan.layers:
-            return None, None, f"layer {index} is not in the plan"
+        # what the layer cannot do first (dtype, format, kernel): a more useful reason than the plan's
         bound = self._bind(layer, st.granularity)
         if isinstance(bound, str):
             return None, None, bound
+        if st.plan is not None and index not in st.plan.layers:
+            return None, None, f"layer {index} is not in the plan"
         lay = bound.layout
         if lay.padding_overhead > MAX_PADDING_OVERHEAD:
             return (
@@ -243,8 +245,15 @@ class CudaEngine:
 
     def attach_after_load(self, layer: torch.nn.Module, index: int | None) -> None:
         """Re-home one loaded MoE layer into a mixed range, then make its core experts resident."""
-        if getattr(layer, "_reap_vmm", False) or getattr(layer, "layer_name", "?") in self.refusals.reasons:
+        name = getattr(layer, "layer_name", "?")
+        if getattr(layer, "_reap_vmm", False) or name in self.refusals.reasons:
             return  # called again (0.26's online fp8: layerwise processing, then the loader's pass)
+        waiting = meta_tensors(layer)
+        if waiting:  # online quantization: no data yet; the call after materialization attaches
+            self.pending_meta[name] = index
+            logger.debug("reap-swap: layer %s still on meta (%s): attach deferred", name, ",".join(waiting))
+            return
+        self.pending_meta.pop(name, None)
         st, bound, reason = self._check_layer(layer, index)
         if reason is not None:
             w13 = getattr(layer, "w13_weight", None)

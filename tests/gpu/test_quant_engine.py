@@ -54,16 +54,18 @@ def _gen(seed):
     return torch.Generator(device="cuda").manual_seed(seed)
 
 
+# the size goes as one tuple: `torch.rand(*(), ...)` would pass no size at all (a TypeError on
+# torch 2.11 for the 0-dim input scales), while `torch.rand((), ...)` is a 0-dim tensor
 def _fp8(shape, seed):
-    return (torch.randn(*shape, device="cuda", generator=_gen(seed)) * 64).clamp(-448, 448).to(FP8)
+    return (torch.randn(tuple(shape), device="cuda", generator=_gen(seed)) * 64).clamp(-448, 448).to(FP8)
 
 
 def _scales(shape, seed):
-    return torch.rand(*shape, device="cuda", generator=_gen(seed)) * 0.004 + 0.001
+    return torch.rand(tuple(shape), device="cuda", generator=_gen(seed)) * 0.004 + 0.001
 
 
 def _bf16(shape, seed, scale=0.02):
-    return (torch.randn(*shape, device="cuda", generator=_gen(seed)) * scale).to(torch.bfloat16)
+    return (torch.randn(tuple(shape), device="cuda", generator=_gen(seed)) * scale).to(torch.bfloat16)
 
 
 def make_tensors(fmt: str) -> dict[str, torch.Tensor]:

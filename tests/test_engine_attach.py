@@ -1,0 +1,107 @@
+"""CudaEngine's load-time decisions on CPU (no GPU, no vLLM): when it attaches and which reason a
+refused layer gets. Fake layers carry what the engine reads (a quant method by class name, the
+w13/w2 tensors); `_state_for` is replaced by a fake state so the decisions run without CUDA."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from reap_swap.residency import engine as engine_mod  # noqa: E402
+from reap_swap.residency.binding import meta_tensors  # noqa: E402
+from reap_swap.residency.refusals import LayerRefusals  # noqa: E402
+
+E, H, I = 4, 256, 128
+
+
+class UnquantizedFusedMoEMethod:  # the class name and backend the engine accepts
+    is_monolithic = False
+    unquantized_backend = SimpleNamespace(name="TRITON")
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+
+def layer(index, dtype=torch.bfloat16, device="cpu"):
+    m = torch.nn.Module()
+    m.layer_name = f"model.layers.{index}.mlp.experts"
+    m.expert_map, m.top_k, m.quant_method = None, 2, UnquantizedFusedMoEMethod()
+    for name, shape in (("w13_weight", (E, 2 * I, H)), ("w2_weight", (E, H, I))):
+        t = torch.zeros(shape, dtype=dtype, device=device)
+        m.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+    return m
+
+
+def cpu_engine(plan_layers=(0,)):
+    plan = SimpleNamespace(
+        layers={l: SimpleNamespace(core=[], num_experts=E) for l in plan_layers},
+        swappable_budget_bytes=0,
+        per_expert_bytes=1,
+    )
+    eng = engine_mod.CudaEngine(plan, LayerRefusals())
+    state = SimpleNamespace(plan=plan, granularity=2 * 2**20, pool=None)
+    eng._state_for = lambda layer: state  # no CUDA: the decisions before any byte moves
+
+    def bind(m, granularity):  # the engine's _bind, with CPU tensors counted as device memory
+        names = ("UnquantizedFusedMoEMethod", "TritonExperts")
+        b = engine_mod.bind_module(
+            m, engine_mod.layer_sizes(m), {}, names, granularity, on_device=lambda t: True
+        )
+        return b.refusal or b
+
+    eng._bind = bind
+    return eng
+
+
+def test_a_layer_on_meta_waits_for_the_call_with_data():
+    """vLLM 0.26 online fp8: weights on meta until the layerwise loader materializes them."""
+    eng = cpu_engine()
+    m = layer(0, device="meta")
+    assert meta_tensors(m) == ["w13_weight", "w2_weight"]
+    eng.hook_layer(m, 0, quant_config={})
+    m.quant_method.process_weights_after_loading(m)  # a call before the data: no decision
+    assert eng.refusals.reasons == {} and eng.pending_meta == {"model.layers.0.mlp.experts": 0}
+    assert eng.state is None
+    for name in ("w13_weight", "w2_weight"):  # what _layerwise_process does: materialize, load
+        p = getattr(m, name)
+        setattr(m, name, torch.nn.Parameter(torch.zeros(p.shape, dtype=torch.float32), requires_grad=False))
+    m.quant_method.process_weights_after_loading(m)  # the real call decides (here: a refusal)
+    assert eng.pending_meta == {}
+    assert eng.refusals.reasons == {
+        "model.layers.0.mlp.experts": "dtype torch.float32 not supported (bf16/fp16 only)"
+    }
+
+
+def test_an_unsupported_layer_outside_the_plan_names_what_is_unsupported():
+    eng = cpu_engine(plan_layers=(0,))
+    m3 = layer(3, dtype=torch.float32)
+    m2 = layer(2)
+    for index, m in ((3, m3), (2, m2)):
+        eng.attach_after_load(m, index)
+    assert eng.refusals.reasons == {
+        "model.layers.3.mlp.experts": "dtype torch.float32 not supported (bf16/fp16 only)",
+        "model.layers.2.mlp.experts": "layer 2 is not in the plan",
+    }
+    assert eng.refusals.on_hbm == {3: True, 2: True}
+
+
+def test_status_carries_each_workers_engine_facts_and_the_fallbacks_per_layer_refusals():
+    from reap_swap.residency.accounting import AccountingResidency
+    from reap_swap.swap_report import engine_summary
+
+    why = {"model.layers.0.mlp.experts": "<layout>: MarlinExperts implies the expert stride"}
+    fallback = AccountingResidency({0: frozenset()}, 8, "CUDA residency engine unavailable (...)", why)
+    facts = engine_summary(fallback.status())
+    assert facts == {
+        "reason": "CUDA residency engine unavailable (...)",
+        "refused_layers": why,
+        "bytes_copied_total": 0,
+    }
+    cuda = {"mode": "cuda", "unit_bytes": 6 << 20, "pool_slots": 256, "kept_whole_hbm_bytes": 16,
+            "layers_rehomed": [0, 1], "refused_layers": {}, "rehomed_tensors": {0: ["w13_weight"]}, "swaps": 3}  # fmt: skip
+    facts = engine_summary(cuda)
+    assert facts["unit_bytes"] == 6 << 20 and facts["pool_slots"] == 256 and "swaps" not in facts
+    assert facts["rehomed_tensors"] == {"0": ["w13_weight"]}  # JSON keys
