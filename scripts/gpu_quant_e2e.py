@@ -38,7 +38,7 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (gpu_e2e, make_quant_checkpoint)
@@ -104,23 +104,17 @@ def checkpoint_ready(folder: Path, fmt: str, layers: int) -> bool:
     return recipe.get("format") == fmt and recipe.get("layers") == layers
 
 
+def writer_argv(a: argparse.Namespace, fmt: str) -> list[str]:
+    """make_quant_checkpoint.py's arguments for one format under DIR/checkpoints/."""
+    shape = TINY if a.tiny else []
+    out = str(a.out / "checkpoints")
+    return ["--out", out, "--format", fmt, "--layers", str(a.layers), "--plain-attention", "1", *shape]
+
+
 def checkpoint(a: argparse.Namespace, fmt: str) -> Path:
     folder = a.out / "checkpoints" / fmt
     if not checkpoint_ready(folder, fmt, a.layers):
-        shape = TINY if a.tiny else []
-        mqc.main(
-            [
-                "--out",
-                str(folder.parent),
-                "--format",
-                fmt,
-                "--layers",
-                str(a.layers),
-                "--plain-attention",
-                "1",
-                *shape,
-            ]
-        )
+        mqc.main(writer_argv(a, fmt))
     return folder
 
 
@@ -417,8 +411,19 @@ def write_checkpoints(a: argparse.Namespace, names: list[str]) -> None:
         for fmt in todo:
             checkpoint(a, fmt)
         return
-    with ProcessPoolExecutor(max_workers=min(a.ckpt_jobs, len(todo))) as pool:
-        list(pool.map(checkpoint, [a] * len(todo), todo))
+
+    def write(fmt: str) -> int:  # its own interpreter: no fork of a process that ran torch
+        logf = a.out / f"checkpoint-{fmt}.log"
+        with open(logf, "w") as f:
+            rc = subprocess.call([sys.executable, mqc.__file__, *writer_argv(a, fmt)], stdout=f, stderr=f)
+        log("checkpoint", fmt, "rc", rc, "log", logf)
+        return rc
+
+    with ThreadPoolExecutor(max_workers=a.ckpt_jobs) as pool:
+        rcs = dict(zip(todo, pool.map(write, todo)))
+    bad = [f for f in todo if rcs[f] != 0 or not checkpoint_ready(a.out / "checkpoints" / f, f, a.layers)]
+    if bad:
+        raise SystemExit(f"checkpoint writer failed for {bad}; logs: {a.out}/checkpoint-<format>.log")
 
 
 def main(argv=None) -> int:
