@@ -51,8 +51,8 @@ json.dump({'stock-gpu': d['stock-gpu']}, open('$R/cache/gpu_e2e.json', 'w'))"
     tail -5 $R/cache.log
   fi
   if ! skip quant; then
-    step run9 "quant e2e (${QUANT_CASES:-bf16,fp8-block,fp8-online,awq})"
-    timeout 400 $PY scripts/gpu_quant_e2e.py --out $R/quant --jobs 4 --cases ${QUANT_CASES:-bf16,fp8-block,fp8-online,awq} \
+    step run9 "quant e2e (${QUANT_CASES:-bf16,fp8-block,fp8-tensor,fp8-online,awq})"
+    timeout 400 $PY scripts/gpu_quant_e2e.py --out $R/quant --jobs 3 --cases ${QUANT_CASES:-bf16,fp8-block,fp8-tensor,fp8-online,awq} \
       > $R/quant.log 2>&1
     tail -5 $R/quant.log
   fi
