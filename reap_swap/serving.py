@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +44,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_servers_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so that `with Server(...)` blocks stop their servers.
+
+    Why: a driver killed by `timeout` (its default signal) otherwise dies without unwinding, and
+    the servers it started keep their HBM (run 9b: a Qwen3.5 server outlived its lane's timeout
+    and held 124 GiB, so every later phase failed vLLM's free-memory check)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 class ServerError(RuntimeError):

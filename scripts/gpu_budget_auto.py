@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from reap_swap import serving  # noqa: E402
 from reap_swap.serving import Server, ServerError, free_port, greedy_completions  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time", "SELECT * FROM"]
@@ -126,4 +127,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    serving.stop_servers_on_sigterm()
     sys.exit(main())

@@ -607,4 +607,5 @@ def main():
 
 
 if __name__ == "__main__":
+    serving.stop_servers_on_sigterm()
     main()

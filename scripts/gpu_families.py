@@ -356,4 +356,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    serving.stop_servers_on_sigterm()
     sys.exit(main())

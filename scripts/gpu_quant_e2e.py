@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (gpu_e2e, m
 import gpu_e2e  # noqa: E402
 import make_quant_checkpoint as mqc  # noqa: E402
 
+from reap_swap import serving  # noqa: E402
 from reap_swap.model_shape import quantization_config, read_model_shape  # noqa: E402
 from reap_swap.moe_probe import compare_probes  # noqa: E402
 from reap_swap.quant_budget import served_quant_of  # noqa: E402
@@ -457,4 +458,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    serving.stop_servers_on_sigterm()
     sys.exit(main())

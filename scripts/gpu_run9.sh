@@ -16,6 +16,15 @@ PY=python3
 export PYTHONPATH=$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1  # the synced tree first
 stamp() { date +%H:%M:%S; }
 step() { echo "$(stamp) [$1] $2"; }
+leftovers() {  # stop any server a timed-out phase left behind, then wait until its HBM is free (run 9b)
+  pkill -TERM -f "vllm.entrypoints.openai.api_server|reap_swap.server|EngineCore" 2>/dev/null; sleep 5
+  pkill -KILL -f "vllm.entrypoints.openai.api_server|reap_swap.server|EngineCore" 2>/dev/null
+  for _ in $(seq 30); do
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+    [ "${used:-0}" -lt 2048 ] && break; sleep 2
+  done
+  step run9 "GPU memory in use before the next phase: ${used:-?} MiB"
+}
 skip() { case " ${SKIP:-} " in *" $1 "*) return 0 ;; esac; return 1; }
 
 session() {
@@ -33,6 +42,7 @@ session() {
     tail -5 $R/families.log
   fi
   wait $tests; tail -3 $R/gpu_tests.log
+  leftovers
   if ! skip budget; then
     step run9 "budget auto"
     $PY -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import gpu_e2e; \
@@ -40,6 +50,7 @@ gpu_e2e.make_plan(Path('/tmp/model'), 0.25, 8, Path('$R/budget.plan.json'), budg
     timeout 280 $PY scripts/gpu_budget_auto.py --model /tmp/model --plan $R/budget.plan.json --out $R/budget \
       --arms ${BUDGET_ARMS:-auto@0.5,auto@0.85,refused} > $R/budget.log 2>&1
     tail -5 $R/budget.log
+    leftovers
   fi
   if ! skip cache; then
     step run9 "device cache in the server (plain client): reap-cache, reap-plan25"
@@ -49,6 +60,7 @@ json.dump({'stock-gpu': d['stock-gpu']}, open('$R/cache/gpu_e2e.json', 'w'))"
     timeout 300 $PY scripts/gpu_e2e.py --model /tmp/model --out $R/cache --moe-probe --arms reap-cache,reap-plan25 \
       > $R/cache.log 2>&1
     tail -5 $R/cache.log
+    leftovers
   fi
   if ! skip quant; then
     step run9 "quant e2e (${QUANT_CASES:-bf16,fp8-block,fp8-tensor,fp8-online,awq})"
