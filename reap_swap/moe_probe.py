@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from reap_swap import compat
+from reap_swap.probe_compare import compare_probes  # noqa: F401 (re-exported: callers import it here)
 
 DEFAULT_TOKENS = (1, 8, 64, 256)
 
@@ -99,20 +100,6 @@ def _activation_device(model: torch.nn.Module) -> torch.device:
         if p.device.type != "cpu":
             return p.device
     return torch.device("cpu")
-
-
-def compare_probes(reference: dict, other: dict) -> dict:
-    """Which (layer, size) digests differ between two probes (of one rank each)."""
-    if reference.get("inputs") != other.get("inputs"):
-        return {"comparable": False, "why": "different probe inputs (seed, sizes, dtype)"}
-    differ = [
-        f"{name}@{n}"
-        for name, row in reference["layers"].items()
-        for n, d in row.items()
-        if (other["layers"].get(name) or {}).get(n) != d
-    ]
-    total = sum(len(row) for row in reference["layers"].values())
-    return {"comparable": True, "equal": total - len(differ), "of": total, "differ": differ}
 
 
 class MoeProbeExtension:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from reap_swap.probe_compare import compare_probes
+
 GIB = 2**30
 
 
@@ -137,21 +139,6 @@ def bound_rows(reap_phases: Mapping[str, Mapping], stock: Mapping | None) -> dic
             "ratio": rate / bound if rate and bound else None, "fit": k == fit,
         }  # fmt: skip
     return {"t_resident_ms": t_res, "t_resident_from": t_res_src, "t_all_missed_ms": t_miss, "rows": rows}
-
-
-def compare_probes(reference: Mapping, other: Mapping) -> dict:
-    """reap_swap.moe_probe.compare_probes without its torch import (that module needs torch):
-    which (layer, tokens) digests differ between two probes of one rank each."""
-    if reference.get("inputs") != other.get("inputs"):
-        return {"comparable": False, "why": "different probe inputs (seed, sizes, dtype)"}
-    differ = [
-        f"{name}@{n}"
-        for name, row in reference["layers"].items()
-        for n, d in row.items()
-        if (other["layers"].get(name) or {}).get(n) != d
-    ]
-    total = sum(len(row) for row in reference["layers"].values())
-    return {"comparable": True, "equal": total - len(differ), "of": total, "differ": differ}
 
 
 def _probe_cmp(a: Mapping | None, b: Mapping | None) -> dict | None:

@@ -46,13 +46,17 @@ class _Ranked:
     def score(self, t: int, e: int) -> float:
         raise NotImplementedError
 
+    def rank_key(self, t: int, e: int, need: frozenset[int], resident: frozenset[int]) -> tuple:
+        """Higher keeps a slot: needed experts first, then by score, residents on ties, low ids."""
+        return (e in need, self.score(t, e), e in resident, -e)
+
     def choose(self, t: int, resident: frozenset[int], needed: np.ndarray, counts: np.ndarray) -> Set[int]:
         self.observe(t, needed, counts)
         need = frozenset(int(e) for e in needed)
         forced = (resident & need) | self.pinned
         free = self.capacity - len(forced)
         rest = (resident | need) - forced
-        ranked = sorted(rest, key=lambda e: (e in need, self.score(t, e), e in resident, -e), reverse=True)
+        ranked = sorted(rest, key=lambda e: self.rank_key(t, e, need, resident), reverse=True)
         return forced | frozenset(ranked[: max(0, free)])
 
 

@@ -22,8 +22,6 @@ so the resident set after each step is determined by the trace and the table alo
 
 from __future__ import annotations
 
-from collections.abc import Set
-
 import numpy as np
 
 from reap_swap.cache_policy.device import DLFU, SCORE_FRAC
@@ -55,17 +53,9 @@ def transition_table(steps: LayerSteps, weight: float = MARKOV_WEIGHT) -> np.nda
 class DLFUAdmit(DLFU):
     """dlfu with admission control: a miss displaces a resident only by outscoring it."""
 
-    def key(self, t: int, e: int, resident: frozenset[int]) -> tuple:
+    def rank_key(self, t: int, e: int, need: frozenset[int], resident: frozenset[int]) -> tuple:
+        """No priority for needed experts: a miss is admitted only if it outscores a resident."""
         return (self.score(t, e), e in resident, -e)
-
-    def choose(self, t: int, resident: frozenset[int], needed: np.ndarray, counts: np.ndarray) -> Set[int]:
-        self.observe(t, needed, counts)
-        need = frozenset(int(e) for e in needed)
-        forced = (resident & need) | self.pinned
-        free = self.capacity - len(forced)
-        rest = (resident | need) - forced
-        ranked = sorted(rest, key=lambda e: self.key(t, e, resident), reverse=True)
-        return forced | frozenset(ranked[: max(0, free)])
 
 
 class DLFUMarkov(DLFUAdmit):
