@@ -30,7 +30,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from reap_swap.bench_config import ARMS
+from reap_swap.bench_config import ARMS, DEFAULT_ARMS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,8 +62,9 @@ def _input_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--arms",
-        default=",".join(ARMS),
-        help=f"comma-separated, run in this order (default {','.join(ARMS)})",
+        default=",".join(DEFAULT_ARMS),
+        help=f"comma-separated, run in this order, of {','.join(ARMS)} (default {','.join(DEFAULT_ARMS)}: "
+        "the cache arms run when named)",
     )
     parser.add_argument(
         "--budget-gib",
