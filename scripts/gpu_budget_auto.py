@@ -4,11 +4,12 @@
   python3 scripts/gpu_budget_auto.py --model /tmp/skew --plan OUT/skew.plan.json --out DIR
 
 Arms (each one server, enforce-eager off, prefix caching off, one request at a time):
-  auto@0.5, auto@0.85   --reap-budget auto at two --gpu-memory-utilization values
-  cap                   --reap-budget <--cap-gib> at 0.85
+  auto@U                --reap-budget auto at --gpu-memory-utilization U (default 0.08 and 0.14:
+                        on the 13.5 GiB-expert mk_model the first leaves a partial pool, the second all)
+  cap@U                 --reap-budget <--cap-gib> at U
   refused               --reap-kv-tokens far beyond memory: the server must exit before serving
 For each serving arm: the "reap-swap memory split" log line, GET /reap/status (memory_split and
-the workers' budget), greedy text of 4 prompts compared with auto@0.85's, one /swap_active_set of
+the workers' budget), greedy text of 4 prompts compared with the reference arm's (--ref-arm), one /swap_active_set of
 the plan's first cartridge-free slice per layer (bytes must move). Writes DIR/budget_auto.json.
 Bounded: each server start <= 300 s; about 4 GPU minutes for the mini/skewed model.
 """
@@ -37,6 +38,17 @@ def serve_args(model: str, plan: str, util: float, budget: str, extra: list[str]
         "--reap-plan", plan, "--reap-budget", budget, "--gpu-memory-utilization", str(util),
         "--max-model-len", "2048", "--max-num-seqs", "8", "--no-enable-prefix-caching", *extra,
     ]  # fmt: skip
+
+
+def arm_argv(name: str, a: argparse.Namespace) -> list[str]:
+    """auto@U: --reap-budget auto at utilization U; cap@U: --reap-budget --cap-gib at U;
+    refused: auto at 0.5 with a KV target far beyond memory (the server must exit before serving)."""
+    kind, _, util = name.partition("@")
+    if kind == "refused":
+        return serve_args(a.model, a.plan, 0.5, "auto", ["--reap-kv-tokens", str(2**31 - 1)])
+    if kind not in ("auto", "cap") or not util:
+        raise SystemExit(f"--arms: unknown arm {name!r} (auto@U, cap@U, refused)")
+    return serve_args(a.model, a.plan, float(util), "auto" if kind == "auto" else a.cap_gib, [])
 
 
 def one_slice_per_layer(plan_doc: dict) -> dict:
@@ -81,17 +93,13 @@ def main() -> int:
     ap.add_argument("--plan", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cap-gib", default="4")
-    ap.add_argument("--arms", default="auto@0.5,auto@0.85,cap,refused")
+    ap.add_argument("--arms", default="auto@0.08,auto@0.14,cap@0.14,refused")
+    ap.add_argument("--ref-arm", default=None, help="greedy reference arm (default: the last auto@ arm)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     plan_doc = json.loads(Path(a.plan).read_text())
-    arms = {
-        "auto@0.5": serve_args(a.model, a.plan, 0.5, "auto", []),
-        "auto@0.85": serve_args(a.model, a.plan, 0.85, "auto", []),
-        "cap": serve_args(a.model, a.plan, 0.85, a.cap_gib, []),
-        "refused": serve_args(a.model, a.plan, 0.5, "auto", ["--reap-kv-tokens", str(2**31 - 1)]),
-    }
+    arms = {name: arm_argv(name, a) for name in a.arms.split(",")}
     results = {}
     for name in a.arms.split(","):
         results[name] = run_arm(name, arms[name], out, plan_doc)
@@ -99,11 +107,13 @@ def main() -> int:
         print(
             name, results[name].get("split_line") or results[name].get("server_error", "")[:300], flush=True
         )
-    ref = results.get("auto@0.85", {}).get("greedy")
+    autos = [n for n in results if n.startswith("auto@")]
+    ref_arm = a.ref_arm or (autos[-1] if autos else None)
+    ref = results.get(ref_arm, {}).get("greedy") if ref_arm else None
     summary = {
         n: {
             "served": "greedy" in r,
-            "text_same_as_auto@0.85": ref is not None and [g["text"] for g in r.get("greedy", [])] == [g["text"] for g in ref],
+            "text_same_as_ref": ref is not None and [g["text"] for g in r.get("greedy", [])] == [g["text"] for g in ref],
             "text_same_after_swap": [g["text"] for g in r.get("greedy", [])] == [g["text"] for g in r.get("greedy_after_swap", [])],
             "swap_bytes": (r.get("swap") or {}).get("body", {}).get("bytes_copied"),
             "pool_kept_full": _pool_kept_full(r),

@@ -87,7 +87,7 @@ qwen_args() {
 qwen_stock() {  # needs no pinned memory: starts before the micro-bench
   local q; q=$(qwen_args) || { step qwen35 "no field plan (set FIELD_PLAN)"; touch "$S/qwen_stock.done"; return; }
   prep qwen35 $q
-  arm qwen35 stock 330 $q --host-guard-gib 4
+  arm qwen35 stock "${QWEN_CAP:-330}" $q --host-guard-gib 4
   touch "$S/qwen_stock.done"
 }
 
@@ -151,6 +151,12 @@ case "${1:-}" in
   lane_a_only)  # gpu_followups.sh (run 8's lease): only Qwen3.5, side by side, in the foreground
     mkdir -p "$S"; rm -f "$S/qwen_stock.done"
     qwen_stock & qwen_reap; wait ;;
+  v2lite_only)  # gpu_run.sh's v2lite phase: full-size DeepSeek-V2-Lite alone, reap and stock side by side
+    mkdir -p "$S"; pair deepseek_v2_lite "$(left)" "${V2[@]}" ;;
+  v3_only)  # gpu_run.sh's v3layer phase: the DeepSeek-V3 / Kimi-K2 layer shape, reap-swap only
+    mkdir -p "$S"
+    arm deepseek_v3_d2 reap "$(left)" --config tests/data/deepseek_v3_bf16_depth2_config.json --eager --kv-gib 0.5 --host-guard-gib 5
+    $PY scripts/gpu_families.py --name deepseek_v3_d2 --out "$S" --arms merge > /dev/null 2>&1 ;;
   start)
     mkdir -p "$S"
     setsid nohup bash "$0" session --out "$S" > "$S/lane.log" 2>&1 < /dev/null &
@@ -166,5 +172,5 @@ case "${1:-}" in
     ls -la "${OUT:-/tmp/out}"
     ;;
   schedule) sed -n '/^# Schedule/,/^# What each/p' "$0" ;;
-  *) echo "usage: $0 all|start|lane_a_only --out DIR | wait SECONDS --out DIR | schedule"; exit 2 ;;
+  *) echo "usage: $0 all|start|lane_a_only|v2lite_only|v3_only --out DIR | wait SECONDS --out DIR | schedule"; exit 2 ;;
 esac

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# A GPU run on ONE H200 (issues 15, 16, 17), in the background so it outlives a 10-minute device call:
+#   PHASES="budget cache+quant" bash scripts/gpu_run.sh start   # after the kit is installed, /tmp/model exists
+#   bash scripts/gpu_run.sh wait 560                             # progress, then $OUT/run.tgz
+# PHASES is a space-separated sequence; "a+b" runs a and b side by side (only for phases whose
+# servers fit together: fixed KV bytes, small --gpu-memory-utilization); between groups every
+# leftover server is killed and the HBM must be free again (run 9b's lesson). Phases:
+#   dcache    the device cache's policy-step timing (scripts/bench_device_cache.py), alone
+#   tests     pytest tests/gpu (TESTS_K: a -k filter)
+#   budget    --reap-budget auto at two --gpu-memory-utilization values (gpu_budget_auto.py: alone)
+#   cache     the device cache in the server for a plain client (gpu_e2e.py reap-cache vs reap-plan25)
+#   quant     quantized formats end to end (gpu_quant_e2e.py, QUANT_CASES)
+#   qwen      full-size Qwen3.5-35B-A3B, field plan, reap-swap and stock side by side (QWEN_CAP s each)
+#   families  the whole families lane (gpu_families.sh, FAM_DEADLINE)
+#   v2lite    full-size DeepSeek-V2-Lite, reap-swap and stock side by side, eager
+#   v3layer   the DeepSeek-V3 / Kimi-K2 layer shape at depth 2 (reap-swap only, eager)
+#   extra     bash scripts/gpu_extra_phase.sh $R/extra (a phase a branch ships for this run)
+# Everything lands in /tmp/run; the tarball leaves out checkpoints and safetensors.
+set -u
+R=/tmp/run
+PY=python3
+export PYTHONPATH=$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1  # the synced tree first
+stamp() { date +%H:%M:%S; }
+step() { echo "$(stamp) [$1] $2"; }
+leftovers() {  # stop any server a timed-out phase left behind, then wait until its HBM is free (run 9b)
+  pkill -TERM -f "vllm.entrypoints.openai.api_server|reap_swap.server|EngineCore" 2>/dev/null; sleep 5
+  pkill -KILL -f "vllm.entrypoints.openai.api_server|reap_swap.server|EngineCore" 2>/dev/null
+  for _ in $(seq 30); do
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+    [ "${used:-0}" -lt 2048 ] && break; sleep 2
+  done
+  step run "GPU memory in use before the next phase: ${used:-?} MiB"
+}
+
+ph_dcache() { timeout 150 $PY scripts/bench_device_cache.py --log-dir $R/dcache > $R/dcache.log 2>&1; }
+ph_tests() {
+  timeout 420 $PY -m pytest -q -rs tests/gpu -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > $R/tests.log 2>&1
+}
+ph_budget() {
+  $PY -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import gpu_e2e; \
+gpu_e2e.make_plan(Path('/tmp/model'), 0.25, 8, Path('$R/budget.plan.json'), budget_fraction=0.25)"
+  timeout 330 $PY scripts/gpu_budget_auto.py --model /tmp/model --plan $R/budget.plan.json --out $R/budget \
+    --arms ${BUDGET_ARMS:-auto@0.08,auto@0.14,cap@0.14,refused} > $R/budget.log 2>&1
+}
+ph_cache() {
+  mkdir -p $R/cache  # stock-gpu's greedy text from run 8 (same kit, same seeded mk_model, same flags)
+  $PY -c "import json; d=json.load(open('research-notes/h200-2026-12-01/run8-gpu_e2e.json')); \
+json.dump({'stock-gpu': d['stock-gpu']}, open('$R/cache/gpu_e2e.json', 'w'))"
+  timeout 330 $PY scripts/gpu_e2e.py --model /tmp/model --out $R/cache --moe-probe \
+    --arms ${CACHE_ARMS:-reap-cache,reap-plan25} > $R/cache.log 2>&1
+}
+ph_quant() {
+  timeout ${QUANT_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/quant --jobs ${QUANT_JOBS:-3} \
+    --cases ${QUANT_CASES:-fp8-block,fp8-tensor,ct-fp8,fp8-online} > $R/quant.log 2>&1
+}
+ph_qwen() {
+  QWEN_CAP=${QWEN_CAP:-560} FIELD_PLAN=.kit/strict30-v2-plan.json DEADLINE=${QWEN_CAP:-560} \
+    bash scripts/gpu_families.sh lane_a_only --out $R/fam > $R/qwen.log 2>&1
+}
+ph_families() {
+  FIELD_PLAN=.kit/strict30-v2-plan.json DEADLINE=${FAM_DEADLINE:-600} \
+    bash scripts/gpu_families.sh all --out $R/fam > $R/families.log 2>&1
+}
+ph_v2lite() { DEADLINE=${V2_CAP:-330} bash scripts/gpu_families.sh v2lite_only --out $R/fam > $R/v2lite.log 2>&1; }
+ph_v3layer() { DEADLINE=${V3_CAP:-300} bash scripts/gpu_families.sh v3_only --out $R/fam > $R/v3layer.log 2>&1; }
+ph_extra() { [ -f scripts/gpu_extra_phase.sh ] && bash scripts/gpu_extra_phase.sh $R/extra > $R/extra.log 2>&1; }
+
+group() {  # "a+b+c": the phases side by side, then the leftover check
+  local pids=() p
+  for p in ${1//+/ }; do
+    step run "phase $p"
+    ( ph_$p; step run "phase $p exit $?"; tail -4 $R/$p.log 2>/dev/null | cut -c1-300 ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  leftovers
+}
+
+session() {
+  {
+    $PY -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 2>&1
+    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv 2>&1
+    git rev-parse HEAD 2>/dev/null; echo "PHASES=${PHASES:-}"
+  } > $R/versions.txt
+  for g in ${PHASES:-tests}; do group "$g"; done
+  touch $R/all.done
+  step run "all done"
+}
+
+pack() {
+  tar czf "$OUT/run.tgz.tmp" --exclude='checkpoints' --exclude='*.safetensors' --exclude='*.bin' \
+    -C /tmp run 2>/dev/null && mv "$OUT/run.tgz.tmp" "$OUT/run.tgz"
+}
+
+case "${1:-}" in
+  start)
+    mkdir -p $R
+    setsid nohup bash "$0" session > $R/main.log 2>&1 < /dev/null &
+    sleep 2; step start "background run started: PHASES=${PHASES:-tests}"
+    ;;
+  session) session ;;
+  wait)  # packs $OUT/run.tgz every 60 s too, so a call cut short still brings results back
+    limit=${2:-530}; t0=$(date +%s); last=0
+    mkdir -p "$OUT"
+    while [ ! -e $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
+      sleep 10
+      [ $(( $(date +%s) - last )) -ge 60 ] && { pack; last=$(date +%s); }
+    done
+    cat $R/main.log; free -g | head -2; nvidia-smi --query-gpu=memory.used --format=csv
+    pack; ls -la "$OUT"
+    ;;
+  *) echo "usage: [PHASES=...] $0 start | wait SECONDS"; exit 2 ;;
+esac
