@@ -94,9 +94,7 @@ def plan_permutations(plan) -> dict[int, Permutation]:
         by_layer.setdefault(int(layer), []).append(int(e))
     return {
         index: Permutation.from_order(
-            physical_order(
-                lp.num_experts, lp.core, (s.experts for s in lp.slices), by_layer.get(index, ())
-            )
+            physical_order(lp.num_experts, lp.core, (s.experts for s in lp.slices), by_layer.get(index, ()))
         )
         for index, lp in plan.layers.items()
     }
@@ -225,7 +223,9 @@ def group_target(
 ) -> dict[int, list[int]]:
     """Layer -> sorted physical groups for a target of layer -> logical experts."""
     return {
-        int(l): sorted(groups_for(v, perms[int(l)], sizes[int(l)])) for l, v in target.items() if int(l) in perms
+        int(l): sorted(groups_for(v, perms[int(l)], sizes[int(l)]))
+        for l, v in target.items()
+        if int(l) in perms
     }
 
 

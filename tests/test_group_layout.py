@@ -115,4 +115,7 @@ def test_layer_status_names_layout_and_b():
     lay = gl.plan_groups(FP8, 128, 2)
     st = gl.layer_status(lay, gl.Permutation.identity(128), "auto")
     assert st["layout"] == "grouped" and st["group_size"] == 2 and st["bytes_per_expert"] == 5 * MiB
-    assert gl.layer_status(gl.plan_groups(BF16, 128, 1), gl.Permutation.identity(128), "x")["layout"] == "private"
+    assert (
+        gl.layer_status(gl.plan_groups(BF16, 128, 1), gl.Permutation.identity(128), "x")["layout"]
+        == "private"
+    )
