@@ -12,9 +12,10 @@ router counters have counted the model's own ids. A swap makes whole groups resi
 resident if any member is wanted (`group_layout.groups_for`); the SlotTable is keyed by
 (layer, group), one slot = one group's pages in each tensor's pool.
 
-Status: the data path (rehome, permute, swap, remap) for standalone layers, exercised by
-tests/gpu/test_grouped_engine.py against vLLM 0.26.0's fused_experts. NOT wired into CudaEngine /
-the server flag yet (research.md, "Grouped units: what is built").
+Status: the data path (rehome, permute, swap, remap) for standalone layers. Its GPU test,
+tests/gpu/test_grouped_engine.py (vLLM 0.26.0's fused_experts), is written but has NOT run yet;
+CPU tests cover permute/remap/swap bookkeeping. NOT wired into CudaEngine / a server flag
+(research.md, "Grouped units: what is built").
 """
 
 from __future__ import annotations
