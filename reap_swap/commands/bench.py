@@ -178,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
     if shutil.which("pgrep") is None:
         print("error: pgrep (procps) is needed to check that every server process is gone", file=sys.stderr)
         return 2
+    from reap_swap import serving
+
+    serving.stop_servers_on_sigterm()  # a bench killed by `timeout` still stops its server
     return run_bench(cfg)
 
 
