@@ -47,7 +47,7 @@ from typing import Any
 from reap_swap import serving
 from reap_swap.bench_arms import RunSpec, plan_runs
 from reap_swap.bench_config import REAP_ARMS, BenchConfig, BenchError, flag_value, load_prompts
-from reap_swap.bench_env import GpuMemorySampler, environment, log_numbers
+from reap_swap.bench_env import GpuMemorySampler, MeasureLock, environment, log_numbers
 from reap_swap.bench_measure import ArmRunner, arm_strategy, served_model_id
 from reap_swap.bench_merge import compare_outputs, write_outputs
 from reap_swap.bench_report import GIB, pooled_hit_rate, summarize_runs, uva_offloaded_bytes
@@ -234,12 +234,15 @@ def _measure_arm(s: _Session, spec: RunSpec, run: dict[str, Any]) -> dict:
     )
     run["server"] = {"argv": srv.command, "command": shlex.join(srv.command), "log": str(srv.log_path)}
     sampler = GpuMemorySampler() if s.plat == "cuda" else None
-    client = None
+    client, lock = None, MeasureLock(s.cfg.measure_lock)
     try:
         if sampler:
             sampler.__enter__()
         with srv:
             run["server"]["startup_s"] = srv.startup_s
+            if (waited := lock.acquire()) is not None:
+                run["server"]["measure_lock_wait_s"] = waited
+                s.say(f"[bench] {spec.label}: measuring (waited {waited:.0f}s for {s.cfg.measure_lock})")
             s.bar.update(1)
             model_id = served_model_id(srv.url, s.headers)
             if spec.arm in REAP_ARMS:
@@ -266,24 +269,27 @@ def _measure_arm(s: _Session, spec: RunSpec, run: dict[str, Any]) -> dict:
         run.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
         s.say(f"[bench] {spec.label}: FAILED: {type(exc).__name__}: {str(exc)[:2000]}")
     finally:
+        lock.release()  # after the server stopped: the next arm measures on a quiet GPU
         if client is not None:
             client.close()
         if sampler:
             sampler.__exit__(None, None, None)
     log_info = log_numbers(srv.log_path.read_text(errors="replace")) if srv.log_path.exists() else {}
     run["server"]["log_numbers"] = log_info
-    run["gpu_memory"] = _gpu_memory(sampler, log_info)
+    run["gpu_memory"] = _gpu_memory(sampler, log_info, shared=s.cfg.measure_lock is not None)
     return log_info
 
 
-def _gpu_memory(sampler: GpuMemorySampler | None, log_info: Mapping) -> dict:
+def _gpu_memory(sampler: GpuMemorySampler | None, log_info: Mapping, shared: bool = False) -> dict:
     if sampler is None:
         return {"note": "n/a (no GPU)"}
     return {
         "peak_used_bytes": sampler.peak,
         "baseline_used_bytes": sampler.baseline,
         "source": "nvidia-smi memory.used, visible GPUs, sampled every 0.5 s while the arm ran "
-        "(includes vLLM's KV cache reservation)",
+        "(includes vLLM's KV cache reservation"
+        + ("; and other benches' servers on the same GPU: --measure-lock" if shared else "")
+        + ")",
         **log_info,
     }
 

@@ -42,6 +42,7 @@ class BenchConfig(BaseModel):
     timings: Literal["auto", "on", "off"] = "auto"
     startup_timeout_s: float = Field(default=900.0, gt=0)
     prefix_caching: bool = False
+    measure_lock: Path | None = None  # bench_env.MeasureLock: benches side by side, one measuring
     progress: bool = True
     engine_args: list[str] = Field(default_factory=list)
 

@@ -131,3 +131,40 @@ def log_numbers(log_text: str) -> dict:
         if hits:
             found[key] = float(hits[-1])
     return found
+
+
+class MeasureLock:
+    """An exclusive file lock (``fcntl.flock``) taken once an arm's server is healthy and held
+    until that server has stopped (``--measure-lock PATH``).
+
+    Why: several benches may start their servers side by side on one GPU to overlap the slow
+    start-ups (torch.compile, CUDA graphs, pinning); with the same PATH only one of them measures
+    at a time, so no arm's timings share the GPU, the PCIe link or the host with another arm's
+    requests. Start-ups still overlap measurements (CPU load), which the report states.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._fh = None
+        self.waited_s: float | None = None
+
+    def acquire(self) -> float | None:
+        """Block until the lock is ours; the seconds waited (None without a path)."""
+        if self.path is None or self._fh is not None:
+            return self.waited_s
+        import fcntl
+        import time
+
+        t0 = time.monotonic()
+        self._fh = open(self.path, "a+")  # noqa: SIM115 - held across the server's lifetime
+        fcntl.flock(self._fh, fcntl.LOCK_EX)
+        self.waited_s = round(time.monotonic() - t0, 1)
+        return self.waited_s
+
+    def release(self) -> None:
+        if self._fh is not None:
+            import fcntl
+
+            fcntl.flock(self._fh, fcntl.LOCK_UN)
+            self._fh.close()
+            self._fh = None

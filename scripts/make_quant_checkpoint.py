@@ -89,6 +89,27 @@ def _scales(g, *shape: int, dtype):
     return (torch.rand(shape, generator=g) * 0.004 + 0.001).to(dtype)
 
 
+FP8_MAX = 448.0  # largest float8_e4m3fn
+
+
+def fp8_block_quantize(w, block: int = 128):
+    """A real [out, in] weight -> (`weight` float8_e4m3fn, `weight_scale_inv` bf16 [ceil(out/b),
+    ceil(in/b)]), the DeepSeek-V3 / Qwen3-FP8 block recipe: scale = amax(|block|) / 448, stored in
+    bf16, and the weight divided by that stored scale, so vLLM's dequant (fp8 x scale per block)
+    is what was meant. Deterministic; an all-zero block gets scale 1 (its zeros stay exact zeros,
+    as do zero rows inside any block)."""
+    import torch
+
+    out, inp = w.shape
+    bo, bi = -(-out // block), -(-inp // block)
+    x = torch.nn.functional.pad(w.float(), (0, bi * block - inp, 0, bo * block - out))
+    blocks = x.view(bo, block, bi, block)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.bfloat16)
+    q = (blocks / scale.float()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(bo * block, bi * block)[:out, :inp].contiguous(), scale
+
+
 def quantized_linear(fmt: str, prefix: str, out: int, inp: int, g) -> dict:
     """The checkpoint tensors of one nn.Linear(in, out) called `prefix` in format `fmt`."""
     import torch

@@ -23,13 +23,28 @@ find. The construction is exact and small (README of the construction: `skew_con
 Everything else is byte-identical. Deterministic for a given --seed (permutations come from a CPU
 torch.Generator). Streams one shard at a time; no GPU needed.
 
-usage: make_skewed_moe.py SRC DST [--seed 0] [--amp 3] [--zipf 0.6] [--marker 0.125]
+`--format fp8-block` writes the same skewed model in the format of the official
+Qwen3-30B-A3B-FP8 checkpoint: every attention projection and every expert projection becomes
+`weight` float8_e4m3fn + `weight_scale_inv` bf16 per 128x128 block, quantized from the skewed bf16
+weights by scripts/make_quant_checkpoint.py's `fp8_block_quantize` (amax / 448 per block); the
+routers, embeddings, norms and lm_head stay bf16 and config.json gets that writer's
+`quantization_config` (quant_method fp8, weight_block_size [128, 128], the routers and lm_head in
+modules_to_not_convert). The skew survives exactly: the router and the embedding markers are
+untouched and the zeroed rows of o_proj / down_proj quantize to exact zeros.
+
+Writing is parallel-safe: every file goes to a temporary name and is renamed into place, and
+skew_construction.json (with the format) is written last, so a reader that finds it finds a
+complete model; two writers of the same DST write identical bytes. Host memory: about
+--workers x 2 shards (the shard read, its skewed copies and its FP8 output).
+
+usage: make_skewed_moe.py SRC DST [--seed 0] [--amp 3] [--zipf 0.6] [--marker 0.125] [--format bf16]
        make_skewed_moe.py SRC DST --construction-only   # writes only DST/skew_construction.json
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -57,6 +72,11 @@ CLASS_RULES = {
 # measured by scripts/simulate_skew.py with this construction (research-notes/skew-simulation.json)
 RHO_KIT = (0.3311, 0.8648, 1.3185, 1.6979, 2.0053, 2.2669, 2.5222, 2.7558, 2.9583, 3.1568, 3.3501, 3.5373)
 DEFAULTS = {"seed": 0, "amp": 3.0, "zipf": 0.6, "marker": 0.125}
+FORMATS = ("bf16", "fp8-block")
+# the linears the real block-FP8 Qwen3-MoE checkpoints quantize (router, embeddings, lm_head: not)
+_FP8_LINEAR = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$"
+)
 _PUNCT = set(string.punctuation)
 
 
@@ -246,16 +266,57 @@ def class_shares(tokenizer_json, classes, corpus_jsonl) -> dict:
     }
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    if dst.exists():
-        dst.unlink()
+def _quant_writer():
+    """scripts/make_quant_checkpoint.py as a module (its quantizer and quantization_config)."""
+    name = "make_quant_checkpoint"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def fp8_block_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pure: a (skewed) bf16 shard in block FP8 (module doc); the other tensors are the same objects."""
+    quantize = _quant_writer().fp8_block_quantize
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if _FP8_LINEAR.match(name):
+            out[name], out[name + "_scale_inv"] = quantize(t)
+        else:
+            out[name] = t
+    return out
+
+
+def fp8_block_config(cfg: dict) -> dict:
+    """config.json of the block-FP8 model: the source's, with make_quant_checkpoint's fp8-block
+    quantization_config for its depth."""
+    q = _quant_writer().quantization_config("fp8-block", int(cfg["num_hidden_layers"]))
+    return {**cfg, "quantization_config": q}
+
+
+def _atomic_write(path: Path, write) -> None:
+    """write(tmp) then rename into place: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def main(argv=None) -> int:
+def _link_or_copy(src: Path, dst: Path) -> None:
+    def put(tmp: Path) -> None:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copy2(src, tmp)
+
+    _atomic_write(dst, put)
+
+
+def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("src")
     ap.add_argument("dst")
@@ -263,6 +324,9 @@ def main(argv=None) -> int:
     ap.add_argument("--amp", type=float, default=DEFAULTS["amp"], help="A (logit units)")
     ap.add_argument("--zipf", type=float, default=DEFAULTS["zipf"], help="Zipf exponent z")
     ap.add_argument("--marker", type=float, default=DEFAULTS["marker"], help="C")
+    ap.add_argument(
+        "--format", choices=FORMATS, default="bf16", help="bf16 (as SRC) or fp8-block (Qwen3-30B-A3B-FP8)"
+    )
     ap.add_argument(
         "--corpus",
         default=str(Path(__file__).resolve().parent.parent / "data/corpus/calibration.jsonl"),
@@ -272,7 +336,48 @@ def main(argv=None) -> int:
         "--construction-only", action="store_true", help="write only DST/skew_construction.json (no weights)"
     )
     ap.add_argument("--workers", type=int, default=4, help="shards in flight")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def write_weights(src: Path, dst: Path, con: Construction, fmt: str, workers: int, t0: float) -> None:
+    """Every shard skewed (and quantized for fp8-block), then the other files of SRC; fp8-block
+    also gets its own config.json and index (new tensor names, new total size)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+
+    def one(name: str) -> dict[str, int]:
+        with safe_open(src / name, framework="pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        out = skew_tensors(tensors, con)
+        if fmt == "fp8-block":
+            out = fp8_block_tensors(out)
+        _atomic_write(dst / name, lambda tmp: save_file(out, tmp, metadata=meta))
+        return {k: v.numel() * v.element_size() for k, v in out.items()}
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for name, sizes in zip(shards, pool.map(one, shards)):
+            weight_map.update(dict.fromkeys(sizes, name))
+            total += sum(sizes.values())
+            print(f"{name} written ({time.time() - t0:.1f}s)", flush=True)
+    own = {"config.json", "model.safetensors.index.json"} if fmt == "fp8-block" else set()
+    for p in src.iterdir():
+        if p.is_file() and p.name not in shards and p.name not in own and p.name != "skew_construction.json":
+            _link_or_copy(p, dst / p.name)
+    if fmt == "fp8-block":
+        doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        cfg = fp8_block_config(json.loads((src / "config.json").read_text()))
+        for fname, obj in (("model.safetensors.index.json", doc), ("config.json", cfg)):
+            _atomic_write(dst / fname, lambda tmp, obj=obj: tmp.write_text(json.dumps(obj, indent=1)))
+
+
+def main(argv=None) -> int:
+    a = _parse(argv)
     t0 = time.time()
     src, dst = Path(a.src), Path(a.dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -291,39 +396,27 @@ def main(argv=None) -> int:
         marker=a.marker,
     )
     desc = con.describe()
+    desc["format"] = a.format
     if Path(a.corpus).is_file():
         desc["corpus_class_shares"] = {
             "corpus": str(a.corpus),
             **class_shares(src / "tokenizer.json", classes, a.corpus),
         }
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    shards = sorted(set(index["weight_map"].values()))
     if not a.construction_only:
-        from safetensors import safe_open
-        from safetensors.torch import save_file
-
-        def one(name: str) -> str:
-            with safe_open(src / name, framework="pt") as f:
-                meta = f.metadata()
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-            save_file(skew_tensors(tensors, con), dst / name, metadata=meta)
-            return name
-
-        with ThreadPoolExecutor(max_workers=max(1, a.workers)) as pool:
-            for name in pool.map(one, shards):
-                print(f"{name} written ({time.time() - t0:.1f}s)", flush=True)
-        for p in src.iterdir():
-            if p.is_file() and p.name not in shards and p.name != "skew_construction.json":
-                _link_or_copy(p, dst / p.name)
+        write_weights(src, dst, con, a.format, a.workers, t0)
     desc["seconds"] = round(time.time() - t0, 1)
-    (dst / "skew_construction.json").write_text(json.dumps(desc, indent=1))
+    text = json.dumps(desc, indent=1)
+    _atomic_write(dst / "skew_construction.json", lambda tmp: tmp.write_text(text))  # last: complete
+    summary = {n: v["size"] for n, v in desc["token_classes"].items()}
+    params = {k: desc["params"][k] for k in ("amp_A", "zipf_z", "marker_C", "seed")}
     print(
         json.dumps(
             {
                 "dst": str(dst),
+                "format": a.format,
                 "seconds": desc["seconds"],
-                "class_sizes": {n: v["size"] for n, v in desc["token_classes"].items()},
-                **{k: desc["params"][k] for k in ("amp_A", "zipf_z", "marker_C", "seed")},
+                "class_sizes": summary,
+                **params,
             }
         )
     )

@@ -572,3 +572,34 @@ def test_cache_arms_run_the_cache_and_plain_clients(tmp_path):
     assert "plan-cache" not in bench_config.DEFAULT_ARMS
     cfg = type("Cfg", (), {"strategy": "probe"})()
     assert arm_strategy(cfg, "plan-cache") == "static" and arm_strategy(cfg, "plan-swap+cache") == "probe"
+
+
+def test_measure_lock_lets_one_bench_measure_at_a_time(tmp_path):
+    import threading
+    import time
+
+    from reap_swap.bench_env import MeasureLock
+
+    assert MeasureLock(None).acquire() is None  # no --measure-lock: nothing to wait for
+    first, second = MeasureLock(tmp_path / "lock"), MeasureLock(tmp_path / "lock")
+    assert first.acquire() is not None
+    got = []
+    t = threading.Thread(target=lambda: got.append(second.acquire()))
+    t.start()
+    time.sleep(0.3)
+    assert got == []  # flock excludes a second open file description, even in one process
+    first.release()
+    t.join(5)
+    assert got and got[0] >= 0.2
+    second.release()
+    second.release()  # idempotent
+    assert (
+        bench_config.BenchConfig(
+            model="m",
+            plan=tmp_path / "p",
+            prompts=tmp_path / "q",
+            out=tmp_path,
+            measure_lock=tmp_path / "lock",
+        ).measure_lock
+        == tmp_path / "lock"
+    )

@@ -120,6 +120,12 @@ def _measurement_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="leave vLLM's prefix caching on (default off: the same prompts are sent repeatedly)",
     )
+    parser.add_argument(
+        "--measure-lock",
+        type=Path,
+        help="take this file lock (flock) once a server is up and hold it until it stops: benches "
+        "started side by side on one GPU overlap their start-ups but measure one at a time",
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
@@ -160,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
             timings=args.timings,
             startup_timeout_s=args.startup_timeout,
             prefix_caching=args.prefix_caching,
+            measure_lock=args.measure_lock,
             progress=args.progress,
             engine_args=engine_args(args.engine_args),
         )
@@ -171,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
     if shutil.which("pgrep") is None:
         print("error: pgrep (procps) is needed to check that every server process is gone", file=sys.stderr)
         return 2
+    from reap_swap import serving
+
+    serving.stop_servers_on_sigterm()  # a bench killed by `timeout` still stops its server
     return run_bench(cfg)
 
 
