@@ -101,6 +101,7 @@ def test_fast_equals_torch_on_random_traces_on_every_path(limits, monkeypatch):
     monkeypatch.setattr(fast, "MATRIX_MAX", matrix)
     monkeypatch.setattr(fast, "ROUNDS", rounds)
     monkeypatch.setattr(fast, "HIST_BR", 16)  # several histogram chunks on 40 selections
+    monkeypatch.setattr(fast, "HIST_MIN_BINS", 16 if limits != "one-round" else 64)  # both ways
     pins = ((25, range(3), 4), (45, (), 6))  # a swap pins 3 and shrinks the tail; then undone
     paths, counters = run_trace(16, 6, 4, 4, 60, seed=1, pins=pins)  # mostly read-through
     light, _ = run_trace(32, 8, 2, 2, 60, seed=5, pins=((30, range(2), 7),), skew=5.0)  # mostly hits

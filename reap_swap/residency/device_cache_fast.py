@@ -42,6 +42,7 @@ ONEHOT_MAX = 16384  # BE x BR elements of the counting matrix kept in registers
 MATRIX_MAX = 32768  # BN x BE elements of a placement matrix kept in registers
 ROUNDS = 8  # selection rounds before the all-pairs rank
 HIST_BR = 1024  # selections per chunk on the histogram path
+HIST_MIN_BINS = 32  # below: the chunked compare matrix instead of tl.histogram
 NUM_WARPS = 4
 _kernel = None
 
@@ -71,8 +72,8 @@ def fast_policy(cache: Any, topk_ids: torch.Tensor, valid_rows: torch.Tensor | N
         cache.score, cache.slot_expert, cache.expert_slot, cache.pinned.view(torch.int8), cache.active,
         cache.copy_expert, cache.table, cache.counters, scratch,
         cache.decay_num, cache.id_bits,
-        E=e, N=n, BE=be, BN=bn, BR=br_all if onehot else HIST_BR, BJ=max(16, 4096 // be),
-        ONEHOT=onehot, MATRIX=bn * be <= MATRIX_MAX, HAS_VALID=valid_rows is not None,
+        E=e, N=n, BE=be, BN=bn, BR=br_all if onehot else HIST_BR if be >= HIST_MIN_BINS else max(16, 8192 // be), BJ=max(16, 4096 // be),
+        ONEHOT=onehot, HIST=be >= HIST_MIN_BINS, MATRIX=bn * be <= MATRIX_MAX, HAS_VALID=valid_rows is not None,
         SIZE=scratch.shape[0] // 2, ROUNDS=ROUNDS,
         FRAC=SCORE_FRAC, SHIFT=DECAY_SHIFT, SMAX=SCORE_MAX, num_warps=NUM_WARPS,
     )  # fmt: skip

@@ -106,7 +106,7 @@ def dlfu_step_fast(
     copy_ptr, table_ptr, counters_ptr, scratch_ptr,
     decay_num, id_bits,
     E: tl.constexpr, N: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BJ: tl.constexpr,
-    ONEHOT: tl.constexpr, MATRIX: tl.constexpr, HAS_VALID: tl.constexpr, SIZE: tl.constexpr,
+    ONEHOT: tl.constexpr, HIST: tl.constexpr, MATRIX: tl.constexpr, HAS_VALID: tl.constexpr, SIZE: tl.constexpr,
     ROUNDS: tl.constexpr, FRAC: tl.constexpr, SHIFT: tl.constexpr, SMAX: tl.constexpr,
 ):  # fmt: skip
     e = tl.arange(0, BE)
@@ -134,8 +134,12 @@ def dlfu_step_fast(
             ids, rm, inr, ok = _load_ids(
                 ids_ptr, valid_ptr, r0 + tl.arange(0, BR), n_sel, top_k, E, HAS_VALID
             )
-            hist = tl.histogram(tl.where(ok, ids, 0).to(tl.int32), BE)
-            counts += hist - tl.where(e == 0, tl.sum((~ok).to(tl.int32), axis=0), 0)
+            if HIST:
+                hist = tl.histogram(tl.where(ok, ids, 0).to(tl.int32), BE)
+                counts += hist - tl.where(e == 0, tl.sum((~ok).to(tl.int32), axis=0), 0)
+            else:  # fewer than 32 experts: tl.histogram's GPU lowering wants >= 32 bins
+                hit2 = (e[:, None] == tl.where(ok, ids, -1).to(tl.int32)[None, :]) & ok[None, :]
+                counts += tl.sum(hit2.to(tl.int32), axis=1)
     need = counts > 0
     in_slot = es >= 0
     resident = in_slot | pinned
