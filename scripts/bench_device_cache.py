@@ -3,17 +3,20 @@ torch.compile'd then replayed in a graph (checked equal to eager, state and rema
 
     PYTHONPATH=$PWD python scripts/bench_device_cache.py --log-dir $LOGDIR   # ~1-2 min on an H200
 
-Writes $LOGDIR/device_cache_bench.json and prints one line per case: microseconds per layer-step
-(policy only: no slot copy, whose cost is bytes / PCIe bandwidth and measured elsewhere).
-``fused_*``: the one-program Triton step (device_cache_fused.py; target <= 10 us per layer-step),
-its mismatch count against the torch step (state tensors and remapped ids, every step).
-``fast_*``: the vectorised step (device_cache_fast.py, the serving default), same checks.
-``*_graph48_us``: 48 layer-steps (48 caches, the same ids) captured in ONE graph, replayed, per
-layer-step -- what a decode step pays per MoE layer, without the per-replay launch cost that the
-single-step ``*_graph_us`` columns include (``empty_graph_us``: that floor, a graph of one tiny
-kernel). ``copy_noop_graph48_us``: the slot-copy launch of a step that admits nothing (grid N x
-chunks of a 9.4 MB unit), per layer, for scale. Decision input: the torch-op step must cost well under ~3 % of a decode token per layer, else a
-fused kernel is needed (research.md, issue 17, device mechanism).
+Writes $LOGDIR/device_cache_bench{--suffix}.json and prints one line per case: microseconds per
+layer-step (policy only: no slot copy, whose cost is bytes / PCIe bandwidth, measured elsewhere).
+``fused_*``: the first one-program Triton step (device_cache_fused.py), its mismatch count
+against the torch step (state tensors and remapped ids, every step). ``fast_*``: the vectorised
+step (device_cache_fast.py, the serving default; ``--fast-warps``), same checks.
+``*_graph48_us``: 48 layer-steps (48 caches, the same ids) captured in ONE graph and replayed with
+the next step's routing each time, per layer-step: what a decode step pays per MoE layer, without
+the per-replay launch cost that the single-step ``*_graph_us`` columns include
+(``empty_graph_us``: that floor, a graph of one tiny kernel). ``expert_hit_rate``: the torch
+reference's over the trace (random skewed routing: misses on most steps, so the fast step's
+no-ranking/no-placement shortcut is not the common case here). ``copy_noop_graph48_us``: the
+slot-copy launch of a step that admits nothing (grid N x chunks of a 9.4 MB unit), per layer, for
+scale. Decision input: the step must cost well under ~3 % of a decode token per layer (research.md,
+issue 17, device mechanism).
 """
 
 from __future__ import annotations
@@ -110,7 +113,14 @@ def bench_layers(experts, slots, ids, steps) -> dict:
             )
             mismatches += 0 if same else 1
         out[f"{name}_graph48_mismatched_steps"] = mismatches
-        out[f"{name}_graph48_us"] = _time(lambda t, g=g: g.replay(), steps) / LAYERS
+        c = ref.read_counters()
+        out["expert_hit_rate"] = round(c["expert_hits"] / max(c["experts"], 1), 3)
+
+        def replay(t, static=static, g=g):  # new routing every step, as in serving
+            static.copy_(ids[t])
+            g.replay()
+
+        out[f"{name}_graph48_us"] = _time(replay, steps) / LAYERS
     tiny = torch.zeros(1, device="cuda")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
