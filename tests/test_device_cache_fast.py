@@ -139,3 +139,30 @@ def test_fast_int64_ids_and_no_valid_rows():
 def test_fast_refuses_more_than_512_experts():
     with pytest.raises(ValueError, match="512"):
         fast.fast_policy(DeviceCache(600, 4, "cpu"), torch.zeros(1, 2, dtype=torch.int32), None)
+
+
+def test_fast_equals_torch_and_simulator_on_the_heldout_trace():
+    """The committed mini trace (every step, one layer, core+dlfu at 25 %, padded to 8 rows):
+    compare_layer checks the counters against the simulator, the twin step every state tensor."""
+    from reap_swap.cache_policy.replay import layer_slots
+    from reap_swap.plan import load_plan
+    from reap_swap.residency.device_cache_replay import Variant, compare_layer, make_cache
+    from reap_swap.trace import load_trace
+
+    trace, layer = load_trace("data/traces/mini-moe-heldout.npz"), 2
+    plan = load_plan("research-notes/cache-sim/plan-0.25.json")
+    core = {l: plan.layers[l].core for l in trace.layers}
+    slots = layer_slots(
+        int(0.25 * len(trace.layers) * trace.num_experts), trace.layers, core, "core+tail", trace.num_experts
+    )[0]
+    v = Variant.of("core+dlfu", frozenset(core[layer]))
+    twin = make_cache(v, trace.num_experts, slots[layer], "cpu", 0.8)
+
+    def step(cache, ids, valid):
+        got, want = fast.fast_policy(cache, ids, valid), _policy(twin, ids, valid)
+        assert torch.equal(got, want)
+        for x, y in zip(cache.state_tensors(), twin.state_tensors(), strict=True):
+            assert torch.equal(x, y)
+
+    got = compare_layer(trace, layer, v, slots[layer], step_fn=step, pad_to=8)
+    assert got["steps"] == trace.num_steps and got["admitted"] > 0 and got["evicted"] > 0
