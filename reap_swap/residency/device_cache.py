@@ -234,8 +234,10 @@ class LayerStep:
         copy_fn=None,
         compiled: bool = False,
         fused: bool = False,
+        fast: bool = True,
     ) -> None:
         from reap_swap.residency.device_cache_copy import copy_units, copy_units_torch
+        from reap_swap.residency.device_cache_fast import fast_policy
         from reap_swap.residency.device_cache_fused import fused_policy
 
         self.cache, self.units = cache, units
@@ -243,9 +245,11 @@ class LayerStep:
         self.copy_fn = copy_fn or (copy_units if units.is_cuda else copy_units_torch)
         # compiled: the policy step fused by Inductor (equal to eager: tests/test_device_policy.py);
         # compiled on the first call, which must come before CUDA-graph capture (vLLM's warm-up)
-        # fused: the one-program Triton step (device_cache_fused.py; equal to _policy bit for bit)
+        # fused: a one-program Triton step, equal to _policy bit for bit -- fast (the default):
+        # the vectorised one (device_cache_fast.py), else the first one (device_cache_fused.py)
+        triton_step = fast_policy if fast else fused_policy
         self._policy = (
-            fused_policy if fused else torch.compile(_policy, fullgraph=True) if compiled else _policy
+            triton_step if fused else torch.compile(_policy, fullgraph=True) if compiled else _policy
         )
 
     def seed(self, experts: Iterable[int]) -> list[tuple[int, int]]:

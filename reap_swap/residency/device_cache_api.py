@@ -67,11 +67,14 @@ log = get_logger("reap_swap.device_cache")
 class DeviceCaches:
     """Every cached layer of one worker process (see the module docstring: the interface)."""
 
-    def __init__(self, policy: str = "dlfu", decay: float = 0.8, fused: bool = False) -> None:
+    def __init__(
+        self, policy: str = "dlfu", decay: float = 0.8, fused: bool = False, fast: bool = True
+    ) -> None:
         if policy != "dlfu":
             raise ValueError(f"--reap-cache {policy}: the device cache implements dlfu only")
         self.policy, self.decay = policy, decay
-        self.fused = fused  # the one-program Triton policy step (device_cache_fused.py)
+        self.fused = fused  # a one-program Triton policy step instead of the torch ops
+        self.fast = fast  # which: device_cache_fast.py (vectorised, default) or device_cache_fused.py
         self.layers: dict[int, LayerStep] = {}
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.refused: dict[int, str] = {}
@@ -93,6 +96,7 @@ class DeviceCaches:
             DeviceCache(e, n, range_bytes.device, self.decay),
             unit_view(range_bytes, e + n, rng.unit_bytes),
             fused=self.fused and e <= 512 and n <= 512,
+            fast=self.fast,
         )
         step.seed(seed)
         moe_cache.install_config_alias()
