@@ -51,10 +51,19 @@ def arm_argv(name: str, a: argparse.Namespace) -> list[str]:
     return serve_args(a.model, a.plan, float(util), "auto" if kind == "auto" else a.cap_gib, [])
 
 
-def one_slice_per_layer(plan_doc: dict) -> dict:
-    return {
-        k: [l["sliceCatalog"][0]["sliceId"]] for k, l in plan_doc["perLayer"].items() if l.get("sliceCatalog")
-    }
+def one_slice_per_layer(plan_doc: dict, resident: dict | None = None) -> dict:
+    """Per layer, the first slice with an expert the pool does not hold yet (so the swap must move
+    bytes: run 10's first-slice swap moved none, the fill order had already made it resident);
+    the last slice where every slice is resident (an `auto` pool holding all experts)."""
+    out = {}
+    for i, (k, layer) in enumerate(plan_doc["perLayer"].items()):
+        slices = layer.get("sliceCatalog") or []
+        if not slices:
+            continue
+        have = set((resident or {}).get(str(i), []))
+        fresh = [s for s in slices if not set(s["experts"]) <= have]
+        out[k] = [(fresh or slices[-1:])[0]["sliceId"]]
+    return out
 
 
 def run_arm(name: str, argv: list[str], out: Path, plan_doc: dict) -> dict:
@@ -65,7 +74,8 @@ def run_arm(name: str, argv: list[str], out: Path, plan_doc: dict) -> dict:
             rec["startup_s"] = srv.startup_s
             rec["status"] = httpx.get(srv.url + "/reap/status", timeout=30).json()
             rec["greedy"] = greedy_completions(srv.url, PROMPTS, max_tokens=32)
-            body = {"request_id": f"{name}-swap", "active_set": one_slice_per_layer(plan_doc)}
+            active = one_slice_per_layer(plan_doc, rec["status"].get("layers"))
+            body = {"request_id": f"{name}-swap", "active_set": active}
             r = httpx.post(srv.url + "/swap_active_set", json=body, timeout=120)
             rec["swap"] = {"code": r.status_code, "body": r.json()}
             rec["status_after_swap"] = httpx.get(srv.url + "/reap/status", timeout=30).json()
