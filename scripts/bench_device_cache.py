@@ -160,6 +160,18 @@ def bench_copy_noop(experts, slots, steps) -> dict:
     return out
 
 
+def admit_plans(slots, k, sources, device) -> list[torch.Tensor]:
+    """Per layer a ``copy_expert``: k admissions spread over the N slots, the sources rotating
+    over the ``sources`` host units (consecutive layers read different bytes)."""
+    where = [j * (slots // k) for j in range(k)]
+    plans = []
+    for layer in range(LAYERS):
+        p = torch.full((slots,), -1, dtype=torch.int64)
+        p[where] = torch.tensor([(layer * k + j) % sources for j in range(k)])
+        plans.append(p.to(device))
+    return plans
+
+
 class AdmitRange:
     """One real cache range for the admission columns: SOURCES host-backed units, MAX_SLOTS HBM
     slots, units of 9.4 MB rounded up to the mapping granularity; sources filled once."""
@@ -182,14 +194,7 @@ class AdmitRange:
         torch.cuda.synchronize()
 
     def plans(self, slots, k):
-        """Per layer: k admissions spread over the N slots, sources rotating over the units."""
-        where = [j * (slots // k) for j in range(k)]
-        plans = []
-        for layer in range(LAYERS):
-            p = torch.full((slots,), -1, dtype=torch.int64)
-            p[where] = torch.tensor([(layer * k + j) % self.SOURCES for j in range(k)])
-            plans.append(p.cuda())
-        return plans
+        return admit_plans(slots, k, self.SOURCES, "cuda")
 
     def mismatched(self, plan, slots) -> int:
         """Slots (of the first ``slots``) not equal to their source / not left at the sentinel."""

@@ -76,3 +76,16 @@ def test_triton_kernels_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_bench_admission_plans_spread_slots_and_rotate_sources():
+    from script_modules import load_script
+
+    bench = load_script("bench_device_cache")
+    plans = bench.admit_plans(32, 4, 48, "cpu")
+    assert len(plans) == bench.LAYERS
+    for layer, p in enumerate(plans):
+        assert (p >= 0).nonzero().flatten().tolist() == [0, 8, 16, 24]
+        assert p[p >= 0].tolist() == [(layer * 4 + j) % 48 for j in range(4)]
+    first = {int(e) for p in plans[:12] for e in p[p >= 0]}
+    assert len(first) == 48  # 12 layers x 4 admissions read 48 distinct units
