@@ -89,3 +89,24 @@ def test_bench_admission_plans_spread_slots_and_rotate_sources():
         assert p[p >= 0].tolist() == [(layer * 4 + j) % 48 for j in range(4)]
     first = {int(e) for p in plans[:12] for e in p[p >= 0]}
     assert len(first) == 48  # 12 layers x 4 admissions read 48 distinct units
+
+
+def test_persistent_kernel_compiles_for_sm90_with_16_byte_accesses():
+    """Ahead-of-time compile (no GPU needed: Triton's bundled ptxas) of the persistent kernel for
+    an H200 (sm_90): every load and store of the copy loop is a 16 B vector access, which needs
+    unit_elems left to Triton's divisibility specialisation (the dense kernel's 8 B ones did not)."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this Triton has no ASTSource / GPUTarget")
+    sig = {"units_ptr": "*i64", "copy_ptr": "*i64", "num_experts": "i32", "num_slots": "i32"}
+    sig |= {"unit_elems": "i32", "chunks": "i32", "BN": "constexpr", "BLOCK": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 4)}  # what a 2 MiB-multiple unit gets
+    src = ASTSource(dc._kernel("persistent"), sig, {"BN": 64, "BLOCK": dc.BLOCK}, attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": dc.NUM_WARPS}).asm[
+        "ptx"
+    ]
+    per_thread = dc.BLOCK // (32 * dc.NUM_WARPS) // 2  # 16 B = two int64 per access
+    assert ptx.count("ld.global.v2.b64") == per_thread and ptx.count("st.global.v2.b64") == per_thread
