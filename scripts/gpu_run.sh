@@ -32,7 +32,7 @@ leftovers() {  # stop any server a timed-out phase left behind, then wait until 
   step run "GPU memory in use before the next phase: ${used:-?} MiB"
 }
 
-ph_dcache() { timeout 150 $PY scripts/bench_device_cache.py --log-dir $R/dcache > $R/dcache.log 2>&1; }
+ph_dcache() { timeout 240 $PY scripts/bench_device_cache.py --log-dir $R/dcache > $R/dcache.log 2>&1; }
 ph_tests() {
   timeout 420 $PY -m pytest -q -rs tests/gpu -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > $R/tests.log 2>&1
 }
