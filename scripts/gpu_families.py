@@ -43,6 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
+import families_count as fc  # noqa: E402
 import families_report as fr  # noqa: E402
 import gpu_e2e as e2e  # noqa: E402
 import make_tiny_moe  # noqa: E402
@@ -195,8 +196,12 @@ def reap_steps(srv, plan: dict, shape: dict, res: dict, a, save) -> None:
     r["worker_status"] = e2e.collective_rpc(srv, "reap_status")
     save()
     r["counters"] = counters_under_graphs(srv, shape)
+    if a.count_lengths:  # exact counts per request length (families_count.py)
+        r["count_cases"] = fc.count_cases(srv, e2e, shape, a.vocab, a.count_lengths, a.count_max_tokens)
     r["readme_curl"] = readme_curl(srv, plan, shape)
     save()
+    if a.count_only:  # the `count` arm: no residency points
+        return
     label = fr.startup_label(plan)
     e2e.open_request(srv, f"p-{label}")  # the startup set, statistics reset
     entry = {"resident": fr.resident_count(plan, {}), **e2e.measure(srv, f"p-{label}", d1=a.decode, d8=None)}
@@ -269,7 +274,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--plan-core", type=float, default=0.0, help="synthetic plan: core share per layer")
     ap.add_argument("--plan-budget", type=float, default=1.0, help="synthetic plan: budget share")
     ap.add_argument("--layers", type=int, help="reduced depth (num_hidden_layers)")
-    ap.add_argument("--arms", default="reap", help="prepare | reap | stock | merge (comma-separated)")
+    ap.add_argument("--arms", default="reap", help="prepare | reap | count | stock | merge (comma-separated)")
     ap.add_argument("--eager", action="store_true", help="--enforce-eager (no compile, no CUDA graphs)")
     ap.add_argument("--kv-gib", type=float, default=1.0)
     ap.add_argument("--gpu-util", type=float, default=0.1)
@@ -280,8 +285,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--greedy-tokens", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--engine", help="replace the engine arguments (a shell-quoted string)")
+    ap.add_argument("--count-lengths", type=fc.parse_ints, default=(),
+                    help="prompt lengths of the exact-count cases (e.g. 1,15,16,17,38; the count arm: "
+                    "these by default)")  # fmt: skip
+    ap.add_argument("--count-max-tokens", type=fc.parse_ints, default=fc.DEFAULT_MAX_TOKENS)
     a = ap.parse_args(argv)
     a.decode = (a.decode_tokens, 1)
+    a.count_only = False
     if a.arms != "merge" and a.config is None:
         ap.error("--config is required for the reap and stock arms")
     return a
@@ -330,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.arms == "prepare":
         return 0
     e2e.PROBE, e2e.GREEDY_TOKENS = True, a.greedy_tokens
+    a.vocab = fc.vocab_size(json.loads((model / "config.json").read_text()))
     vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *engine]
     reap = [sys.executable, "-m", "reap_swap.server", str(model), *engine]
     for arm in a.arms.split(","):
@@ -343,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if arm == "stock":
                 arm_stock(vllm, out, res, a)
-            elif arm == "reap":
+            elif arm in ("reap", "count"):  # count: startup, the count cases, the README curl
+                a.count_only = arm == "count"
+                a.count_lengths = a.count_lengths or (fc.DEFAULT_LENGTHS if a.count_only else ())
                 arm_reap(reap, out, shape, plan_path, res, a, save)
             else:
                 raise ValueError(f"unknown arm {arm}")

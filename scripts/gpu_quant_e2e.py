@@ -82,9 +82,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="write checkpoints, plans and commands only")
     ap.add_argument(
         "--stock-twice",
-        choices=("refused", "all", "none"),
-        default="refused",
-        help="serve stock a second time (its own process) to tell stock nondeterminism from a reap difference",
+        default="refused,fp8-online",
+        help="cases (comma list; also the words refused, all, none) whose stock is served a second time in "
+        "its own process, compiling afresh (VLLM_DISABLE_COMPILE_CACHE=1), to tell stock's own "
+        "nondeterminism from a reap difference",
+    )
+    ap.add_argument(
+        "--eager-pair",
+        default="fp8-online",
+        help="cases (comma list, or none) also served stock and reap-swap with --enforce-eager (no "
+        "torch.compile, no CUDA graphs): reap vs stock without Inductor's per-process choices",
     )
     ap.add_argument("--serial-arms", action="store_true", help="one server per case at a time")
     ap.add_argument("--ckpt-jobs", type=int, default=4, help="checkpoints written at a time (processes)")
@@ -93,7 +100,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = sorted(set(a.cases.split(",")) - set(CASES))
     if bad:
         ap.error(f"--cases: unknown {bad}; known: {', '.join(CASES)}")
+    for flag, words in (("stock_twice", STOCK_TWICE_WORDS), ("eager_pair", ("none",))):
+        bad = sorted(set(getattr(a, flag).split(",")) - set(CASES) - set(words) - {""})
+        if bad:
+            ap.error(f"--{flag.replace('_', '-')}: unknown {bad}; known: {', '.join((*words, *CASES))}")
     return a
+
+
+STOCK_TWICE_WORDS = ("refused", "all", "none")
+
+
+def listed(spec: str, name: str, binds: bool) -> bool:
+    """Is case `name` selected by a --stock-twice / --eager-pair value (cases and words)?"""
+    items = set(spec.split(","))
+    return name in items or "all" in items or ("refused" in items and not binds)
 
 
 def checkpoint_ready(folder: Path, fmt: str, layers: int) -> bool:
@@ -159,25 +179,36 @@ def sample(srv: Server, label: str) -> dict:
     return {"greedy": gpu_e2e.greedy(srv.url), "moe_probe": gpu_e2e.moe_probe(srv, label)}
 
 
-def run_stock(argv: list[str], out: Path, deadline: float, name: str = "stock") -> dict:
+# the second stock server compiles on its own: with the same arguments it would otherwise load the
+# first one's torch.compile artifacts (same config hash, same cache dir), Inductor's benchmarked
+# choices included, and could not show that a fresh compile changes numerics (research.md, qcount)
+FRESH_COMPILE = {"VLLM_DISABLE_COMPILE_CACHE": "1"}
+
+
+def run_stock(
+    argv: list[str], out: Path, deadline: float, name: str = "stock", env: dict | None = None
+) -> dict:
     # VLLM_SERVER_DEV_MODE=1 opens /collective_rpc, which reap_moe_probe goes through (as in
     # gpu_e2e.py's stock arms; without it the probe answers 404 and no digest is comparable)
     timeout = max(30.0, deadline - time.time())
-    with Server(name, argv, out, env=gpu_e2e.DEV, port=free_port(), startup_timeout_s=timeout) as srv:
-        return {"startup_s": srv.startup_s, **sample(srv, name)}
+    env = {**gpu_e2e.DEV, **(env or {})}
+    with Server(name, argv, out, env=env, port=free_port(), startup_timeout_s=timeout) as srv:
+        return {"startup_s": srv.startup_s, "env": env, **sample(srv, name)}
 
 
 SWAPS = (("25", 25, 0), ("50", 50, 0), ("100", 100, 0), ("0-after", 0, 0), ("50-other", 50, 50))
 
 
-def run_reap(argv: list[str], model: Path, out: Path, info: dict, deadline: float) -> dict:
-    plan_path = out / "plan.json"
+def run_reap(
+    argv: list[str], model: Path, out: Path, info: dict, deadline: float, name: str = "reap"
+) -> dict:
+    plan_path = out / ("plan.json" if name == "reap" else f"plan-{name}.json")
     gpu_e2e.make_plan(model, 0.0, 8, plan_path)  # empty core, a pool slot for every expert
     shape = gpu_e2e.model_shape(model)
     r: dict = {"phases": {}}
     timeout = max(30.0, deadline - time.time())
     argv = argv + ["--reap-plan", str(plan_path)]
-    with Server("reap", argv, out, env=gpu_e2e.DEV, port=free_port(), startup_timeout_s=timeout) as srv:
+    with Server(name, argv, out, env=gpu_e2e.DEV, port=free_port(), startup_timeout_s=timeout) as srv:
         r["startup_s"], r["status_start"] = srv.startup_s, gpu_e2e.status(srv)
         gpu_e2e.open_request(srv, "p0")
         r["phases"]["0"] = sample(srv, "reap 0")
@@ -210,9 +241,15 @@ def one_case(a: argparse.Namespace, name: str) -> dict:
         "stock": lambda: run_stock(cmds["stock"], out, deadline),
         "reap": lambda: run_reap(cmds["reap"], model, out, info, deadline),
     }
-    if a.stock_twice == "all" or (a.stock_twice == "refused" and not info["binds"]):
-        # a second stock server: is stock itself reproducible across processes (Marlin, ...)?
-        arms["stock2"] = lambda: run_stock(cmds["stock"], out, deadline, name="stock2")
+    if listed(a.stock_twice, name, info["binds"]):
+        # a second stock server, compiled afresh: is stock reproducible across processes?
+        arms["stock2"] = lambda: run_stock(cmds["stock"], out, deadline, name="stock2", env=FRESH_COMPILE)
+    if a.eager_pair != "none" and name in a.eager_pair.split(","):
+        eager = ["--enforce-eager"]
+        arms["stock_eager"] = lambda: run_stock(cmds["stock"] + eager, out, deadline, name="stock_eager")
+        arms["reap_eager"] = lambda: run_reap(
+            cmds["reap"] + eager, model, out, info, deadline, name="reap_eager"
+        )
 
     def run_arm(arm: str) -> None:
         t0 = time.time()
@@ -240,7 +277,14 @@ def spawn(a: argparse.Namespace, name: str) -> dict:
     """Run one case in a child process with a hard timeout; its JSON (or the timeout) back."""
     argv = [sys.executable, __file__, "--one-case", name, "--out", str(a.out), "--layers", str(a.layers)]
     argv += ["--gpu-memory-utilization", str(a.gpu_memory_utilization), "--case-timeout", str(a.case_timeout)]
-    argv += ["--greedy-tokens", str(a.greedy_tokens), "--stock-twice", a.stock_twice]
+    argv += [
+        "--greedy-tokens",
+        str(a.greedy_tokens),
+        "--stock-twice",
+        a.stock_twice,
+        "--eager-pair",
+        a.eager_pair,
+    ]
     argv += (["--tiny"] if a.tiny else []) + (["--serial-arms"] if a.serial_arms else [])
     t0 = time.time()
     with open(a.out / f"{name}.case.log", "w") as logf:
@@ -320,6 +364,31 @@ def _stock_repeat(stock: dict, stock2: dict) -> dict | None:
     }
 
 
+def _eager_pair(res: dict) -> dict | None:
+    """stock --enforce-eager vs reap-swap --enforce-eager at every residency point: identical
+    tokens and logprobs? (No torch.compile: Inductor's per-process choices cannot differ.)"""
+    stock, reap = res.get("stock_eager"), res.get("reap_eager")
+    if stock is None and reap is None:
+        return None
+    errors = {
+        k: v["error"][:300]
+        for k, v in (("stock_eager", stock or {}), ("reap_eager", reap or {}))
+        if v.get("error")
+    }
+    if errors or not (stock or {}).get("greedy") or not (reap or {}).get("phases"):
+        return {"comparable": False, "errors": errors}
+    differs, logprobs_differ = [], []
+    for label, ph in reap["phases"].items():
+        got = ph.get("greedy") or []
+        c = compare(stock["greedy"], got)
+        if c["identical"] != c["of"] or c["of"] != len(stock["greedy"]):
+            differs.append(label)
+        if [g.get("logprobs") for g in stock["greedy"]] != [g.get("logprobs") for g in got]:
+            logprobs_differ.append(label)
+    return {"comparable": True, "text_differs": differs, "logprobs_differ": logprobs_differ,
+            "identical": not differs and not logprobs_differ}  # fmt: skip
+
+
 def case_row(res: dict) -> dict:
     stock, reap, stock2 = res.get("stock") or {}, res.get("reap") or {}, res.get("stock2") or {}
     row = {"case": res.get("case"), "binds": res.get("binds"), "timed_out": res.get("timed_out", False)}
@@ -340,6 +409,7 @@ def case_row(res: dict) -> dict:
     )
     row["refusal"] = _refusal_note(row) or res.get("engine_refusal")
     row["stock_repeat"] = _stock_repeat(stock, stock2)
+    row["eager_pair"] = _eager_pair(res)
     if stock.get("greedy") and reap.get("phases"):
         row["text_differs"], row["probe_differs"] = _phase_checks(stock, reap["phases"])
         row.update(_swap_stats(reap["phases"]))
@@ -385,6 +455,12 @@ def markdown(doc: dict) -> str:
         if rep is not None:
             det = "deterministic" if rep["deterministic"] else f"NOT deterministic {rep}"
             note = f"stock x2: {det}; {note}"
+        eager = r.get("eager_pair")
+        if eager is not None:
+            what = (
+                ("identical" if eager["identical"] else f"differ {eager}") if eager["comparable"] else eager
+            )
+            note = f"eager reap vs stock: {what}; {note}"
         note = ("TIMED OUT; " if r["timed_out"] else "") + note.replace("|", "/")[:400]
         gb = f"{r.get('gbps_client')}; {r.get('gbps_workers')}" if r.get("gbps_client") else "-"
         unit = (

@@ -89,3 +89,11 @@ def test_the_lane_script_parses_and_prints_its_schedule():
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     out = subprocess.run(["bash", str(script), "schedule"], capture_output=True, text=True).stdout
     assert "qwen35 reap" in out and "deepseek_v2_lite" in out
+
+
+def test_count_options_parse(gf):
+    a = gf.parse(["--name", "q", "--config", "x.json", "--out", "/tmp/o", "--arms", "count",
+                  "--count-lengths", "15,16,17", "--count-max-tokens", "1"])  # fmt: skip
+    assert (a.count_lengths, a.count_max_tokens, a.count_only) == ((15, 16, 17), (1,), False)
+    b = gf.parse(["--name", "q", "--config", "x.json", "--out", "/tmp/o"])
+    assert b.count_lengths == () and b.count_max_tokens == (1, 4)

@@ -128,3 +128,63 @@ def test_complete_checkpoints_are_reused(tmp_path, monkeypatch):
     (tmp_path / "checkpoints" / "awq" / "config.json").write_text("{}")  # a partial one: rewritten
     qe.write_checkpoints(a, ["bf16", "fp8-online", "awq"])
     assert written == ["awq"]  # fp8-online serves the bf16 checkpoint
+
+
+def test_stock_twice_and_eager_pair_take_case_lists(capsys):
+    a = qe.parse_args(["--out", "x"])
+    assert a.stock_twice == "refused,fp8-online" and a.eager_pair == "fp8-online"
+    assert qe.listed(a.stock_twice, "fp8-online", True) and qe.listed(a.stock_twice, "awq", False)
+    assert not qe.listed(a.stock_twice, "fp8-block", True)
+    assert qe.listed("all", "bf16", True) and not qe.listed("none", "awq", False)
+    with pytest.raises(SystemExit):
+        qe.parse_args(["--out", "x", "--stock-twice", "fp8-onlin"])
+    assert "fp8-onlin" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        qe.parse_args(["--out", "x", "--eager-pair", "refused"])
+
+
+def test_arms_per_case_and_the_fresh_compile_of_stock2(tmp_path, monkeypatch):
+    """one_case's arms for fp8-online by default: stock, reap, stock2 (fresh compile), and the eager
+    pair (both servers with --enforce-eager); fp8-block: stock and reap only."""
+    calls = []
+    monkeypatch.setattr(qe, "checkpoint", lambda a, fmt: tmp_path / fmt)
+    monkeypatch.setattr(qe, "case_info", lambda name, model: {"binds": True, "dtype": "bfloat16"})
+    monkeypatch.setattr(
+        qe, "run_stock", lambda argv, out, dl, name="stock", env=None: calls.append((name, argv, env)) or {}
+    )
+    monkeypatch.setattr(
+        qe, "run_reap", lambda argv, m, out, info, dl, name="reap": calls.append((name, argv, None)) or {}
+    )
+    for case, want in (
+        ("fp8-online", {"stock", "reap", "stock2", "stock_eager", "reap_eager"}),
+        ("fp8-block", {"stock", "reap"}),
+    ):
+        calls.clear()
+        a = qe.parse_args(["--out", str(tmp_path), "--one-case", case, "--serial-arms"])
+        res = qe.one_case(a, case)
+        assert {c[0] for c in calls} == want and want <= set(res)
+    calls.clear()
+    qe.one_case(qe.parse_args(["--out", str(tmp_path), "--serial-arms"]), "fp8-online")
+    by = {c[0]: c for c in calls}
+    assert by["stock2"][2] == qe.FRESH_COMPILE and by["stock"][2] is None
+    assert by["stock_eager"][1][-1] == "--enforce-eager" and by["reap_eager"][1][-1] == "--enforce-eager"
+    assert "--enforce-eager" not in by["stock"][1] and "--enforce-eager" not in by["reap"][1]
+
+
+def test_eager_pair_summary():
+    res = _fake(True)
+    assert qe.case_row(res)["eager_pair"] is None
+    res["stock_eager"] = {"greedy": _greedy("b")}
+    res["reap_eager"] = {"phases": {"0": {"greedy": _greedy("b")}, "25": {"greedy": _greedy("b")}}}
+    assert qe.case_row(res)["eager_pair"] == {
+        "comparable": True, "text_differs": [], "logprobs_differ": [], "identical": True
+    }  # fmt: skip
+    res["reap_eager"]["phases"]["25"]["greedy"] = [
+        {"text": "x", "tokens": ["a", "b"], "logprobs": [0, -1e-6]}
+    ]
+    row = qe.case_row(res)
+    assert row["eager_pair"]["logprobs_differ"] == ["25"] and not row["eager_pair"]["identical"]
+    assert "eager reap vs stock: differ" in qe.markdown({"cases": {"c": res}})
+    res["reap_eager"] = {"error": "ServerError('exited')"}
+    assert qe.case_row(res)["eager_pair"]["comparable"] is False
+    assert qe.case_row(res)["pass"]  # the main verdict is stock vs reap with CUDA graphs
