@@ -14,6 +14,8 @@
 #   families  the whole families lane (gpu_families.sh, FAM_DEADLINE)
 #   v2lite    full-size DeepSeek-V2-Lite, reap-swap and stock side by side, eager
 #   v3layer   the DeepSeek-V3 / Kimi-K2 layer shape at depth 2 (reap-swap only, eager)
+#   fp8bench  issue 16's FP8 bench (scripts/gpu_fp8_bench.sh run, ~8 min, FP8_CAP)
+#   count     exact router counts on full-size Qwen3.5 (gpu_families.py --arms count, ~8 min)
 #   extra     bash scripts/gpu_extra_phase.sh $R/extra (a phase a branch ships for this run)
 # Everything lands in /tmp/run; the tarball leaves out checkpoints and safetensors.
 set -u
@@ -63,6 +65,12 @@ ph_families() {
 }
 ph_v2lite() { DEADLINE=${V2_CAP:-330} bash scripts/gpu_families.sh v2lite_only --out $R/fam > $R/v2lite.log 2>&1; }
 ph_v3layer() { DEADLINE=${V3_CAP:-300} bash scripts/gpu_families.sh v3_only --out $R/fam > $R/v3layer.log 2>&1; }
+ph_fp8bench() { timeout ${FP8_CAP:-600} bash scripts/gpu_fp8_bench.sh run --out $R/fp8bench > $R/fp8bench.log 2>&1; }
+ph_count() {  # qcount: exact router counts on full-size Qwen3.5 under CUDA graphs (no residency phases)
+  timeout ${COUNT_CAP:-580} $PY scripts/gpu_families.py --name qwen35 --config tests/data/qwen3_5_moe_35b_a3b_config.json \
+    --plan .kit/strict30-v2-plan.json --kv-gib 2 --gpu-util 0.1 --host-guard-gib 2.5 --arms count \
+    --startup-timeout 500 --out $R/count > $R/count.log 2>&1
+}
 ph_extra() { [ -f scripts/gpu_extra_phase.sh ] && bash scripts/gpu_extra_phase.sh $R/extra > $R/extra.log 2>&1; }
 
 group() {  # "a+b+c": the phases side by side, then the leftover check
