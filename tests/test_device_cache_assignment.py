@@ -66,7 +66,9 @@ def test_unaliased_shapes_keep_vllms_rule(wrapped):
     cfg = {"BLOCK_SIZE_M": 16}
     ids = torch.randint(0, E, (5, TOPK), dtype=torch.int32)
     for experts in (128, 160):  # nothing aliased: the wrapper is vLLM's function
-        assert _naive(assign(ids, cfg, 5, TOPK, experts, None)) == _naive(original(ids, cfg, 5, TOPK, experts, None))
+        assert _naive(assign(ids, cfg, 5, TOPK, experts, None)) == _naive(
+            original(ids, cfg, 5, TOPK, experts, None)
+        )
     assert not _naive(assign(ids, cfg, 5, TOPK, 128, None)) and _naive(assign(ids, cfg, 5, TOPK, 160, None))
 
 
