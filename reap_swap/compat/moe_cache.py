@@ -173,3 +173,22 @@ def run_extended(
         shared_experts=shared_experts,
         shared_experts_input=shared_experts_input,
     )
+
+
+def run_stock(layer: Any, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
+    """The uncached kernel call: forward_native's exact arguments (the layer's own [E, ...] weight
+    views, the router's ids, global_num_experts = E). The device cache's debug shadow
+    (residency/device_cache_shadow.py) compares it with run_extended. Verified: 0.26.0 (source)."""
+    return layer.quant_method.moe_kernel.apply(
+        hidden_states=x,
+        w1=layer.w13_weight,
+        w2=layer.w2_weight,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+        activation=layer.activation,
+        apply_router_weight_on_input=layer.apply_router_weight_on_input,
+        global_num_experts=layer.global_num_experts,
+        expert_map=layer.expert_map,
+        shared_experts=None,
+        shared_experts_input=None,
+    )
