@@ -1,4 +1,4 @@
-"""The device cache's debug shadow (residency/device_cache_shadow.py, REAP_CACHE_SHADOW) on a fake
+"""The device cache's debug shadow (residency/device_cache_shadow.py, --reap-cache-shadow) on a fake
 layer with a toy kernel (CPU tensors): silent while cached == uncached, and when a slot is
 corrupted behind the cache's back it records the first mismatching step, its ids, the remapped
 ids and the slots whose bytes are wrong -- what the lead reads from /reap/status on the H200."""
@@ -61,9 +61,11 @@ def test_shadow_is_silent_when_equal_and_pinpoints_a_corrupted_slot(mode):
     assert rep["bad_slot_steps"] == (2 if mode == "bytes" else 0), rep
 
 
-def test_shadow_mode_from_the_environment(monkeypatch):
-    for raw, want in (("", None), ("0", None), ("1", "out"), ("bytes", "bytes"), ("on", "out")):
-        monkeypatch.setenv("REAP_CACHE_SHADOW", raw)
-        assert shadow_mod.shadow_mode() == want
-    monkeypatch.delenv("REAP_CACHE_SHADOW")
-    assert shadow_mod.shadow_mode() is None and "shadow" not in DeviceCaches().status()
+def test_shadow_mode_from_the_settings():
+    from reap_swap.settings import Settings
+
+    assert shadow_mod.shadow_mode(SimpleNamespace()) is None
+    for raw, want in (("off", None), ("out", "out"), ("bytes", "bytes")):
+        st = Settings(plan_file="p.json", cache_shadow=raw)
+        assert shadow_mod.shadow_mode(st) == want
+    assert "shadow" not in DeviceCaches().status()

@@ -38,10 +38,10 @@ def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str 
     layers = max(len(plan.layers), 1)
     auto = settings.cache_slots == "auto"
     per_layer = 0 if auto else int(settings.cache_slots) // layers
-    shadow = shadow_mode()
+    shadow = shadow_mode(settings)
     if shadow is not None:
         log.warning(
-            "reap-swap cache: REAP_CACHE_SHADOW=%s: every cached MoE step also runs the uncached "
+            "reap-swap cache: --reap-cache-shadow %s: every cached MoE step also runs the uncached "
             "kernel and compares (debug; /reap/status cache.shadow)",
             shadow,
         )

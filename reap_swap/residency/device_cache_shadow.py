@@ -1,6 +1,7 @@
 """A debug shadow of the device cache inside a real server (issue 17, branch cachebug).
 
-``REAP_CACHE_SHADOW=1`` in the server's environment: every cached MoE layer-step also runs the
+``--reap-cache-shadow out|bytes`` (or ``REAP_CACHE_SHADOW``, read by the launcher like every REAP_*
+setting and passed to the workers in the additional config): every cached MoE layer-step also runs the
 *uncached* kernel call -- vLLM's own ``forward_native`` arguments (the layer's E-unit weight views,
 the router's original ids, ``global_num_experts = E``: exactly the ``--reap-cache off`` path that
 matched stock bit for bit in run10) -- and compares the two outputs on the device. The served
@@ -13,14 +14,12 @@ Per layer, read between steps (``DeviceCaches.status()["shadow"]``, hence ``/rea
 layer's own step count, the cache counters' ``steps``), its row count, the largest absolute
 difference seen, and for the first mismatching step its first ``KEEP`` original ids, the remapped
 ids the cached kernel read (>= E: a slot), and ``copy_expert`` (what that step copied into each
-slot). ``bytes=1`` (``REAP_CACHE_SHADOW=bytes``) also checks, every step, that each occupied slot
+slot). ``bytes`` also checks, every step, that each occupied slot
 holds its expert's bytes (reads every slot's source over PCIe: slow) and counts the steps where
 one does not.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -28,12 +27,10 @@ KEEP = 64  # selections recorded from the first mismatching step
 _STAT = ("steps", "mismatched_steps", "first_step", "first_rows", "bad_slot_steps")
 
 
-def shadow_mode() -> str | None:
-    """None (off), "out" (compare outputs) or "bytes" (also check slot bytes): REAP_CACHE_SHADOW."""
-    raw = os.environ.get("REAP_CACHE_SHADOW", "").strip().lower()
-    if raw in ("", "0", "off", "no"):
-        return None
-    return "bytes" if raw == "bytes" else "out"
+def shadow_mode(settings) -> str | None:
+    """None (off), "out" (compare outputs) or "bytes" (also check slot bytes): --reap-cache-shadow."""
+    raw = getattr(settings, "cache_shadow", "off")
+    return None if raw == "off" else raw
 
 
 class Shadow:
