@@ -200,3 +200,17 @@ def test_naive_vs_aligned_and_the_fixed_five_token_step(fm, fmm, layer, stock_ru
     print(f"NAIVE_VS_ALIGNED equal={torch.equal(naive, aligned)} max_diff={diff:.3e}")
     fixed = _cached(fm, fmm, layer, x, tw, ti)
     assert torch.equal(fixed, aligned)
+
+
+def test_unit_count_alone_changes_no_bit(fm, fmm, layer, stock_rule):
+    """Isolates hypothesis 2 (research.md cachebug): the kernel over the E + N views with
+    global_num_experts = E + N on the *original* ids (no slot read at all) must equal stock for
+    every step size 1..64 (and 128, 256, 512)."""
+    gen = torch.Generator().manual_seed(14)
+    bad = []
+    for m in (*range(1, 65), 128, 256, 512):
+        x, tw, ti = _routing(gen, m, torch.arange(24), 2.0)
+        if not torch.equal(_cached(fm, fmm, layer, x, tw, ti), _stock(fm, fmm, layer, x, tw, ti)):
+            bad.append(m)
+    print("UNIT_COUNT_MISMATCH_ROWS", bad)
+    assert not bad, f"step sizes whose output changes with the unit count alone: {bad}"
