@@ -100,7 +100,8 @@ def grow_and_fill(st: Any, growth: Growth, extra_slots: int) -> dict:
         # swap table would map plan experts onto device-cache slots (two owners, one HBM page)
         raise BudgetError(
             f"--reap-budget growth with the device cache on: pool slots {st.table.num_slots}.."
-            f"{st.pool.num_slots - 1} ({lent}) are lent to the cache tails; the pool keeps the plan's size"
+            f"{st.pool.num_slots - 1} ({lent}) are lent to the cache tails and growing would hand them "
+            "to the swap table; use --reap-budget plan with --reap-cache-device on"
         )
     st.pool.grow(extra)
     st.table.grow(extra)
