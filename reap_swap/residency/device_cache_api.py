@@ -60,6 +60,7 @@ from reap_swap.logs import get_logger
 
 from .device_cache import DeviceCache, LayerStep
 from .device_cache_copy import unit_view
+from .device_cache_shadow import Shadow, slots_hold_their_experts
 
 log = get_logger("reap_swap.device_cache")
 
@@ -68,7 +69,12 @@ class DeviceCaches:
     """Every cached layer of one worker process (see the module docstring: the interface)."""
 
     def __init__(
-        self, policy: str = "dlfu", decay: float = 0.8, fused: bool = False, fast: bool = True
+        self,
+        policy: str = "dlfu",
+        decay: float = 0.8,
+        fused: bool = False,
+        fast: bool = True,
+        shadow: str | None = None,
     ) -> None:
         if policy != "dlfu":
             raise ValueError(f"--reap-cache {policy}: the device cache implements dlfu only")
@@ -78,6 +84,8 @@ class DeviceCaches:
         self.layers: dict[int, LayerStep] = {}
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.refused: dict[int, str] = {}
+        self.shadow_mode = shadow  # device_cache_shadow.py: None, "out" or "bytes" (debug only)
+        self.shadows: dict[int, Shadow] = {}
 
     def refuse(self, index: int, reason: str) -> None:
         self.refused[index] = reason
@@ -102,17 +110,28 @@ class DeviceCaches:
         moe_cache.install_config_alias()
         moe_cache.alias_units(e + n, e, int(ext_views[0].shape[1]), int(ext_views[0].shape[2]))
         self.layers[index], self.views[index] = step, ext_views
+        if self.shadow_mode is not None:
+            self.shadows[index] = Shadow(range_bytes.device, n, self.shadow_mode == "bytes")
         layer.reap_device_cache = (self, index)
         log.info("reap-swap: device cache on layer %d: %d slots, %d seeded", index, n, len(tuple(seed)))
         return True
 
     def forward(self, layer, index, x, topk_weights, topk_ids, padding, shared_experts, shared_experts_input):
         """The step (captured): cache update, slot copies, remapped ids, kernel over E + N units."""
-        ids = self.layers[index](topk_ids, counters.rows_from_padding(padding))
+        step = self.layers[index]
+        ids = step(topk_ids, counters.rows_from_padding(padding))
         w13, w2 = self.views[index]
-        return moe_cache.run_extended(
+        out = moe_cache.run_extended(
             layer, x, w13, w2, topk_weights, ids, shared_experts, shared_experts_input
         )
+        shadow = self.shadows.get(index)
+        if shadow is not None and shared_experts is None:  # debug: the uncached call beside it
+            ref = moe_cache.run_stock(layer, x, topk_weights, topk_ids)
+            ok = None
+            if shadow.check_bytes:
+                ok = slots_hold_their_experts(step.units, step.cache.slot_expert, step.cache.num_experts)
+            shadow.record(out, ref, topk_ids, ids, step.cache.copy_expert, ok)
+        return out
 
     def read_counters(self, reset: bool = False) -> dict[int, dict[str, int]]:
         return {i: s.cache.read_counters(reset) for i, s in sorted(self.layers.items())}
@@ -132,4 +151,10 @@ class DeviceCaches:
                 "cached": sorted(cached),
                 "pinned": sorted(pinned),
             }
-        return {"policy": self.policy, "decay": self.decay, "layers": layers, "refused": dict(self.refused)}
+        out = {"policy": self.policy, "decay": self.decay, "layers": layers, "refused": dict(self.refused)}
+        if self.shadows:
+            out["shadow"] = {i: sh.report() for i, sh in sorted(self.shadows.items())}
+            bad = {i: r for i, r in out["shadow"].items() if r["mismatched_steps"] or r["bad_slot_steps"]}
+            if bad:
+                log.warning("reap-swap cache shadow: cached != uncached on layers %s", bad)
+        return out

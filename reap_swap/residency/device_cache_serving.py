@@ -22,6 +22,7 @@ from reap_swap.logs import get_logger
 
 from .device_cache_api import DeviceCaches
 from .device_cache_engine import CacheConfig
+from .device_cache_shadow import shadow_mode
 
 log = get_logger("reap_swap.cache")
 
@@ -37,7 +38,14 @@ def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str 
     layers = max(len(plan.layers), 1)
     auto = settings.cache_slots == "auto"
     per_layer = 0 if auto else int(settings.cache_slots) // layers
-    caches = DeviceCaches(decay=0.8, fused=True)
+    shadow = shadow_mode(settings)
+    if shadow is not None:
+        log.warning(
+            "reap-swap cache: --reap-cache-shadow %s: every cached MoE step also runs the uncached "
+            "kernel and compares (debug; /reap/status cache.shadow)",
+            shadow,
+        )
+    caches = DeviceCaches(decay=0.8, fused=True, shadow=shadow)
     return CacheConfig(caches, slots_per_layer=per_layer, seed_core=False, auto=auto), None
 
 
@@ -101,6 +109,7 @@ class DeviceCacheView:
             "totals": self.totals(),
             "layers": layers,
             **({"reason": reason} if reason else {}),
+            **({"shadow": {str(k): v for k, v in dev["shadow"].items()}} if "shadow" in dev else {}),
         }
 
 

@@ -1,0 +1,71 @@
+"""The device cache's debug shadow (residency/device_cache_shadow.py, --reap-cache-shadow) on a fake
+layer with a toy kernel (CPU tensors): silent while cached == uncached, and when a slot is
+corrupted behind the cache's back it records the first mismatching step, its ids, the remapped
+ids and the slots whose bytes are wrong -- what the lead reads from /reap/status on the H200."""
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from reap_swap.residency import device_cache_shadow as shadow_mod  # noqa: E402
+from reap_swap.residency.device_cache_api import DeviceCaches  # noqa: E402
+
+E, N, H = 8, 3, 4
+
+
+def _layer(w_units, w_experts):
+    qm = type("UnquantizedFusedMoEMethod", (), {})()
+    qm.unquantized_backend = SimpleNamespace(name="TRITON")
+    qm.is_monolithic = False
+    experts = type("TritonExperts", (), {"_lora_context": None})()
+    prepare = type("MoEPrepareAndFinalizeNoDPEPModular", (), {})()
+
+    def apply(hidden_states, w1, w2, topk_weights, topk_ids, global_num_experts, expert_map=None, **_):
+        assert w1.shape[0] == global_num_experts
+        return torch.einsum("rkij,rj->ri", w1[topk_ids.long()], hidden_states)
+
+    qm.moe_kernel = SimpleNamespace(fused_experts=experts, prepare_finalize=prepare, apply=apply)
+    m = torch.nn.Module()
+    m.quant_method, m.global_num_experts, m.expert_map = qm, E, None
+    m.w13_weight = torch.nn.Parameter(w_experts, requires_grad=False)  # the layer's [E, ...] view
+    m.w2_weight = torch.nn.Parameter(w_experts, requires_grad=False)
+    m.activation, m.apply_router_weight_on_input = "silu", False
+    return m
+
+
+@pytest.mark.parametrize("mode", ["out", "bytes"])
+def test_shadow_is_silent_when_equal_and_pinpoints_a_corrupted_slot(mode):
+    raw = torch.zeros((E + N) * H * H * 4, dtype=torch.uint8)
+    w = raw.view(torch.float32).view(E + N, H, H)
+    w[:E] = torch.randn(E, H, H, generator=torch.Generator().manual_seed(0))
+    layer = _layer(w, w[:E])
+    caches = DeviceCaches(shadow=mode)
+    rng = SimpleNamespace(num_experts=E, num_slots=N, unit_bytes=H * H * 4)
+    assert caches.engage(layer, 0, rng, raw, (w, w))
+    x = torch.randn(2, H)
+    for _ in range(3):
+        caches.forward(layer, 0, x, None, torch.tensor([[0, 1], [2, 0]]), None, None, None)
+    rep = caches.status()["shadow"][0]
+    assert rep["steps"] == 3 and rep["mismatched_steps"] == 0 and rep["first_step"] == -1, rep
+    slot = caches.layers[0].cache.expert_slot[1].item()
+    assert slot >= 0
+    w[E + slot] += 1.0  # the slot no longer holds expert 1's bytes
+    caches.forward(layer, 0, x, None, torch.tensor([[1, 0], [2, 1]]), None, None, None)
+    caches.forward(layer, 0, x, None, torch.tensor([[1, 0], [2, 1]]), None, None, None)
+    rep = caches.status()["shadow"][0]
+    assert rep["mismatched_steps"] == 2 and rep["first_step"] == 3 and rep["first_rows"] == 2, rep
+    assert rep["first_ids"] == [1, 0, 2, 1] and E + slot in rep["first_remapped"], rep
+    assert rep["max_abs_diff"] > 0
+    assert rep["bad_slot_steps"] == (2 if mode == "bytes" else 0), rep
+
+
+def test_shadow_mode_from_the_settings():
+    from reap_swap.settings import Settings
+
+    assert shadow_mod.shadow_mode(SimpleNamespace()) is None
+    for raw, want in (("off", None), ("out", "out"), ("bytes", "bytes")):
+        st = Settings(plan_file="p.json", cache_shadow=raw)
+        assert shadow_mod.shadow_mode(st) == want
+    assert "shadow" not in DeviceCaches().status()
