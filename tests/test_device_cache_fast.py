@@ -5,9 +5,6 @@ yielded tail, no slots), on every path of the kernel -- forced by lowering the m
 on small caches (the interpreter runs ~30 ms a step on this machine), and each path's use counted
 from the torch twin's state so the test fails if a path was never taken."""
 
-import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -17,18 +14,14 @@ pytest.importorskip("triton")
 
 from reap_swap.residency import device_cache_fast as fast  # noqa: E402
 from reap_swap.residency.device_cache import DeviceCache, _policy, step_counts  # noqa: E402
+from tests.triton_child import INTERPRETED, run_child_pytest  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 PARENT = "test_the_fast_kernel_under_the_triton_interpreter"
 
 if not INTERPRETED:
 
     def test_the_fast_kernel_under_the_triton_interpreter():
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-        assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-        assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]
+        run_child_pytest(__file__)
 
 
 @pytest.fixture(autouse=True)

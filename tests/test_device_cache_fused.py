@@ -3,10 +3,6 @@ simulator, under TRITON_INTERPRET=1 on CPU tensors: every state tensor and the r
 after every step, on the committed mini traces (every layer; dlfu, dlfu-seeded, core+dlfu at 25 %
 and 50 %), with padding rows, read-through steps, pins and a yielded tail."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,6 +14,7 @@ from reap_swap.residency import device_cache_fused as fused  # noqa: E402
 from reap_swap.residency.device_cache import DeviceCache, _policy  # noqa: E402
 from reap_swap.residency.device_cache_replay import Variant, compare_layer, make_cache  # noqa: E402
 from reap_swap.trace import load_trace  # noqa: E402
+from tests.triton_child import INTERPRETED, run_child_pytest  # noqa: E402
 
 HELDOUT = "data/traces/mini-moe-heldout.npz"
 CALIB = "data/traces/mini-moe-calibration.npz"
@@ -27,17 +24,12 @@ PLANS = {"0.25": "research-notes/cache-sim/plan-0.25.json", "0.5": "plans/reap-m
 # Triton decides at decoration time whether a @triton.jit function is interpreted, and the kernel's
 # helpers are decorated when device_cache_fused is imported: TRITON_INTERPRET=1 must be set before
 # that import, so the tests below run in a child pytest started with it (the parent only starts it).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 PARENT = "test_the_fused_kernel_under_the_triton_interpreter"
 
 if not INTERPRETED:
 
     def test_the_fused_kernel_under_the_triton_interpreter():
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-        assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-        assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]
+        run_child_pytest(__file__)
 
 
 @pytest.fixture(autouse=True)
