@@ -204,6 +204,20 @@ def plan_groups(
     )
 
 
+def group_pool_slots(expert_slots: int, private_unit_bytes: int, layout: GroupLayout, max_groups: int) -> int:
+    """Group slots of a grouped pool that replaces a private pool of `expert_slots` units.
+
+    The rule: the grouped pool takes no more HBM than the private pool it replaces
+    (`expert_slots * private_unit_bytes`), and at least ceil(expert_slots / b) groups (the plan's
+    expert count in whole groups); the padding saved becomes room for the boundary groups of
+    odd-sized core / slices (their passengers). Capped at `max_groups` (every group of every layer)."""
+    if expert_slots <= 0:
+        return 0
+    same_hbm = expert_slots * int(private_unit_bytes) // layout.group_bytes
+    whole = -(-int(expert_slots) // layout.group_size)
+    return max(0, min(max(same_hbm, whole), int(max_groups)))
+
+
 # -- resident sets: logical ids -> physical groups -----------------------------------------------
 def groups_for(experts: Iterable[int], perm: Permutation, group_size: int) -> frozenset[int]:
     """The physical groups to make resident: a group is resident if any member is wanted."""

@@ -10,7 +10,10 @@ loads in every process before building the model. This module sits above the wor
 (it finds it through runtime.REGISTRY) and so outside residency/, which the runtime uses.
 
 Counting happens in `forward_modular`, where the router's (topk_weights, topk_ids) arrive
-(physical ids; identical to logical ids unless EPLB is on). Monolithic kernels (e.g. FlashInfer
+(physical ids; identical to logical ids unless EPLB is on). With grouped units
+(--reap-group-size, residency/grouped_engine.py) the ids are mapped to the engine's physical
+order right after counting, so counters, /router_misses and forensics keep the model's own ids;
+vLLM's router capture (--enable-return-routed-experts) runs in the router, before this. Monolithic kernels (e.g. FlashInfer
 TRTLLM on some GPUs) route inside the kernel: those layers cannot be counted and say so in status.
 """
 
@@ -26,6 +29,7 @@ from reap_swap.compat import moe as vllm_moe
 from reap_swap.counting import counters
 from reap_swap.logs import get_logger
 from reap_swap.model_shape import layer_index_from_name
+from reap_swap.residency.grouped import to_physical
 
 log = get_logger("reap_swap.experts")
 
@@ -64,6 +68,9 @@ class ReapRoutedExperts(RoutedExperts):
         # padding mask of the step is available; on CPU Dynamo traces this and there is no padding
         padding = vllm_moe.padding_source(topk_ids.shape[0]) if topk_ids.is_cuda else None
         counters.record(self, topk_ids, topk_weights, padding=padding, kernel=self.reap_count_kernel)
+        group_map = getattr(self, "reap_group_map", None)  # --reap-group-size: set by grouped_engine
+        if group_map is not None:  # after counting (logical ids): the kernel reads physical experts
+            topk_ids = to_physical(group_map, topk_ids)
         cache = getattr(self, "reap_device_cache", None)  # issue 17: set by DeviceCaches.engage
         if cache is not None:  # after counting: the counters keep the model's own expert ids
             owner, index = cache

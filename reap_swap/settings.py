@@ -18,6 +18,7 @@ error listing the known names: a typo must not start a server that silently igno
 | REAP_CACHE                  | --reap-cache lfu,lru,off      | the per-layer expert cache beside the pinned set (default lfu: the plan-core-seeded LFU, decay 0.8, that `reap-swap simulate` found best online; research.md, issue 17); in accounting residency the policy runs as state only |
 | REAP_CACHE_SLOTS            | --reap-cache-slots N,auto      | cache slots beyond the pinned set, over all layers (auto: what the pool budget leaves after the plan core; reap_swap.cache_accounting.tail_slots) |
 | REAP_CACHE_RECORD_STEPS     | --reap-cache-record-steps N   | keep the last N steps' routing the cache saw (0 = off), read back by GET /reap/cache/trace |
+| REAP_GROUP_SIZE             | --reap-group-size auto,1,2,4,8 | EXPERIMENTAL (CUDA, not yet verified in a server on a GPU): experts in mapping units of b physically adjacent experts in a plan-chosen order, ids remapped after counting (residency/grouped_engine.py); auto = the smallest b wasting < 12 % (FP8 on Triton: 2, bf16: 1); default 1 = private units, today's engine unchanged; refused with --reap-cache-device on and with --reap-budget auto/GiB |
 | REAP_CACHE_SHADOW           | --reap-cache-shadow off,out,bytes | debug (CUDA device cache): every cached MoE step also runs the uncached kernel and compares on the device (out), and checks every slot's bytes (bytes, slow); results in /reap/status cache.shadow (residency/device_cache_shadow.py) |
 
 Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
@@ -77,6 +78,12 @@ class Settings(BaseModel):
     cache_device: Literal["on", "off"] = "off"  # the CUDA device cache (issue 17); off until measured
     cache_record_steps: int = Field(default=0, ge=0)
     cache_shadow: Literal["off", "out", "bytes"] = "off"  # debug shadow of the device cache
+    group_size: Literal["auto", "1", "2", "4", "8"] = "1"  # grouped units (issue 16); experimental
+
+    @field_validator("group_size", mode="before")
+    @classmethod
+    def _group_size(cls, v: Any) -> Any:
+        return v if isinstance(v, bool) else str(v).strip().lower()
 
     @field_validator("cache_slots", mode="before")
     @classmethod
@@ -194,6 +201,14 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
             "help": "debug: compare every cached MoE step with the uncached kernel (default off)",
         },
     ),
+    "group_size": (
+        "REAP_GROUP_SIZE",
+        "--reap-group-size",
+        {
+            "choices": ["auto", "1", "2", "4", "8"],
+            "help": "EXPERIMENTAL: experts per mapping unit (grouped units, CUDA; default 1 = private units)",
+        },
+    ),
 }
 ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())
 FLAG_NAMES: tuple[str, ...] = tuple(spec[1] for spec in _SPEC.values())
@@ -291,9 +306,30 @@ def resolve(
         raise SettingsError(f"{origin}: {err['msg']} (got {err.get('input')!r})") from None
     if settings.router_masks:
         raise SettingsError(ROUTER_MASKS_REFUSED)
+    group = group_size_conflict(settings, sources)
+    if group:
+        raise SettingsError(group)
     if settings.plan_file is None:
         raise SettingsError("no plan: set REAP_PLAN_FILE or pass --reap-plan PATH")
     return Resolved(settings=settings, sources=sources, overrides=overrides)
+
+
+def group_size_conflict(settings: Settings, sources: Mapping[str, str] | None = None) -> str | None:
+    """Why --reap-group-size cannot be combined with the other settings (None: it can)."""
+    if settings.group_size == "1":
+        return None
+    origin = "REAP_GROUP_SIZE" if (sources or {}).get("group_size") == "env" else "--reap-group-size"
+    if settings.cache_device == "on":
+        return (
+            f"{origin} {settings.group_size} with --reap-cache-device on: the device cache maps expert "
+            "ids to its own slots and knows no groups; use one of them"
+        )
+    if settings.budget != "plan":
+        return (
+            f"{origin} {settings.group_size} with --reap-budget {settings.budget}: the pool growth "
+            "(residency/budget.py) adds private expert slots, not groups; use --reap-budget plan"
+        )
+    return None
 
 
 def _parse_env(name: str, env: str, raw: str) -> Any:

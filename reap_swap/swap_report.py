@@ -22,6 +22,7 @@ _BRIEF_KEYS = {
     "resident_experts",
     "error",
     "rolled_back_locally",
+    "grouped",
 }
 _STATUS_WORKER_KEYS = (
     "rank",
@@ -126,6 +127,12 @@ _ENGINE_KEYS = (
     "kept_whole_hbm_bytes",
     "rehomed_tensors",
     "bytes_copied_total",
+    "layout",  # --reap-group-size: private | grouped, b, per-layer layout and why
+    "group_size",
+    "layouts",
+    "hbm_used_bytes",
+    "bytes_per_expert",
+    "capacity_experts",
 )
 
 

@@ -86,6 +86,7 @@ class ApplyReply(WorkerHeader, ResidentSummary):
     reused: int | None = None
     ignored_layers: list[int] = Field(default_factory=list)
     experts_added: int | None = None
+    grouped: dict[str, int] | None = None  # --reap-group-size: HBM and experts of the groups held
     note: str = ""
     stats: dict[str, dict] = Field(default_factory=dict)  # "<layer>" -> counters.read's answer
     error: str | None = None

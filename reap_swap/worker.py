@@ -43,6 +43,11 @@ def make_residency_backend(runtime: WorkerRuntime, platform: str) -> ResidencyBa
     try:
         if runtime.engine is None:
             raise RuntimeError(runtime.engine_error or "no MoE layer reached the CUDA engine")
+        grouped = getattr(runtime.engine.state, "grouped", None)  # --reap-group-size b > 1
+        if grouped is not None and grouped.layers:
+            from reap_swap.residency.grouped_backend import GroupedResidency
+
+            return GroupedResidency(runtime.engine)
         from reap_swap.residency.cuda_backend import CudaResidency
 
         return CudaResidency(runtime.engine)

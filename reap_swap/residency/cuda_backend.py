@@ -158,7 +158,10 @@ class CudaResidency:
 
     def status(self) -> dict:
         st = self.st
+        layouts = getattr(st, "layouts", None)  # --reap-group-size given: each layer's b and why
+        extra = {"layout": "private", "layouts": {str(k): v for k, v in layouts.items()}} if layouts else {}
         return {
+            **extra,
             "mode": self.residency_mode,
             "device": st.device,
             "layers_rehomed": sorted(st.layers),

@@ -36,7 +36,8 @@ import torch
 from reap_swap.compat import moe as vllm_moe
 from reap_swap.quant_budget import pool_slots
 
-from . import device_cache_engine, vmm
+from . import device_cache_engine, grouped_engine, vmm
+from . import grouped as grouped_units
 from .binding import BoundLayer, LayerSizes, bind_module, meta_tensors
 from .refusals import LayerRefusals
 from .slot_table import SlotTable
@@ -80,6 +81,8 @@ class EngineState:
     bytes_copied_total: int = 0
     load_seconds: float = 0.0
     host_cache_release: str | None = None  # the torch call that returned vLLM's old pinned copies
+    grouped: grouped_units.GroupedState | None = None  # --reap-group-size b > 1 layers (grouped_engine)
+    layouts: dict[int, dict] = field(default_factory=dict)  # per layer: layout, b, why (/reap/status)
 
     @property
     def kept_hbm_bytes(self) -> int:
@@ -150,15 +153,22 @@ def release_state(st: EngineState) -> None:
         st.pool.release()
     st.layers.clear()
     st.pool = None
+    if st.grouped is not None:
+        grouped_units.release(st.grouped)
+        st.grouped = None
 
 
 class CudaEngine:
     """Re-homes each supported MoE layer at load time; holds the process's EngineState."""
 
-    def __init__(self, plan: Any | None, refusals: LayerRefusals, cache: Any | None = None) -> None:
+    def __init__(
+        self, plan: Any | None, refusals: LayerRefusals, cache: Any | None = None, group_size: str = "1"
+    ) -> None:
         self.plan = plan
         self.refusals = refusals
         self.cache = cache  # device_cache_engine.CacheConfig (issue 17), None: no device cache
+        self.group_size = str(group_size)  # --reap-group-size: "1" (default) is today's private units
+        self._perms: dict | None = None  # the plan's physical orders (grouped_engine), made once
         self.state: EngineState | None = None
         self._quant_configs: dict[int, dict | None] = {}  # id(layer) -> config read at hook time
         self.pending_meta: dict[str, int | None] = {}  # layers seen only on meta so far (online quant)
@@ -260,6 +270,8 @@ class CudaEngine:
             on_hbm = isinstance(w13, torch.Tensor) and not vllm_moe.is_uva_offloaded(w13)
             self.refusals.refuse(getattr(layer, "layer_name", "?"), index, reason, on_hbm)
             return
+        if self.group_size != "1" and grouped_engine.attach(self, st, layer, index, bound):
+            return  # re-homed in groups, or refused by name (b = 1 continues on the private path)
         t0 = time.perf_counter()
         _ensure_pool(st, bound.layout.unit_bytes, self.cache)
         tensors = {n: t.data for n, t in bound.rehome.items()}

@@ -12,10 +12,10 @@ router counters have counted the model's own ids. A swap makes whole groups resi
 resident if any member is wanted (`group_layout.groups_for`); the SlotTable is keyed by
 (layer, group), one slot = one group's pages in each tensor's pool.
 
-Status: the data path (rehome, permute, swap, remap) for standalone layers. Its GPU test,
-tests/gpu/test_grouped_engine.py (vLLM 0.26.0's fused_experts), is written but has NOT run yet;
-CPU tests cover permute/remap/swap bookkeeping. NOT wired into CudaEngine / a server flag
-(research.md, "Grouped units: what is built").
+Status: the data path (rehome, permute, swap, remap); its GPU test,
+tests/gpu/test_grouped_engine.py (vLLM 0.26.0's fused_experts), passed on the H200 (run 10).
+Wired into CudaEngine by `grouped_engine` (--reap-group-size; served through
+`grouped_backend.GroupedResidency`): CPU-tested only, not yet run in a server on a GPU.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ class GroupedLayer:
     id_map: torch.Tensor  # [E] logical -> physical, int32, on the device
     why: str = ""
     kept: tuple[str, ...] = ()  # the per-expert kept-whole tensors permuted at load
+    module: Any = None  # the RoutedExperts whose parameters are `views` (engine-attached layers)
+    aliases: dict[str, str] = field(default_factory=dict)  # alias name -> re-homed name
+    kept_bytes: int = 0  # HBM of the kept-whole tensors (fixed, outside the pools)
 
 
 @dataclass
@@ -92,10 +95,16 @@ def rehome_grouped(
     return ranges, views
 
 
-def remap_ids(layer: GroupedLayer, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Logical routing ids -> physical ids (graph-capturable: one gather, no host sync)."""
-    flat = torch.index_select(layer.id_map, 0, topk_ids.reshape(-1).to(torch.long))
+def to_physical(id_map: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Logical routing ids -> physical ids through `id_map` ([E], logical -> physical): one gather,
+    no host sync, graph-capturable; shape and dtype of `topk_ids` kept."""
+    flat = torch.index_select(id_map, 0, topk_ids.reshape(-1).to(torch.long))
     return flat.view(topk_ids.shape).to(topk_ids.dtype)
+
+
+def remap_ids(layer: GroupedLayer, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Logical routing ids -> physical ids of `layer` (see to_physical)."""
+    return to_physical(layer.id_map, topk_ids)
 
 
 class GroupedStore:
@@ -136,21 +145,27 @@ class GroupedStore:
                 rng.flush_access()
 
 
-def apply_logical(st: GroupedState, target: Mapping[int, Iterable[int]], store: Any = None) -> dict:
+def apply_logical(
+    st: GroupedState, target: Mapping[int, Iterable[int]], store: Any = None, count: bool = True
+) -> dict:
     """Make the groups holding `target` (layer -> logical experts) resident, exactly those.
-    `store`: the data path (default the VMM GroupedStore; CPU tests pass a fake)."""
+    `store`: the data path (default the VMM GroupedStore; CPU tests pass a fake); `count`: add
+    the swap to `swaps` / `bytes_copied_total` (False: the load-time core fill)."""
     target = {int(l): [int(e) for e in v] for l, v in target.items()}
     perms = {i: e.perm for i, e in st.layers.items()}
     sizes = {i: e.layout.group_size for i, e in st.layers.items()}
     groups = group_target(target, perms, sizes)
     result: SwapResult = apply_swap(st.table, store or GroupedStore(st), groups)
-    st.swaps += 1
-    st.bytes_copied_total += result.bytes_copied
+    if count:
+        st.swaps += 1
+        st.bytes_copied_total += result.bytes_copied
     costs = {l: set_cost(target[l], st.layers[l].perm, st.layers[l].layout) for l in groups}
     return {
         "bytes_copied": result.bytes_copied,
         "admitted_groups": len(result.plan.admit),
         "evicted_groups": len(result.plan.evict),
+        "reused_groups": result.plan.reused,
+        "phases": result.phases,
         "hbm_bytes": sum(c.hbm_bytes for c in costs.values()),
         "wanted_experts": sum(c.wanted for c in costs.values()),
         "resident_experts": sum(c.resident for c in costs.values()),

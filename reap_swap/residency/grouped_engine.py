@@ -1,0 +1,190 @@
+"""CudaEngine's grouped path (`--reap-group-size auto|2|4|8`, issue 16 Padding): one loaded layer
+-> a `grouped.GroupedLayer` (the layout of reap_swap.residency.grouped, GPU-tested at kernel level).
+
+Called by `CudaEngine.attach_after_load` only when the setting is not 1 (the default path is
+untouched), after the binding rules accepted the layer (stride-taking kernel; Marlin / moe_wna16
+and monolithic kernels were refused before). `decide` picks b per layer and says why; b = 1 goes
+back to the private path with the reason recorded in `st.layouts` (what /reap/status shows). For
+b > 1: the layer's REHOME slabs -> `group_layout.plan_groups`, the plan's permutation of that
+layer (`plan_permutations`: core, slices, fill order), one grouped pool per tensor sized in groups
+(`group_layout.group_pool_slots`: no more HBM than the private pool it replaces), the weights
+copied in physical order, every per-expert kept-whole tensor (FP8 scales, biases) permuted in
+place, the parameters (and aliases) re-pointed to the views, and `layer.reap_group_map` set: the
+logical -> physical id map that `ReapRoutedExperts.forward_modular` applies after counting.
+Nothing is half-applied: a failure before the parameters are re-pointed releases the ranges.
+
+One layout per engine: the first re-homed layer decides (private or grouped with its group
+units); a later layer that would need the other, or other group units, is refused by name.
+Status: CPU-tested with fake layers and a fake VMM (tests/test_group_wiring.py); NOT run on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from reap_swap.compat import moe as vllm_moe
+from reap_swap.group_layout import (
+    GroupLayout,
+    Permutation,
+    choose_group_size,
+    group_pool_slots,
+    layer_status,
+    plan_groups,
+    plan_permutations,
+    residents_of,
+)
+from reap_swap.quant_budget import pool_slots
+
+from . import grouped, vmm
+from .slot_table import SlotTable
+
+logger = logging.getLogger("reap_swap.residency")
+
+PRIVATE_FIRST = "the engine's first re-homed layer uses private units (one layout per engine)"
+CACHE_ON = "--reap-cache-device on: the device cache maps ids to its own slots; private units"
+
+
+def slabs_of(bound: Any) -> list[tuple[str, int]]:
+    return [(n, int(t[0].numel() * t.element_size())) for n, t in bound.rehome.items()]
+
+
+def decide(engine: Any, st: Any, bound: Any) -> tuple[int, str]:
+    """(b, why) for this layer under the engine's --reap-group-size."""
+    requested = str(engine.group_size)
+    if requested == "1":
+        return 1, "--reap-group-size 1 (default): private units"
+    if engine.cache is not None:
+        return 1, CACHE_ON
+    if st.layers:  # private layers exist: their pool is in private units
+        return 1, PRIVATE_FIRST
+    return choose_group_size(slabs_of(bound), requested, st.granularity)
+
+
+def permutation_for(engine: Any, st: Any, index: int, num_experts: int) -> Permutation:
+    if st.plan is None:
+        return Permutation.identity(num_experts)
+    if engine._perms is None:
+        engine._perms = plan_permutations(st.plan)
+    return engine._perms[index]
+
+
+def layout_problem(st: Any, layout: GroupLayout, perm: Permutation) -> str | None:
+    """Why this layer's group layout cannot join the engine's grouped pool (None: it can)."""
+    if perm.num_experts != layout.num_experts:
+        return f"the plan's layer has {perm.num_experts} experts, the loaded layer {layout.num_experts}"
+    if layout.padding_overhead > 0.5:
+        return f"groups of {layout.group_size} waste {layout.padding_overhead:.0%} (> 50 %)"
+    gs = st.grouped
+    if gs is not None and gs.pools:
+        first = next(iter(gs.layers.values()))
+        if (first.layout.group_size, first.layout.unit_bytes) != (layout.group_size, layout.unit_bytes):
+            return (
+                f"group units {layout.unit_bytes} B (b = {layout.group_size}) differ from the first "
+                f"grouped layer's {first.layout.unit_bytes} B (b = {first.layout.group_size}): "
+                "mixed layouts are not pooled"
+            )
+    return None
+
+
+def ensure_pools(st: Any, layout: GroupLayout, private_unit_bytes: int, groups_per_layer: int) -> None:
+    """The grouped state and its per-tensor pools, sized in groups, on the first grouped layer."""
+    if st.grouped is None:
+        st.grouped = grouped.GroupedState(device=st.device, granularity=st.granularity)
+        st.grouped.copy_stream = st.copy_stream
+    gs = st.grouped
+    if gs.pools:
+        return
+    plan = st.plan
+    per_expert = int(plan.per_expert_bytes) if plan is not None else private_unit_bytes
+    expert_slots = pool_slots(st.budget_bytes, max(per_expert, 1))  # what the private pool would get
+    layers = len(plan.layers) if plan is not None else 1
+    slots = group_pool_slots(expert_slots, private_unit_bytes, layout, layers * groups_per_layer)
+    try:
+        for i, name in enumerate(layout.names):
+            gs.pools[name] = vmm.DeviceSlotPool.create(slots, layout.unit_bytes[i], st.device)
+    except Exception:
+        for pool in gs.pools.values():
+            pool.release()
+        gs.pools.clear()
+        raise
+    gs.table = SlotTable(slots)
+    logger.info(
+        "reap-swap: reserved grouped HBM pools of %d group slots (b = %d, %.2f GiB; the private pool "
+        "would hold %d expert units of %.2f MiB)",
+        slots, layout.group_size, slots * layout.group_bytes / 2**30, expert_slots,
+        private_unit_bytes / 2**20,
+    )  # fmt: skip
+
+
+def _refuse(engine: Any, layer: torch.nn.Module, index: int, why: str) -> bool:
+    w13 = getattr(layer, "w13_weight", None)
+    on_hbm = isinstance(w13, torch.Tensor) and not vllm_moe.is_uva_offloaded(w13)
+    engine.refusals.refuse(getattr(layer, "layer_name", "?"), index, why, on_hbm)
+    return True
+
+
+def attach(engine: Any, st: Any, layer: torch.nn.Module, index: int, bound: Any) -> bool:
+    """Re-home `layer` in groups when b > 1 applies; False: the caller takes the private path
+    (the reason is in st.layouts). A layer that cannot join the grouped pool is refused here."""
+    b, why = decide(engine, st, bound)
+    num_experts = int(next(iter(bound.rehome.values())).shape[0])
+    if b == 1:
+        if st.grouped is not None and st.grouped.layers:
+            return _refuse(
+                engine, layer, index, f"{why}; the engine's pool is grouped: mixed layouts are not pooled"
+            )
+        st.layouts[index] = {"layout": "private", "group_size": 1, "why": why}
+        return False
+    try:
+        layout = plan_groups(slabs_of(bound), num_experts, b, st.granularity)
+    except ValueError as exc:
+        return _refuse(engine, layer, index, f"--reap-group-size {engine.group_size}: {exc}")
+    perm = permutation_for(engine, st, index, num_experts)
+    problem = layout_problem(st, layout, perm)
+    if problem is not None:
+        return _refuse(engine, layer, index, f"--reap-group-size {engine.group_size}: {problem}")
+    t0 = time.perf_counter()
+    ensure_pools(st, layout, bound.layout.unit_bytes, layout.num_groups)
+    _convert(st, layer, index, bound, layout, perm, why)
+    st.layouts[index] = layer_status(layout, perm, why)
+    st.load_seconds += time.perf_counter() - t0
+    logger.info(
+        "reap-swap: layer %d re-homed in groups of %d (%d experts, %s, %.2f MiB per expert, "
+        "kept whole and permuted %s, %d groups resident) in %.2fs",
+        index, b, num_experts, "+".join(layout.names), layout.bytes_per_expert / 2**20,
+        ",".join(st.grouped.layers[index].kept) or "-",
+        len(st.grouped.table.resident().get(index, ())), time.perf_counter() - t0,
+    )  # fmt: skip
+    return True
+
+
+def _convert(st, layer, index, bound, layout, perm, why) -> None:
+    gs = st.grouped
+    tensors = {n: t.data for n, t in bound.rehome.items()}
+    ranges, views = grouped.rehome_grouped(tensors, layout, perm, st.device)  # releases on failure
+    id_map = torch.tensor(perm.to_physical, dtype=torch.int32, device=views[layout.names[0]].device)
+    # from here on the layer reads physical ids: weights, kept-whole rows and the id map together
+    for pname in (*bound.rehome, *bound.aliases):
+        param = getattr(layer, pname)
+        param.data = views[bound.aliases.get(pname, pname)]
+        vllm_moe.mark_uva_offloaded(param)  # inside vLLM's device_loading_context: keep our range
+    kept = tuple(n for n, t in bound.kept.items() if grouped.permute_rows_(t.data, perm))
+    layer.reap_group_map = id_map
+    layer._reap_vmm = True
+    gs.layers[index] = grouped.GroupedLayer(
+        index, layout, perm, ranges, views, id_map, why, kept,
+        module=layer, aliases=dict(bound.aliases), kept_bytes=bound.kept_bytes,
+    )  # fmt: skip
+    if st.plan is not None:
+        current = {
+            l: residents_of(g, gs.layers[l].perm, gs.layers[l].layout.group_size)
+            for l, g in gs.table.resident().items()
+        }
+        current[index] = set(st.plan.layers[index].core)
+        grouped.apply_logical(gs, current, count=False)
+    torch.cuda.empty_cache()
+    st.host_cache_release = vllm_moe.release_cached_pinned_memory()
