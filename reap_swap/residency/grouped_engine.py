@@ -61,7 +61,10 @@ def decide(engine: Any, st: Any, bound: Any) -> tuple[int, str]:
         return 1, CACHE_ON
     if st.layers:  # private layers exist: their pool is in private units
         return 1, PRIVATE_FIRST
-    return choose_group_size(slabs_of(bound), requested, st.granularity)
+    b, why = choose_group_size(slabs_of(bound), requested, st.granularity)
+    if b == 1 and why.startswith("auto"):
+        why = f"{why}: private units already waste {bound.layout.padding_overhead:.1%}"
+    return b, why
 
 
 def permutation_for(engine: Any, st: Any, index: int, num_experts: int) -> Permutation:
