@@ -43,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (gpu_e2e, make_quant_checkpoint)
 import gpu_e2e  # noqa: E402
+import group_e2e  # noqa: E402
 import make_quant_checkpoint as mqc  # noqa: E402
 
 from reap_swap import serving  # noqa: E402
@@ -95,6 +96,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--serial-arms", action="store_true", help="one server per case at a time")
     ap.add_argument("--ckpt-jobs", type=int, default=4, help="checkpoints written at a time (processes)")
+    ap.add_argument(
+        "--reap-group-size",
+        choices=["auto", "1", "2", "4", "8"],
+        help="EXPERIMENTAL grouped units: pass --reap-group-size to the reap-swap servers; the plan's "
+        "slices become seeded random ids (scripts/group_e2e.py) and expected bytes count groups",
+    )
     ap.add_argument("--one-case", help=argparse.SUPPRESS)  # the per-case child process
     a = ap.parse_args(argv)
     bad = sorted(set(a.cases.split(",")) - set(CASES))
@@ -172,6 +179,7 @@ def commands(name: str, model: Path, info: dict, a: argparse.Namespace) -> dict:
     py = sys.executable
     stock = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *common]
     reap = [py, "-m", "reap_swap.server", str(model), *common]
+    reap += ["--reap-group-size", a.reap_group_size] if getattr(a, "reap_group_size", None) else []
     return {"stock": stock + gpu_e2e.PROBE_EXTENSION, "reap": reap}
 
 
@@ -204,12 +212,18 @@ def run_reap(
 ) -> dict:
     plan_path = out / ("plan.json" if name == "reap" else f"plan-{name}.json")
     gpu_e2e.make_plan(model, 0.0, 8, plan_path)  # empty core, a pool slot for every expert
+    grouped_run = "--reap-group-size" in argv
+    if grouped_run:  # slices of random ids: the physical order differs from the id order
+        group_e2e.shuffle_plan(plan_path, seed=0)
     shape = gpu_e2e.model_shape(model)
     r: dict = {"phases": {}}
     timeout = max(30.0, deadline - time.time())
     argv = argv + ["--reap-plan", str(plan_path)]
     with Server(name, argv, out, env=gpu_e2e.DEV, port=free_port(), startup_timeout_s=timeout) as srv:
         r["startup_s"], r["status_start"] = srv.startup_s, gpu_e2e.status(srv)
+        facts = engine_facts(r["status_start"])
+        expect = group_e2e.GroupExpect(plan_path, facts.get("layouts") or {}) if grouped_run else None
+        r["group_layout"] = {k: facts.get(k) for k in ("layout", "group_size", "layouts")} if expect else None
         gpu_e2e.open_request(srv, "p0")
         r["phases"]["0"] = sample(srv, "reap 0")
         resident: set[tuple[int, int]] = set()
@@ -220,8 +234,12 @@ def run_reap(
             sw = gpu_e2e.swap(srv, f"p{label}", wanted)
             sw["admitted_experts"] = len(want - resident)
             sw["expected_bytes"] = len(want - resident) * info["payload_bytes"] if info["binds"] else 0
+            if expect is not None and expect.active:  # grouped: admitted groups x group payload
+                sw.update(expect.swap(wanted))
             resident = want
             r["phases"][label] = {"swap": sw, **sample(srv, f"reap {label}")}
+            if grouped_run:  # router statistics stay in logical ids (0 % misses at 100 %)
+                r["phases"][label]["misses"] = gpu_e2e.misses(srv, f"p{label}")
         r["status_end"] = gpu_e2e.status(srv)
     return r
 
@@ -286,6 +304,7 @@ def spawn(a: argparse.Namespace, name: str) -> dict:
         a.eager_pair,
     ]
     argv += (["--tiny"] if a.tiny else []) + (["--serial-arms"] if a.serial_arms else [])
+    argv += ["--reap-group-size", a.reap_group_size] if a.reap_group_size else []
     t0 = time.time()
     with open(a.out / f"{name}.case.log", "w") as logf:
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)

@@ -486,3 +486,29 @@ def test_forward_modular_counts_logical_ids_and_hands_the_kernel_physical_ids(mo
 
 def test_group_layout_is_the_type_the_engine_stores():
     assert isinstance(plan_groups((("w13_weight", 4096), ("w2_weight", 4096)), 4, 2, G), GroupLayout)
+
+
+# -- scripts/group_e2e.py (gpu_quant_e2e.py --reap-group-size) ----------------------------------------
+def test_group_e2e_shuffles_the_plan_and_expects_admitted_groups_times_payload(tmp_path):
+    from tests.script_modules import load_script
+
+    ge = load_script("group_e2e")
+    plan = {
+        "mode": "dynamic_core_specialist",
+        "model": "m",
+        "budget": {"per_expert_bytes": 4, "swappable_expert_budget_bytes": 64, "core_budget_bytes": 0,
+                   "specialist_budget_bytes": 64, "max_refreshes_per_request": 4},
+        "perLayer": {"layer_0": {"rawLayerKey": "0", "numExperts": 16, "coreExperts": [], "coreByteCost": 0,
+                                 "sliceCatalog": [{"sliceId": f"layer_0_slice_{i:02d}", "byteCost": 32,
+                                                   "experts": list(range(8 * i, 8 * i + 8))} for i in (0, 1)]}},
+    }  # fmt: skip
+    path = tmp_path / "plan.json"
+    path.write_text(__import__("json").dumps(plan))
+    ge.shuffle_plan(path, seed=0)
+    expect = ge.GroupExpect(path, {"0": {"layout": "grouped", "group_size": 2, "group_payload_bytes": 100}})
+    perm = expect.perms[0]
+    assert not perm.is_identity and expect.active
+    first = expect.swap({"layer_0": list(range(4))})
+    groups = {perm.to_physical[e] // 2 for e in range(4)}
+    assert first == {"admitted_groups": len(groups), "expected_bytes": 100 * len(groups)}
+    assert expect.swap({"layer_0": list(range(4))}) == {"admitted_groups": 0, "expected_bytes": 0}
