@@ -31,12 +31,34 @@ from sim_mini_report import PLANS, ROOT, shuffled  # noqa: E402
 
 OUT = ROOT / "research-notes/cache-sim"
 ABLATIONS = {
-    "dlearn-no-prior (fast, slow, request, in_request, last)": ("fast", "slow", "request", "in_request", "last", "one"),
-    "dlearn-no-request (fast, slow, last, markov, global)": ("fast", "slow", "last", "markov", "global", "one"),
+    "dlearn-no-prior (fast, slow, request, in_request, last)": (
+        "fast",
+        "slow",
+        "request",
+        "in_request",
+        "last",
+        "one",
+    ),
+    "dlearn-no-request (fast, slow, last, markov, global)": (
+        "fast",
+        "slow",
+        "last",
+        "markov",
+        "global",
+        "one",
+    ),
     "dlearn-fast+markov": ("fast", "markov", "one"),
 }
 FORESIGHT = (1, 2, 4, 8)
-SHOW = ["static", "probe", "lru-seeded", "dlfu-seeded", "dlfu-admit-seeded", "dlfu-markov-seeded", "dlearn-seeded"]
+SHOW = [
+    "static",
+    "probe",
+    "lru-seeded",
+    "dlfu-seeded",
+    "dlfu-admit-seeded",
+    "dlfu-markov-seeded",
+    "dlearn-seeded",
+]
 
 
 class ARC:
@@ -98,16 +120,27 @@ class Foresight(DLearn):
         return super().start(steps, capacity)
 
     def rank_key(self, t, e, need, resident):
-        d = next((j for j in range(1, self.k + 1) if t + j < self.steps.num_steps
-                  and e in set(self.steps.needed[t + j].tolist())), self.k + 1)
+        d = next(
+            (
+                j
+                for j in range(1, self.k + 1)
+                if t + j < self.steps.num_steps and e in set(self.steps.needed[t + j].tolist())
+            ),
+            self.k + 1,
+        )
         return (-d, self.score(t, e), e in resident, -e)
 
 
 def references(trace, prior, plan, budget) -> dict[str, float]:
     total = len(trace.layers) * trace.num_experts * trace.per_expert_bytes
     core = {l: plan.layers[l].core for l in trace.layers}
-    slots, _ = layer_slots(parse_budget(budget, total).bytes // trace.per_expert_bytes, trace.layers,
-                           core, "core+tail", trace.num_experts)
+    slots, _ = layer_slots(
+        parse_budget(budget, total).bytes // trace.per_expert_bytes,
+        trace.layers,
+        core,
+        "core+tail",
+        trace.num_experts,
+    )
     s_tr, s_pr = trace.request_first_steps(), prior.request_first_steps()
     steps = {l: LayerSteps.from_counts(l, trace.step_counts(l), s_tr) for l in trace.layers}
     psteps = {l: LayerSteps.from_counts(l, prior.step_counts(l), s_pr) for l in trace.layers}
@@ -157,13 +190,18 @@ def hit_table(reports: dict) -> str:
 
 
 def bytes_table(reports: dict) -> str:
-    lines = ["| trace | budget | policy | MiB moved | bypassed | selection hit % |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| trace | budget | policy | MiB moved | bypassed | selection hit % |",
+        "|---|---|---|---|---|---|",
+    ]
     for n, r in reports.items():
         for row in r["rows"]:
             if row["status"] == "ok" and row["policy"] in SHOW[2:]:
                 t = row["totals"]
-                lines.append(f"| {n} | {row['budget']} | {row['policy']} | {t['bytes_moved'] / 2**20:.1f} | "
-                             f"{t['bypassed']:,} | {100 * t['selection_hit_rate']:.1f} |")
+                lines.append(
+                    f"| {n} | {row['budget']} | {row['policy']} | {t['bytes_moved'] / 2**20:.1f} | "
+                    f"{t['bypassed']:,} | {100 * t['selection_hit_rate']:.1f} |"
+                )
     return "\n".join(lines)
 
 
@@ -177,8 +215,13 @@ def plot(reports: dict, path: Path) -> None:
     for ax, (name, r) in zip(axes, reports.items(), strict=True):
         xs = [100 * float(b) for b in PLANS]
         for i, p in enumerate([*SHOW, "belady"]):
-            ys = [100 * next(x for x in r["rows"] if x["policy"] == p and x["budget"] == b)["totals"]["expert_hit_rate"]
-                  for b in PLANS]
+            ys = [
+                100
+                * next(x for x in r["rows"] if x["policy"] == p and x["budget"] == b)["totals"][
+                    "expert_hit_rate"
+                ]
+                for b in PLANS
+            ]
             style = {"color": "black", "linewidth": 2.5} if p == "belady" else {"color": plt.cm.tab10(i)}
             ax.plot(xs, ys, marker="o", label=p, **style)
         for k, ls in ((1, ":"), (2, "--")):
@@ -198,16 +241,32 @@ def plot(reports: dict, path: Path) -> None:
 def main() -> int:
     cal = load_trace(ROOT / "data/traces/mini-moe-calibration.npz")
     held = load_trace(ROOT / "data/traces/mini-moe-heldout.npz")
-    traces = {"held-out": (held, cal), "held-out shuffled": (shuffled(held), cal), "calibration*": (cal, held)}
+    traces = {
+        "held-out": (held, cal),
+        "held-out shuffled": (shuffled(held), cal),
+        "calibration*": (cal, held),
+    }
     reports = {name: run_trace(t, p) for name, (t, p) in traces.items()}
     budgets = list(PLANS)
     rule = rep.default_policy([r for r in reports.values()], ["0.25", "0.5"], budgets)
     relaxed = rep.default_policy([r for r in reports.values()], [], budgets, points=100.0)
-    lines = ["## expert hit % (distinct experts per step; * calibration: models from held-out)", "",
-             hit_table(reports), "", "## bytes and selections", "", bytes_table(reports), "",
-             "## rule (within 3 points of belady at 25/50 %, not below any other at 12.5/25/50 %)", ""]
+    lines = [
+        "## expert hit % (distinct experts per step; * calibration: models from held-out)",
+        "",
+        hit_table(reports),
+        "",
+        "## bytes and selections",
+        "",
+        bytes_table(reports),
+        "",
+        "## rule (within 3 points of belady at 25/50 %, not below any other at 12.5/25/50 %)",
+        "",
+    ]
     lines += [f"- {c}: {'PASS' if not f else '; '.join(f[:3])}" for c, f in rule["failures"].items()]
-    lines += ["", f"passing: {rule['passing']}; not below any other (no Belady condition): {relaxed['passing']}"]
+    lines += [
+        "",
+        f"passing: {rule['passing']}; not below any other (no Belady condition): {relaxed['passing']}",
+    ]
     (OUT / "policy-search.md").write_text("\n".join(lines) + "\n")
     (OUT / "policy-search.json").write_bytes(
         orjson.dumps({"reports": reports, "rule": rule, "relaxed": relaxed}, option=orjson.OPT_INDENT_2)

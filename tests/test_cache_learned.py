@@ -28,7 +28,7 @@ PLAN = "plans/reap-mini-moe.plan.json"
 def layer_steps(step_counts, num_experts, starts=(0,)) -> LayerSteps:
     counts = np.zeros((len(step_counts), num_experts), dtype=np.int32)
     for t, s in enumerate(step_counts):
-        for e, c in (s.items() if isinstance(s, dict) else ((e, 1) for e in s)):
+        for e, c in s.items() if isinstance(s, dict) else ((e, 1) for e in s):
             counts[t, e] = c
     return LayerSteps.from_counts(0, counts, np.asarray(starts))
 
@@ -133,6 +133,9 @@ def test_simulate_registers_dlearn_and_refuses_without_prior():
     names = ["dlearn-seeded", "belady"]
     rows = {r["policy"]: r for r in simulate(trace, plan, ["0.5"], names)["rows"]}
     assert rows["dlearn-seeded"]["status"] == "refused" and "--prior-trace" in rows["dlearn-seeded"]["reason"]
-    rows = {r["policy"]: r["totals"] for r in simulate(trace, plan, ["0.5"], names, prior_trace=tiny_trace(1))["rows"]}
+    rows = {
+        r["policy"]: r["totals"]
+        for r in simulate(trace, plan, ["0.5"], names, prior_trace=tiny_trace(1))["rows"]
+    }
     assert rows["dlearn-seeded"]["host_reads"] >= rows["belady"]["host_reads"]
     assert rows["dlearn-seeded"]["expert_hits"] > 0

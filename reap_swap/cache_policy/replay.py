@@ -37,7 +37,9 @@ POLICIES = (
     "dlearn-seeded",
     "belady",
 )
-PRIOR_POLICIES = frozenset({"dlfu-markov-seeded", "dlearn-seeded"})  # need a calibration routing trace (--prior-trace)
+PRIOR_POLICIES = frozenset(
+    {"dlfu-markov-seeded", "dlearn-seeded"}
+)  # need a calibration routing trace (--prior-trace)
 PLAN_POLICIES = frozenset(p for p in POLICIES if p in ("static", "probe") or "seeded" in p or "+" in p)
 ALLOCATIONS = ("core+tail", "uniform")
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(GiB|MiB|KiB|B)\s*$", re.IGNORECASE)
