@@ -275,7 +275,7 @@ def test_simulate_all_policies_on_the_mini_plan():
         assert t["bytes_moved"] == (t["admitted"] + t["prefetched"]) * 73728
         assert sum(r["layers"][l]["experts"] for l in r["layers"]) == t["experts"]
     half = {p: rows[("0.5", p)]["totals"] for p in POLICIES if rows[("0.5", p)]["status"] == "ok"}
-    assert set(POLICIES) - set(half) == {"dlfu-markov-seeded"}  # refused: no --prior-trace
+    assert set(POLICIES) - set(half) == {"dlfu-markov-seeded", "dlearn-seeded"}  # no --prior-trace
     assert all(half[p]["host_reads"] >= half["belady"]["host_reads"] for p in half)
     assert half["static"]["admitted"] == 0 and half["probe"]["prefetched"] > 0
     assert half["probe"]["expert_hit_rate"] >= half["static"]["expert_hit_rate"]

@@ -158,6 +158,8 @@ def replay_layer(policy: Policy, steps: LayerSteps, capacity: int) -> LayerCount
                 raise PolicyError(f"{policy.name} step {t}: prefetch of {len(new)} > {capacity} slots")
             c.prefetched += len(new - resident)
             resident = new
+        if hasattr(policy, "begin_step"):  # request-aware policies (learned.py) see the flag
+            policy.begin_step(t, bool(steps.request_start[t]))
         needed, counts = steps.needed[t], steps.counts[t]
         hit = np.fromiter((int(e) in resident for e in needed), dtype=bool, count=len(needed))
         _count_step(c, hit, counts, decode=not steps.request_start[t])

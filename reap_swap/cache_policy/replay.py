@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from reap_swap.cache_policy.belady import Belady
 from reap_swap.cache_policy.device import DLFU
+from reap_swap.cache_policy.learned import DLearn, fit_layer
 from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
 from reap_swap.cache_policy.online import LFRU, LFU, LRU, PerRequest, Static
 from reap_swap.cache_policy.prior import MARKOV_WEIGHT, DLFUAdmit, DLFUMarkov, transition_table
@@ -32,9 +34,12 @@ POLICIES = (
     "core+dlfu",
     "dlfu-admit-seeded",
     "dlfu-markov-seeded",
+    "dlearn-seeded",
     "belady",
 )
-PRIOR_POLICIES = frozenset({"dlfu-markov-seeded"})  # need a calibration routing trace (--prior-trace)
+PRIOR_POLICIES = frozenset(
+    {"dlfu-markov-seeded", "dlearn-seeded"}
+)  # need a calibration routing trace (--prior-trace)
 PLAN_POLICIES = frozenset(p for p in POLICIES if p in ("static", "probe") or "seeded" in p or "+" in p)
 ALLOCATIONS = ("core+tail", "uniform")
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(GiB|MiB|KiB|B)\s*$", re.IGNORECASE)
@@ -170,7 +175,9 @@ def _policy(name, l, plan, probe_sets, lfu_decay, tables=None):
     if name == "dlfu-admit-seeded":
         return DLFUAdmit(name, seed=core, decay=lfu_decay)
     if name == "dlfu-markov-seeded":
-        return DLFUMarkov(name, tables[l], seed=core, decay=lfu_decay)
+        return DLFUMarkov(name, tables[l].markov, seed=core, decay=lfu_decay)
+    if name == "dlearn-seeded":
+        return DLearn(name, tables[l].learned, seed=core)
     if name == "static":
         return Static(core)
     if name == "probe":
@@ -267,10 +274,23 @@ def _prior_tables(trace: Trace, prior: Trace | None, weight: float) -> dict[int,
     if weight < 0:
         raise SimulationError(f"--markov-weight {weight}: must be >= 0")
     starts = prior.request_first_steps()
-    return {
-        l: transition_table(LayerSteps.from_counts(l, prior.step_counts(l), starts), weight)
-        for l in trace.layers
-    }
+    return {l: _Prior(LayerSteps.from_counts(l, prior.step_counts(l), starts), weight) for l in trace.layers}
+
+
+class _Prior:
+    """One layer's calibration-trace models, built on first use: the transition table of
+    ``dlfu-markov-seeded`` and the fitted reuse model of ``dlearn-seeded``."""
+
+    def __init__(self, steps: LayerSteps, weight: float):
+        self.steps, self.weight = steps, weight
+
+    @cached_property
+    def markov(self):
+        return transition_table(self.steps, self.weight)
+
+    @cached_property
+    def learned(self) -> dict:
+        return fit_layer(self.steps)
 
 
 def trace_summary(trace: Trace) -> dict:

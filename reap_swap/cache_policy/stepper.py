@@ -59,6 +59,8 @@ class LayerCache:
         if len(needed) > self.capacity:
             c.read_through_steps += 1
         need = frozenset(int(e) for e in needed)
+        if hasattr(self.policy, "begin_step"):
+            self.policy.begin_step(t, bool(request_start))
         new = frozenset(int(e) for e in self.policy.choose(t, resident, needed, counts))
         _check(self.policy, t, resident, new, need, self.capacity)
         c.admitted += len(new - resident)
