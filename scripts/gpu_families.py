@@ -197,7 +197,9 @@ def reap_steps(srv, plan: dict, shape: dict, res: dict, a, save) -> None:
     save()
     r["counters"] = counters_under_graphs(srv, shape)
     if a.count_lengths:  # exact counts per request length (families_count.py)
-        r["count_cases"] = fc.count_cases(srv, e2e, shape, a.vocab, a.count_lengths, a.count_max_tokens)
+        r["count_cases"] = fc.count_cases(
+            srv, e2e, shape, a.vocab, a.count_lengths, a.count_max_tokens, a.count_concurrent
+        )
     r["readme_curl"] = readme_curl(srv, plan, shape)
     save()
     if a.count_only:  # the `count` arm: no residency points
@@ -289,6 +291,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="prompt lengths of the exact-count cases (e.g. 1,15,16,17,38; the count arm: "
                     "these by default)")  # fmt: skip
     ap.add_argument("--count-max-tokens", type=fc.parse_ints, default=fc.DEFAULT_MAX_TOKENS)
+    ap.add_argument("--count-concurrent", type=fc.parse_ints, default=None,
+                    help="prompt lengths sent at once after the exact-count cases (padded multi-request "
+                    "steps; the count arm: 3,5,7,9,11 by default; empty: none)")  # fmt: skip
     a = ap.parse_args(argv)
     a.decode = (a.decode_tokens, 1)
     a.count_only = False
@@ -357,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             elif arm in ("reap", "count"):  # count: startup, the count cases, the README curl
                 a.count_only = arm == "count"
                 a.count_lengths = a.count_lengths or (fc.DEFAULT_LENGTHS if a.count_only else ())
+                if a.count_concurrent is None:
+                    a.count_concurrent = fc.DEFAULT_CONCURRENT if a.count_only else ()
                 arm_reap(reap, out, shape, plan_path, res, a, save)
             else:
                 raise ValueError(f"unknown arm {arm}")

@@ -16,6 +16,8 @@
 #   v3layer   the DeepSeek-V3 / Kimi-K2 layer shape at depth 2 (reap-swap only, eager)
 #   fp8bench  issue 16's FP8 bench (scripts/gpu_fp8_bench.sh run, ~8 min, FP8_CAP)
 #   count     exact router counts on full-size Qwen3.5 (gpu_families.py --arms count, ~8 min)
+#   mlacount  exact router counts on full-size DeepSeek-V2-Lite (all attention MLA) under CUDA graphs
+#             (--arms count WITHOUT --eager: padded piecewise prefills, padded concurrent decodes; ~6 min)
 #   extra     bash scripts/gpu_extra_phase.sh $R/extra (a phase a branch ships for this run)
 # Everything lands in /tmp/run; the tarball leaves out checkpoints and safetensors.
 set -u
@@ -70,6 +72,11 @@ ph_count() {  # qcount: exact router counts on full-size Qwen3.5 under CUDA grap
   timeout ${COUNT_CAP:-580} $PY scripts/gpu_families.py --name qwen35 --config tests/data/qwen3_5_moe_35b_a3b_config.json \
     --plan .kit/strict30-v2-plan.json --kv-gib 2 --gpu-util 0.1 --host-guard-gib 2.5 --arms count \
     --startup-timeout 500 --out $R/count > $R/count.log 2>&1
+}
+ph_mlacount() {  # mlapad: the MLA-only padding case (research.md, mlapad); count_cases in count.json
+  timeout ${MLACOUNT_CAP:-560} $PY scripts/gpu_families.py --name deepseek_v2_lite_graphs \
+    --config tests/data/deepseek_v2_lite_config.json --kv-gib 0.5 --gpu-util 0.1 --host-guard-gib 5 \
+    --arms count --startup-timeout 480 --out $R/mlacount > $R/mlacount.log 2>&1
 }
 ph_extra() { [ -f scripts/gpu_extra_phase.sh ] && bash scripts/gpu_extra_phase.sh $R/extra > $R/extra.log 2>&1; }
 

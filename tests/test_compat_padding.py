@@ -106,3 +106,71 @@ def test_only_mamba_groups_means_unknown(context):
         no_compile_layers={n: _mamba_like() for n in names},
     )
     assert moe.padding_source(4) is None
+
+
+def _slot_buffer(max_tokens: int, real: int, start: int = 100):
+    """A BlockTable.slot_mapping.gpu stand-in after one step of `real` tokens: what vLLM 0.26.0's
+    _compute_slot_mapping_kernel leaves there (real slots, then -1 up to max_num_batched_tokens)."""
+    buf = torch.full((max_tokens,), -1, dtype=torch.int64)
+    buf[:real] = torch.arange(start, start + real)
+    return buf
+
+
+def test_mla_only_unpadded_mapping_is_read_over_its_buffer(context):
+    """DeepSeek-style (all attention MLA: forward_includes_kv_cache_update, no separate KV update)
+    on a step padded from 5 to 8 rows outside a graph replay: the ForwardContext holds the
+    unpadded prefix view [:5]; rows 5..7 are padding, read as -1 from the persistent buffer."""
+    buf = _slot_buffer(64, real=5)
+    name = "model.layers.1.self_attn.mla_attn"
+    context["ctx"] = SimpleNamespace(
+        is_padding=None, slot_mapping={name: buf[:5]}, no_compile_layers={name: object()}
+    )
+    source = moe.padding_source(8)
+    assert source[0] == "slot_mapping" and source[1].data_ptr() == buf.data_ptr()
+    assert counters.rows_from_padding(source).tolist() == [True] * 5 + [False] * 3
+    module = torch.nn.Module()
+    counters.register_counters(module, 16, coactivation=True)
+    ids = torch.stack([torch.randperm(16)[:2] for _ in range(8)])
+    counters.record(module, ids, torch.full((8, 2), 0.5), padding=source)
+    assert sum(counters.read(module, reset=False)["counts"]) == 5 * 2  # not 8 * 2
+
+
+def test_captured_view_follows_the_buffer_at_replay(context):
+    """What a piecewise graph bakes in: padding_source ran at capture (_dummy_run: the padded
+    length, all -1) and the counter reads that view at every replay; a later step of 3 real
+    tokens in the 8-row graph rewrites the buffer (real slots, -1 tail), and the same view says so."""
+    buf = torch.full((64,), -1, dtype=torch.int64)
+    name = "model.layers.0.self_attn.attn"
+    context["ctx"] = SimpleNamespace(
+        is_padding=None, slot_mapping={name: buf[:8]}, no_compile_layers={name: object()}
+    )
+    captured = moe.padding_source(8)
+    assert not counters.rows_from_padding(captured).any()
+    buf.copy_(_slot_buffer(64, real=3))  # the replayed step's _compute_slot_mapping_kernel
+    assert counters.rows_from_padding(captured).tolist() == [True] * 3 + [False] * 5
+    context["ctx"] = SimpleNamespace(
+        is_padding=None, slot_mapping={name: buf[:3]}, no_compile_layers={name: object()}
+    )
+    lazily = moe.padding_source(8)  # a graph first captured in this real step: the same view
+    assert lazily[1].data_ptr() == captured[1].data_ptr() and lazily[1].shape == captured[1].shape
+
+
+def test_a_shorter_mapping_without_a_buffer_behind_it_is_unknown(context):
+    name = "enc.layers.0.attn"
+    context["ctx"] = SimpleNamespace(
+        is_padding=None,
+        slot_mapping={name: torch.zeros(5, dtype=torch.int64)},
+        no_compile_layers={name: object()},
+    )
+    assert moe.padding_source(8) is None
+
+
+def test_over_buffer_keeps_the_view_offset_and_refuses_strided_views():
+    from reap_swap.compat import padding
+
+    buf = _slot_buffer(32, real=10)
+    view = padding.over_buffer(buf[4:6], 5)
+    assert view.tolist() == [104, 105, 106, 107, 108] and view.data_ptr() == buf[4:].data_ptr()
+    assert padding.over_buffer(buf[::2][:3], 5) is None
+    assert padding.over_buffer(buf[:6], 4) is None
+    assert padding.over_buffer(buf[30:], 4) is None  # the storage ends at 32

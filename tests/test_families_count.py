@@ -93,3 +93,56 @@ def test_the_run10_fault_shows_as_missing_tokens(fc, monkeypatch):
     c = next(c for c in got["cases"] if (c["prompt_tokens"], c["max_tokens"]) == (38, 1))
     assert (c["observed"], c["expected"]) == (7040, 12160)  # the H200 numbers
     assert c["per_layer_min"] == c["per_layer_max"] == 176 and c["per_layer_expected"] == 304
+
+
+class ConcurrentE2E(FakeE2E):
+    """Counts what the fake server was sent (every request's n + m - 1 rows) plus `phantom` rows."""
+
+    def __init__(self, phantom: int):
+        super().__init__(hidden=0)
+        self.phantom, self.sent, self.log_all = phantom, [], []
+
+    def open_request(self, srv, rid):  # the counters reset: only this request's traffic counts
+        super().open_request(srv, rid)
+        self.log_all += self.sent
+        self.sent = []
+
+    def misses(self, srv, rid):
+        tokens = sum(n + m - 1 for n, m in self.sent) + self.phantom
+        return {"totals": {"observed_selections": tokens * SHAPE["top_k"] * SHAPE["layers"]}, "layers": {}}
+
+
+def serve_concurrent(monkeypatch, fake):
+    def handler(request):
+        body = json.loads(request.content)
+        fake.sent.append((len(body["prompt"]), body["max_tokens"]))
+        return httpx.Response(200, json={"usage": {"completion_tokens": body["max_tokens"]}})
+
+    client = httpx.Client(transport=httpx.MockTransport(handler))
+    monkeypatch.setattr(httpx, "post", lambda url, **kw: client.post(url, **kw))
+
+
+@pytest.mark.parametrize("phantom", [0, 3])
+def test_concurrent_case_sums_the_requests_and_shows_phantom_rows(fc, monkeypatch, phantom):
+    fake = ConcurrentE2E(phantom)
+    serve_concurrent(monkeypatch, fake)
+    got = fc.count_cases(Srv(), fake, SHAPE, 248320, (1,), (1,), concurrent=fc.DEFAULT_CONCURRENT)
+    c = got["concurrent"]
+    assert fake.log_all == [(1, 1)] and sorted(fake.sent) == [(n, 8) for n in (3, 5, 7, 9, 11)]
+    assert c["expected"] == sum(n + 7 for n in (3, 5, 7, 9, 11)) * 8 * 40
+    assert (
+        c["extra_tokens"] == phantom and c["equal"] is (phantom == 0) and got["all_equal"] is (phantom == 0)
+    )
+    assert "count-concurrent" in fake.opened
+
+
+def test_concurrent_case_reports_a_short_reply(fc, monkeypatch):
+    fake = ConcurrentE2E(0)
+
+    def handler(request):
+        return httpx.Response(200, json={"error": "engine dead"})
+
+    client = httpx.Client(transport=httpx.MockTransport(handler))
+    monkeypatch.setattr(httpx, "post", lambda url, **kw: client.post(url, **kw))
+    c = fc.concurrent_case(Srv(), fake, SHAPE, 248320, (3, 5), 8)
+    assert "error" in c and len(c["error"]) == 2 and "equal" not in c

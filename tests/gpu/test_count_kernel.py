@@ -67,3 +67,34 @@ def test_counts_replay_under_cuda_graph():
     counters.record_torch(ref, ids, w, valid_rows=~pad)
     assert torch.equal(getattr(m, counters.COUNTS), 3 * getattr(ref, counters.COUNTS))
     assert int(getattr(m, counters.COUNTS).sum()) == 3 * int(((ids >= 0) & ~pad[:, None]).sum())
+
+
+def test_slot_mapping_view_captured_then_rewritten_counts_each_replays_real_rows():
+    """What a piecewise graph of an MLA-only model bakes in (research.md, mlapad): the view of the
+    persistent slot-mapping buffer taken at capture (the padded length, all -1), then per replay
+    the runner's slot kernel rewrites the buffer (n real slots, -1 to the end). The unpadded view a
+    real step hands over, widened by compat.padding.over_buffer, is the same rows."""
+    from reap_swap.compat import padding as vllm_padding
+
+    buf = torch.full((64,), -1, dtype=torch.int64, device="cuda")  # BlockTable.slot_mapping.gpu
+    m = _module()
+    ids, w = _batch(8, 2)
+    captured = ("slot_mapping", vllm_padding.over_buffer(buf[:8], 8))
+    counters.record(m, ids, w, padding=captured, kernel=KERNEL)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        counters.record(m, ids, w, padding=captured, kernel=KERNEL)
+    expected = 0
+    counters.zero(m)
+    for real in (3, 8, 5):
+        buf.fill_(-1)
+        buf[:real] = torch.arange(100, 100 + real, device="cuda")
+        graph.replay()
+        expected += int((ids[:real] >= 0).sum())
+    torch.cuda.synchronize()
+    assert int(getattr(m, counters.COUNTS).sum()) == expected
+    widened = vllm_padding.over_buffer(buf[:5], 8)  # after the last step: 5 real rows
+    assert (
+        widened.data_ptr() == buf.data_ptr()
+        and counters.rows_from_padding(("slot_mapping", widened)).sum() == 5
+    )
