@@ -66,12 +66,18 @@ def layer_specs(cfg: Any) -> dict:
 def kv_groups(vllm_config: Any, tokens_per_seq: int) -> tuple[KvGroups, dict]:
     """KvGroups for a target of `tokens_per_seq` tokens in the per-token groups (the other groups at
     max_model_len), and vLLM's own one-request figure for the same config (the cross-check)."""
-    from vllm.v1.core import kv_cache_utils as kcu
-
     cfg = resolved_copy(vllm_config)
     specs = layer_specs(cfg)
     if not specs:
         raise KvGroupsError("no layer has a KV cache spec (attention-free model): nothing to size")
+    return groups_from_specs(cfg, specs, tokens_per_seq)
+
+
+def groups_from_specs(cfg: Any, specs: dict, tokens_per_seq: int) -> tuple[KvGroups, dict]:
+    """vLLM's grouping and tensor plan of these layer specs under `cfg` (whose model_config's
+    max_model_len is set and restored around each group's per-sequence figure)."""
+    from vllm.v1.core import kv_cache_utils as kcu
+
     groups = kcu.get_kv_cache_groups(cfg, specs)
     names = [type(g.kv_cache_spec).__name__ for g in groups]
     check_groups(names, len(groups) > 1, int(cfg.parallel_config.pipeline_parallel_size))
@@ -91,10 +97,11 @@ def kv_groups(vllm_config: Any, tokens_per_seq: int) -> tuple[KvGroups, dict]:
                            -(-need // page)))  # fmt: skip
     cfg.model_config.max_model_len = max_model_len
     vllm_one = int(kcu._max_memory_usage_bytes_from_groups(cfg, groups))
+    cache = getattr(cfg, "cache_config", None)
     return KvGroups(total // plan.num_blocks, len(plan.kv_cache_tensors), tuple(out)), {
         "vllm_one_request_bytes": vllm_one,
-        "block_size": int(cfg.cache_config.block_size),
-        "mamba_page_size_padded": getattr(cfg.cache_config, "mamba_page_size_padded", None),
+        "block_size": getattr(cache, "block_size", None),
+        "mamba_page_size_padded": getattr(cache, "mamba_page_size_padded", None),
     }
 
 

@@ -37,6 +37,7 @@ def hybrid_server(server_pool, tmp_path_factory):
         "--served-model-name", "m", "--dtype", "bfloat16", "--host", "127.0.0.1",
         "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(SEQS), "--load-format", "dummy",
         "--no-enable-prefix-caching", "--enforce-eager", "--reap-budget", "1.5",
+        "--gpu-memory-utilization", "0.2",  # the CPU build checks this share of host memory is free
     ]  # fmt: skip
     srv = serving.Server(
         "budget-hybrid", argv, out, port=serving.free_port(), startup_timeout_s=900.0,
