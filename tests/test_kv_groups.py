@@ -18,7 +18,11 @@ from reap_swap.kv_groups import (
 from reap_swap.memory_split import BudgetError, kv_layout
 
 # Qwen3.5-35B-A3B's text config, as far as the KV layout goes (tests/data/qwen3_5_moe_35b_a3b_config.json)
-QWEN35 = {"num_hidden_layers": 40, "full_attention_interval": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+QWEN35 = {
+    "num_hidden_layers": 40,
+    "full_attention_interval": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+}
 
 
 def hybrid(attn_blocks: int, tensors: int = 3, page: int = 1 << 20) -> KvGroups:
@@ -54,7 +58,9 @@ def test_bytes_are_whole_blocks_with_the_null_block():
     # sequence still needs its GDN state block
     pooled = hybrid(attn_blocks=64)  # 32768 tokens
     assert kv_blocks(pooled, 1, 8) == 1 + 8 + 64
-    assert "2048 tokens x 8 seqs" in grouped_source(g, 2048, 8, 8) and "41 blocks" in grouped_source(g, 2048, 8, 8)
+    assert "2048 tokens x 8 seqs" in grouped_source(g, 2048, 8, 8) and "41 blocks" in grouped_source(
+        g, 2048, 8, 8
+    )
     assert g.kind == "hybrid FullAttentionSpec+MambaSpec"
 
 

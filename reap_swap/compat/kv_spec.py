@@ -23,7 +23,10 @@ and the tests), `KVCacheConfig.{num_blocks, kv_cache_tensors[].size, kv_cache_gr
 `KVCacheSpec.{page_size_bytes, block_size, max_memory_usage_bytes(vllm_config)}`,
 `ModelConfig.max_model_len` (vLLM's own estimate_max_model_len sets it the same way),
 `ParallelConfig.pipeline_parallel_size`, `worker.model_runner.kv_cache_config` (set by
-`GPUModelRunner.initialize_kv_cache`, which CPUModelRunner inherits in 0.32.0).
+`GPUModelRunner.initialize_kv_cache`, which CPUModelRunner inherits in 0.32.0); 0.32.0 only:
+`vllm.v1.attention.backends.utils.{get_supported_kv_cache_layouts, resolve_kv_cache_layout,
+record_kv_cache_layout}`, `vllm.distributed.kv_transfer.kv_connector.utils.get_current_attn_backends`,
+`CacheConfig.kv_cache_layout` (see resolve_layout).
 """
 
 from __future__ import annotations
@@ -78,11 +81,12 @@ def groups_from_specs(cfg: Any, specs: dict, tokens_per_seq: int) -> tuple[KvGro
     max_model_len is set and restored around each group's per-sequence figure)."""
     from vllm.v1.core import kv_cache_utils as kcu
 
+    resolve_layout(cfg, specs)
     groups = kcu.get_kv_cache_groups(cfg, specs)
     names = [type(g.kv_cache_spec).__name__ for g in groups]
     check_groups(names, len(groups) > 1, int(cfg.parallel_config.pipeline_parallel_size))
     plan = kcu.get_kv_cache_config_from_groups(cfg, groups, _PROBE_BYTES)
-    total = sum(int(t.size) for t in plan.kv_cache_tensors)
+    total = backing_bytes(plan)
     if plan.num_blocks <= 0 or total % plan.num_blocks:
         raise KvGroupsError(f"vLLM's KV tensor plan is not whole blocks ({total} B / {plan.num_blocks})")
     max_model_len = int(cfg.model_config.max_model_len)
@@ -105,6 +109,42 @@ def groups_from_specs(cfg: Any, specs: dict, tokens_per_seq: int) -> tuple[KvGro
     }
 
 
+def resolve_layout(cfg: Any, specs: dict) -> None:
+    """vLLM 0.32.0 (not 0.26.0, which has no `CacheConfig.kv_cache_layout`): the engine core resolves
+    the physical KV layout from the workers' backends (`EngineCore._initialize_kv_caches`:
+    `resolve_kv_cache_layout`) before determine_available_memory, and the grouping reads it
+    (`_get_packed_kv_cache_groups`). At load time it is still None: resolve it the same way, on
+    this (copied) cache_config, from this worker's backends."""
+    cache = cfg.cache_config
+    if getattr(cache, "kv_cache_layout", "absent") is not None:
+        return  # 0.26.0 (no field), or already resolved / set by the user
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        record_kv_cache_layout,
+        resolve_kv_cache_layout,
+    )
+
+    names = [layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(cfg))]
+    record_kv_cache_layout(cache, resolve_kv_cache_layout(cfg, [names], list(specs.values())).name)
+
+
+def backing_bytes(kv_cache_config: Any) -> int:
+    """Bytes a KVCacheConfig allocates. vLLM 0.32.0: every KVCacheTensor (fields `layers`,
+    `layer_stride`, `block_stride`) addresses one shared backing allocation of `size` bytes
+    (v1/worker/utils.py asserts one size). vLLM 0.26.0: one allocation per tensor (`shared_by`),
+    except the packed layout (`block_stride` > 0: every tensor aliases one allocation of `size`)."""
+    tensors = list(kv_cache_config.kv_cache_tensors)
+    if not tensors:
+        return 0
+    if hasattr(tensors[0], "layer_stride") or any(getattr(t, "block_stride", 0) for t in tensors):
+        sizes = {int(t.size) for t in tensors}
+        if len(sizes) != 1:
+            raise KvGroupsError(f"KV tensors of one shared allocation differ in size: {sorted(sizes)}")
+        return sizes.pop()
+    return sum(int(t.size) for t in tensors)
+
+
 def allocated_kv(worker: Any) -> dict | None:
     """What vLLM allocated for the KV cache in this worker (None before initialize_kv_cache)."""
     kvc = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
@@ -112,7 +152,7 @@ def allocated_kv(worker: Any) -> dict | None:
         return None
     return {
         "num_blocks": int(kvc.num_blocks),
-        "bytes": sum(int(t.size) for t in kvc.kv_cache_tensors),
+        "bytes": backing_bytes(kvc),
         "tensors": len(kvc.kv_cache_tensors),
         "groups": [type(g.kv_cache_spec).__name__ for g in kvc.kv_cache_groups],
     }
