@@ -132,7 +132,7 @@ def _pool_kept_full(r: dict) -> bool | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="model folder (not needed with --config)")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cap-gib", default="4")
@@ -149,6 +149,8 @@ def main() -> int:
     EXTRA.extend(shlex.split(a.extra))
     if a.config:
         a.model = str(dummy_model(a.config, out / "model"))
+    elif not a.model:
+        ap.error("--model or --config is required")
     plan_doc = json.loads(Path(a.plan).read_text())
     arms = {name: arm_argv(name, a) for name in a.arms.split(",")}
     results = {}
