@@ -11,6 +11,7 @@ from pathlib import Path
 
 from reap_swap import wire
 from reap_swap.logs import get_logger
+from reap_swap.memory_split import accounting_split_line
 
 log = get_logger("reap_swap.budget")
 
@@ -62,7 +63,15 @@ async def fill_budget(rpc: Callable[..., Awaitable[list]]) -> dict:
         reason = probes[0].get("reason", "inactive") if probes else "no workers"
         if "--reap-budget plan" not in reason:
             log.warning("reap-swap: %s", reason)
-        return {"active": False, "reason": reason}
+        kv = probes[0].get("kv") if probes else None
+        if kv is None:
+            return {"active": False, "reason": reason}
+        line = accounting_split_line(
+            budget=kv.get("budget"), pool_bytes=kv.get("pool_bytes", 0), kv_bytes=kv["kv_bytes"],
+            kv_allocated=(kv.get("kv_allocated") or {}).get("bytes"), kv_source=kv.get("kv_source", "?"),
+        )  # fmt: skip
+        log.info("%s", line)
+        return {"active": False, "reason": reason, **kv, "line": line}
     extra = min(int(p["extra_slots"]) for p in active)
     done = list(await rpc(wire.FILL_BUDGET, extra_slots=extra))
     errors = [f"rank {d.get('rank')}: {d['error']}" for d in done if d.get("error")]

@@ -66,11 +66,12 @@ def kv_layout(cfg: Mapping, dtype_bytes: int, tp_size: int = 1) -> KvLayout:
     if cfg.get("full_attention_interval") or any(t != "full_attention" for t in types):
         raise BudgetError(
             "hybrid attention (layer_types / full_attention_interval): KV bytes per token are not "
-            "computed by reap-swap; pass --kv-cache-memory-bytes to size the KV cache yourself"
+            "a config sum; sized from vLLM's own KV grouping instead (kv_target.py, kv_groups.py)"
         )
     if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and not cfg.get("kv_lora_rank"):
         raise BudgetError(
-            "sliding-window attention: vLLM sizes its KV per window; pass --kv-cache-memory-bytes"
+            "sliding-window attention: vLLM sizes its KV per window; sized from vLLM's own KV grouping "
+            "instead (kv_target.py, kv_groups.py)"
         )
     if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3, Kimi): one latent + rope key, not split by TP
         per_layer = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
@@ -205,14 +206,35 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f}"
 
 
-def split_line(growth: Growth, *, weights_bytes: int, kv_bytes: int, resident: int, experts: int) -> str:
+def split_line(
+    growth: Growth, *, weights_bytes: int, kv_bytes: int, resident: int, experts: int,
+    kv_allocated: int | None = None,
+) -> str:  # fmt: skip
     """The one startup line with the split."""
     pool = growth.slots_after * growth.unit_bytes
     return (
         f"reap-swap memory split: weights {gib(weights_bytes)} GiB, pool {gib(pool)} GiB "
-        f"({growth.slots_after} slots, {resident}/{experts} experts resident), KV {gib(kv_bytes)} GiB, "
+        f"({growth.slots_after} slots, {resident}/{experts} experts resident), KV {gib(kv_bytes)} GiB"
+        f"{kv_allocated_note(kv_bytes, kv_allocated)}, "
         f"activations {gib(growth.activation_bytes)} GiB, margin {gib(growth.margin_bytes)} GiB, "
         f"cap {gib(growth.cap_bytes)} of {gib(growth.total_bytes)} GiB (budget {growth.budget})"
+    )
+
+
+def kv_allocated_note(kv_bytes: int, kv_allocated: int | None) -> str:
+    if kv_allocated is None:
+        return ""
+    same = "=" if int(kv_allocated) == int(kv_bytes) else "!="
+    return f" (vLLM allocated {kv_allocated} B {same} {kv_bytes} B computed)"
+
+
+def accounting_split_line(*, budget: object, pool_bytes: int, kv_bytes: int, kv_allocated: int | None,
+                          kv_source: str) -> str:  # fmt: skip
+    """The startup line on accounting residency (no HBM pool: the plan's budget is the pool)."""
+    return (
+        f"reap-swap memory split (accounting residency, no HBM pool): pool = the plan's budget "
+        f"{gib(pool_bytes)} GiB, KV {gib(kv_bytes)} GiB{kv_allocated_note(kv_bytes, kv_allocated)} "
+        f"for {kv_source} (budget {budget})"
     )
 
 
@@ -279,7 +301,8 @@ def inactive_note(budget: str | float, accounting_reason: str | None) -> str | N
     if budget == "plan" or accounting_reason is None:
         return None
     return (
-        f"--reap-budget {budget} is inactive: {accounting_reason} (accounting residency has no HBM "
-        "pool to size); the plan's budget is the pool, which swaps keep full from the plan's fill order, "
-        "and vLLM sizes its KV cache as usual"
+        f"--reap-budget {budget}: the pool half is inactive: {accounting_reason} (accounting residency "
+        "has no HBM pool to size); the plan's budget is the pool, which swaps keep full from the plan's "
+        "fill order. The KV half applies: vLLM's KV cache is sized to the KV target (--reap-kv-tokens, "
+        "else max-model-len x max-num-seqs) unless --kv-cache-memory-bytes is given"
     )

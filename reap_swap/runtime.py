@@ -38,6 +38,8 @@ class WorkerRuntime:
     engine: Any | None = None  # residency.engine.CudaEngine, made by the first CUDA MoE layer
     engine_error: str | None = None  # why the engine could not be imported (accounting fallback)
     cache_reason: str | None = None  # why the CUDA device cache is not built (issue 17), None: built
+    kv_hooked: bool = False  # accounting: the KV-target hook is installed (routed_experts.py)
+    kv_report: dict | None = None  # accounting: kv_target.decide's report (--reap-budget auto | GiB)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None) -> WorkerRuntime:
@@ -84,6 +86,13 @@ class WorkerRuntime:
 
             self.engine.on_state = BudgetHook(self.settings).on_state
         return self.engine
+
+    def decide_kv(self) -> None:
+        """Accounting residency, at the first MoE layer's post-load: size vLLM's KV cache to the
+        KV target (kv_target.py); the CUDA engine does this in residency/budget.py instead."""
+        from reap_swap.kv_target import decide
+
+        self.kv_report = decide(self.settings.kv_tokens, self.settings.budget_request())
 
     def close(self) -> None:
         """Release what the process holds on the device (the HBM pool); called at worker shutdown."""

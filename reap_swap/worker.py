@@ -162,7 +162,10 @@ class ReapWorkerExtension(MoeProbeExtension, WorkerRpc):
         st = runtime.engine.state if runtime.engine is not None else None
         if runtime.settings.budget == "plan" or st is None or st.pool is None:
             why = "--reap-budget plan" if runtime.settings.budget == "plan" else _no_device_budget(runtime)
-            return {"rank": self._reap_core().rank, "active": False, "reason": why}
+            reply = {"rank": self._reap_core().rank, "active": False, "reason": why}
+            if runtime.kv_report is not None:  # accounting: the KV half applied (kv_target.py)
+                reply["kv"] = _kv_reply(self, runtime)
+            return reply
         from reap_swap.memory_split import BudgetError
         from reap_swap.residency import budget
 
@@ -181,6 +184,17 @@ class ReapWorkerExtension(MoeProbeExtension, WorkerRpc):
     def destroy_worker_extension(self) -> None:
         """vLLM 0.33+ calls this on shutdown (compat.moe.add_worker_teardown): free the HBM pool."""
         worker_runtime.for_config(self.vllm_config.additional_config).close()
+
+
+def _kv_reply(worker: Any, runtime: WorkerRuntime) -> dict:
+    """The KV target's report with what vLLM allocated, and the accounting pool (the plan's budget)."""
+    from reap_swap.compat import kv_spec
+    from reap_swap.kv_target import agreement
+
+    report = dict(runtime.kv_report or {})
+    report.update(agreement(report, kv_spec.allocated_kv(worker)))
+    report["pool_bytes"] = int(runtime.plan.swappable_budget_bytes) if runtime.plan is not None else 0
+    return report
 
 
 def _no_device_budget(runtime: WorkerRuntime) -> str:

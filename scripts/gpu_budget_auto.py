@@ -11,7 +11,13 @@ Arms (each one server, enforce-eager off, prefix caching off, one request at a t
 For each serving arm: the "reap-swap memory split" log line, GET /reap/status (memory_split and
 the workers' budget), greedy text of 4 prompts compared with the reference arm's (--ref-arm), one /swap_active_set of
 the plan's first cartridge-free slice per layer (bytes must move). Writes DIR/budget_auto.json.
-Bounded: each server start <= 300 s; about 4 GPU minutes for the mini/skewed model.
+Bounded: each server start <= --startup-s (300 s); about 4 GPU minutes for the mini/skewed model.
+
+Hybrid attention (branch hybridkv): `--config tests/data/qwen3_5_moe_35b_a3b_config.json` writes that
+config (no checkpoint) to DIR/model and serves it with --load-format dummy (and vLLM's Triton GDN
+prefill); `--model` is then ignored. The KV target comes from vLLM's own KV grouping
+(compat/kv_spec.py); the summary says whether vLLM allocated exactly those bytes (kv_agrees).
+Full-size Qwen3.5 needs ~430 s to start: one arm per call, --startup-s 540.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -32,11 +39,14 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time", 
 SPLIT = re.compile(r"reap-swap memory split: .*")
 
 
+EXTRA: list[str] = []  # --extra / --config: appended to every arm's vLLM arguments
+
+
 def serve_args(model: str, plan: str, util: float, budget: str, extra: list[str]) -> list[str]:
     return [
         sys.executable, "-m", "reap_swap.server", model, "--served-model-name", "m",
         "--reap-plan", plan, "--reap-budget", budget, "--gpu-memory-utilization", str(util),
-        "--max-model-len", "2048", "--max-num-seqs", "8", "--no-enable-prefix-caching", *extra,
+        "--max-model-len", "2048", "--max-num-seqs", "8", "--no-enable-prefix-caching", *extra, *EXTRA,
     ]  # fmt: skip
 
 
@@ -66,9 +76,9 @@ def one_slice_per_layer(plan_doc: dict, resident: dict | None = None) -> dict:
     return out
 
 
-def run_arm(name: str, argv: list[str], out: Path, plan_doc: dict) -> dict:
+def run_arm(name: str, argv: list[str], out: Path, plan_doc: dict, startup_s: float = 300) -> dict:
     rec: dict = {"arm": name, "argv": argv}
-    srv = Server(name, argv, out, port=free_port(), startup_timeout_s=300)
+    srv = Server(name, argv, out, port=free_port(), startup_timeout_s=startup_s)
     try:
         with srv:
             rec["startup_s"] = srv.startup_s
@@ -89,6 +99,29 @@ def run_arm(name: str, argv: list[str], out: Path, plan_doc: dict) -> dict:
     return rec
 
 
+def dummy_model(config: Path, dest: Path) -> Path:
+    """config.json (+ a tokenizer) in dest; dummy weights and, for Gated DeltaNet, vLLM's Triton
+    prefill (the kit has no flashinfer: run 8), as scripts/gpu_families.py serves it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_families
+
+    model = gpu_families.write_model(config, dest, None)
+    EXTRA.extend(["--load-format", "dummy"])
+    if gpu_families.uses_gated_deltanet(json.loads((model / "config.json").read_text())):
+        EXTRA.extend(["--gdn-prefill-backend", "triton"])
+    return model
+
+
+def kv_summary(split: dict) -> dict:
+    """The KV half of the split: computed bytes, what vLLM allocated, and its layout."""
+    alloc = split.get("kv_allocated") or {}
+    return {
+        "kv_bytes": split.get("kv_bytes"), "kv_allocated_bytes": alloc.get("bytes"),
+        "kv_agrees": split.get("kv_agrees"), "kv_layout": split.get("kv_layout", "config sum"),
+        "vllm_one_request_bytes": split.get("vllm_one_request_bytes"), "kv_source": split.get("kv_source"),
+    }  # fmt: skip
+
+
 def _pool_kept_full(r: dict) -> bool | None:
     """After the swap the workers' pool is as full as before it (pool_fill.py), or holds all experts."""
     before, after = r.get("status") or {}, r.get("status_after_swap") or {}
@@ -99,20 +132,30 @@ def _pool_kept_full(r: dict) -> bool | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="model folder (not needed with --config)")
     ap.add_argument("--plan", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cap-gib", default="4")
     ap.add_argument("--arms", default="auto@0.08,auto@0.14,cap@0.14,refused")
     ap.add_argument("--ref-arm", default=None, help="greedy reference arm (default: the last auto@ arm)")
+    ap.add_argument(
+        "--config", type=Path, help="serve this config.json with --load-format dummy (hybrid lane)"
+    )
+    ap.add_argument("--extra", default="", help="more vLLM arguments for every arm (one shell-quoted string)")
+    ap.add_argument("--startup-s", type=float, default=300.0)
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    EXTRA.extend(shlex.split(a.extra))
+    if a.config:
+        a.model = str(dummy_model(a.config, out / "model"))
+    elif not a.model:
+        ap.error("--model or --config is required")
     plan_doc = json.loads(Path(a.plan).read_text())
     arms = {name: arm_argv(name, a) for name in a.arms.split(",")}
     results = {}
     for name in a.arms.split(","):
-        results[name] = run_arm(name, arms[name], out, plan_doc)
+        results[name] = run_arm(name, arms[name], out, plan_doc, a.startup_s)
         (out / "budget_auto.json").write_text(json.dumps(results, indent=2, default=str))
         print(
             name, results[name].get("split_line") or results[name].get("server_error", "")[:300], flush=True
@@ -128,6 +171,7 @@ def main() -> int:
             "swap_bytes": (r.get("swap") or {}).get("body", {}).get("bytes_copied"),
             "pool_kept_full": _pool_kept_full(r),
             "split_line": r.get("split_line"),
+            **kv_summary((r.get("status") or {}).get("memory_split") or {}),
         }
         for n, r in results.items()
     }  # fmt: skip

@@ -19,16 +19,14 @@ from typing import Any
 
 import torch
 
+from reap_swap import kv_target
 from reap_swap.budget_startup import record_refusal
+from reap_swap.compat import kv_spec
 from reap_swap.compat import memory as vllm_memory
 from reap_swap.memory_split import (
     BudgetError,
     Growth,
-    gib,
-    kv_bytes_for,
-    kv_layout,
     kv_refusal,
-    kv_target,
     plan_growth,
     ranked_fill,
     slots_beyond_pinned,
@@ -47,28 +45,19 @@ class BudgetHook:
         self.kv_tokens = settings.kv_tokens
 
     def on_state(self, st: Any) -> None:
-        """Tell vLLM the KV bytes of the KV target; record the numbers on the engine state."""
-        cfg = vllm_memory.current_vllm_config()
-        kv = vllm_memory.kv_inputs(cfg)
-        if kv["user_kv_bytes"]:
-            kv_bytes, source = int(kv["user_kv_bytes"]), "--kv-cache-memory-bytes"
-        else:
-            layout = kv_layout(kv["hf_text_config"], kv["dtype_bytes"], kv["tp_size"])
-            tokens, seqs = kv_target(kv["max_model_len"], kv["max_num_seqs"], self.kv_tokens)
-            kv_bytes = kv_bytes_for(layout, tokens, seqs, kv["block_size"])
-            source = f"{tokens} tokens x {seqs} seqs, {layout.kind}, {layout.bytes_per_token} B/token"
-            vllm_memory.set_kv_cache_memory_bytes(cfg, kv_bytes)
+        """Tell vLLM the KV bytes of the KV target (kv_target.py); refuse, with the numbers, a
+        target that cannot fit beside the plan's pool; record the numbers on the engine state."""
+        report = kv_target.decide(self.kv_tokens, self.budget)
         free, total = torch.cuda.mem_get_info(st.device)
         refusal = kv_refusal(
-            kv_bytes=kv_bytes, pool_bytes=st.budget_bytes, total=total, free=free,
-            utilization=kv["utilization"], source=source, max_model_len=kv["max_model_len"],
-            bytes_per_token=None if kv["user_kv_bytes"] else layout.bytes_per_token,
+            kv_bytes=report["kv_bytes"], pool_bytes=st.budget_bytes, total=total, free=free,
+            utilization=report["utilization"], source=report["kv_source"],
+            max_model_len=report["max_model_len"], bytes_per_token=report["bytes_per_token"],
         )  # fmt: skip
         if refusal:
             record_refusal(refusal)  # the launcher prints it as its one error line (budget_startup.py)
             raise BudgetError(refusal)
-        st.budget_report = {"budget": self.budget, "kv_bytes": kv_bytes, "kv_source": source}
-        logger.info("reap-swap budget %s: KV cache %s GiB (%s)", self.budget, gib(kv_bytes), source)
+        st.budget_report = report
 
 
 def probe(worker: Any, st: Any) -> Growth:
@@ -78,6 +67,7 @@ def probe(worker: Any, st: Any) -> Growth:
     free, total = torch.cuda.mem_get_info(st.device)
     mem = vllm_memory.worker_memory(worker)
     report.update(weights_bytes=mem["weights_bytes"], activation_bytes=activation)
+    report.update(kv_target.agreement(report, kv_spec.allocated_kv(worker)))
     st.budget_report = report
     return plan_growth(
         total_bytes=total,
@@ -115,6 +105,7 @@ def grow_and_fill(st: Any, growth: Growth, extra_slots: int) -> dict:
         growth if extra == growth.extra_slots else Growth(**{**growth.__dict__, "extra_slots": extra}),
         weights_bytes=st.budget_report.get("weights_bytes", 0),
         kv_bytes=st.budget_report.get("kv_bytes", 0),
+        kv_allocated=(st.budget_report.get("kv_allocated") or {}).get("bytes"),
         resident=resident,
         experts=experts,
     )
