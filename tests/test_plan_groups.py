@@ -288,3 +288,13 @@ def test_status_group_size_report():
     assert group_size_report(1, [private])["warning"] is None
     assert group_size_report(1, [{}]) == {"plan": 1, "engine": {}, "matches": None, "warning": None}
     assert "not checked" in group_size_report(2, [{}])["warning"]
+
+
+def test_reap_status_carries_the_group_size_report():
+    from fastapi.testclient import TestClient
+    from test_routes import make_app
+
+    app, _, _ = make_app()
+    with TestClient(app) as c:
+        report = c.get("/reap/status").json()["group_size"]
+    assert report["plan"] == 1 and report["warning"] is None
