@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reap_swap import active_set
+from reap_swap.group_layout import plan_groups
 from reap_swap.model_shape import ModelShape
 from reap_swap.plan_model import Plan, as_int, format_ranges, swappable_budget
 from reap_swap.plan_report import PlanIssue
@@ -84,6 +85,7 @@ def semantic_issues(
     if shape is not None:
         _model_issues(shape, pe, t)
     _summary_issues(doc, schema_clean, t)
+    group_issues(doc, shape, t.errors, t.warnings)
     summary.update(
         model=doc.get("model") if isinstance(doc.get("model"), str) else None,
         layers=len(t.layer_indices),
@@ -252,6 +254,83 @@ def _summary_issues(doc: Mapping, schema_clean: bool, t: _Tally) -> None:
     lo, hi = declared.get("residentFractionPctMin"), declared.get("residentFractionPctMax")
     if isinstance(lo, int | float) and isinstance(hi, int | float) and lo > hi:
         t.errors.append(PlanIssue("summary.residentFractionPctMin", f"{lo} > residentFractionPctMax {hi}"))
+
+
+def group_issues(doc: Mapping, shape: ModelShape | None, errors: list, warnings: list) -> None:
+    """groupSize b > 1: cores and slices in whole groups (warnings: a boundary group carries a
+    passenger), the grouped budget (errors: groups x group_hbm_bytes over a budget) and, given a
+    model, group_hbm_bytes against the engine's layout of its experts (error)."""
+    b = as_int(doc.get("groupSize"))
+    if b is None or b <= 1:
+        return
+    per_layer = doc.get("perLayer") if isinstance(doc.get("perLayer"), Mapping) else {}
+    core_groups = specialist_groups = 0
+    for key, layer in per_layer.items():
+        if not isinstance(layer, Mapping):
+            continue
+        path = f"perLayer.{key}"
+        core = set(_ints(layer.get("coreExperts")))
+        core_groups += -(-len(core) // b)
+        specialist_groups += -(-(as_int(layer.get("specialistActiveExpertTarget")) or 0) // b)
+        num = as_int(layer.get("numExperts"))
+        if num is not None and num % b:
+            warnings.append(PlanIssue(f"{path}.numExperts", f"{num} experts are not whole groups of {b}"))
+        if len(core) % b:
+            warnings.append(_passenger(f"{path}.coreExperts", f"{len(core)} core experts", b))
+        catalog = layer.get("sliceCatalog") if isinstance(layer.get("sliceCatalog"), list) else []
+        for s, item in enumerate(catalog):
+            n = len(set(_ints(item.get("experts")))) if isinstance(item, Mapping) else 0
+            if n % b:
+                warnings.append(_passenger(f"{path}.sliceCatalog[{s}].experts", f"a slice of {n}", b))
+    budget = doc.get("budget") if isinstance(doc.get("budget"), Mapping) else {}
+    gb = as_int(budget.get("group_hbm_bytes"))
+    if gb is None:
+        return
+    for name, groups in (
+        ("core_budget_bytes", core_groups),
+        ("swappable_expert_budget_bytes", core_groups + specialist_groups),
+    ):
+        limit = as_int(budget.get(name))
+        if limit is not None and groups * gb > limit:
+            errors.append(
+                PlanIssue(
+                    f"budget.{name}",
+                    f"{groups} groups of {b} x group_hbm_bytes {gb:,} = {groups * gb:,} HBM bytes, over "
+                    f"this budget of {limit:,}",
+                )
+            )
+    if shape is not None:
+        _group_model_issue(shape, b, gb, errors)
+
+
+def _passenger(path: str, what: str, b: int) -> PlanIssue:
+    return PlanIssue(
+        path, f"{what} is not whole groups of groupSize {b}: a boundary group carries a passenger"
+    )
+
+
+def _group_model_issue(shape: ModelShape, b: int, gb: int, errors: list) -> None:
+    fmt = shape.expert_format
+    if fmt.kernel != "strided":
+        errors.append(
+            PlanIssue(
+                "groupSize", f"{b}: the model's {shape.quant_method} experts run on a contiguous kernel"
+            )
+        )
+        return
+    try:
+        want = plan_groups((("w13_weight", fmt.w13), ("w2_weight", fmt.w2)), shape.num_experts, b).group_bytes
+    except ValueError as exc:
+        errors.append(PlanIssue("groupSize", f"{b}: {exc}"))
+        return
+    if gb != want:
+        errors.append(
+            PlanIssue(
+                "budget.group_hbm_bytes",
+                f"{gb:,} != {want:,}, the HBM of a group of {b} of the model's experts "
+                f"(w13 {fmt.w13:,} + w2 {fmt.w2:,} bytes each, 2 MiB pages)",
+            )
+        )
 
 
 def cartridge_issues(plan: Plan) -> list[PlanIssue]:

@@ -49,6 +49,7 @@ class Plan:
     cartridges: Mapping[str, Mapping[str, tuple[int | str, ...]]] = field(
         default_factory=lambda: MappingProxyType({})
     )  # named active sets
+    group_size: int = 1  # groupSize: the grouped engine's b the plan was made for (absent: 1)
 
     def core_sets(self) -> dict[int, frozenset[int]]:
         return {index: layer.core for index, layer in self.layers.items()}
@@ -171,4 +172,5 @@ def plan_from_document(doc: Mapping, identity: str) -> Plan:
         swappable_budget_bytes=swappable_budget(budget, core_bytes, candidate_bytes),
         max_refreshes_per_request=budget.get("max_refreshes_per_request", 1),
         cartridges=_freeze(doc.get("cartridges", {})),
+        group_size=int(doc.get("groupSize", 1)),
     )

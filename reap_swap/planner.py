@@ -56,6 +56,13 @@ from reap_swap.planner_allocation import (
     split_budget,
 )
 from reap_swap.planner_config import GIB, PlannerConfig, PlannerError, budget_bytes
+from reap_swap.planner_groups import (
+    allocate_core_grouped,
+    group_pricing,
+    grouped_budget_fields,
+    round_forced_to_groups,
+    split_budget_grouped,
+)
 from reap_swap.planner_inputs import PlannerInputs, input_artifact, merge_inputs
 from reap_swap.planner_slices import ochiai, slice_entries, slice_groups
 from reap_swap.planner_values import rounded, share, signal_description
@@ -76,14 +83,20 @@ def build_plan(
 ) -> dict:
     """The plan document (a dict that passes reap_swap.plan.validate_plan_document for `shape`)."""
     inputs = merge_inputs(observations, shape)
-    slots = split_budget(
-        budget_bytes(shape, config), shape.expert_bytes, len(inputs.layers), shape.num_experts, config
-    )
+    pricing = group_pricing(shape, config.group_size) if config.group_size is not None else None
+    if pricing is None:
+        slots = split_budget(
+            budget_bytes(shape, config), shape.expert_bytes, len(inputs.layers), shape.num_experts, config
+        )
+    else:
+        slots = split_budget_grouped(
+            budget_bytes(shape, config), pricing, len(inputs.layers), shape.num_experts, config
+        )
     work = layer_work(inputs.layers, config.signal)
     notes: list[str] = []
     supers = force_super_experts(work, inputs.layers, config, slots, shape.expert_bytes, notes)
     guarded = force_reap_guarded(work, inputs.layers, config, slots, notes)
-    allocate_core(work, slots.core, config.layer_allocation == "uniform")
+    group_fill = _fill_core(work, slots, config, pricing, notes)
     if slots.specialist > 0:
         allocate_specialists(work, slots.specialist, slots.slice_size)
     have_coact = all(s.coactivation is not None for s in inputs.layers.values())
@@ -109,7 +122,7 @@ def build_plan(
         corpusTags=inputs.tag_names,
         notes=notes,
     )
-    return {
+    doc = {
         "mode": MODE,
         "model": model_name,
         "signalKey": _SIGNAL_KEYS[config.signal],
@@ -121,6 +134,33 @@ def build_plan(
         "scorerArtifacts": artifacts,
         "summary": _summary(per_layer, work),
     }
+    if pricing is not None:
+        doc["groupSize"] = pricing.group_size
+        doc["budget"].update(grouped_budget_fields(slots, pricing))
+        artifacts["grouping"] = {
+            **pricing.artifact(),
+            "coreGroupFill": {f"layer_{i}": v for i, v in sorted(group_fill.items())},
+        }
+    return doc
+
+
+def _fill_core(
+    work: dict[int, LayerWork], slots: Slots, config: PlannerConfig, pricing, notes: list[str]
+) -> dict[int, list[int]]:
+    """The core fill after the forced experts: per expert (today), or in whole groups of b
+    (planner_groups); returns the experts added to complete forced experts' groups."""
+    uniform = config.layer_allocation == "uniform"
+    if pricing is None:
+        allocate_core(work, slots.core, uniform)
+        return {}
+    b = pricing.group_size
+    added = round_forced_to_groups(work, b)
+    allocate_core_grouped(work, slots.core, uniform, b)
+    notes.append(
+        f"group size {b} ({pricing.why}): experts priced at {pricing.bytes_per_expert:,.0f} HBM bytes "
+        f"(groups of {pricing.group_bytes:,}), core and slices in whole groups"
+    )
+    return added
 
 
 def plan_bytes(doc: Mapping[str, Any]) -> bytes:
@@ -196,7 +236,7 @@ def _artifacts(
         "planner": "reap_swap.planner",
         "plannerVersion": PLANNER_VERSION,
         "selectionStrategy": SELECTION_STRATEGY,
-        "parameters": config.model_dump(mode="json"),
+        "parameters": config.recorded(),
         "inputs": [input_artifact(label, o) for label, o in zip(inputs.labels, inputs.observations)],
         "model": {
             "architecture": shape.architecture,

@@ -38,6 +38,15 @@ class PlannerConfig(BaseModel):
     super_expert_quantile: float = Field(default=99.5, gt=0, le=100)
     super_expert_max_divisor: float = Field(default=10.0, ge=1)
     max_refreshes_per_request: int = Field(default=1, ge=0)
+    group_size: Literal["auto", "1", "2", "4", "8"] | None = Field(
+        default=None,
+        description="plan for the grouped engine's groups of b experts (planner_groups); None: today's "
+        "planner, experts priced at checkpoint bytes, no groupSize in the plan",
+    )
+
+    def recorded(self) -> dict:
+        """scorerArtifacts.parameters: every knob; group_size only when given (old plans' bytes)."""
+        return self.model_dump(mode="json", exclude={"group_size"} if self.group_size is None else None)
 
     @model_validator(mode="after")
     def _one_budget(self) -> PlannerConfig:

@@ -11,6 +11,7 @@ from typing import Any
 
 from reap_swap import cache_surface, wire
 from reap_swap.active_set import resident_bytes
+from reap_swap.plan_model import format_ranges
 
 _BRIEF_KEYS = {
     "rank",
@@ -112,7 +113,44 @@ def status_report(ctl: Any, statuses: list[wire.StatusReply]) -> dict:
         ],
         "workers_consistent": all(s.layers == mine for s in statuses),
         "cache": cache_surface.report(statuses),
+        "group_size": group_size_report(getattr(ctl.plan, "group_size", 1), [s.backend for s in statuses]),
     }
+
+
+def group_size_report(plan_b: int, backends: list[dict]) -> dict:
+    """The plan's groupSize against the engine's b of every re-homed layer, per worker. A
+    difference is a warning, not a refusal: the plan still serves, its core and slices are just
+    not whole groups of the engine's b (boundary passengers), or whole groups of a b not used."""
+    engine: dict[int, int] = {}
+    differ: dict[int, int] = {}
+    for backend in backends:
+        layouts = backend.get("layouts") if isinstance(backend.get("layouts"), dict) else {}
+        for layer in backend.get("layers_rehomed") or ():
+            b = int((layouts.get(str(layer)) or {}).get("group_size", 1))
+            engine[int(layer)] = b
+            if b != plan_b:
+                differ[int(layer)] = b
+    out: dict[str, Any] = {
+        "plan": plan_b,
+        "engine": {str(l): b for l, b in sorted(engine.items())},
+        "matches": not differ,
+        "warning": None,
+    }
+    if not engine:
+        out["matches"] = None
+        out["warning"] = None if plan_b == 1 else "no re-homed layer reports a group size: not checked"
+    elif differ:
+        by_b: dict[int, list[int]] = {}
+        for l, b in sorted(differ.items()):
+            by_b.setdefault(b, []).append(l)
+        where = "; ".join(f"b = {b} on layers {format_ranges(ls)}" for b, ls in sorted(by_b.items()))
+        out["warning"] = (
+            f"the plan was made for groups of {plan_b} (groupSize), the engine uses {where}: "
+            "cores and slices are not sized in the engine's groups (boundary groups carry "
+            "passengers, or the plan gave up experts to round for groups the engine does not use); "
+            "re-plan with reap-swap plan --group-size matching --reap-group-size"
+        )
+    return out
 
 
 # what a worker's residency backend reports about the engine (cuda_backend.CudaResidency.status,
