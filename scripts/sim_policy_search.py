@@ -22,12 +22,13 @@ import orjson
 from reap_swap.cache_policy import report as rep
 from reap_swap.cache_policy.learned import DLearn, fit_layer
 from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
-from reap_swap.cache_policy.replay import layer_slots, parse_budget, simulate
+from reap_swap.cache_policy.replay import simulate
 from reap_swap.plan import load_plan
 from reap_swap.trace import load_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_mini_report import PLANS, ROOT, shuffled  # noqa: E402
+from sim_policy_target import core_and_slots  # noqa: E402
 
 OUT = ROOT / "research-notes/cache-sim"
 ABLATIONS = {
@@ -132,15 +133,7 @@ class Foresight(DLearn):
 
 
 def references(trace, prior, plan, budget) -> dict[str, float]:
-    total = len(trace.layers) * trace.num_experts * trace.per_expert_bytes
-    core = {l: plan.layers[l].core for l in trace.layers}
-    slots, _ = layer_slots(
-        parse_budget(budget, total).bytes // trace.per_expert_bytes,
-        trace.layers,
-        core,
-        "core+tail",
-        trace.num_experts,
-    )
+    core, slots = core_and_slots(trace, plan, budget)
     s_tr, s_pr = trace.request_first_steps(), prior.request_first_steps()
     steps = {l: LayerSteps.from_counts(l, trace.step_counts(l), s_tr) for l in trace.layers}
     psteps = {l: LayerSteps.from_counts(l, prior.step_counts(l), s_pr) for l in trace.layers}

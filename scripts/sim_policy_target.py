@@ -42,7 +42,8 @@ class StartedBelady(Belady):
         return self.seed
 
 
-def belady_refs(trace, plan, budget) -> dict:
+def core_and_slots(trace, plan, budget) -> tuple[dict, dict]:
+    """Per layer: the plan's core and the cache slots a budget gives it (core + tail)."""
     total = len(trace.layers) * trace.num_experts * trace.per_expert_bytes
     core = {l: plan.layers[l].core for l in trace.layers}
     slots, _ = layer_slots(
@@ -52,6 +53,11 @@ def belady_refs(trace, plan, budget) -> dict:
         "core+tail",
         trace.num_experts,
     )
+    return core, slots
+
+
+def belady_refs(trace, plan, budget) -> dict:
+    core, slots = core_and_slots(trace, plan, budget)
     starts = trace.request_first_steps()
     out = {}
     for name in ("belady-cold", "belady-core-start"):
