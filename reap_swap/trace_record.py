@@ -61,14 +61,16 @@ def record_trace(
     decode_tokens: int,
     source: dict,
     progress: bool = True,
+    dtype: str = "float32",
 ) -> Trace:
-    """``prompts``: (tag, token ids) per request, in the order they run; ``shape``: ModelShape."""
+    """``prompts``: (tag, token ids) per request, in the order they run; ``shape``: ModelShape;
+    ``dtype``: the torch dtype the model runs in (float32; bfloat16 halves host memory)."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     model.eval()
     moe_cols = list(range(len(shape.moe_layers)))  # router_logits holds one entry per MoE layer
     requests = []
@@ -84,7 +86,7 @@ def record_trace(
         request_tags=[t for t, _ in prompts],
         source={
             **source,
-            "recorder": "transformers output_router_logits (float32, greedy)",
+            "recorder": f"transformers output_router_logits ({dtype}, greedy)",
             "decode_tokens": decode_tokens,
         },
     )

@@ -171,6 +171,14 @@ class Construction:
         }
 
 
+def kit_prefix_rho(layers: int) -> list[float]:
+    """RHO_KIT's first ``layers`` values: layer l of a causal stack sees only layers < l, so a
+    reduced-depth kit model's layer l has the 12-layer model's residual rms entering it."""
+    if not 1 <= layers <= len(RHO_KIT):
+        raise ValueError(f"--rho kit-prefix: {layers} layers, RHO_KIT has {len(RHO_KIT)}")
+    return list(RHO_KIT[:layers])
+
+
 def build_construction(
     classes,
     *,
@@ -336,6 +344,13 @@ def _parse(argv):
         "--construction-only", action="store_true", help="write only DST/skew_construction.json (no weights)"
     )
     ap.add_argument("--workers", type=int, default=4, help="shards in flight")
+    ap.add_argument(
+        "--rho",
+        choices=("auto", "kit-prefix"),
+        default="auto",
+        help="auto: RHO_KIT at 12 layers, else 1.0; kit-prefix: RHO_KIT[:layers] (a reduced-depth kit "
+        "model gets the first layers' compensation of the 12-layer one)",
+    )
     return ap.parse_args(argv)
 
 
@@ -394,6 +409,7 @@ def main(argv=None) -> int:
         amp=a.amp,
         zipf=a.zipf,
         marker=a.marker,
+        rho=kit_prefix_rho(cfg["num_hidden_layers"]) if a.rho == "kit-prefix" else None,
     )
     desc = con.describe()
     desc["format"] = a.format

@@ -152,17 +152,17 @@ def references(trace, prior, plan, budget) -> dict[str, float]:
     return out
 
 
-def run_trace(trace, prior) -> dict:
+def run_trace(trace, prior, plans=PLANS) -> dict:
     rows, refs = [], {}
-    for budget, path in PLANS.items():
+    for budget, path in plans.items():
         plan = load_plan(path)
         rows += simulate(trace, plan, [budget], prior_trace=prior)["rows"]
         refs[budget] = references(trace, plan=plan, prior=prior, budget=budget)
     return {"rows": rows, "references": refs}
 
 
-def hit_table(reports: dict) -> str:
-    cols = [(name, b) for name in reports for b in PLANS]
+def hit_table(reports: dict, plans=PLANS) -> str:
+    cols = [(name, b) for name in reports for b in plans]
     head = "| policy | " + " | ".join(f"{n} {100 * float(b):g} %" for n, b in cols) + " |"
     lines = [head, "|---|" + "---|" * len(cols)]
     names = [r["policy"] for r in next(iter(reports.values()))["rows"] if r["budget"] == "0.5"]
@@ -198,34 +198,35 @@ def bytes_table(reports: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(reports: dict, path: Path) -> None:
+def plot(reports: dict, path: Path, plans=PLANS, title="mini MoE (policy2)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(reports), figsize=(15, 4.6), sharey=True)
+    fig, axes = plt.subplots(1, len(reports), figsize=(5 * len(reports), 4.6), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, (name, r) in zip(axes, reports.items(), strict=True):
-        xs = [100 * float(b) for b in PLANS]
+        xs = [100 * float(b) for b in plans]
         for i, p in enumerate([*SHOW, "belady"]):
             ys = [
                 100
                 * next(x for x in r["rows"] if x["policy"] == p and x["budget"] == b)["totals"][
                     "expert_hit_rate"
                 ]
-                for b in PLANS
+                for b in plans
             ]
             style = {"color": "black", "linewidth": 2.5} if p == "belady" else {"color": plt.cm.tab10(i)}
             ax.plot(xs, ys, marker="o", label=p, **style)
         for k, ls in ((1, ":"), (2, "--")):
-            ys = [100 * r["references"][b][f"foresight-{k}"] for b in PLANS]
+            ys = [100 * r["references"][b][f"foresight-{k}"] for b in plans]
             ax.plot(xs, ys, linestyle=ls, color="grey", label=f"foresight-{k} (reference)")
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("budget, % of expert bytes")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("expert hit rate, % (distinct per step)")
     axes[-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("device-cache policies vs Belady, mini MoE (policy2)", fontsize=10)
+    fig.suptitle(f"device-cache policies vs Belady, {title}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
