@@ -3,7 +3,7 @@
     python3 /work/shared/gpu-kit/mk_model.py /tmp/skewtrace/model --layers 3 --seed 0
     PYTHONPATH=$PWD python scripts/make_skewed_moe.py /tmp/skewtrace/model /tmp/skewtrace/skew \
         --rho kit-prefix --workers 1
-    PYTHONPATH=$PWD python scripts/record_skew_trace.py --model /tmp/skewtrace/skew   # ~10 min, 1 core
+    PYTHONPATH=$PWD python scripts/record_skew_trace.py --model /tmp/skewtrace/skew   # ~5 min, 1 core
 
 No vLLM server or engine: ``reap-swap observe --trace`` starts vLLM for its prefill counters and
 then loads the model a second time in transformers (reap_swap/trace_record.py), two copies that do
@@ -22,6 +22,7 @@ domain, <= --chars characters, prefill + --decode-tokens greedy tokens per reque
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -92,6 +93,32 @@ def plans(args, calib) -> None:
     obs.unlink()
 
 
+def write_params(args) -> None:
+    """OUT/params.json: how to rebuild the model and the traces (module doc)."""
+    from reap_swap.observations import file_digest
+
+    con = json.loads((args.model / "skew_construction.json").read_text())
+    info = json.loads((args.model / "kit_model_info.json").read_text())
+    mk = {k: info[k] for k in ("layers", "experts", "topk", "hidden", "moe_intermediate", "vocab")}
+    params = {
+        "mk_model": {**mk, "seed": 0, "generator": "torch CPU (on a GPU host mk_model draws on CUDA: other values)"},
+        "make_skewed_moe": {**con["params"], "format": con.get("format"), "rho": "kit-prefix"},
+        "skew_construction_sha256": file_digest(args.model / "skew_construction.json"),
+        "trace": {
+            "splits": list(SPLITS),
+            "per_domain": args.per_domain,
+            "chars": args.chars,
+            "decode_tokens": args.decode_tokens,
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "prompts": "record_mini_trace.cut_corpus(split, per_domain, chars), text records, tokenizer's specials",
+        },
+        "plans": {"budgets": list(BUDGETS), "core_fraction": 0.75, "from": "skew-calibration.npz prefill counts"},
+        "commands": [" ".join(line.split()).replace("\\ ", "") for line in __doc__.split("\n\n")[1].splitlines()],
+    }  # fmt: skip
+    (args.out / "params.json").write_text(json.dumps(params, indent=1) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True, help="make_skewed_moe.py output")
@@ -101,30 +128,26 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a CI shares this machine)")
+    ap.add_argument("--params-only", action="store_true", help="only (re)write OUT/params.json")
     args = ap.parse_args()
+    if args.params_only:
+        write_params(args)
+        return 0
     import torch
     from transformers import AutoTokenizer
 
     from reap_swap.model_shape import read_model_shape
-    from reap_swap.observations import file_digest
 
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     shape = read_model_shape(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    traces = {s: record_split(args, s, shape, tokenizer) for s in SPLITS}
+    traces = {}
+    for split in SPLITS:
+        traces[split] = record_split(args, split, shape, tokenizer)
+        gc.collect()  # the split's model copy goes before the next one loads
     plans(args, traces["calibration"])
-    con = json.loads((args.model / "skew_construction.json").read_text())
-    info = json.loads((args.model / "kit_model_info.json").read_text())
-    params = {
-        "model": {"mk_model": {k: info[k] for k in ("layers", "experts", "topk", "hidden", "vocab")}
-                  | {"seed": 0, "generator": "torch CPU (mk_model uses CUDA's when present: other values)"},
-                  "skew_construction_sha256": file_digest(args.model / "skew_construction.json"),
-                  "make_skewed_moe": con["params"], "format": con.get("format")},
-        "trace": {k: str(v) for k, v in vars(args).items() if k != "model"},
-        "commands": __doc__.split("\n\n")[1].strip(),
-    }  # fmt: skip
-    (args.out / "params.json").write_text(json.dumps(params, indent=1))
+    write_params(args)
     return 0
 
 
