@@ -145,7 +145,7 @@ def main() -> int:
     traces = {}
     for split in SPLITS:
         traces[split] = record_split(args, split, shape, tokenizer)
-        gc.collect()  # the split's model copy goes before the next one loads
+        gc.collect()  # the split's model copy goes before the next one loads (peak is within a split)
     plans(args, traces["calibration"])
     write_params(args)
     return 0
