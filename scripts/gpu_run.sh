@@ -8,7 +8,8 @@
 #   dcache    the device cache's policy-step timing (scripts/bench_device_cache.py), alone
 #   tests     pytest tests/gpu (TESTS_K: a -k filter)
 #   budget    --reap-budget auto at two --gpu-memory-utilization values (gpu_budget_auto.py: alone)
-#   cache     the device cache in the server for a plain client (gpu_e2e.py reap-cache vs reap-plan25)
+#   cache     the device cache in the server for a plain client (gpu_e2e.py reap-cache vs reap-plan25;
+#             CACHE_ARMS, CACHE_CAP, CACHE_EXTRA e.g. "--cache-shadow out")
 #   quant     quantized formats end to end (gpu_quant_e2e.py, QUANT_CASES)
 #   qwen      full-size Qwen3.5-35B-A3B, field plan, reap-swap and stock side by side (QWEN_CAP s each)
 #   families  the whole families lane (gpu_families.sh, FAM_DEADLINE)
@@ -50,8 +51,8 @@ ph_cache() {
   mkdir -p $R/cache  # stock-gpu's greedy text from run 8 (same kit, same seeded mk_model, same flags)
   $PY -c "import json; d=json.load(open('research-notes/h200-2026-12-01/run8-gpu_e2e.json')); \
 json.dump({'stock-gpu': d['stock-gpu']}, open('$R/cache/gpu_e2e.json', 'w'))"
-  timeout 330 $PY scripts/gpu_e2e.py --model /tmp/model --out $R/cache --moe-probe \
-    --arms ${CACHE_ARMS:-reap-cache,reap-plan25} > $R/cache.log 2>&1
+  timeout ${CACHE_CAP:-330} $PY scripts/gpu_e2e.py --model /tmp/model --out $R/cache --moe-probe \
+    --arms ${CACHE_ARMS:-reap-cache,reap-plan25} ${CACHE_EXTRA:-} > $R/cache.log 2>&1
 }
 ph_quant() {
   timeout ${QUANT_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/quant --jobs ${QUANT_JOBS:-3} \
