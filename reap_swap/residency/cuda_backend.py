@@ -15,9 +15,9 @@ import torch
 
 from reap_swap.compat import moe as vllm_moe
 
+from .backend_base import ResidencyBase, refuse_misplaced
 from .engine import CudaEngine, EngineState, LayerEntry
-from .refusals import LayerRefusals
-from .swap import ExpertStore, apply_swap
+from .swap import apply_swap
 from .vmm_store import VmmStore
 
 
@@ -39,10 +39,10 @@ def points_into_range(entry: LayerEntry) -> bool:
     return not misplaced_tensors(entry)
 
 
-class CudaResidency:
+class CudaResidency(ResidencyBase):
     """apply / resident / status / selfcheck over one EngineState and its ExpertStore."""
 
-    residency_mode = "cuda"
+    st: EngineState
 
     def __init__(self, engine: CudaEngine) -> None:
         st = engine.state
@@ -53,28 +53,10 @@ class CudaResidency:
             raise RuntimeError(
                 "no MoE layer was re-homed at load time" + (f" ({reasons})" if reasons else "")
             )
-        moved = {i: misplaced_tensors(e) for i, e in st.layers.items() if misplaced_tensors(e)}
-        if moved:
-            raise RuntimeError(
-                f"layers {moved}: these expert tensors no longer point into the engine's ranges "
-                "(something replaced them after re-homing); swaps would move bytes the kernel never reads"
-            )
+        refuse_misplaced(st.layers, misplaced_tensors, "ranges")
         self._init(st, VmmStore(st), engine.refusals)
         cache = getattr(engine, "cache", None)  # device_cache_engine.CacheConfig (issue 17)
         self.device_caches = cache.caches if cache is not None else None
-
-    @classmethod
-    def over(cls, st: Any, store: ExpertStore, refusals: LayerRefusals | None = None) -> CudaResidency:
-        """The backend over any state and store (tests: a fake store, no GPU, no pointer checks)."""
-        backend = object.__new__(cls)
-        backend._init(st, store, refusals or LayerRefusals())
-        return backend
-
-    def _init(self, st: EngineState, store: ExpertStore, refusals: LayerRefusals) -> None:
-        self.st = st
-        self.device_caches = None
-        self.store = store  # the data path; fault.FaultInjectingBackend may wrap it for one apply
-        self.refusals = refusals
 
     def capacity_bytes(self) -> int:
         plan = self.st.plan
@@ -124,12 +106,7 @@ class CudaResidency:
     def resident(self) -> dict[int, frozenset[int]]:
         out = {l: frozenset() for l in self.st.layers}
         out.update(self.st.table.resident())
-        plan = self.st.plan
-        for index, on_hbm in self.refusals.on_hbm.items():
-            if index not in out:
-                num = plan.layers[index].num_experts if plan and index in plan.layers else 0
-                out[index] = frozenset(range(num)) if on_hbm else frozenset()
-        return out
+        return self.with_refused(out)
 
     def selfcheck(self, iters: int = 20) -> dict:
         """Is what the kernel reads what the table says? Pointers, backings and one timed call.

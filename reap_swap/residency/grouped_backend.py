@@ -20,6 +20,7 @@ from typing import Any
 from reap_swap.group_layout import group_target, residents_of, set_cost
 
 from . import grouped
+from .backend_base import ResidencyBase, refuse_misplaced
 from .refusals import LayerRefusals
 from .swap import ExpertStore
 
@@ -35,10 +36,8 @@ def misplaced_tensors(entry: grouped.GroupedLayer) -> list[str]:
     ]
 
 
-class GroupedResidency:
+class GroupedResidency(ResidencyBase):
     """apply / resident / status / selfcheck over an engine state's GroupedState."""
-
-    residency_mode = "cuda"
 
     def __init__(self, engine: Any) -> None:
         st = engine.state
@@ -47,26 +46,12 @@ class GroupedResidency:
             raise RuntimeError(
                 "no MoE layer was re-homed in groups at load time: " + engine.refusals.summary()
             )
-        moved = {i: misplaced_tensors(e) for i, e in gs.layers.items() if misplaced_tensors(e)}
-        if moved:
-            raise RuntimeError(
-                f"layers {moved}: these expert tensors no longer point into the engine's grouped ranges "
-                "(something replaced them after re-homing); swaps would move bytes the kernel never reads"
-            )
+        refuse_misplaced(gs.layers, misplaced_tensors, "grouped ranges")
         self._init(st, grouped.GroupedStore(gs), engine.refusals)
 
-    @classmethod
-    def over(cls, st: Any, store: ExpertStore, refusals: LayerRefusals | None = None) -> GroupedResidency:
-        """The backend over any state and store (tests: a fake store, no GPU, no pointer checks)."""
-        backend = object.__new__(cls)
-        backend._init(st, store, refusals or LayerRefusals())
-        return backend
-
     def _init(self, st: Any, store: ExpertStore, refusals: LayerRefusals) -> None:
-        self.st, self.gs = st, st.grouped
-        self.store = store  # fault.FaultInjectingBackend may wrap it for one apply
-        self.refusals = refusals
-        self.device_caches = None
+        super()._init(st, store, refusals)
+        self.gs = st.grouped
 
     @property
     def group_bytes(self) -> int:
@@ -118,12 +103,7 @@ class GroupedResidency:
         gs = self.gs
         groups = gs.table.resident()
         out = {l: residents_of(groups.get(l, ()), e.perm, e.layout.group_size) for l, e in gs.layers.items()}
-        plan = self.st.plan
-        for index, on_hbm in self.refusals.on_hbm.items():
-            if index not in out:
-                num = plan.layers[index].num_experts if plan and index in plan.layers else 0
-                out[index] = frozenset(range(num)) if on_hbm else frozenset()
-        return out
+        return self.with_refused(out)
 
     def layouts(self) -> dict[str, dict]:
         """Per layer: the layout (b, why, strides, bytes per expert), resident groups and their HBM."""
