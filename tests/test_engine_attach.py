@@ -105,3 +105,64 @@ def test_status_carries_each_workers_engine_facts_and_the_fallbacks_per_layer_re
     facts = engine_summary(cuda)
     assert facts["unit_bytes"] == 6 << 20 and facts["pool_slots"] == 256 and "swaps" not in facts
     assert facts["rehomed_tensors"] == {"0": ["w13_weight"]}  # JSON keys
+
+
+def _recording_engine(monkeypatch, cache=None, core=(1, 2)):
+    """cpu_engine with the byte-moving steps replaced by recorders: what attach_after_load calls,
+    in which order, with what (the real steps need CUDA; tests/gpu/test_cuda_engine.py runs them)."""
+    from reap_swap.residency import device_cache_engine
+
+    calls = []
+    eng = cpu_engine()
+    eng.cache = cache
+    eng.plan.layers[0].core = list(core)
+    table = SimpleNamespace(resident=lambda: {})
+    st = SimpleNamespace(plan=eng.plan, granularity=2**16, pool=None, device=0, layers={}, table=table)
+    st.load_seconds, st.host_cache_release = 0.0, None
+    eng._state_for = lambda layer: st
+    monkeypatch.setattr(engine_mod, "_ensure_pool", lambda st_, unit, c: calls.append(("pool", unit, c)))
+    monkeypatch.setattr(
+        engine_mod, "rehome", lambda t, lay, dev: calls.append(("rehome", sorted(t))) or ("rng", 7, dict(t))
+    )
+    monkeypatch.setattr(engine_mod, "swap_state", lambda st_, cur: calls.append(("swap", cur)))
+    monkeypatch.setattr(engine_mod.vllm_moe, "mark_uva_offloaded", lambda p: calls.append(("mark", p.shape)))
+    monkeypatch.setattr(engine_mod.vllm_moe, "release_cached_pinned_memory", lambda: "released")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty",)))
+
+    def cache_rehome(cfg, st_, m, index, w13, w2, unit):
+        calls.append(("cache_rehome", index, unit))
+        return "crng", 9, w13, w2, "ext"
+
+    monkeypatch.setattr(device_cache_engine, "rehome_layer", cache_rehome)
+    monkeypatch.setattr(
+        device_cache_engine, "engage", lambda cfg, st_, m, i, r, b, e: calls.append(("engage", i, r, b, e))
+    )
+    return eng, st, calls
+
+
+@pytest.mark.parametrize("cache", [None, "core+dlfu", "dlfu-seeded"])
+def test_attach_rehomes_points_the_parameters_and_seeds_the_core_in_order(monkeypatch, cache):
+    cfg = None if cache is None else SimpleNamespace(seed_core=cache == "dlfu-seeded")
+    eng, st, calls = _recording_engine(monkeypatch, cache=cfg)
+    m = layer(0)
+    eng.attach_after_load(m, 0)
+    assert eng.refusals.reasons == {} and m._reap_vmm
+    unit = st.layers[0].unit_bytes
+    moved = [("cache_rehome", 0, unit)] if cfg else [("rehome", ["w13_weight", "w2_weight"])]
+    seeded = [] if cache == "dlfu-seeded" else [("swap", {0: {1, 2}})]
+    engaged = [("engage", 0, "crng", 9, "ext")] if cfg else []
+    assert calls == [
+        ("pool", unit, cfg),
+        *moved,
+        ("mark", (E, 2 * I, H)),
+        ("mark", (E, H, I)),
+        *seeded,
+        *engaged,
+        ("empty",),
+    ]
+    entry = st.layers[0]
+    assert (entry.rng, entry.range_bytes, entry.num_experts) == (("crng", 9) if cfg else ("rng", 7)) + (E,)
+    assert st.host_cache_release == "released" and st.load_seconds > 0
+    before = list(calls)
+    eng.attach_after_load(m, 0)  # the loader's second call: nothing happens again
+    assert calls == before

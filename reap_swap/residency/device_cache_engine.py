@@ -67,6 +67,20 @@ def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, uni
     return rng, range_bytes, v13, v2, ext
 
 
+def rehome_plain(cfg: CacheConfig, st: Any, layer: Any, index: int, tensors, bound):
+    """rehome_layer on a plain w13/w2 layer (no side tensors, no aliases, w2 right after w13 in
+    the unit), the only kind the cache engages on; else None (engine.rehome, no refusal)."""
+    w13 = tensors.get("w13_weight")
+    plain = (
+        set(tensors) == {"w13_weight", "w2_weight"}
+        and not bound.aliases
+        and bound.layout.offset_of("w2_weight") == w13[0].numel() * w13.element_size()
+    )
+    if not plain:
+        return None
+    return rehome_layer(cfg, st, layer, index, w13, tensors["w2_weight"], bound.layout.unit_bytes)
+
+
 def engage(cfg: CacheConfig, st: Any, layer: Any, index: int, rng, range_bytes, ext) -> None:
     """After the core swap (or instead of it, with seed_core): start the layer's cache."""
     core = set(st.plan.layers[index].core) if st.plan is not None else set()

@@ -255,68 +255,25 @@ class CudaEngine:
 
     def attach_after_load(self, layer: torch.nn.Module, index: int | None) -> None:
         """Re-home one loaded MoE layer into a mixed range, then make its core experts resident."""
-        name = getattr(layer, "layer_name", "?")
-        if getattr(layer, "_reap_vmm", False) or name in self.refusals.reasons:
-            return  # called again (0.26's online fp8: layerwise processing, then the loader's pass)
-        waiting = meta_tensors(layer)
-        if waiting:  # online quantization: no data yet; the call after materialization attaches
-            self.pending_meta[name] = index
-            logger.debug("reap-swap: layer %s still on meta (%s): attach deferred", name, ",".join(waiting))
+        if not self._ready_to_attach(layer, index):
             return
-        self.pending_meta.pop(name, None)
         st, bound, reason = self._check_layer(layer, index)
         if reason is not None:
-            w13 = getattr(layer, "w13_weight", None)
-            on_hbm = isinstance(w13, torch.Tensor) and not vllm_moe.is_uva_offloaded(w13)
-            self.refusals.refuse(getattr(layer, "layer_name", "?"), index, reason, on_hbm)
+            self._refuse(layer, index, reason)
             return
         if self.group_size != "1" and grouped_engine.attach(self, st, layer, index, bound):
             return  # re-homed in groups, or refused by name (b = 1 continues on the private path)
         t0 = time.perf_counter()
         _ensure_pool(st, bound.layout.unit_bytes, self.cache)
-        tensors = {n: t.data for n, t in bound.rehome.items()}
-        cached = (  # the device cache (issue 17) engages only on plain w13/w2 layers: no side tensors
-            self.cache
-            and set(tensors) == {"w13_weight", "w2_weight"}
-            and not bound.aliases
-            and bound.layout.offset_of("w2_weight")
-            == tensors["w13_weight"][0].numel() * tensors["w13_weight"].element_size()
-            and device_cache_engine.rehome_layer(
-                self.cache,
-                st,
-                layer,
-                index,
-                tensors["w13_weight"],
-                tensors["w2_weight"],
-                bound.layout.unit_bytes,
-            )
-        )
-        if cached:
-            rng, range_bytes = cached[0], cached[1]
-            views = {"w13_weight": cached[2], "w2_weight": cached[3]}
-        else:
-            rng, range_bytes, views = rehome(tensors, bound.layout, st.device)
-        for name in (*bound.rehome, *bound.aliases):
-            param = getattr(layer, name)
-            param.data = views[bound.aliases.get(name, name)]
-            # inside vLLM's device_loading_context: without the flag it would re-offload our range
-            vllm_moe.mark_uva_offloaded(param)
-        layer._reap_vmm = True
+        rng, range_bytes, views, cached = self._rehome(st, layer, index, bound)
+        _point_params(layer, bound, views)
         num_experts = next(iter(views.values())).shape[0]
         st.layers[index] = LayerEntry(
             index, layer.layer_name, num_experts, bound.layout.unit_bytes, bound.layout.payload_bytes,
             rng, range_bytes, layer, bound.layout, dict(bound.aliases), bound.kept_bytes,
         )  # fmt: skip
-        if st.plan is not None and not (cached and self.cache.seed_core):
-            current = {l: set(v) for l, v in st.table.resident().items()}
-            current[index] = set(st.plan.layers[index].core)
-            swap_state(st, current)
-        if cached:
-            device_cache_engine.engage(self.cache, st, layer, index, rng, range_bytes, cached[4])
-        torch.cuda.empty_cache()
-        # the old pinned copy is free now: give it back so the expert set is not held twice
-        st.host_cache_release = vllm_moe.release_cached_pinned_memory()
-        st.load_seconds += time.perf_counter() - t0
+        self._seed(st, layer, index, cached)
+        _settle(st, t0)
         logger.info(
             "reap-swap: layer %d re-homed (%d experts, %s, unit %.2f MiB, kept whole %s = %.2f MiB, "
             "%d resident) in %.2fs",
@@ -325,12 +282,67 @@ class CudaEngine:
             len(st.table.resident().get(index, ())), time.perf_counter() - t0,
         )  # fmt: skip
 
+    def _ready_to_attach(self, layer: torch.nn.Module, index: int | None) -> bool:
+        """False on a repeated call (0.26's online fp8: layerwise processing, then the loader's pass)
+        and while the weights are on meta (online quantization: the call after materializing attaches)."""
+        name = getattr(layer, "layer_name", "?")
+        if getattr(layer, "_reap_vmm", False) or name in self.refusals.reasons:
+            return False
+        waiting = meta_tensors(layer)
+        if waiting:
+            self.pending_meta[name] = index
+            logger.debug("reap-swap: layer %s still on meta (%s): attach deferred", name, ",".join(waiting))
+            return False
+        self.pending_meta.pop(name, None)
+        return True
+
+    def _refuse(self, layer: torch.nn.Module, index: int | None, reason: str) -> None:
+        """Leave the layer on vLLM's stock path; record whether its experts sit in HBM or host (UVA)."""
+        w13 = getattr(layer, "w13_weight", None)
+        on_hbm = isinstance(w13, torch.Tensor) and not vllm_moe.is_uva_offloaded(w13)
+        self.refusals.refuse(getattr(layer, "layer_name", "?"), index, reason, on_hbm)
+
+    def _rehome(self, st: EngineState, layer: torch.nn.Module, index: int, bound: BoundLayer):
+        """(range, bytes, views, cache result): with the device cache's slot units where it engages (issue 17)."""
+        tensors = {n: t.data for n, t in bound.rehome.items()}
+        cached = self.cache and device_cache_engine.rehome_plain(self.cache, st, layer, index, tensors, bound)
+        if cached:
+            return cached[0], cached[1], {"w13_weight": cached[2], "w2_weight": cached[3]}, cached
+        rng, range_bytes, views = rehome(tensors, bound.layout, st.device)
+        return rng, range_bytes, views, cached
+
+    def _seed(self, st: EngineState, layer: torch.nn.Module, index: int, cached: Any) -> None:
+        """Make the plan core resident (unless the device cache is seeded with it), then engage the cache."""
+        if st.plan is not None and not (cached and self.cache.seed_core):
+            current = {l: set(v) for l, v in st.table.resident().items()}
+            current[index] = set(st.plan.layers[index].core)
+            swap_state(st, current)
+        if cached:
+            device_cache_engine.engage(self.cache, st, layer, index, cached[0], cached[1], cached[4])
+
     def release(self) -> None:
         """Give the HBM pool and the ranges back (worker shutdown)."""
         if self.state is not None:
             release_state(self.state)
             logger.info("reap-swap: HBM pool and expert ranges released")
             self.state = None
+
+
+def _point_params(layer: torch.nn.Module, bound: BoundLayer, views: Mapping[str, torch.Tensor]) -> None:
+    """Point the re-homed parameters (aliases too) at the range's views, flagged as offloaded."""
+    for name in (*bound.rehome, *bound.aliases):
+        param = getattr(layer, name)
+        param.data = views[bound.aliases.get(name, name)]
+        # inside vLLM's device_loading_context: without the flag it would re-offload our range
+        vllm_moe.mark_uva_offloaded(param)
+    layer._reap_vmm = True
+
+
+def _settle(st: EngineState, t0: float) -> None:
+    """Free the old tensors' HBM and pinned host copy (the expert set is not held twice); count the time."""
+    torch.cuda.empty_cache()
+    st.host_cache_release = vllm_moe.release_cached_pinned_memory()
+    st.load_seconds += time.perf_counter() - t0
 
 
 def _ensure_pool(st: EngineState, unit_bytes: int, cache: Any | None = None) -> None:

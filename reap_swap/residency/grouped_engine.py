@@ -124,9 +124,7 @@ def ensure_pools(st: Any, layout: GroupLayout, private_unit_bytes: int, groups_p
 
 
 def _refuse(engine: Any, layer: torch.nn.Module, index: int, why: str) -> bool:
-    w13 = getattr(layer, "w13_weight", None)
-    on_hbm = isinstance(w13, torch.Tensor) and not vllm_moe.is_uva_offloaded(w13)
-    engine.refusals.refuse(getattr(layer, "layer_name", "?"), index, why, on_hbm)
+    engine._refuse(layer, index, why)  # engine.CudaEngine._refuse: stock path, HBM or host recorded
     return True
 
 
