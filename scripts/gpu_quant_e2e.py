@@ -45,29 +45,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (gpu_e2e, m
 import gpu_e2e  # noqa: E402
 import group_e2e  # noqa: E402
 import make_quant_checkpoint as mqc  # noqa: E402
+from quant_cases import (  # noqa: E402  (pure parts: case list, summary; re-exported)
+    CASES,
+    KV_BYTES,
+    STOCK_TWICE_WORDS,
+    SWAPS,
+    TINY,
+    case_row,
+    checkpoint_ready,
+    engine_facts,
+    listed,
+    markdown,
+)
 
 from reap_swap import serving  # noqa: E402
 from reap_swap.model_shape import quantization_config, read_model_shape  # noqa: E402
-from reap_swap.moe_probe import compare_probes  # noqa: E402
 from reap_swap.quant_budget import served_quant_of  # noqa: E402
 from reap_swap.quant_padding import expert_format  # noqa: E402
-from reap_swap.serving import Server, compare, free_port, log  # noqa: E402
-
-# case -> (checkpoint format, extra vLLM arguments)
-CASES = {
-    "bf16": ("bf16", []),
-    "fp8-block": ("fp8-block", []),
-    "fp8-tensor": ("fp8-tensor", []),
-    "ct-fp8": ("ct-fp8", []),
-    "fp8-online": ("bf16", ["--quantization", "fp8"]),
-    "awq": ("awq", []),
-    "gptq": ("gptq", []),
-    "ct-w4a16": ("ct-w4a16", []),
-    "mxfp4": ("mxfp4", []),
-}
-TINY = ["--hidden", "256", "--moe-intermediate", "128", "--experts", "8", "--top-k", "2", "--heads", "4"]
-TINY += ["--kv-heads", "2", "--head-dim", "64", "--vocab", "512"]
-KV_BYTES = 512 * 2**20
+from reap_swap.serving import Server, free_port, log  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -112,24 +107,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if bad:
             ap.error(f"--{flag.replace('_', '-')}: unknown {bad}; known: {', '.join((*words, *CASES))}")
     return a
-
-
-STOCK_TWICE_WORDS = ("refused", "all", "none")
-
-
-def listed(spec: str, name: str, binds: bool) -> bool:
-    """Is case `name` selected by a --stock-twice / --eager-pair value (cases and words)?"""
-    items = set(spec.split(","))
-    return name in items or "all" in items or ("refused" in items and not binds)
-
-
-def checkpoint_ready(folder: Path, fmt: str, layers: int) -> bool:
-    """A complete checkpoint of this format and depth (its recipe is the writer's last file)."""
-    try:
-        recipe = json.loads((folder / "reap_quant_recipe.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return recipe.get("format") == fmt and recipe.get("layers") == layers
 
 
 def writer_argv(a: argparse.Namespace, fmt: str) -> list[str]:
@@ -202,9 +179,6 @@ def run_stock(
     env = {**gpu_e2e.DEV, **(env or {})}
     with Server(name, argv, out, env=env, port=free_port(), startup_timeout_s=timeout) as srv:
         return {"startup_s": srv.startup_s, "env": env, **sample(srv, name)}
-
-
-SWAPS = (("25", 25, 0), ("50", 50, 0), ("100", 100, 0), ("0-after", 0, 0), ("50-other", 50, 50))
 
 
 def run_reap(
@@ -320,181 +294,6 @@ def spawn(a: argparse.Namespace, name: str) -> dict:
     res = json.loads(path.read_text()) if path.exists() else {"case": name}
     res.update(case_wall_s=time.time() - t0, case_rc=proc.returncode, timed_out=proc.returncode == 124)
     return res
-
-
-# ----------------------------------------------------------------------------- summary
-
-
-def _rank0(probe: dict | None) -> dict | None:
-    ranks = (probe or {}).get("ranks") or []
-    return ranks[0] if ranks and not ranks[0].get("error") else None
-
-
-def _phase_checks(stock: dict, phases: dict) -> tuple[list[str], list[str]]:
-    """Phases whose greedy text / MoE digests differ from stock's (or could not be compared)."""
-    bad_text, bad_probe = [], []
-    ref_p = _rank0(stock.get("moe_probe"))
-    for label, ph in phases.items():
-        c = compare(stock["greedy"], ph.get("greedy") or [])
-        if c["identical"] != c["of"] or c["of"] != len(stock["greedy"]):
-            bad_text.append(label)
-        got = _rank0(ph.get("moe_probe"))
-        cp = compare_probes(ref_p, got) if ref_p and got else {"comparable": False}
-        if not cp.get("comparable") or cp["equal"] != cp["of"]:
-            bad_probe.append(label)
-    return bad_text, bad_probe
-
-
-def _swap_stats(phases: dict) -> dict:
-    swaps = [ph["swap"] for ph in phases.values() if ph.get("swap")]
-    moved = [s for s in swaps if s.get("bytes_copied")]
-    return {
-        "bytes_mismatch": [
-            s.get("expected_bytes") for s in swaps if (s.get("bytes_copied") or 0) != s.get("expected_bytes")
-        ],
-        "swap_errors": [s.get("error") for s in swaps if s.get("status") != 200],
-        "gbps_client": [round(s["bytes_copied"] / (s["client_ms"] / 1000) / 1e9, 2) for s in moved],
-        "gbps_workers": [round(s["gbps_workers"], 2) for s in moved if s.get("gbps_workers")],
-    }
-
-
-def engine_facts(status: dict) -> dict:
-    """Rank 0's engine facts from /reap/status (`workers[i].engine`, swap_report.engine_summary):
-    the mapping unit, pool slots, kept-whole HBM, re-homed layers and per-layer refusals."""
-    workers = (status or {}).get("workers") or [{}]
-    return workers[0].get("engine") or {}
-
-
-def _stock_repeat(stock: dict, stock2: dict) -> dict | None:
-    """Stock served twice (separate processes): identical tokens, logprobs and MoE digests?"""
-    if not stock2.get("greedy") or not stock.get("greedy"):
-        return None
-    c = compare(stock["greedy"], stock2["greedy"])
-    logprobs = [a.get("logprobs") == b.get("logprobs") for a, b in zip(stock["greedy"], stock2["greedy"])]
-    p1, p2 = _rank0(stock.get("moe_probe")), _rank0(stock2.get("moe_probe"))
-    cp = compare_probes(p1, p2) if p1 and p2 else {"comparable": False}
-    probe_same = bool(cp.get("comparable")) and cp["equal"] == cp["of"]
-    same = c["identical"] == c["of"] and all(logprobs) and probe_same
-    return {
-        "tokens": c,
-        "logprobs_identical": sum(logprobs),
-        "probe_equal": probe_same,
-        "deterministic": same,
-    }
-
-
-def _eager_pair(res: dict) -> dict | None:
-    """stock --enforce-eager vs reap-swap --enforce-eager at every residency point: identical
-    tokens and logprobs? (No torch.compile: Inductor's per-process choices cannot differ.)"""
-    stock, reap = res.get("stock_eager"), res.get("reap_eager")
-    if stock is None and reap is None:
-        return None
-    errors = {
-        k: v["error"][:300]
-        for k, v in (("stock_eager", stock or {}), ("reap_eager", reap or {}))
-        if v.get("error")
-    }
-    if errors or not (stock or {}).get("greedy") or not (reap or {}).get("phases"):
-        return {"comparable": False, "errors": errors}
-    differs, logprobs_differ = [], []
-    for label, ph in reap["phases"].items():
-        got = ph.get("greedy") or []
-        c = compare(stock["greedy"], got)
-        if c["identical"] != c["of"] or c["of"] != len(stock["greedy"]):
-            differs.append(label)
-        if [g.get("logprobs") for g in stock["greedy"]] != [g.get("logprobs") for g in got]:
-            logprobs_differ.append(label)
-    return {"comparable": True, "text_differs": differs, "logprobs_differ": logprobs_differ,
-            "identical": not differs and not logprobs_differ}  # fmt: skip
-
-
-def case_row(res: dict) -> dict:
-    stock, reap, stock2 = res.get("stock") or {}, res.get("reap") or {}, res.get("stock2") or {}
-    row = {"case": res.get("case"), "binds": res.get("binds"), "timed_out": res.get("timed_out", False)}
-    arms = (("stock", stock), ("reap", reap), ("stock2", stock2))
-    row["errors"] = {k: v["error"][:300] for k, v in arms if v.get("error")}
-    eng = engine_facts(reap.get("status_end") or reap.get("status_start") or {})
-    unit, kept = eng.get("unit_bytes"), eng.get("kept_whole_hbm_bytes")
-    layers = len(eng.get("layers_rehomed") or []) or 1
-    row.update(
-        unit_mib=unit / 2**20 if unit else None,
-        payload_mib=(res.get("payload_bytes") or 0) / 2**20,
-        kept_whole_bytes=kept,
-        pool_slots=eng.get("pool_slots"),
-        layers_rehomed=eng.get("layers_rehomed"),
-        refused_layers=eng.get("refused_layers") or {},
-        engine_reason=eng.get("reason"),
-        kept_per_layer=kept / layers if kept is not None else None,
-    )
-    row["refusal"] = _refusal_note(row) or res.get("engine_refusal")
-    row["stock_repeat"] = _stock_repeat(stock, stock2)
-    row["eager_pair"] = _eager_pair(res)
-    if stock.get("greedy") and reap.get("phases"):
-        row["text_differs"], row["probe_differs"] = _phase_checks(stock, reap["phases"])
-        row.update(_swap_stats(reap["phases"]))
-    row["verdict"] = _verdict(row)
-    row["pass"] = row["verdict"] == "PASS"
-    return row
-
-
-def _refusal_note(row: dict) -> str | None:
-    """Per-layer refusals, deduplicated: 'layers 0,1: <reason>'."""
-    by_reason: dict[str, list[str]] = {}
-    for name, why in row["refused_layers"].items():
-        by_reason.setdefault(why, []).append(name.split(".")[2] if name.count(".") >= 2 else name)
-    return "; ".join(f"layers {','.join(ls)}: {why}" for why, ls in by_reason.items()) or None
-
-
-def _verdict(row: dict) -> str:
-    """PASS / FAIL, or STOCK-NONDET where stock served twice already differs from itself."""
-    if row["errors"] or row["timed_out"] or "text_differs" not in row:
-        return "FAIL"
-    same = not row["text_differs"] and not row["probe_differs"] and not row["swap_errors"]
-    if row["binds"]:
-        ok = same and not row["bytes_mismatch"] and bool(row["unit_mib"]) and not row["refused_layers"]
-    else:  # refused formats: up on the stock path, every layer's refusal recorded, no layer re-homed
-        ok = same and bool(row["refused_layers"]) and not row["layers_rehomed"]
-    if ok:
-        return "PASS"
-    repeat = row.get("stock_repeat")
-    if not same and repeat is not None and not repeat["deterministic"]:
-        return "STOCK-NONDET"  # reap cannot be held to bitwise equality with a stock that varies
-    return "FAIL"
-
-
-def markdown(doc: dict) -> str:
-    head = (
-        "| case | engine | pass | greedy differs at | MoE digests differ at | swap GB/s (client; workers) | "
-        "bytes moved = admitted x payload | unit MiB (payload MiB) | pool slots | kept whole B/layer | refusal / error |"
-    )
-    lines = [f"quant e2e, {doc.get('wall_s', 0):.0f} s wall", "", head, "|" + "---|" * 11]
-    for r in doc.get("rows") or [case_row(c) for c in doc["cases"].values()]:
-        note = "; ".join(f"{k}: {v}" for k, v in r["errors"].items()) or str(r.get("refusal") or "")
-        rep = r.get("stock_repeat")
-        if rep is not None:
-            det = "deterministic" if rep["deterministic"] else f"NOT deterministic {rep}"
-            note = f"stock x2: {det}; {note}"
-        eager = r.get("eager_pair")
-        if eager is not None:
-            what = (
-                ("identical" if eager["identical"] else f"differ {eager}") if eager["comparable"] else eager
-            )
-            note = f"eager reap vs stock: {what}; {note}"
-        note = ("TIMED OUT; " if r["timed_out"] else "") + note.replace("|", "/")[:400]
-        gb = f"{r.get('gbps_client')}; {r.get('gbps_workers')}" if r.get("gbps_client") else "-"
-        unit = (
-            f"{r['unit_mib']:.1f} ({r['payload_mib']:.2f})"
-            if r.get("unit_mib")
-            else f"- ({r['payload_mib']:.2f})"
-        )
-        mism = r.get("bytes_mismatch")
-        lines.append(
-            f"| {r['case']} | {'bound' if r['binds'] else 'refused'} | {r.get('verdict') or 'FAIL'} | "
-            f"{r.get('text_differs', '-')} | {r.get('probe_differs', '-')} | {gb} | "
-            f"{'yes' if mism == [] else mism if mism else '-'} | {unit} | {r.get('pool_slots')} | "
-            f"{r.get('kept_per_layer')} | {note} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def write_checkpoints(a: argparse.Namespace, names: list[str]) -> None:
