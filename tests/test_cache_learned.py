@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
+from cache_cases import layer_steps, tiny_trace, traces
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from reap_swap.cache_policy.belady import Belady
 from reap_swap.cache_policy.learned import (
@@ -15,22 +15,13 @@ from reap_swap.cache_policy.learned import (
     fit_layer,
     reuse_targets,
 )
-from reap_swap.cache_policy.mechanism import LayerSteps, replay_layer
+from reap_swap.cache_policy.mechanism import replay_layer
 from reap_swap.cache_policy.online import LRU
 from reap_swap.cache_policy.replay import POLICIES, simulate
 from reap_swap.cache_policy.stepper import LayerCache
 from reap_swap.plan import load_plan
-from reap_swap.trace import from_requests
 
 PLAN = "plans/reap-mini-moe.plan.json"
-
-
-def layer_steps(step_counts, num_experts, starts=(0,)) -> LayerSteps:
-    counts = np.zeros((len(step_counts), num_experts), dtype=np.int32)
-    for t, s in enumerate(step_counts):
-        for e, c in s.items() if isinstance(s, dict) else ((e, 1) for e in s):
-            counts[t, e] = c
-    return LayerSteps.from_counts(0, counts, np.asarray(starts))
 
 
 def test_features_are_exact_integers():
@@ -77,20 +68,8 @@ def test_fit_learns_an_alternating_pattern():
         DLearn("x", model).start(layer_steps([{0}], 5), 1)
 
 
-traces = st.integers(2, 8).flatmap(
-    lambda e: st.tuples(
-        st.just(e),
-        st.integers(1, e),
-        st.lists(
-            st.frozensets(st.integers(0, e - 1), min_size=1, max_size=min(e, 3)), min_size=2, max_size=40
-        ),
-        st.frozensets(st.integers(0, e - 1), max_size=e),
-    )
-)
-
-
 @settings(max_examples=100, deadline=None)
-@given(traces)
+@given(traces())
 def test_rules_belady_bound_and_online_stepping(case):
     """Every step obeys the mechanism (replay_layer checks), never fewer host reads than Belady,
     and the server's accounting stepper gives the replay's counts exactly (request flags too)."""
@@ -111,19 +90,6 @@ def test_rules_belady_bound_and_online_stepping(case):
         want.selection_hits,
         want.admitted,
         want.bypassed,
-    )
-
-
-def tiny_trace(seed):
-    rng = np.random.default_rng(seed)
-    p = np.arange(16, 0, -1) / 136
-
-    def tokens(n):
-        return np.array([[rng.choice(16, 2, replace=False, p=p) for _ in range(4)] for _ in range(n)])
-
-    reqs = [[tokens(int(rng.integers(5, 30)))] + [tokens(1) for _ in range(12)] for _ in range(3)]
-    return from_requests(
-        reqs, layers=[0, 1, 2, 3], model="m", num_experts=16, top_k=2, per_expert_bytes=73728
     )
 
 

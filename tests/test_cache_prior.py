@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
+from cache_cases import layer_steps, tiny_trace, traces
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from reap_swap.cache_policy.belady import Belady
 from reap_swap.cache_policy.device import DLFU
-from reap_swap.cache_policy.mechanism import LayerSteps, replay_layer
+from reap_swap.cache_policy.mechanism import replay_layer
 from reap_swap.cache_policy.prior import DLFUAdmit, DLFUMarkov, transition_table
 from reap_swap.cache_policy.replay import POLICIES, SimulationError, simulate
 from reap_swap.cache_policy.stepper import LayerCache
@@ -17,32 +17,13 @@ from reap_swap.trace import from_requests
 PLAN = "plans/reap-mini-moe.plan.json"
 
 
-def layer_steps(step_sets, num_experts, starts=(0,)) -> LayerSteps:
-    counts = np.zeros((len(step_sets), num_experts), dtype=np.int32)
-    for t, s in enumerate(step_sets):
-        counts[t, sorted(s)] = 1
-    return LayerSteps.from_counts(0, counts, np.asarray(starts))
-
-
-traces = st.integers(2, 8).flatmap(
-    lambda e: st.tuples(
-        st.just(e),
-        st.integers(1, e),
-        st.lists(
-            st.frozensets(st.integers(0, e - 1), min_size=1, max_size=min(e, 3)), min_size=2, max_size=40
-        ),
-        st.frozensets(st.integers(0, e - 1), max_size=e),
-    )
-)
-
-
 def new_policies(ls, core):
     table = transition_table(ls, 16.0)
     return [DLFUAdmit("dlfu-admit-seeded", seed=core), DLFUMarkov("dlfu-markov-seeded", table, seed=core)]
 
 
 @settings(max_examples=150, deadline=None)
-@given(traces)
+@given(traces())
 def test_no_new_policy_reads_fewer_experts_than_belady(case):
     e, cap, steps, core = case
     core = frozenset(sorted(core)[:cap])
@@ -55,7 +36,7 @@ def test_no_new_policy_reads_fewer_experts_than_belady(case):
 
 
 @settings(max_examples=60, deadline=None)
-@given(traces)
+@given(traces())
 def test_stepping_online_equals_replay(case):
     """The server's accounting mode (stepper.LayerCache) gives the simulator's counts exactly."""
     e, cap, steps, core = case
@@ -106,19 +87,6 @@ def test_markov_prior_admits_the_predicted_expert():
     assert replay_layer(DLFUMarkov("m", table), ls, 2).admitted >= 2
     with pytest.raises(ValueError, match="square"):
         DLFUMarkov("m", np.zeros((2, 3)))
-
-
-def tiny_trace(seed):
-    rng = np.random.default_rng(seed)
-    p = np.arange(16, 0, -1) / 136
-
-    def tokens(n):
-        return np.array([[rng.choice(16, 2, replace=False, p=p) for _ in range(4)] for _ in range(n)])
-
-    reqs = [[tokens(int(rng.integers(5, 30)))] + [tokens(1) for _ in range(12)] for _ in range(3)]
-    return from_requests(
-        reqs, layers=[0, 1, 2, 3], model="m", num_experts=16, top_k=2, per_expert_bytes=73728
-    )
 
 
 def test_simulate_registers_and_refuses_by_name():

@@ -6,11 +6,12 @@ from functools import cache
 
 import numpy as np
 import pytest
+from cache_cases import layer_steps, traces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reap_swap.cache_policy.belady import Belady
-from reap_swap.cache_policy.mechanism import LayerSteps, PolicyError, replay_layer
+from reap_swap.cache_policy.mechanism import PolicyError, replay_layer
 from reap_swap.cache_policy.online import LFRU, LFU, LRU, PerRequest, Static
 from reap_swap.cache_policy.replay import (
     POLICIES,
@@ -24,15 +25,6 @@ from reap_swap.plan import load_plan
 from reap_swap.trace import from_requests
 
 PLAN = "plans/reap-mini-moe.plan.json"
-
-
-def layer_steps(step_sets, num_experts, weights=None, starts=(0,)) -> LayerSteps:
-    """Steps given as sets of experts (optionally with selection counts per step)."""
-    counts = np.zeros((len(step_sets), num_experts), dtype=np.int32)
-    for t, s in enumerate(step_sets):
-        for e in s:
-            counts[t, e] = weights[t][e] if weights else 1
-    return LayerSteps.from_counts(0, counts, np.asarray(starts))
 
 
 def online(cap_core=frozenset()):
@@ -114,20 +106,9 @@ def test_brute_force_exhaustive_small():
 
 # ----------------------------------------------------------------------------- properties
 
-traces = st.integers(2, 8).flatmap(
-    lambda e: st.tuples(
-        st.just(e),
-        st.integers(1, e),
-        st.lists(
-            st.frozensets(st.integers(0, e - 1), min_size=1, max_size=min(e, 3)), min_size=1, max_size=40
-        ),
-        st.frozensets(st.integers(0, e - 1), max_size=e),
-    )
-)
-
 
 @settings(max_examples=120, deadline=None)
-@given(traces)
+@given(traces(min_steps=1))
 def test_no_policy_reads_fewer_experts_than_belady(case):
     e, cap, steps, core = case
     core = frozenset(sorted(core)[:cap])
@@ -140,7 +121,7 @@ def test_no_policy_reads_fewer_experts_than_belady(case):
 
 
 @settings(max_examples=120, deadline=None)
-@given(traces)
+@given(traces(min_steps=1))
 def test_counts_are_consistent(case):
     e, cap, steps, core = case
     core = frozenset(sorted(core)[:cap])
@@ -196,7 +177,7 @@ def test_static_and_pinned_core():
 
 def test_read_through_step_keeps_what_it_needs():
     # cap 2, a prefill routing 4 experts: residents it needs stay, the free slot gets the busiest miss
-    ls = layer_steps([{0}, {0, 1, 2, 3}], 4, weights=[{0: 1}, {0: 5, 1: 1, 2: 9, 3: 2}])
+    ls = layer_steps([{0: 1}, {0: 5, 1: 1, 2: 9, 3: 2}], 4)
     c = replay_layer(LFU("lfu"), ls, 2)
     assert (c.read_through_steps, c.admitted, c.bypassed) == (1, 2, 2)
     assert (c.selections, c.selection_hits) == (18, 5)
