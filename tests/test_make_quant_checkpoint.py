@@ -8,23 +8,12 @@ import json
 import math
 
 import pytest
+from quant_files import TINY, headers, shape_args
 from script_modules import load_script
 
 from reap_swap.quant_scheme import scheme_from_config
 
 mqc = load_script("make_quant_checkpoint")
-
-TINY = dict(
-    layers=2,
-    hidden=256,
-    moe_intermediate=128,
-    experts=4,
-    top_k=2,
-    heads=4,
-    kv_heads=2,
-    head_dim=64,
-    vocab=384,
-)
 
 # Per-expert parameter shapes registered by vLLM 0.26.0's MoE methods (create_weights), for
 # hidden K, intermediate N, group 128, pack factor 8 (int32 of int4).
@@ -105,22 +94,9 @@ DTYPES = {
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
-    args = ["--out", str(root)] + [x for k, v in TINY.items() for x in ("--" + k.replace("_", "-"), str(v))]
+    args = ["--out", str(root)] + shape_args(TINY)
     assert mqc.main(args) == 0
     return root
-
-
-def headers(folder):
-    """name -> (dtype, shape) from the safetensors headers (no tensor data read)."""
-    import struct
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            n = struct.unpack("<Q", fh.read(8))[0]
-            meta = json.loads(fh.read(n))
-        out.update({k: (v["dtype"], tuple(v["shape"])) for k, v in meta.items() if k != "__metadata__"})
-    return out
 
 
 def vllm_mapping(num_experts):
@@ -206,7 +182,7 @@ def test_router_and_embeddings_stay_unquantized(out):
 
 
 def test_seeded(tmp_path):
-    args = ["--format", "awq"] + [x for k, v in TINY.items() for x in ("--" + k.replace("_", "-"), str(v))]
+    args = ["--format", "awq"] + shape_args(TINY)
     mqc.main(["--out", str(tmp_path / "a"), *args])
     mqc.main(["--out", str(tmp_path / "b"), *args])
     a = sorted((tmp_path / "a" / "awq").glob("*.safetensors"))

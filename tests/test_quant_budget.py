@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+from quant_files import TINY as QUANT_TINY
 from script_modules import load_script
 
 from reap_swap import server
@@ -19,18 +20,7 @@ from reap_swap.quant_budget import pool_hbm_bytes, pool_slots, served_quant, ser
 from reap_swap.residency.unit_layout import plan_unit
 
 mqc = load_script("make_quant_checkpoint")
-TINY = mqc.Shape(
-    layers=2,
-    hidden=256,
-    moe_intermediate=128,
-    experts=4,
-    top_k=2,
-    heads=4,
-    kv_heads=2,
-    head_dim=64,
-    vocab=384,
-    plain_attention=1,
-)
+TINY = mqc.Shape(**QUANT_TINY, plain_attention=1)
 SPECIAL = {"<|im_end|>": 1, "<|endoftext|>": 0}
 H, N = TINY.hidden, TINY.moe_intermediate
 WEIGHT_BITS = {

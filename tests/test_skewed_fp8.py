@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 
 import pytest
+from quant_files import TINY, file_header, headers, shape_args
 from script_modules import load_script
 
 torch = pytest.importorskip("torch")
@@ -26,8 +26,7 @@ from reap_swap.quant_scheme import scheme_from_config  # noqa: E402
 msk = load_script("make_skewed_moe")
 mqc = load_script("make_quant_checkpoint")
 
-TINY = dict(layers=2, hidden=256, moe_intermediate=128, experts=4, top_k=2, heads=4, kv_heads=2, head_dim=64)
-TINY_ARGS = [x for k, v in {**TINY, "vocab": 384}.items() for x in ("--" + k.replace("_", "-"), str(v))]
+TINY_ARGS = shape_args(TINY)
 
 
 def _dequant(q, scale, block=128):
@@ -56,16 +55,6 @@ def test_fp8_block_quantize_blocks_scales_and_zeros():
     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, scale)
 
 
-def _headers(folder):
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            n = struct.unpack("<Q", fh.read(8))[0]
-            meta = json.loads(fh.read(n))
-        out.update({k: (v["dtype"], tuple(v["shape"])) for k, v in meta.items() if k != "__metadata__"})
-    return out
-
-
 def _load_all(folder):
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -88,7 +77,7 @@ def written(tmp_path_factory):
 
 
 def test_same_tensors_and_config_as_the_fp8_block_writer(written):
-    got, want = _headers(written / "a"), _headers(written / "fp8-block")
+    got, want = headers(written / "a"), headers(written / "fp8-block")
     assert got == want  # names, dtypes (F8_E4M3 weights, BF16 weight_scale_inv, BF16 router), shapes
     assert got["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"] == ("BF16", (1, 2))
     assert got["model.layers.1.mlp.gate.weight"][0] == "BF16"
@@ -101,18 +90,12 @@ def test_same_tensors_and_config_as_the_fp8_block_writer(written):
     index = json.loads((written / "a" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(got)
     for name, shard in index["weight_map"].items():
-        assert name in _headers_of(written / "a" / shard)
+        assert name in file_header(written / "a" / shard)
     tensors = _load_all(written / "a")
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
     desc = json.loads((written / "a" / "skew_construction.json").read_text())
     assert desc["format"] == "fp8-block" and desc["params"]["seed"] == 5
     assert not [p for p in (written / "a").iterdir() if ".tmp" in p.name]
-
-
-def _headers_of(path):
-    with path.open("rb") as fh:
-        n = struct.unpack("<Q", fh.read(8))[0]
-        return json.loads(fh.read(n))
 
 
 def test_deterministic(written):
