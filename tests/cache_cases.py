@@ -1,11 +1,12 @@
 """Shared set-up of the cache-policy tests (test_simulate, test_cache_prior, test_cache_learned):
-one layer's steps from expert sets, the hypothesis strategy of random small traces, and a tiny
-skewed multi-layer trace."""
+one layer's steps from expert sets, the hypothesis strategy of random small traces, a tiny
+skewed multi-layer trace, and the accounting stepper driven over a layer's steps."""
 
 import numpy as np
 from hypothesis import strategies as st
 
 from reap_swap.cache_policy.mechanism import LayerSteps
+from reap_swap.cache_policy.stepper import LayerCache
 from reap_swap.trace import from_requests
 
 
@@ -46,3 +47,18 @@ def tiny_trace(seed):
     return from_requests(
         reqs, layers=[0, 1, 2, 3], model="m", num_experts=16, top_k=2, per_expert_bytes=73728
     )
+
+
+def online_counts(policy, ls: LayerSteps, num_experts: int, capacity: int):
+    """The server's accounting stepper (stepper.LayerCache) driven step by step over `ls`: its counts."""
+    cache = LayerCache(policy, 0, num_experts, capacity)
+    for t in range(ls.num_steps):
+        row = np.zeros(num_experts, dtype=np.int64)
+        row[ls.needed[t]] = ls.counts[t]
+        cache.step(row, bool(ls.request_start[t]))
+    return cache.counts
+
+
+def stepped(counts) -> tuple:
+    """What stepping and replay must agree on: expert and selection hits, admissions, bypasses."""
+    return counts.expert_hits, counts.selection_hits, counts.admitted, counts.bypassed

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from cache_cases import layer_steps, tiny_trace, traces
+from cache_cases import layer_steps, online_counts, stepped, tiny_trace, traces
 from hypothesis import given, settings
 
 from reap_swap.cache_policy.belady import Belady
@@ -18,7 +18,6 @@ from reap_swap.cache_policy.learned import (
 from reap_swap.cache_policy.mechanism import replay_layer
 from reap_swap.cache_policy.online import LRU
 from reap_swap.cache_policy.replay import POLICIES, simulate
-from reap_swap.cache_policy.stepper import LayerCache
 from reap_swap.plan import load_plan
 
 PLAN = "plans/reap-mini-moe.plan.json"
@@ -79,18 +78,8 @@ def test_rules_belady_bound_and_online_stepping(case):
     model = fit_layer(ls)
     want = replay_layer(DLearn("dlearn-seeded", model, seed=core), ls, cap)
     assert want.host_reads >= replay_layer(Belady(), ls, cap).host_reads
-    cache = LayerCache(DLearn("dlearn-seeded", model, seed=core), 0, e, cap)
-    for t in range(ls.num_steps):
-        row = np.zeros(e, dtype=np.int64)
-        row[ls.needed[t]] = ls.counts[t]
-        cache.step(row, bool(ls.request_start[t]))
-    got = cache.counts
-    assert (got.expert_hits, got.selection_hits, got.admitted, got.bypassed) == (
-        want.expert_hits,
-        want.selection_hits,
-        want.admitted,
-        want.bypassed,
-    )
+    got = online_counts(DLearn("dlearn-seeded", model, seed=core), ls, e, cap)
+    assert stepped(got) == stepped(want)
 
 
 def test_simulate_registers_dlearn_and_refuses_without_prior():

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from cache_cases import layer_steps, tiny_trace, traces
+from cache_cases import layer_steps, online_counts, stepped, tiny_trace, traces
 from hypothesis import given, settings
 
 from reap_swap.cache_policy.belady import Belady
@@ -10,7 +10,6 @@ from reap_swap.cache_policy.device import DLFU
 from reap_swap.cache_policy.mechanism import replay_layer
 from reap_swap.cache_policy.prior import DLFUAdmit, DLFUMarkov, transition_table
 from reap_swap.cache_policy.replay import POLICIES, SimulationError, simulate
-from reap_swap.cache_policy.stepper import LayerCache
 from reap_swap.plan import load_plan
 from reap_swap.trace import from_requests
 
@@ -44,18 +43,7 @@ def test_stepping_online_equals_replay(case):
     ls = layer_steps(steps, e, starts=range(0, len(steps), 5))
     for fresh, again in zip(new_policies(ls, core), new_policies(ls, core), strict=True):
         want = replay_layer(fresh, ls, cap)
-        cache = LayerCache(again, 0, e, cap)
-        for t in range(ls.num_steps):
-            row = np.zeros(e, dtype=np.int64)
-            row[ls.needed[t]] = ls.counts[t]
-            cache.step(row, bool(ls.request_start[t]))
-        got = cache.counts
-        assert (got.expert_hits, got.selection_hits, got.admitted, got.bypassed) == (
-            want.expert_hits,
-            want.selection_hits,
-            want.admitted,
-            want.bypassed,
-        )
+        assert stepped(online_counts(again, ls, e, cap)) == stepped(want)
 
 
 def test_admission_keeps_the_hotter_resident():
