@@ -142,8 +142,9 @@ def targets(rows: Sequence[Mapping]) -> list[dict]:
     def add(name, value, goal, ok):
         out.append({"target": name, "value": value, "goal": goal, "met": None if value is None else ok})
 
-    pcts = sorted({r["pct"] for r in rows if r["arm"] == "plan-cache" and r["pct"]}, reverse=True)
-    for pct in pcts or [50.0]:
+    # the two budgets always appear (a missing arm reads "not measured"), plus any other
+    pcts = {50.0, 25.0} | {r["pct"] for r in rows if r["arm"] == "plan-cache" and r["pct"]}
+    for pct in sorted(pcts, reverse=True):
         cache, swap = _find(rows, "plan-cache", pct), _find(rows, "plan-swap", pct)
         v = _ratio(cache, swap, "decode_tok_s_1")
         add(f"plan-cache / plan-swap, 1 stream, {pct:g} %", v, ">= 1.25", v is not None and v >= 1.25)
