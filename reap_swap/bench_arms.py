@@ -79,7 +79,7 @@ def plan_runs(
             elif arm == "stock-uva":
                 _stock_uva(spec, stock, shape, total_expert_bytes, plat)
             else:
-                _reap_arm(spec, reap, cfg, plan, shape)
+                _reap_arm(spec, reap, cfg, plan, shape, plat)
             runs.append(spec)
     return runs
 
@@ -123,8 +123,11 @@ def _stock_uva(spec: RunSpec, stock: list[str], shape, total_expert_bytes: int, 
     )
 
 
-def _reap_arm(spec: RunSpec, reap: list[str], cfg: BenchConfig, plan, shape) -> None:
-    """A reap arm: the plan (or its copy at this budget); refused when the budget lacks the core."""
+def _reap_arm(spec: RunSpec, reap: list[str], cfg: BenchConfig, plan, shape, plat: str) -> None:
+    """A reap arm: the plan (or its copy at this budget); refused when the budget lacks the core.
+
+    A cache arm on CUDA also gets --reap-cache-device on (cfg.cache_device): the server's device
+    cache is off by default on CUDA, and a `plan-cache` arm without it would measure the core only."""
     budget = spec.budget_bytes
     if budget is not None and budget < plan.core_bytes():
         raise BenchError(
@@ -136,5 +139,8 @@ def _reap_arm(spec: RunSpec, reap: list[str], cfg: BenchConfig, plan, shape) -> 
     else:
         spec.plan_path = cfg.plan.resolve()
     spec.argv = reap + ["--reap-plan", str(spec.plan_path), "--reap-cache", CACHE_ARMS[spec.arm]]
+    if CACHE_ARMS[spec.arm] != "off" and plat == "cuda" and cfg.cache_device == "on":
+        spec.argv += ["--reap-cache-device", "on"]
+        spec.notes.append("--reap-cache-device on: the device cache (CUDA)")
     if spec.arm == "plan-static":
         spec.budget_bytes = None

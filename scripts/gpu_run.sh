@@ -20,6 +20,9 @@
 #   mlacount  exact router counts on full-size DeepSeek-V2-Lite (all attention MLA) under CUDA graphs
 #             (--arms count WITHOUT --eager: padded piecewise prefills, padded concurrent decodes; ~6 min)
 #   extra     bash scripts/gpu_extra_phase.sh $R/extra (a phase a branch ships for this run)
+#   skewbench issue 17's skew bench, alone (scripts/gpu_skew_bench.py, ~10-11 min, SKEW_CAP=720 s hard):
+#             the vLLM-routed trace, plan-cache / plan-swap / plan-static / stock UVA / resident at
+#             50 % then 25 % (SKEW_EXTRA="--no-25" for 50 % only); $R/skewbench/skew_bench.md
 # Everything lands in /tmp/run; the tarball leaves out checkpoints and safetensors.
 set -u
 R=/tmp/run
@@ -78,6 +81,10 @@ ph_mlacount() {  # mlapad: the MLA-only padding case (research.md, mlapad); coun
   timeout ${MLACOUNT_CAP:-560} $PY scripts/gpu_families.py --name deepseek_v2_lite_graphs \
     --config tests/data/deepseek_v2_lite_config.json --kv-gib 0.5 --gpu-util 0.1 --host-guard-gib 5 \
     --arms count --startup-timeout 480 --out $R/mlacount > $R/mlacount.log 2>&1
+}
+ph_skewbench() {  # the driver SIGTERMs its benches 60 s before the outer cap and writes the summary
+  timeout --kill-after=30 ${SKEW_CAP:-720} $PY scripts/gpu_skew_bench.py --out $R/skewbench \
+    --deadline $(( ${SKEW_CAP:-720} - 60 )) ${SKEW_EXTRA:-} > $R/skewbench.log 2>&1
 }
 ph_extra() { [ -f scripts/gpu_extra_phase.sh ] && bash scripts/gpu_extra_phase.sh $R/extra > $R/extra.log 2>&1; }
 

@@ -126,6 +126,13 @@ def _measurement_arguments(parser: argparse.ArgumentParser) -> None:
         help="take this file lock (flock) once a server is up and hold it until it stops: benches "
         "started side by side on one GPU overlap their start-ups but measure one at a time",
     )
+    parser.add_argument(
+        "--cache-device",
+        choices=("on", "off"),
+        default="on",
+        help="plan-cache / plan-swap+cache on CUDA: pass --reap-cache-device on (default on; off: "
+        "the server's default, where the cache does not engage on CUDA)",
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
@@ -167,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
             startup_timeout_s=args.startup_timeout,
             prefix_caching=args.prefix_caching,
             measure_lock=args.measure_lock,
+            cache_device=args.cache_device,
             progress=args.progress,
             engine_args=engine_args(args.engine_args),
         )

@@ -1,0 +1,280 @@
+"""The skew bench phase (issue 17), on the CPU: the cache arms' device flag, the vLLM-routed trace,
+the target summary and the driver's schedule. Nothing here starts a server."""
+
+import base64
+import io
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from script_modules import load_script
+
+from reap_swap import bench_arms, bench_config
+from reap_swap.trace import TraceError, load_trace, save_trace
+from reap_swap.trace_served import trace_from_served
+
+# ----------------------------------------------------------------- bench: --reap-cache-device on
+
+
+def _reap_argv(tmp_path, arm, plat, cache_device="on"):
+    cfg = bench_config.BenchConfig(
+        model="m", plan=tmp_path / "p.json", prompts=tmp_path / "q", out=tmp_path, cache_device=cache_device
+    )
+    plan = SimpleNamespace(core_bytes=lambda: 10, swappable_budget_bytes=100)
+    spec = bench_arms.RunSpec(arm=arm, label=arm, budget_bytes=None, budget_dependent=False)
+    bench_arms._reap_arm(spec, ["py", "-m", "reap_swap.server", "m"], cfg, plan, None, plat)
+    return spec.argv
+
+
+@pytest.mark.parametrize("arm", ["plan-cache", "plan-swap+cache"])
+def test_cache_arms_engage_the_device_cache_on_cuda(tmp_path, arm):
+    argv = _reap_argv(tmp_path, arm, "cuda")
+    assert argv[-4:] == ["--reap-cache", "lfu", "--reap-cache-device", "on"]
+    # the CPU build runs the cache in accounting mode: no device flag
+    assert "--reap-cache-device" not in _reap_argv(tmp_path, arm, "cpu")
+    assert "--reap-cache-device" not in _reap_argv(tmp_path, arm, "cuda", cache_device="off")
+
+
+@pytest.mark.parametrize("arm", ["plan-static", "plan-swap"])
+def test_non_cache_arms_never_get_the_device_flag(tmp_path, arm):
+    argv = _reap_argv(tmp_path, arm, "cuda")
+    assert argv[-2:] == ["--reap-cache", "off"] and "--reap-cache-device" not in argv
+
+
+def test_bench_cli_passes_cache_device():
+    import argparse
+
+    from reap_swap.commands.bench import add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert ap.parse_args(["--model", "m"]).cache_device == "on"
+    assert ap.parse_args(["--cache-device", "off"]).cache_device == "off"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--cache-device", "maybe"])
+
+
+# ----------------------------------------------------------------- the vLLM-routed trace
+
+
+def _b64(arr):
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _record(rng, prompt, completion, layers=3, top_k=2, experts=8, tag="python"):
+    routed = np.stack(
+        [
+            np.stack([rng.permutation(experts)[:top_k] for _ in range(layers)])
+            for _ in range(prompt + completion - 1)
+        ]
+    ).astype(np.uint8)
+    rec = {
+        "tag": tag,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "routed_experts": _b64(routed),
+    }
+    return rec, routed
+
+
+def test_trace_from_served_builds_prefill_and_decode_steps(tmp_path):
+    rng = np.random.default_rng(0)
+    (r0, a0), (r1, a1) = _record(rng, 5, 4), _record(rng, 3, 1, tag="c")
+    kw = dict(moe_layers=[0, 1, 2], model="m", num_experts=8, top_k=2, per_expert_bytes=7)
+    t = trace_from_served([r0, r1], source={"recorder": "x"}, **kw)
+    # request 0: one prefill of 5 tokens + 3 decode steps; request 1: a prefill of 3 tokens only
+    assert t.num_requests == 2 and t.num_steps == 4 + 1
+    assert list(np.diff(t.step_offsets)) == [5, 1, 1, 1, 3]
+    assert np.array_equal(t.topk_ids, np.concatenate([a0, a1]))
+    assert t.request_tags == ("python", "c")
+    save_trace(tmp_path / "t.npz", t)
+    back = load_trace(tmp_path / "t.npz")  # what `reap-swap simulate --trace` reads
+    assert np.array_equal(back.topk_ids, t.topk_ids) and back.source == {"recorder": "x"}
+
+
+def test_trace_from_served_refuses_by_name():
+    rng = np.random.default_rng(1)
+    kw = dict(moe_layers=[0, 1, 2], model="m", num_experts=8, top_k=2, per_expert_bytes=7)
+    rec, _ = _record(rng, 5, 4)
+    with pytest.raises(TraceError, match=r"request 0 \(python\).*usage says 5 prompt \+ 5"):
+        trace_from_served([{**rec, "completion_tokens": 5}], **kw)
+    with pytest.raises(TraceError, match="enable-return-routed-experts"):
+        trace_from_served([{**rec, "routed_experts": None}], **kw)
+    with pytest.raises(TraceError, match="expected \\[tokens, 4 MoE layers"):
+        trace_from_served([rec], **{**kw, "moe_layers": [0, 1, 2, 3]})
+
+
+def test_trace_script_server_argv():
+    tr = load_script("gpu_skew_trace")
+    argv = tr.server_argv("/tmp/skew", ["--dtype", "bfloat16"])
+    assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/tmp/skew"]
+    assert argv[-3:] == ["127.0.0.1", "--no-enable-prefix-caching", "--enable-return-routed-experts"]
+    assert "--enable-return-routed-experts" in argv and "--no-enable-prefix-caching" in argv
+    assert argv.count("--host") == 1
+
+
+# ----------------------------------------------------------------- the summary
+
+
+def _run(arm, budget, d1, d8, h=None, cache_h=None, tokens=(1, 2, 3), reap=True, status="ok"):
+    hit = {"hit_rate": h}
+    if cache_h is not None:
+        hit["cache_hit_rate"] = cache_h
+        hit["cache_totals"] = {"hits": 9, "misses": 1}
+    return {
+        "arm": arm,
+        "budget_bytes": budget,
+        "reap": reap,
+        "status": status,
+        "hit_rate": hit,
+        "stats": {
+            "decode_tok_s_1": {"median": d1, "min": d1, "max": d1},
+            "decode_tok_s_batch": {"median": d8},
+        },
+        "greedy": [{"tokens": list(tokens)}, {"tokens": [4, 5]}],
+        "reap_status": {"cache": {"engaged": cache_h is not None}},
+    }
+
+
+def _report(runs, budget=50, identity="p50"):
+    return {
+        "model": {"total_expert_bytes": 100},
+        "plan": {"identity": identity, "budget_bytes": budget},
+        "config": {"batch": 8},
+        "runs": runs,
+    }
+
+
+def test_summary_targets_and_bound():
+    sm = load_script("skew_bench_summary")
+    # t_res = 2 ms (500 tok/s); plan-static at h 0.75: 4 ms -> t_miss = (4 - 2) / 0.25 = 8 ms
+    reports = [
+        _report([_run("plan-cache", 50, 400.0, 2000.0, h=0.75, cache_h=0.95)]),
+        _report([_run("plan-swap", 50, 300.0, 1000.0, h=0.9)]),
+        _report([_run("resident", None, 500.0, 4000.0, h=1.0, reap=False)]),
+        _report([_run("plan-static", None, 250.0, 2000.0, h=0.75)]),
+        _report(
+            [_run("plan-cache", 25, 200.0, 900.0, cache_h=0.5, tokens=(1, 2, 9))], budget=25, identity="p25"
+        ),
+        _report([_run("plan-swap", 25, 180.0, 1000.0, h=0.7, status="failed")], budget=25, identity="p25"),
+    ]
+    doc = sm.summarize(reports)
+    b = doc["bound"]["decode_tok_s_1"]
+    assert b["t_resident_ms"] == pytest.approx(2.0) and b["t_all_missed_ms"] == pytest.approx(8.0)
+    assert "plan-static@50.0%" in b["t_all_missed_from"]
+    rows = {(r["arm"], r["pct"]): r for r in doc["rows"]}
+    # plan-cache@50: h = the cache's 0.95 -> bound 1000 / (2 + 0.05 * 8) = 416.7 tok/s
+    assert rows[("plan-cache", 50.0)]["bound_decode_tok_s_1"] == pytest.approx(1000 / 2.4)
+    assert rows[("plan-cache", 50.0)]["of_bound_decode_tok_s_1"] == pytest.approx(400 / (1000 / 2.4))
+    assert rows[("plan-static", 50.0)]["of_bound_decode_tok_s_1"] == pytest.approx(1.0)
+    t = {x["target"]: x for x in doc["targets"]}
+    assert t["plan-cache / plan-swap, 1 stream, 50 %"]["value"] == pytest.approx(400 / 300)
+    assert t["plan-cache / plan-swap, 1 stream, 50 %"]["met"] is True  # 1.33 >= 1.25
+    assert t["plan-cache / plan-swap, batch, 50 %"]["met"] is True
+    assert t["plan-cache greedy text = stock (resident), 50 %"]["value"] == "2/2"
+    assert t["reach: plan-cache / resident, 1 stream, 50 %"]["value"] == pytest.approx(0.8)
+    # 25 %: plan-swap failed -> not measured; the text differs at token 2 of prompt 0
+    assert t["plan-cache / plan-swap, 1 stream, 25 %"]["met"] is None
+    assert t["plan-cache greedy text = stock (resident), 25 %"]["met"] is False
+    assert rows[("plan-cache", 25.0)]["text_vs_stock"]["first_divergence"] == [2, None]
+    md = sm.markdown(doc)
+    assert "| plan-cache / plan-swap, 1 stream, 50 % | 1.333 | >= 1.25 | yes |" in md
+    assert "not measured" in md and "failed" in md
+
+
+def test_summary_without_static_falls_back():
+    sm = load_script("skew_bench_summary")
+    rows = sm.rows_of([_report([_run("resident", None, 500.0, 4000.0, h=1.0, reap=False)])])
+    t, src = sm.fit_t_miss(rows, "decode_tok_s_1", 2.0)
+    assert t == pytest.approx(16.999) and "run 3" in src
+    rows += sm.rows_of([_report([_run("stock-uva", 50, 100.0, 200.0, h=0.5, reap=False)])])
+    t, src = sm.fit_t_miss(rows, "decode_tok_s_1", 2.0)
+    assert t == pytest.approx((10.0 - 2.0) / 0.5) and "stock-uva" in src
+
+
+def test_summary_main_reads_a_run_dir(tmp_path):
+    import json
+
+    sm = load_script("skew_bench_summary")
+    for i, rep in enumerate([_report([_run("resident", None, 500.0, 4000.0, h=1.0, reap=False)])]):
+        (tmp_path / f"b-{i}-x").mkdir()
+        (tmp_path / f"b-{i}-x" / "bench.json").write_text(json.dumps(rep))
+    (tmp_path / "trace").mkdir()
+    greedy = [{"greedy": {"tokens": [1, 2, 3]}}, {"greedy": {"tokens": [4, 5]}}]
+    trace_doc = {"splits": {"heldout": {"trace": "t.npz", "requests": 2, "per_request": greedy}}}
+    (tmp_path / "trace" / "trace.json").write_text(json.dumps(trace_doc))
+    assert sm.main([str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "skew_bench.json").read_text())
+    assert doc["trace"]["trace_server_text_vs_resident"]["identical"] == 2
+    assert (tmp_path / "skew_bench.md").read_text().startswith("| target |")
+
+
+# ----------------------------------------------------------------- the driver's schedule
+
+
+def _args(tmp_path, **kw):
+    d = dict(out=tmp_path, src=Path("/tmp/model"), skew=Path("/tmp/skew"), startup_cap=300.0, repeats=3)
+    return SimpleNamespace(**{**d, **kw})
+
+
+def test_driver_jobs_in_measuring_order(tmp_path):
+    dr = load_script("gpu_skew_bench")
+    paths = {"p50": tmp_path / "p50.json", "p25": tmp_path / "p25.json"}
+    jobs = dr.plan_jobs(_args(tmp_path), paths, 13.5)
+    assert [j.name for j in jobs][:3] == ["cache50", "swap50", "resident"]
+    assert [j.group for j in jobs] == ["A"] * 6 + ["B"] * 3
+    by = {j.name: j for j in jobs}
+    assert by["cache50"].argv[by["cache50"].argv.index("--budget-gib") + 1] == "6.750000"
+    assert by["cache25"].argv[by["cache25"].argv.index("--plan") + 1] == str(paths["p25"])
+    assert by["cache25"].argv[by["cache25"].argv.index("--arms") + 1] == "plan-cache"
+    assert "--budget-gib" not in by["static50"].argv and "--budget-gib" not in by["resident"].argv
+    for j in jobs:  # every job measures under its own lock, in its own folder, with a bounded start-up
+        assert str(j.lock) in j.argv and "--startup-timeout" in j.argv
+    assert sorted(p.name for p in (j.out for j in jobs) if p.name.startswith("b-")) == [
+        j.out.name for j in jobs if j.out.name.startswith("b-")
+    ]
+    assert [j.name for j in dr.plan_jobs(_args(tmp_path), paths, 13.5, with_25=False)][-1] == "uva50"
+
+
+class _Proc:
+    def __init__(self, rc=None):
+        self.returncode = rc
+
+    def poll(self):
+        return self.returncode
+
+
+class _Holder:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_driver_releases_one_lock_at_a_time_in_order(tmp_path):
+    dr = load_script("gpu_skew_bench")
+    jobs = dr.plan_jobs(_args(tmp_path), {"p50": tmp_path / "a", "p25": tmp_path / "b"}, 13.5, with_25=False)
+    holders = {j.name: _Holder() for j in jobs}
+    for j in jobs:
+        j.proc, j.log = _Proc(), tmp_path / f"{j.name}.log"
+        j.log.write_text("starting\n")
+    start = {"A": time.time()}
+    dr.release_next(_args(tmp_path), jobs, holders, start)
+    assert not any(j.released for j in jobs)  # nobody is up yet
+    for j in jobs:
+        j.log.write_text("[bench] x: healthy after 90s\n")
+    dr.release_next(_args(tmp_path), jobs, holders, start)
+    dr.release_next(_args(tmp_path), jobs, holders, start)
+    assert [j.released for j in jobs] == [True] + [False] * 5  # the second waits for the first to end
+    jobs[0].ended = time.time()
+    dr.release_next(_args(tmp_path), jobs, holders, start)
+    assert [j.released for j in jobs][:3] == [True, True, False]
+    # a group whose start-up cap passed measures even if one server never came up
+    jobs[1].ended = time.time()
+    jobs[2].log.write_text("starting\n")
+    dr.release_next(_args(tmp_path), jobs, holders, {"A": time.time() - 1000})
+    assert jobs[2].released and "resident" not in holders
