@@ -36,6 +36,9 @@ CPU_ENGINE = (
 CASES = {
     "mixtral_tiny": ("float32", ""),
     "qwen3_next_tiny": ("bfloat16", " --mamba-ssm-cache-dtype float32"),
+    # Qwen3_5MoeForCausalLM itself: vLLM's qwen3_5.py imports torchvision (absent here), so both
+    # the launcher and the stock arm import it through reap_swap/compat/torchvision_stub.py
+    "qwen3_5_moe_tiny": ("bfloat16", " --mamba-ssm-cache-dtype float32"),
 }
 
 
