@@ -121,11 +121,11 @@ def arrange_torchvision(args: argparse.Namespace, architecture: str) -> None:
     (this process loaded the general plugins while the parser was built, before the config)."""
     from reap_swap.compat import torchvision_stub
 
-    installed = torchvision_stub.torchvision_installed()
-    why = torchvision_stub.launch_refusal(architecture, installed)
+    blocked = torchvision_stub.import_blocked(architecture)
+    why = torchvision_stub.launch_refusal(architecture, blocked)
     if why:
         raise LaunchError(f"model {args.model}: {why}")
-    env = torchvision_stub.launch_env(architecture, installed)
+    env = torchvision_stub.launch_env(architecture, blocked)
     if env:
         os.environ.update(env)
         torchvision_stub.install_if_requested(os.environ)

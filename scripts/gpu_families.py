@@ -239,7 +239,7 @@ def stock_env(model: Path) -> dict:
     from reap_swap.compat import torchvision_stub as tv
 
     arch = (json.loads((model / "config.json").read_text()).get("architectures") or [""])[0]
-    return {**e2e.DEV, **tv.launch_env(arch, tv.torchvision_installed())}
+    return {**e2e.DEV, **tv.launch_env(arch, tv.import_blocked(arch))}
 
 
 def arm_stock(argv: list[str], out: Path, res: dict, a) -> None:

@@ -18,17 +18,17 @@ pytestmark = pytest.mark.skipif(tv.torchvision_installed(), reason="a real torch
 
 
 def test_launcher_refuses_the_multimodal_class_and_names_the_text_only_one():
-    why = tv.launch_refusal("Qwen3_5MoeForConditionalGeneration", installed=False)
+    why = tv.launch_refusal("Qwen3_5MoeForConditionalGeneration", blocked=True)
     assert "torchvision" in why and "[Qwen3_5MoeForCausalLM]" in why and "text_config" in why
-    assert tv.launch_refusal("Qwen3_5MoeForConditionalGeneration", installed=True) is None
-    assert tv.launch_refusal("MixtralForCausalLM", installed=False) is None
+    assert tv.launch_refusal("Qwen3_5MoeForConditionalGeneration", blocked=False) is None
+    assert tv.launch_refusal("MixtralForCausalLM", blocked=True) is None
 
 
 def test_only_a_text_only_qwen35_without_torchvision_gets_the_environment():
-    assert tv.launch_env("Qwen3_5MoeForCausalLM", installed=False) == {tv.ENV: "Qwen3_5MoeForCausalLM"}
-    assert tv.launch_env("Qwen3_5MoeForCausalLM", installed=True) == {}
-    assert tv.launch_env("Qwen3NextForCausalLM", installed=False) == {}
-    assert tv.launch_env("Qwen3_5MoeForConditionalGeneration", installed=False) == {}
+    assert tv.launch_env("Qwen3_5MoeForCausalLM", blocked=True) == {tv.ENV: "Qwen3_5MoeForCausalLM"}
+    assert tv.launch_env("Qwen3_5MoeForCausalLM", blocked=False) == {}
+    assert tv.launch_env("Qwen3NextForCausalLM", blocked=True) == {}
+    assert tv.launch_env("Qwen3_5MoeForConditionalGeneration", blocked=True) == {}
 
 
 def test_the_stand_in_refuses_every_public_use():
@@ -89,6 +89,7 @@ def test_the_launcher_refuses_multimodal_and_arranges_text_only(monkeypatch):
     from reap_swap import server
 
     calls = []
+    monkeypatch.setattr(tv, "import_blocked", lambda arch: arch.startswith("Qwen3_5"))
     monkeypatch.setattr(tv, "install_if_requested", lambda env: calls.append(env.get(tv.ENV)))
     monkeypatch.delenv(tv.ENV, raising=False)
     args = argparse.Namespace(model="/m")
@@ -100,3 +101,16 @@ def test_the_launcher_refuses_multimodal_and_arranges_text_only(monkeypatch):
     assert calls == [] and tv.ENV not in os.environ
     server.arrange_torchvision(args, "Qwen3_5MoeForCausalLM")
     assert calls == ["Qwen3_5MoeForCausalLM"] and os.environ[tv.ENV] == "Qwen3_5MoeForCausalLM"
+
+
+def test_import_blocked_is_found_by_importing_and_only_for_qwen35(fake_qwen35, tmp_path, monkeypatch):
+    assert tv.import_blocked("Qwen3_5MoeForCausalLM") is True  # the fake imports torchvision
+    assert "fakevllm_q35.qwen3_5" not in sys.modules
+    assert tv.import_blocked("MixtralForCausalLM") is False
+    (tmp_path / "fakevllm_q35" / "fine.py").write_text("X = 1\n")
+    monkeypatch.setattr(tv, "QWEN35_MODULE", "fakevllm_q35.fine")
+    assert tv.import_blocked("Qwen3_5MoeForConditionalGeneration") is False  # imports: no stand-in
+    (tmp_path / "fakevllm_q35" / "other.py").write_text("import not_a_module_here\n")
+    monkeypatch.setattr(tv, "QWEN35_MODULE", "fakevllm_q35.other")
+    with pytest.raises(ModuleNotFoundError, match="not_a_module_here"):
+        tv.import_blocked("Qwen3_5MoeForCausalLM")

@@ -70,9 +70,24 @@ def torchvision_installed() -> bool:
     return importlib.util.find_spec("torchvision") is not None
 
 
-def launch_refusal(architecture: str, installed: bool) -> str | None:
-    """Why the launcher must not start this model without torchvision, else None."""
-    if installed or architecture not in MULTIMODAL:
+def import_blocked(architecture: str) -> bool:
+    """Does this Qwen3.5 class fail to import here for want of torchvision? Found by importing
+    qwen3_5.py (a transformers whose Qwen2-VL processor does not import torchvision would pass);
+    False without an import for every other architecture."""
+    if architecture not in TEXT_ONLY + MULTIMODAL or torchvision_installed():
+        return False
+    try:
+        importlib.import_module(QWEN35_MODULE)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "torchvision":
+            raise
+        return True
+    return False
+
+
+def launch_refusal(architecture: str, blocked: bool) -> str | None:
+    """Why the launcher must not start this model (import_blocked), else None."""
+    if not blocked or architecture not in MULTIMODAL:
         return None
     text = architecture.replace("ForConditionalGeneration", "ForCausalLM")
     return (
@@ -82,9 +97,9 @@ def launch_refusal(architecture: str, installed: bool) -> str | None:
     )
 
 
-def launch_env(architecture: str, installed: bool) -> dict[str, str]:
+def launch_env(architecture: str, blocked: bool) -> dict[str, str]:
     """Environment the launcher adds so every vLLM process can import a text-only Qwen3.5."""
-    if installed or architecture not in TEXT_ONLY:
+    if not blocked or architecture not in TEXT_ONLY:
         return {}
     return {ENV: architecture}
 
