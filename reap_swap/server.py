@@ -126,6 +126,11 @@ def arrange_torchvision(args: argparse.Namespace, architecture: str) -> None:
     if why:
         raise LaunchError(f"model {args.model}: {why}")
     env = torchvision_stub.launch_env(architecture, blocked)
+    if env and not torchvision_stub.registered(architecture):
+        raise LaunchError(
+            f"model {args.model}: this vLLM does not register {architecture} (0.26.0: its text-only "
+            "Qwen3.5 class has no hybrid-cache support), and its multimodal class needs torchvision"
+        )
     if env:
         os.environ.update(env)
         torchvision_stub.install_if_requested(os.environ)

