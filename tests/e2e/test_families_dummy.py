@@ -1,9 +1,11 @@
 """scripts/gpu_families.py's whole arm flow on the CPU build, with vLLM's --load-format dummy.
 
-Two tiny configs under tests/data/ (no checkpoint): Mixtral, and Qwen3-Next, which has
-Qwen3.5-MoE's decoder (3 Gated DeltaNet layers : 1 gated full-attention layer, a sparse MoE block
-with a shared expert: vLLM's `qwen3_5.py` reuses `Qwen3NextSparseMoeBlock`) but whose vLLM model
-file imports no vision code, so it runs where Qwen3.5 itself cannot (torchvision; research.md).
+Three tiny configs under tests/data/ (no checkpoint): Mixtral; Qwen3-Next, which has Qwen3.5-MoE's
+decoder (3 Gated DeltaNet layers : 1 gated full-attention layer, a sparse MoE block with a shared
+expert: vLLM's `qwen3_5.py` reuses `Qwen3NextSparseMoeBlock`) and a vLLM model file without vision
+imports; and Qwen3.5-MoE itself (`Qwen3_5MoeForCausalLM`), whose model file imports torchvision,
+absent here: served through reap_swap/compat/torchvision_stub.py (research.md, qwen35cpu); it
+skips on a vLLM that does not register the text-only class (0.26.0).
 For each: a reap-swap server (synthetic plan with an empty core) through 0 / 25 / 50 / 100 % and
 back, then stock vLLM; the checks are what the GPU lane reports: every routed selection of a
 unique prompt counted (prompt tokens x top-k x MoE layers), the README curl answered and its
