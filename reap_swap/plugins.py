@@ -54,7 +54,14 @@ def layers_plugin_enabled(environ=os.environ) -> bool:
 
 def register() -> None:
     """Entry point `vllm.general_plugins: reap_swap_layers`: register ReapRoutedExperts as the
-    out-of-tree RoutedExperts (idempotent: vLLM may call it more than once per process)."""
+    out-of-tree RoutedExperts (idempotent: vLLM may call it more than once per process). Where
+    REAPSWAP_TORCHVISION_STAND_IN is set (the launcher sets it; compat/torchvision_stub.py), it first
+    imports a text-only Qwen3.5 without torchvision, also in a stock vLLM given that variable."""
+    from reap_swap.compat import torchvision_stub
+
+    # before the allowlist check: stock vLLM (the comparison arm) given the same environment
+    # variable imports a text-only Qwen3.5 the same way; a no-op while the variable is unset
+    torchvision_stub.install_if_requested()
     if not layers_plugin_enabled():
         return
     from reap_swap import routed_experts as experts

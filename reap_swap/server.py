@@ -115,6 +115,30 @@ def load_validated_plan(settings: Settings, args: argparse.Namespace):
     return shape, plan, cartridges
 
 
+def arrange_torchvision(args: argparse.Namespace, architecture: str) -> None:
+    """Qwen3.5 where torchvision is absent (compat/torchvision_stub.py): refuse the multimodal
+    class; for the text-only one, tell every vLLM process (environment) and import it here too
+    (this process loaded the general plugins while the parser was built, before the config)."""
+    from reap_swap.compat import torchvision_stub
+
+    blocked = torchvision_stub.import_blocked(architecture)
+    why = torchvision_stub.launch_refusal(architecture, blocked)
+    if why:
+        raise LaunchError(f"model {args.model}: {why}")
+    env = torchvision_stub.launch_env(architecture, blocked)
+    if env and not torchvision_stub.registered(architecture):
+        raise LaunchError(
+            f"model {args.model}: this vLLM does not register {architecture} (0.26.0: its text-only "
+            "Qwen3.5 class has no hybrid-cache support), and its multimodal class needs torchvision"
+        )
+    if env:
+        os.environ.update(env)
+        torchvision_stub.install_if_requested(os.environ)
+        log.warning(
+            "reap-swap: torchvision is not installed; %s is imported with a refusing stand-in", architecture
+        )
+
+
 def install(args: argparse.Namespace, settings: Settings, plan) -> None:
     """Point vLLM at the worker extension and the plan configuration (prepare() already added the
     endpoint plugin to VLLM_PLUGINS, before vLLM read its environment)."""
@@ -220,6 +244,7 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     cmd.validate(args)
     check_topology(args)
     shape, plan, cartridges = load_validated_plan(settings, args)
+    arrange_torchvision(args, shape.architecture)
     log_settings(Resolved(settings, resolved.sources, resolved.overrides))
     log.info(
         "reap-swap plan %s: %s, %d layers, %d cartridge(s), identity %s",

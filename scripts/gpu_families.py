@@ -233,10 +233,19 @@ def arm_reap(argv: list[str], out: Path, shape: dict, plan_path: Path, res: dict
             r["host"] = mem.snapshot()
 
 
+def stock_env(model: Path) -> dict:
+    """A text-only Qwen3.5 where torchvision is absent: stock vLLM imports it through the same
+    stand-in as reap-swap's launcher (reap_swap/compat/torchvision_stub.py); else e2e.DEV."""
+    from reap_swap.compat import torchvision_stub as tv
+
+    arch = (json.loads((model / "config.json").read_text()).get("architectures") or [""])[0]
+    return {**e2e.DEV, **tv.launch_env(arch, tv.import_blocked(arch))}
+
+
 def arm_stock(argv: list[str], out: Path, res: dict, a) -> None:
     with HostMemory(a.host_guard_gib) as mem:
         mem.server = srv = serving.Server(
-            "stock", argv + e2e.PROBE_EXTENSION, out, env=e2e.DEV,
+            "stock", argv + e2e.PROBE_EXTENSION, out, env=stock_env(Path(argv[argv.index("--model") + 1])),
             port=serving.free_port(), startup_timeout_s=a.startup_timeout,
         )  # fmt: skip
         try:
