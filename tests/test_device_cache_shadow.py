@@ -69,3 +69,20 @@ def test_shadow_mode_from_the_settings():
         st = Settings(plan_file="p.json", cache_shadow=raw)
         assert shadow_mod.shadow_mode(st) == want
     assert "shadow" not in DeviceCaches().status()
+
+
+def test_shadow_ignores_nan_in_both_outputs_but_counts_one_sided_nan():
+    """Run 11 (H200): padding rows with garbage inputs gave NaN in the cached and the uncached output
+    alike; NaN != NaN made them 'mismatched steps' with a NaN max. Both-NaN is not a difference."""
+    sh = shadow_mod.Shadow(torch.device("cpu"), N, check_bytes=False)
+    ids = torch.tensor([[0, 1], [2, 0]])
+    copies = torch.full((N,), -1, dtype=torch.int64)
+    out = torch.tensor([[1.0, float("nan")], [2.0, 3.0]])
+    sh.record(out, out.clone(), ids, ids, copies)
+    rep = sh.report()
+    assert rep["mismatched_steps"] == 0 and rep["nan_steps"] == 1 and rep["max_abs_diff"] == 0.0, rep
+    ref = torch.tensor([[1.0, 5.0], [2.0, 3.5]])
+    sh.record(out, ref, ids, ids, copies)
+    rep = sh.report()
+    assert rep["mismatched_steps"] == 1 and rep["first_step"] == 1, rep
+    assert rep["max_abs_diff"] == float("inf"), rep
