@@ -215,3 +215,16 @@ def test_misfit_shapes_and_the_device_cache_are_refused_by_name_never_private_un
     eng.cache = object()  # --reap-cache-device on
     eng.attach_after_load(wna16_layer(1, 1), 1)
     assert "contiguous groups only" in eng.refusals.reasons["model.layers.1.mlp.experts"]
+
+
+def test_the_launcher_binds_int4_only_in_groups_and_keeps_vllms_marlin_backend():
+    from reap_swap.quant_budget import served_quant_of
+
+    for cfg, cli in ((AWQ_CFG, None), (GPTQ_CFG, None), (GPTQ_CFG, "moe_wna16")):
+        stock = served_quant_of(cfg, cli)
+        assert stock.engine_refusal and "--reap-group-size auto" in stock.engine_refusal or cli
+        grouped = served_quant_of(cfg, cli, "auto")
+        assert grouped.engine_refusal is None and grouped.launcher_may_offload
+        assert not grouped.triton and "HBM" in grouped.uva_refusal  # Marlin stays; no UVA offload
+    assert served_quant_of(GPTQ_CFG, "gptq_marlin", "auto").engine_refusal  # not a checked method
+    assert served_quant_of({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "auto").triton
