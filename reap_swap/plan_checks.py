@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reap_swap import active_set
+from reap_swap.contiguous_groups import plan_contiguous_groups
 from reap_swap.group_layout import plan_groups
 from reap_swap.model_shape import ModelShape
 from reap_swap.plan_model import Plan, as_int, format_ranges, swappable_budget
@@ -311,15 +312,14 @@ def _passenger(path: str, what: str, b: int) -> PlanIssue:
 
 def _group_model_issue(shape: ModelShape, b: int, gb: int, errors: list) -> None:
     fmt = shape.expert_format
-    if fmt.kernel != "strided":
+    if fmt.kernel not in ("strided", "contiguous"):
         errors.append(
-            PlanIssue(
-                "groupSize", f"{b}: the model's {shape.quant_method} experts run on a contiguous kernel"
-            )
+            PlanIssue("groupSize", f"{b}: the model's {shape.quant_method} experts run on an opaque kernel")
         )
         return
+    plan = plan_contiguous_groups if fmt.kernel == "contiguous" else plan_groups
     try:
-        want = plan_groups((("w13_weight", fmt.w13), ("w2_weight", fmt.w2)), shape.num_experts, b).group_bytes
+        want = plan((("w13_weight", fmt.w13), ("w2_weight", fmt.w2)), shape.num_experts, b).group_bytes
     except ValueError as exc:
         errors.append(PlanIssue("groupSize", f"{b}: {exc}"))
         return

@@ -27,6 +27,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from reap_swap.contiguous_groups import ContiguousLayoutError, contiguous_group_size, plan_contiguous_groups
 from reap_swap.group_layout import GROUP_SIZES, GroupLayout, choose_group_size, plan_groups
 from reap_swap.model_shape import ModelShape
 from reap_swap.planner_allocation import LayerWork, Slots
@@ -75,12 +76,10 @@ def group_pricing(shape: ModelShape, requested: str, granule: int = GRANULE) -> 
         raise PlannerError(f"--group-size {requested!r}: expected one of {', '.join(GROUP_SIZES)}")
     fmt = shape.expert_format
     slabs = (("w13_weight", fmt.w13), ("w2_weight", fmt.w2))
+    if fmt.kernel == "contiguous":  # INT4 / MXFP4 on Marlin or moe_wna16: stride = slab, whole pages
+        return _contiguous_pricing(shape, requested, slabs, granule)
     if fmt.kernel != "strided":
-        raise PlannerError(
-            f"--group-size {requested}: {shape.quant_method or shape.quant.kind} experts run on a kernel "
-            "that reads expert e at e x payload (contiguous); the engine refuses these layers, so there "
-            "is no group layout to plan for (plan without --group-size)"
-        )
+        raise PlannerError(f"--group-size {requested}: {shape.quant_method} experts run on an opaque kernel")
     b, why = choose_group_size(slabs, requested, granule)
     if shape.num_experts % b:
         raise PlannerError(
@@ -90,6 +89,19 @@ def group_pricing(shape: ModelShape, requested: str, granule: int = GRANULE) -> 
         layout = plan_groups(slabs, shape.num_experts, b, granule)
     except ValueError as exc:
         raise PlannerError(f"--group-size {requested}: {exc}") from exc
+    return GroupPricing(requested, b, why, layout)
+
+
+def _contiguous_pricing(shape: ModelShape, requested: str, slabs, granule: int) -> GroupPricing:
+    """The engine's contiguous group layout (reap_swap.contiguous_groups): the same b it will pick."""
+    try:
+        b, why = contiguous_group_size(slabs, shape.num_experts, requested, granule)
+        layout = plan_contiguous_groups(slabs, shape.num_experts, b, granule)
+    except ContiguousLayoutError as exc:
+        raise PlannerError(
+            f"--group-size {requested}: {shape.quant_method or shape.quant.kind} experts run on a contiguous "
+            f"kernel: {exc}"
+        ) from exc
     return GroupPricing(requested, b, why, layout)
 
 

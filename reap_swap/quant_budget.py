@@ -43,6 +43,7 @@ class ServedQuant:
     engine_refusal: str | None  # why the engine will refuse every MoE layer; None: it binds them
     # why vLLM's UVA offloader must not be asked to load the experts into host memory (None: it may)
     uva_refusal: str | None = None
+    triton: bool = True  # whether the launcher sets --moe-backend triton (INT4: Marlin stays)
 
     @property
     def launcher_may_offload(self) -> bool:
@@ -62,11 +63,31 @@ ONLINE_UVA_REFUSAL = (
 )
 
 
+# INT4 W4A16 with --reap-group-size not 1 (research.md int4grp): the engine binds Marlin and
+# moe_wna16 layers in contiguous groups of whole pages. vLLM's default WNA16 backend (Marlin) stays
+# (0.26.0 raises on --moe-backend triton for it) and the experts load into HBM as stock: the repack
+# in process_weights_after_loading (gptq/awq_marlin_moe_repack) writes new tensors, and the UVA
+# offload names w13_weight/w2_weight, which INT4 methods register as w13_qweight/w13_weight_packed.
+# The engine moves each layer into its host-backed groups right after that layer is processed.
+INT4_GROUPED_UVA_REFUSAL = (
+    "INT4 experts in contiguous groups: loaded into HBM on vLLM's own WNA16 path (Marlin repacks them "
+    "after loading), then the engine re-homes each layer into host-backed groups"
+)
+GROUPED_INT4_CLI = frozenset({"moe_wna16"})
+
+
+def _grouped_int4(scheme: QuantScheme, method: str, cli: str, group_size: str) -> ServedQuant | None:
+    if group_size == "1" or scheme.kind != "int" or scheme.bits != 4 or cli not in ("", *GROUPED_INT4_CLI):
+        return None
+    return ServedQuant(cli or method, scheme, None, INT4_GROUPED_UVA_REFUSAL, triton=False)
+
+
 def _refusal(method: str, scheme: QuantScheme) -> str | None:
     if scheme.kind == "int":
         return (
             f"{method}: INT{scheme.bits} weight-only experts run on Marlin or moe_wna16, kernels that "
-            "read expert e at e x payload (contiguous); the engine has no page-sharing layout yet"
+            "read expert e at e x payload (contiguous); only contiguous groups bind them "
+            "(--reap-group-size auto)"
         )
     if scheme.kind == "mxfp4":
         return (
@@ -78,9 +99,15 @@ def _refusal(method: str, scheme: QuantScheme) -> str | None:
     return None
 
 
-def served_quant(scheme: QuantScheme, method: str = "", cli_quantization: str | None = None) -> ServedQuant:
-    """The checkpoint's scheme (``ModelShape.quant``), its ``quant_method`` and ``--quantization``."""
+def served_quant(
+    scheme: QuantScheme, method: str = "", cli_quantization: str | None = None, group_size: str = "1"
+) -> ServedQuant:
+    """The checkpoint's scheme (``ModelShape.quant``), its ``quant_method``, ``--quantization`` and
+    ``--reap-group-size`` (INT4 binds only in contiguous groups)."""
     cli = (cli_quantization or "").lower()
+    grouped = _grouped_int4(scheme, method, cli, str(group_size))
+    if grouped is not None:
+        return grouped
     if cli in REFUSED_CLI_METHODS:
         why = f"--quantization {cli}: a method the engine refuses ({_refusal(cli, scheme) or 'not bound'})"
         return ServedQuant(cli, scheme, why)
@@ -90,11 +117,11 @@ def served_quant(scheme: QuantScheme, method: str = "", cli_quantization: str | 
 
 
 def served_quant_of(
-    quant_config: Mapping[str, Any] | None, cli_quantization: str | None = None
+    quant_config: Mapping[str, Any] | None, cli_quantization: str | None = None, group_size: str = "1"
 ) -> ServedQuant:
     """As `served_quant`, from an HF ``quantization_config`` (or None)."""
     method = str((quant_config or {}).get("quant_method", "")).lower()
-    return served_quant(scheme_from_config(quant_config), method, cli_quantization)
+    return served_quant(scheme_from_config(quant_config), method, cli_quantization, group_size)
 
 
 def pool_slots(swappable_budget_bytes: int, per_expert_bytes: int) -> int:

@@ -161,7 +161,8 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
     """
     if settings.accounting_reason(vllm_serve.platform_name()) is not None:
         return
-    served = served_quant(shape.quant, shape.quant_method, getattr(args, "quantization", None))
+    cli = getattr(args, "quantization", None)
+    served = served_quant(shape.quant, shape.quant_method, cli, settings.group_size)
     if not served.launcher_may_offload:
         log.info(
             "reap-swap: vLLM arguments left as given (stock path, every expert in HBM): %s; "
@@ -169,7 +170,7 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
             served.engine_refusal,
         )
         return
-    if vllm_serve.moe_backend_is_default(args):
+    if served.triton and vllm_serve.moe_backend_is_default(args):
         vllm_serve.use_triton_moe_backend(args)
         log.info("reap-swap: --moe-backend triton (the residency engine re-homes Triton expert weights)")
     if served.uva_refusal is not None:

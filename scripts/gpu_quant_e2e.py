@@ -131,16 +131,18 @@ def checkpoint(a: argparse.Namespace, fmt: str) -> Path:
     return folder
 
 
-def case_info(name: str, model: Path) -> dict:
-    """What the launcher will do with the case (bound or refused) and the served expert payload."""
+def case_info(name: str, model: Path, group_size: str | None = None) -> dict:
+    """What the launcher will do with the case (bound or refused) and the served expert payload;
+    INT4 binds only with --reap-group-size not 1 (contiguous groups, on vLLM's own Marlin path)."""
     cfg = json.loads((model / "config.json").read_text())
     extra = CASES[name][1]
     cli = extra[extra.index("--quantization") + 1] if "--quantization" in extra else None
-    served = served_quant_of(quantization_config(cfg.get("text_config") or cfg, cfg), cli)
+    served = served_quant_of(quantization_config(cfg.get("text_config") or cfg, cfg), cli, group_size or "1")
     s = read_model_shape(cfg)
     fmt = expert_format(served.scheme, s.hidden_size, s.moe_intermediate_size, s.dtype_bytes, s.expert_bias)
     return {
         "binds": served.engine_refusal is None,
+        "triton": served.engine_refusal is None and served.triton,
         "engine_refusal": served.engine_refusal,
         "served_method": served.method,
         "payload_bytes": fmt.ideal,
@@ -156,7 +158,7 @@ def common_args(name: str, info: dict, a: argparse.Namespace) -> list[str]:
     args += ["--max-num-seqs", "4", "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
     args += ["--kv-cache-memory-bytes", str(KV_BYTES), "--no-enable-prefix-caching"]
     args += ["--compilation-config", json.dumps(cc)]
-    return args + (["--moe-backend", "triton"] if info["binds"] else []) + CASES[name][1]
+    return args + (["--moe-backend", "triton"] if info.get("triton", info["binds"]) else []) + CASES[name][1]
 
 
 def commands(name: str, model: Path, info: dict, a: argparse.Namespace) -> dict:
@@ -243,7 +245,7 @@ def one_case(a: argparse.Namespace, name: str) -> dict:
     global DECODE_TOKENS
     gpu_e2e.PROBE, gpu_e2e.GREEDY_TOKENS, DECODE_TOKENS = True, a.greedy_tokens, a.decode_tokens
     model = checkpoint(a, CASES[name][0])
-    info = case_info(name, model)
+    info = case_info(name, model, a.reap_group_size)
     out = a.out / name
     out.mkdir(parents=True, exist_ok=True)
     cmds = commands(name, model, info, a)
@@ -354,7 +356,7 @@ def main(argv=None) -> int:
         plans = {}
         for n in names:
             model = checkpoint(a, CASES[n][0])
-            info = case_info(n, model)
+            info = case_info(n, model, a.reap_group_size)
             plans[n] = {**info, "commands": commands(n, model, info, a)}
             gpu_e2e.make_plan(model, 0.0, 8, a.out / f"plan-{n}.json")
         (a.out / "dry_run.json").write_text(json.dumps(plans, indent=1))

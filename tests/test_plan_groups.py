@@ -70,8 +70,10 @@ def test_prices_follow_the_engine_layout():
     b1 = group_pricing(bf16, "auto")  # bf16 9 MiB: auto b = 1, the private 10 MiB unit
     assert (b1.group_size, b1.group_bytes) == (1, 10 * MiB)
     assert group_pricing(bf16, "4").bytes_per_expert == 9 * MiB
-    with pytest.raises(PlannerError, match="contiguous"):
-        group_pricing(qwen30b(INT4), "auto")
+    i4 = group_pricing(qwen30b(INT4), "auto")  # contiguous (Marlin / moe_wna16): b = 8, whole pages
+    assert (i4.group_size, i4.group_bytes, i4.bytes_per_expert) == (8, 18 * MiB, 2.25 * MiB)
+    with pytest.raises(PlannerError, match="contiguous kernel: .*whole pages"):
+        group_pricing(qwen30b(INT4), "4")  # w2 4 x 0.75 MiB = 3 MiB: not whole pages
     with pytest.raises(PlannerError, match="not whole groups of 4"):
         group_pricing(qwen30b(FP8, experts=6), "4")
     with pytest.raises(PlannerError, match="expected one of"):
@@ -298,3 +300,10 @@ def test_reap_status_carries_the_group_size_report():
     with TestClient(app) as c:
         report = c.get("/reap/status").json()["group_size"]
     assert report["plan"] == 1 and report["warning"] is None
+
+
+def test_int4_plans_in_whole_contiguous_groups_of_eight():
+    doc = plan_doc(qwen30b(INT4), "auto")
+    assert doc["groupSize"] == 8 and doc["budget"]["group_hbm_bytes"] == 18 * MiB
+    cores = [len(layer["coreExperts"]) for layer in doc["perLayer"].values()]
+    assert cores and all(c % 8 == 0 for c in cores) and sum(cores) > 0

@@ -119,11 +119,13 @@ def test_cli_quantization_overrides():
 
 
 class _Settings:
+    group_size = "1"  # --reap-group-size (default): INT4 stays refused
+
     def accounting_reason(self, platform):
         return None
 
 
-def _launch(monkeypatch, fmt, quantization=None):
+def _launch(monkeypatch, fmt, quantization=None, group_size="1"):
     calls = []
     vs = server.vllm_serve
     monkeypatch.setattr(vs, "platform_name", lambda: "cuda")
@@ -133,7 +135,9 @@ def _launch(monkeypatch, fmt, quantization=None):
     monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib: calls.append(("uva", gib)))
     monkeypatch.setattr(server, "check_host_memory", lambda s: calls.append(("host", s.total_expert_bytes)))
     shape = read_model_shape(config(fmt))
-    server.gpu_engine_args(_Settings(), argparse.Namespace(quantization=quantization), shape)
+    settings = _Settings()
+    settings.group_size = group_size
+    server.gpu_engine_args(settings, argparse.Namespace(quantization=quantization), shape)
     return calls, shape
 
 
@@ -147,6 +151,14 @@ def test_gpu_engine_args_per_format(monkeypatch, fmt):
         assert calls == ["triton", ("host", shape.total_expert_bytes), ("uva", gib)]
     calls, _ = _launch(monkeypatch, "awq", quantization="moe_wna16")
     assert calls == []
+
+
+@pytest.mark.parametrize("fmt,cli", [("awq", None), ("gptq", None), ("ct-w4a16", None), ("awq", "moe_wna16")])
+def test_int4_in_contiguous_groups_keeps_marlin_loads_into_hbm_and_checks_host_memory(monkeypatch, fmt, cli):
+    """--reap-group-size auto (research.md int4grp): bound, but no --moe-backend triton (0.26's WNA16
+    oracle raises on it) and no UVA offload (Marlin repacks after loading); host memory checked."""
+    calls, shape = _launch(monkeypatch, fmt, quantization=cli, group_size="auto")
+    assert calls == [("host", shape.total_expert_bytes)]
 
 
 def test_online_fp8_is_bound_but_never_uva_offloaded(monkeypatch):

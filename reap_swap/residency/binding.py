@@ -46,6 +46,7 @@ class BoundLayer:
     aliases: dict[str, str] = field(default_factory=dict)  # alias name -> primary name
     kept: dict[str, torch.Tensor] = field(default_factory=dict)  # kept whole in HBM
     layout: UnitLayout | None = None
+    contiguous: bool = False  # the kernel implies stride = slab: only the contiguous group layout binds it
 
     @property
     def kept_bytes(self) -> int:
@@ -95,6 +96,12 @@ def layer_tensors(layer: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
         else:
             opaque[name] = f"a different view of {primary}'s storage"
     return tensors, aliases, opaque
+
+
+def has_w13_tensor(layer: torch.nn.Module) -> bool:
+    """The layer has its gate_up weight as a tensor: `w13_weight` (every method but one), or
+    `w13_qweight` (vLLM 0.26.0's MoeWNA16Method registers no `w13_weight` alias)."""
+    return any(isinstance(getattr(layer, n, None), torch.Tensor) for n in ("w13_weight", "w13_qweight"))
 
 
 def meta_tensors(layer: torch.nn.Module) -> list[str]:
@@ -172,9 +179,12 @@ def bind_module(
     granularity: int,
     is_host: Any = lambda t: False,
     on_device: Any = on_cuda,
+    contiguous_ok: bool = False,
 ) -> BoundLayer:
     """Bind one loaded layer; `names` = (method, experts class), `is_host(t)`: vLLM's UVA flag;
-    `on_device(t)`: is the tensor device memory (CUDA; CPU tests substitute their own)."""
+    `on_device(t)`: is the tensor device memory (CUDA; CPU tests substitute their own);
+    `contiguous_ok`: the engine groups layers (--reap-group-size not 1), so a kernel that implies
+    the expert stride is bound (`bound.contiguous`) for the contiguous group layout instead of refused."""
     from reap_swap.quant_scheme import scheme_from_config
 
     tensors, aliases, opaque = layer_tensors(layer)
@@ -187,11 +197,12 @@ def bind_module(
             return bound
     problems = dict(binding.refusals)
     problems.update({n: f"not a torch tensor ({why})" for n, why in opaque.items()})
-    if binding.ok and spec.stride_mode is StrideMode.CONTIGUOUS:
+    bound.contiguous = spec.stride_mode is StrideMode.CONTIGUOUS
+    if binding.ok and bound.contiguous and not contiguous_ok:
         problems["<layout>"] = (
             f"{spec.kernel or spec.method} implies the expert stride (= slab bytes, no padding): "
-            "private units would be read at the wrong address and the engine has no page-sharing "
-            "layout yet (research.md, issue 16)"
+            "private units would be read at the wrong address; only contiguous groups of whole pages "
+            "bind it (--reap-group-size auto, research.md issue 16 int4grp)"
         )
     bound.rehome = {n: tensors[n] for n in binding.names(Decision.REHOME) if n in tensors}
     bound.kept = {n: tensors[n] for n in binding.names(Decision.KEEP_WHOLE) if n in tensors}

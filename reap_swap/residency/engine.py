@@ -38,7 +38,7 @@ from reap_swap.quant_budget import pool_slots
 
 from . import device_cache_engine, grouped_engine, vmm
 from . import grouped as grouped_units
-from .binding import BoundLayer, LayerSizes, bind_module, meta_tensors
+from .binding import BoundLayer, LayerSizes, bind_module, has_w13_tensor, meta_tensors
 from .refusals import LayerRefusals
 from .slot_table import SlotTable
 from .swap import apply_swap
@@ -216,6 +216,7 @@ class CudaEngine:
             vllm_moe.moe_kernel_names(layer),
             granularity,
             vllm_moe.is_uva_offloaded,
+            contiguous_ok=self.group_size != "1",
         )
         return bound.refusal or bound
 
@@ -225,7 +226,7 @@ class CudaEngine:
         reason = unsupported_layer(layer)
         if reason is None and index is None:
             reason = f"cannot read the layer index from {getattr(layer, 'layer_name', '?')!r}"
-        if reason is None and not isinstance(getattr(layer, "w13_weight", None), torch.Tensor):
+        if reason is None and not has_w13_tensor(layer):  # w13_weight, or MoeWNA16Method's w13_qweight
             reason = "no w13_weight tensor on the layer"
         if reason is not None:
             return None, None, reason
@@ -240,7 +241,7 @@ class CudaEngine:
         if st.plan is not None and index not in st.plan.layers:
             return None, None, f"layer {index} is not in the plan"
         lay = bound.layout
-        if lay.padding_overhead > MAX_PADDING_OVERHEAD:
+        if lay.padding_overhead > MAX_PADDING_OVERHEAD and not bound.contiguous:  # contiguous: groups
             return (
                 None,
                 None,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from reap_swap.compat import moe as vllm_moe
+from reap_swap.contiguous_groups import ContiguousLayoutError, contiguous_group_size, plan_contiguous_groups
 from reap_swap.group_layout import (
     GroupLayout,
     Permutation,
@@ -52,8 +53,27 @@ def slabs_of(bound: Any) -> list[tuple[str, int]]:
     return [(n, int(t[0].numel() * t.element_size())) for n, t in bound.rehome.items()]
 
 
+def decide_contiguous(engine: Any, st: Any, bound: Any) -> tuple[int, str]:
+    """(b, why) for a kernel that implies stride = slab (Marlin, moe_wna16); b = 0: refused, `why`
+    says why. Never private units: they would be read at the wrong address."""
+    if engine.cache is not None:
+        return (
+            0,
+            f"{CACHE_ON.split(';')[0]}; this layer's kernel implies stride = slab: contiguous groups only",
+        )
+    if st.layers:
+        return 0, f"{PRIVATE_FIRST}; this layer's kernel implies stride = slab: contiguous groups only"
+    num_experts = int(next(iter(bound.rehome.values())).shape[0])
+    try:
+        return contiguous_group_size(slabs_of(bound), num_experts, str(engine.group_size), st.granularity)
+    except ContiguousLayoutError as exc:
+        return 0, f"contiguous kernel: {exc}"
+
+
 def decide(engine: Any, st: Any, bound: Any) -> tuple[int, str]:
-    """(b, why) for this layer under the engine's --reap-group-size."""
+    """(b, why) for this layer under the engine's --reap-group-size (b = 0: refused)."""
+    if getattr(bound, "contiguous", False):
+        return decide_contiguous(engine, st, bound)
     requested = str(engine.group_size)
     if requested == "1":
         return 1, "--reap-group-size 1 (default): private units"
@@ -133,7 +153,9 @@ def attach(engine: Any, st: Any, layer: torch.nn.Module, index: int, bound: Any)
     (the reason is in st.layouts). A layer that cannot join the grouped pool is refused here."""
     b, why = decide(engine, st, bound)
     num_experts = int(next(iter(bound.rehome.values())).shape[0])
-    if b == 1:
+    if b == 0:
+        return _refuse(engine, layer, index, f"--reap-group-size {engine.group_size}: {why}")
+    if b == 1 and not bound.contiguous:
         if st.grouped is not None and st.grouped.layers:
             return _refuse(
                 engine, layer, index, f"{why}; the engine's pool is grouped: mixed layouts are not pooled"
@@ -141,7 +163,8 @@ def attach(engine: Any, st: Any, layer: torch.nn.Module, index: int, bound: Any)
         st.layouts[index] = {"layout": "private", "group_size": 1, "why": why}
         return False
     try:
-        layout = plan_groups(slabs_of(bound), num_experts, b, st.granularity)
+        plan = plan_contiguous_groups if bound.contiguous else plan_groups
+        layout = plan(slabs_of(bound), num_experts, b, st.granularity)
     except ValueError as exc:
         return _refuse(engine, layer, index, f"--reap-group-size {engine.group_size}: {exc}")
     perm = permutation_for(engine, st, index, num_experts)

@@ -1,0 +1,230 @@
+"""Contiguous grouped units for INT4 W4A16 (Marlin / moe_wna16), on CPU: the pure choice of b, the
+binding (weights move with their group, scales / zeros / g_idx stay whole and are permuted), and
+the wiring through the real CudaEngine.attach_after_load over the CPU stand-in of the VMM of
+tests/test_group_wiring.py. The layer shapes are vLLM 0.26.0's after process_weights_after_loading
+(AWQ -> Marlin: awq_marlin_moe_repack / gptq_marlin_moe_repack output [E, K/16, 2N] int32; the
+moe_wna16 method keeps uint8 [E, N, K/2]). The MoE arithmetic here is a float32 dequantizing
+reference (the layout is what is under test; vLLM's kernels are tests/gpu/test_int4_groups.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from reap_swap.contiguous_groups import (
+    ContiguousLayoutError,
+    check_contiguous_group,
+    contiguous_group_size,
+    plan_contiguous_groups,
+)
+
+torch = pytest.importorskip("torch")
+
+import test_group_wiring as gw  # noqa: E402
+from test_group_wiring import cpu_vmm  # noqa: E402,F401  (the CPU stand-in of the VMM)
+
+MIB, G = 2**20, 2 * 2**20
+E, H, I = 8, 2048, 768
+AWQ_CFG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+GPTQ_CFG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+pytestmark = pytest.mark.usefixtures("cpu_vmm")  # the CPU stand-in of the VMM (harmless for pure tests)
+W13, W2 = 2 * I * H // 2, H * I // 2  # packed int4 bytes per expert: 1.5 MiB, 0.75 MiB
+
+
+# -- the pure choice of b --------------------------------------------------------------------------
+def test_qwen3_30b_int4_groups_of_eight_are_whole_pages_with_no_padding():
+    slabs = (("w13_qweight", W13), ("w2_qweight", W2))
+    b, why = contiguous_group_size(slabs, 128)
+    assert (b, why.startswith("auto")) == (8, True)
+    lay = plan_contiguous_groups(slabs, 128, b)
+    assert lay.strides == (W13, W2) == lay.slab_bytes  # stride = slab: what the kernel implies
+    assert lay.unit_bytes == (12 * MIB, 6 * MIB) and lay.padding_overhead == 0
+    assert lay.group_payload_bytes == lay.group_bytes == 18 * MIB  # a swap copies whole pages
+    # Qwen3.5-35B-A3B's I = 512: 1 MiB + 0.5 MiB -> b = 4
+    assert contiguous_group_size((("a", 2**20), ("b", 2**19)), 256)[0] == 4
+
+
+def test_explicit_sizes_are_checked_never_rounded_and_refusals_name_the_tensor():
+    slabs = (("w13_qweight", W13), ("w2_qweight", W2))
+    assert contiguous_group_size(slabs, 128, "8")[0] == 8
+    with pytest.raises(ContiguousLayoutError, match=r"w2_qweight .*whole pages"):
+        contiguous_group_size(slabs, 128, "4")  # w13 4 x 1.5 = 6 MiB fits, w2 3 MiB does not
+    with pytest.raises(ContiguousLayoutError, match="not whole groups of 8"):
+        contiguous_group_size(slabs, 60, "8")
+    with pytest.raises(ContiguousLayoutError, match="no contiguous group of <= 16"):
+        contiguous_group_size((("w13_qweight", 3 * 2**16 + 16),), 128)
+    with pytest.raises(ContiguousLayoutError, match="expected one of"):
+        contiguous_group_size(slabs, 128, "3")
+    assert check_contiguous_group(slabs, 128, 32) == "group size 32 outside 1..16"
+    with pytest.raises(ContiguousLayoutError):
+        plan_contiguous_groups(slabs, 128, 2)
+
+
+# -- fake INT4 layers as vLLM 0.26.0 leaves them --------------------------------------------------
+class AutoAWQMoEMethod:  # Marlin: the class names the binding rules read
+    is_monolithic = False
+    moe_kernel = SimpleNamespace(fused_experts=type("MarlinExperts", (), {})())
+
+    def process_weights_after_loading(self, layer):
+        pass
+
+
+class MoeWNA16Method(AutoAWQMoEMethod):
+    moe_kernel = None  # MoeWNA16Method calls fused_experts itself (no FusedMoEKernel)
+
+
+def awq_marlin_layer(index, seed):
+    """After awq_marlin_moe_repack: qweight [E, K/16, 2N] int32 (w13_weight an alias), scales
+    [E, K/128, N] bf16, qzeros [E, K/128, N/8] int32, g_idx / sort indices [E, 0] int32."""
+    g = torch.Generator().manual_seed(seed)
+    ri = lambda *s: torch.randint(-(2**31), 2**31 - 1, s, generator=g, dtype=torch.int32)  # noqa: E731
+    rs = lambda *s: torch.rand(*s, generator=g).add(0.01).to(torch.bfloat16)  # noqa: E731
+    t = {
+        "w13_qweight": ri(E, H // 16, 2 * 2 * I),
+        "w2_qweight": ri(E, I // 16, 2 * H),
+        "w13_scales": rs(E, H // 128, 2 * I),
+        "w2_scales": rs(E, I // 128, H),
+        "w13_qzeros": ri(E, H // 128, 2 * I // 8),
+        "w2_qzeros": ri(E, I // 128, H // 8),
+        "w13_g_idx": torch.empty(E, 0, dtype=torch.int32),
+        "w2_g_idx": torch.empty(E, 0, dtype=torch.int32),
+        "w13_g_idx_sort_indices": torch.empty(E, 0, dtype=torch.int32),
+        "w2_g_idx_sort_indices": torch.empty(E, 0, dtype=torch.int32),
+    }
+    m = gw._module(index, t, AutoAWQMoEMethod())
+    m.w13_weight, m.w2_weight = m.w13_qweight, m.w2_qweight  # auto_awq.py's aliases
+    return m
+
+
+def wna16_layer(index, seed, n=I):
+    """MoeWNA16Method (no repack): qweight uint8 [E, 2N, K/2], scales bf16 [E, 2N, K/128]."""
+    g = torch.Generator().manual_seed(seed)
+    t = {
+        "w13_qweight": torch.randint(0, 256, (E, 2 * n, H // 2), generator=g, dtype=torch.uint8),
+        "w2_qweight": torch.randint(0, 256, (E, H, n // 2), generator=g, dtype=torch.uint8),
+        "w13_scales": torch.rand(E, 2 * n, H // 128, generator=g).to(torch.bfloat16),
+        "w2_scales": torch.rand(E, H, n // 128, generator=g).to(torch.bfloat16),
+    }
+    for key in ("w13_g_idx", "w2_g_idx", "w13_qzeros", "w2_qzeros"):  # GPTQ sym: moe_wna16.py's unused
+        t[key] = torch.empty((0,), dtype=torch.int32)
+    m = gw._module(index, t, MoeWNA16Method())
+    m.intermediate_size_per_partition = n
+    return m
+
+
+def int4_engine(group_size, quant, plan=None):
+    """gw.cpu_engine whose _bind passes contiguous_ok as CudaEngine._bind does (group size not 1)."""
+    eng = gw.cpu_engine(group_size, plan=plan, quant=quant)
+
+    def bind(m, granularity):
+        names = gw.engine_mod.vllm_moe.moe_kernel_names(m)
+        b = gw.engine_mod.bind_module(
+            m, gw.engine_mod.layer_sizes(m), quant, names, granularity, on_device=lambda t: True,
+            contiguous_ok=eng.group_size != "1",
+        )  # fmt: skip
+        return b.refusal or b
+
+    eng._bind = bind
+    return eng
+
+
+def int4_reference(m, x, ids, weights, phys=True):
+    """float32 MoE over uint8-packed int4 (low nibble first, zero 8) with g128 scales, reading
+    expert e's bytes at e * slab from the tensor's storage -- what moe_wna16_gemm's
+    `expert_offset = size_n * size_k * expert_id` does."""
+    ids = gw.grouped.to_physical(m.reap_group_map, ids) if phys else ids
+
+    def dq(w, s, e):
+        flat = w.reshape(-1)  # the kernel ignores stride(0): base + e * slab
+        slab = w[0].numel()
+        b = flat[e * slab : (e + 1) * slab].view(w.shape[1:])
+        q = torch.stack([b & 0xF, b >> 4], -1).reshape(b.shape[0], -1).float() - 8
+        return q * s[e].float().repeat_interleave(128, 1)
+
+    out = torch.zeros(x.shape[0], H)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate, up = (dq(m.w13_qweight, m.w13_scales, e) @ x[t]).chunk(2)
+            out[t] += weights[t, k] * (
+                dq(m.w2_qweight, m.w2_scales, e) @ (torch.nn.functional.silu(gate) * up)
+            )
+    return out
+
+
+def test_default_group_size_refuses_contiguous_kernels_by_name():
+    eng = int4_engine("1", AWQ_CFG)
+    eng.attach_after_load(awq_marlin_layer(0, 1), 0)
+    why = eng.refusals.reasons["model.layers.0.mlp.experts"]
+    assert "<layout>: MarlinExperts implies the expert stride" in why and "--reap-group-size auto" in why
+
+
+def test_awq_marlin_layers_attach_in_contiguous_groups_scales_zeros_stay_whole_and_permuted():
+    # 16 experts' budget at the INT4 price: 3 groups of 18 MiB (each layer's core needs one)
+    eng = int4_engine("auto", AWQ_CFG, plan=gw.fake_plan(expert_slots=16, per_expert=W13 + W2))
+    layers = {l: awq_marlin_layer(l, 20 + l) for l in (0, 1)}
+    originals = {l: {n: t.detach().clone() for n, t in m.named_parameters()} for l, m in layers.items()}
+    for l, m in layers.items():
+        eng.attach_after_load(m, l)
+    assert eng.refusals.reasons == {}
+    gs = eng.state.grouped
+    lay = gs.layers[0].layout
+    assert (lay.group_size, lay.names) == (8, ("w13_qweight", "w2_qweight"))
+    assert lay.strides == lay.slab_bytes == (W13, W2) and lay.unit_bytes == (12 * MIB, 6 * MIB)
+    assert eng.state.layouts[0]["padding_overhead"] == 0
+    for l, m in layers.items():
+        entry = gs.layers[l]
+        assert m.w13_qweight.is_contiguous() and m.w2_qweight.is_contiguous()  # fused_marlin_moe asserts it
+        assert m.w13_weight is m.w13_qweight or m.w13_weight.data_ptr() == m.w13_qweight.data_ptr()
+        assert m.w13_qweight.data_ptr() == entry.ranges["w13_qweight"].base  # page-aligned base
+        assert set(entry.kept) == {"w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros"}  # [E, 0]: untouched
+        for p, e in enumerate(entry.perm.to_logical):
+            for name in ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros"):
+                assert torch.equal(getattr(m, name)[p], originals[l][name][e]), (name, p, e)
+        assert m.w13_g_idx.shape == (E, 0)
+
+
+def test_moe_wna16_layer_in_one_group_computes_what_stock_computes_across_swaps():
+    eng = int4_engine("auto", GPTQ_CFG, plan=gw.fake_plan(expert_slots=16, per_expert=W13 + W2))
+    m = wna16_layer(0, 3)
+    stock = wna16_layer(0, 3)
+    stock.reap_group_map = torch.arange(E, dtype=torch.int32)
+    eng.attach_after_load(m, 0)
+    assert eng.refusals.reasons == {} and eng.state.grouped.layers[0].layout.group_size == 8
+    backend = gw.GroupedResidency.over(eng.state, gw.CpuGroupStore(eng.state.grouped))
+    x, ids, w = gw._routing(4, tokens=3)
+    ref = int4_reference(stock, x, ids, w)
+    assert torch.equal(int4_reference(m, x, ids, w), ref)
+    out = backend.apply({0: []})
+    assert out["evicted"] == 1 and not eng.state.grouped.table.resident().get(0)
+    assert torch.equal(int4_reference(m, x, ids, w), ref)  # host-backed: same bytes, same result
+    out = backend.apply({0: [3]})
+    assert (out["admitted"], out["bytes_copied"]) == (1, 18 * MIB)  # the whole group, whole pages
+    assert torch.equal(int4_reference(m, x, ids, w), ref)
+    # negative control: without the logical -> physical remap the permuted layer is wrong
+    assert not torch.equal(int4_reference(m, x, ids, w, phys=False), ref)
+
+
+def test_misfit_shapes_and_the_device_cache_are_refused_by_name_never_private_units():
+    eng = int4_engine("4", AWQ_CFG)
+    eng.attach_after_load(awq_marlin_layer(0, 1), 0)
+    why = eng.refusals.reasons["model.layers.0.mlp.experts"]
+    assert "--reap-group-size 4" in why and "w2_qweight" in why and "whole pages" in why
+    eng = int4_engine("auto", GPTQ_CFG)
+    eng.cache = object()  # --reap-cache-device on
+    eng.attach_after_load(wna16_layer(1, 1), 1)
+    assert "contiguous groups only" in eng.refusals.reasons["model.layers.1.mlp.experts"]
+
+
+def test_the_launcher_binds_int4_only_in_groups_and_keeps_vllms_marlin_backend():
+    from reap_swap.quant_budget import served_quant_of
+
+    for cfg, cli in ((AWQ_CFG, None), (GPTQ_CFG, None), (GPTQ_CFG, "moe_wna16")):
+        stock = served_quant_of(cfg, cli)
+        assert stock.engine_refusal and "--reap-group-size auto" in stock.engine_refusal or cli
+        grouped = served_quant_of(cfg, cli, "auto")
+        assert grouped.engine_refusal is None and grouped.launcher_may_offload
+        assert not grouped.triton and "HBM" in grouped.uva_refusal  # Marlin stays; no UVA offload
+    assert served_quant_of(GPTQ_CFG, "gptq_marlin", "auto").engine_refusal  # not a checked method
+    assert served_quant_of({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "auto").triton
