@@ -240,3 +240,18 @@ def test_empty_g_idx_tensors_are_kept_whole_and_the_refusal_names_the_real_reaso
     assert "g_idx" not in b.refusal
     kept = {t.name: t for t in b.binding.tensors if t.name.endswith("g_idx_sort_indices")}
     assert all(t.decision.value == "keep_whole" and t.expert_bytes == 0 for t in kept.values()), kept
+
+
+def test_mxfp4_through_marlin_stays_refused_even_with_contiguous_groups():
+    """INT4's contiguous groups (int4grp) are CPU-tested; MXFP4 via --moe-backend marlin has the same
+    contiguous stride but was never checked, so it keeps vLLM's stock path with its reason."""
+    layer = fake_layer(
+        {
+            "w13_weight": z(E, 2 * I, H // 2, dtype=torch.uint8),
+            "w13_weight_scale": z(E, 2 * I, H // 32, dtype=torch.uint8),
+            "w2_weight": z(E, H, I // 2, dtype=torch.uint8),
+            "w2_weight_scale": z(E, H, I // 32, dtype=torch.uint8),
+        }
+    )
+    b = bind(layer, {"quant_method": "mxfp4"}, "GptOssMxfp4MoEMethod", "MarlinExperts", contiguous_ok=True)
+    assert b.layout is None and "MXFP4 through Marlin is not verified" in b.refusal, b.refusal

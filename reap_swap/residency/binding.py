@@ -198,7 +198,12 @@ def bind_module(
     problems = dict(binding.refusals)
     problems.update({n: f"not a torch tensor ({why})" for n, why in opaque.items()})
     bound.contiguous = spec.stride_mode is StrideMode.CONTIGUOUS
-    if binding.ok and bound.contiguous and not contiguous_ok:
+    if binding.ok and bound.contiguous and scheme_from_config(quant_config).kind == "mxfp4":
+        problems["<layout>"] = (  # INT4's contiguous groups are CPU-tested; FE2M1f Marlin never checked
+            f"{spec.kernel or spec.method}: MXFP4 through Marlin is not verified with contiguous groups "
+            "(no GPU test yet); kept on vLLM's stock path"
+        )
+    elif binding.ok and bound.contiguous and not contiguous_ok:
         problems["<layout>"] = (
             f"{spec.kernel or spec.method} implies the expert stride (= slab bytes, no padding): "
             "private units would be read at the wrong address; only contiguous groups of whole pages "
