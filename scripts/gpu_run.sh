@@ -23,6 +23,9 @@
 #   skewbench issue 17's skew bench, alone (scripts/gpu_skew_bench.py, ~10-11 min, SKEW_CAP=720 s hard):
 #             the vLLM-routed trace, plan-cache / plan-swap / plan-static / stock UVA / resident at
 #             50 % then 25 % (SKEW_EXTRA="--no-25" for 50 % only); $R/skewbench/skew_bench.md
+#   guards    issue 17's guards, alone (<= 9.5 min): scripts/gpu_swap_guard.py (1 GiB swap >= 50 GB/s,
+#             publish_every 0 vs 8 vs 32, ~1-2 min) then scripts/gpu_guards.py (stock vs reap-swap all
+#             resident vs + --reap-cache lfu, GUARD_SERVES x GUARD_ROUNDS, single stream, GUARD_CAP s)
 # Everything lands in /tmp/run; the tarball leaves out checkpoints and safetensors.
 set -u
 R=/tmp/run
@@ -85,6 +88,11 @@ ph_mlacount() {  # mlapad: the MLA-only padding case (research.md, mlapad); coun
 ph_skewbench() {  # the driver SIGTERMs its benches 60 s before the outer cap and writes the summary
   timeout --kill-after=30 ${SKEW_CAP:-720} $PY scripts/gpu_skew_bench.py --out $R/skewbench \
     --deadline $(( ${SKEW_CAP:-720} - 60 )) ${SKEW_EXTRA:-} > $R/skewbench.log 2>&1
+}
+ph_guards() {  # swap A/B first (no server), then the decode guard's servers side by side
+  timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > $R/guards.log 2>&1
+  timeout --kill-after=30 ${GUARD_CAP:-420} $PY scripts/gpu_guards.py --model /tmp/model --out $R/guards \
+    --serves ${GUARD_SERVES:-2} --rounds ${GUARD_ROUNDS:-7} --deadline $(( ${GUARD_CAP:-420} - 40 )) >> $R/guards.log 2>&1
 }
 ph_extra() { [ -f scripts/gpu_extra_phase.sh ] && bash scripts/gpu_extra_phase.sh $R/extra > $R/extra.log 2>&1; }
 

@@ -32,7 +32,9 @@ def test_swap_summary_medians_ratio_and_guard():
     on, off = s["cases"]["1GiB_delta"]["8"], s["cases"]["1GiB_delta"]["0"]
     assert on["gbps"]["median"] == 52.0 and on["gbps"]["n"] == 5 and off["gbps"]["median"] == 45.2
     assert on["gbps_vs_0"] == pytest.approx(52.0 / 45.2) and off["gbps_vs_0"] == 1.0
-    assert on["publish_ms"]["median"] == pytest.approx(0.4) and off["publish_ms"]["median"] == pytest.approx(3.0)
+    assert on["publish_ms"]["median"] == pytest.approx(0.4) and off["publish_ms"]["median"] == pytest.approx(
+        3.0
+    )
     assert on["publish_overlapped_ms"]["median"] == pytest.approx(2.0)
     assert s["guard"] == {
         "case": "1GiB_delta",
