@@ -109,3 +109,60 @@ def test_guard_commands_and_the_all_resident_plan(tmp_path):
         assert "--enforce-eager" not in argv  # CUDA graphs on
     stock = cmds["stock"]
     assert stock[stock.index("--model") + 2 :] == cmds["reap"][4 : cmds["reap"].index("--reap-plan")]
+
+
+class _FakeServer:
+    started: list[str] = []
+    stopped: list[str] = []
+
+    def __init__(self, name, argv, outdir, port=0, **_):
+        self.name, self.url, self.argv = name, f"http://fake:{port}", argv
+
+    def start(self):
+        _FakeServer.started.append(self.name)
+        _URLS[self.name] = self.url
+        return self
+
+    def stop(self, check=True):
+        _FakeServer.stopped.append(self.name)
+
+
+def test_gpu_guards_main_over_fake_servers(tmp_path, monkeypatch):
+    """gpu_guards.main end to end with fake servers and rates: 2 serves x 3 rounds x 3 arms
+    interleaved, every server stopped, facts recorded, the summary and markdown written."""
+    guards = load_script("gpu_guards")
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(DATA / "mixtral_tiny_cpu_config.json", model / "config.json")
+    _FakeServer.started, _FakeServer.stopped = [], []
+    rates = {"stock": 700.0, "reap": 690.0, "reap-cache": 689.0}
+    monkeypatch.setattr(guards.serving, "Server", _FakeServer)
+    monkeypatch.setattr(guards, "one_decode", lambda url, tokens, prompt: rates[_arm_of(url, guards)])
+    monkeypatch.setattr(guards, "reap_facts", lambda url: {"cache": {"engaged": False}})
+    out = tmp_path / "out"
+    argv = ["gpu_guards", "--model", str(model), "--out", str(out), "--serves", "2", "--rounds", "3"]
+    monkeypatch.setattr("sys.argv", argv)
+    _URLS.clear()
+    assert guards.main() == 0
+    doc = json.loads((out / "guards.json").read_text())
+    assert len(doc["samples"]) == 2 * 3 * 3 and sorted(_FakeServer.stopped) == sorted(_FakeServer.started)
+    assert len(_FakeServer.started) == 6
+    assert [s["arm"] for s in doc["samples"][:6]] == [
+        "stock",
+        "reap",
+        "reap-cache",
+        "reap",
+        "reap-cache",
+        "stock",
+    ]
+    assert doc["summary"]["arms"]["reap"]["vs_stock"]["pooled"] == pytest.approx(690 / 700)
+    assert len(doc["facts"]["reap-cache"]) == 2
+    assert "| reap-cache | 2 | 6 |" in (out / "guards.md").read_text()
+
+
+_URLS: dict[str, str] = {}
+
+
+def _arm_of(url: str, guards) -> str:
+    """The arm a fake server's url belongs to (the fake records name -> url at start)."""
+    return next(a for a in guards.ARMS if any(n.startswith(a + "-s") and u == url for n, u in _URLS.items()))
