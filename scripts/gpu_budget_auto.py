@@ -107,6 +107,8 @@ def dummy_model(config: Path, dest: Path) -> Path:
 
     model = gpu_families.write_model(config, dest, None)
     EXTRA.extend(["--load-format", "dummy"])
+    if (model / "preprocessor_config.json").exists():  # multimodal class kept (0.26.0): no image/video
+        EXTRA.extend(["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})])  # as gpu_families
     if gpu_families.uses_gated_deltanet(json.loads((model / "config.json").read_text())):
         EXTRA.extend(["--gdn-prefill-backend", "triton"])
     return model
@@ -130,6 +132,21 @@ def _pool_kept_full(r: dict) -> bool | None:
     return after["resident_experts"] >= min(before["resident_experts"], before["pool"]["slots"])
 
 
+def dry_run(a: argparse.Namespace, out: Path) -> int:
+    """What the arms would run (gpu_run.sh DRY=1): each server's command and the swap the lane would
+    send with an empty pool; the plan may be missing (the budget phase makes it on the device)."""
+    plan = Path(a.plan)
+    plan_doc = json.loads(plan.read_text()) if plan.exists() else None
+    doc = {
+        "model": a.model, "plan": a.plan, "plan_found": plan_doc is not None,
+        "arms": {name: arm_argv(name, a) for name in a.arms.split(",")},
+        "swap_with_empty_pool": one_slice_per_layer(plan_doc) if plan_doc else None,
+    }  # fmt: skip
+    (out / "budget_auto.dry.json").write_text(json.dumps(doc, indent=2))
+    print(json.dumps({k: doc[k] for k in ("model", "plan", "plan_found")}))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", help="model folder (not needed with --config)")
@@ -143,6 +160,7 @@ def main() -> int:
     )
     ap.add_argument("--extra", default="", help="more vLLM arguments for every arm (one shell-quoted string)")
     ap.add_argument("--startup-s", type=float, default=300.0)
+    ap.add_argument("--dry-run", action="store_true", help="write DIR/budget_auto.dry.json; start no server")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,6 +169,8 @@ def main() -> int:
         a.model = str(dummy_model(a.config, out / "model"))
     elif not a.model:
         ap.error("--model or --config is required")
+    if a.dry_run:
+        return dry_run(a, out)
     plan_doc = json.loads(Path(a.plan).read_text())
     arms = {name: arm_argv(name, a) for name in a.arms.split(",")}
     results = {}

@@ -295,6 +295,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host-guard-gib", type=float, default=3.0)
     ap.add_argument("--greedy-tokens", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=0, help="greedy/decode prompts: the first N of 8 (0: all)")
     ap.add_argument("--engine", help="replace the engine arguments (a shell-quoted string)")
     ap.add_argument("--count-lengths", type=fc.parse_ints, default=(),
                     help="prompt lengths of the exact-count cases (e.g. 1,15,16,17,38; the count arm: "
@@ -354,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.arms == "prepare":
         return 0
     e2e.PROBE, e2e.GREEDY_TOKENS = True, a.greedy_tokens
+    if a.prompts:  # full-depth runs at 0 % resident read every selected expert over PCIe per token
+        e2e.PROMPTS = e2e.PROMPTS[: a.prompts]
     a.vocab = fc.vocab_size(json.loads((model / "config.json").read_text()))
     vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *engine]
     reap = [sys.executable, "-m", "reap_swap.server", str(model), *engine]

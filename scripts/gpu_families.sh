@@ -8,6 +8,8 @@
 #   bash scripts/gpu_families.sh start --out DIR     # the same in the background (setsid)
 #   bash scripts/gpu_families.sh wait SECONDS --out DIR   # progress; then $OUT/families.tgz
 #   bash scripts/gpu_families.sh schedule            # print the schedule below (no GPU)
+#   bash scripts/gpu_families.sh gptoss_full --out DIR    # GPT-OSS-20B bf16, all 24 layers (gpu_run.sh gptossfull)
+#   bash scripts/gpu_families.sh mixtral_full --out DIR   # Mixtral-8x7B, all 32 layers (gpu_run.sh mixfull)
 #
 # Results: DIR/<family>/{meta,reap,stock,family}.json + server logs, DIR/pin_bench.json,
 # DIR/families.md (scripts/gpu_summarize.py --families DIR), DIR/<family>-<arm>.log, DIR/lane.log.
@@ -121,6 +123,43 @@ chain_d() {  # HBM: the stock V2-Lite only after the stock Qwen3.5; host: V3's 2
   $PY scripts/gpu_families.py --name deepseek_v3_d2 --out "$S" --arms merge > /dev/null 2>&1
 }
 
+# Full depth (branch fulldepth; sizes from scripts/fulldepth_budget.py, research.md "fulldepth").
+# GPT-OSS-20B: 24 x 32 x 47.5 MiB = 35.6 GiB of experts; reap (HBM ~41, host ~42) and stock (HBM ~41,
+# host ~4) side by side. Mixtral-8x7B: 32 x 8 x 336 MiB = 84 GiB; reap (HBM ~89 with the 100 % pool,
+# host ~93) and stock (HBM ~89) do not fit one H200 together: stock first, then reap once the HBM
+# is free again. Mixtral's 0 % points read ~21 GiB per decoded token over PCIe (~0.7 s), hence
+# fewer prompts and decode tokens there (MIX_PROMPTS, MIX_DECODE). MIX_LAYERS: a shallower depth.
+hbm_free_wait() {  # GIB SECONDS: until nvidia-smi reports GIB free (no nvidia-smi: return at once)
+  command -v nvidia-smi > /dev/null || return 0
+  local free
+  for _ in $(seq "$(( $2 / 2 ))"); do
+    free=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1)
+    [ "${free:-0}" -ge $(( $1 * 1024 )) ] && { step hbm "${free} MiB free"; return 0; }
+    sleep 2
+  done
+  step hbm "only ${free:-?} MiB free after $2 s (wanted $1 GiB)"
+}
+
+gptoss_full() {
+  local g=(--config tests/data/gpt_oss_20b_bf16_config.json --kv-gib 0.5 --host-guard-gib 5
+           --prompts "${GPTOSS_PROMPTS:-8}" --decode-tokens "${GPTOSS_DECODE:-64}")
+  [ "${GPTOSS_GRAPHS:-0}" = 1 ] || g+=(--eager)
+  pair gpt_oss_20b "$(left)" "${g[@]}"
+}
+
+mixtral_full() {
+  local layers=${MIX_LAYERS:-32} name=mixtral_8x7b
+  [ "$layers" = 32 ] || name=mixtral_8x7b_d$layers
+  local m=(--config tests/data/mixtral_8x7b_config.json --layers "$layers" --kv-gib 0.5 --host-guard-gib 5
+           --prompts "${MIX_PROMPTS:-4}" --decode-tokens "${MIX_DECODE:-16}")
+  [ "${MIX_GRAPHS:-0}" = 1 ] || m+=(--eager)
+  prep "$name" "${m[@]}"
+  arm "$name" stock "$(min "${MIX_STOCK_CAP:-240}" "$(left)")" "${m[@]}"
+  hbm_free_wait "${MIX_REAP_HBM_GIB:-95}" 90
+  arm "$name" reap "$(left)" "${m[@]}"
+  $PY scripts/gpu_families.py --name "$name" --out "$S" --arms merge > /dev/null 2>&1
+}
+
 lane() {
   mkdir -p "$S"
   rm -f "$S/qwen_stock.done" "$S/v2_prepared" "$S/v2_reap.done" "$S/all.done"
@@ -157,6 +196,8 @@ case "${1:-}" in
     mkdir -p "$S"
     arm deepseek_v3_d2 reap "$(left)" --config tests/data/deepseek_v3_bf16_depth2_config.json --eager --kv-gib 0.5 --host-guard-gib 5
     $PY scripts/gpu_families.py --name deepseek_v3_d2 --out "$S" --arms merge > /dev/null 2>&1 ;;
+  gptoss_full) mkdir -p "$S"; gptoss_full ;;
+  mixtral_full) mkdir -p "$S"; mixtral_full ;;
   start)
     mkdir -p "$S"
     setsid nohup bash "$0" session --out "$S" > "$S/lane.log" 2>&1 < /dev/null &
@@ -172,5 +213,5 @@ case "${1:-}" in
     ls -la "${OUT:-/tmp/out}"
     ;;
   schedule) sed -n '/^# Schedule/,/^# What each/p' "$0" ;;
-  *) echo "usage: $0 all|start|lane_a_only|v2lite_only|v3_only --out DIR | wait SECONDS --out DIR | schedule"; exit 2 ;;
+  *) echo "usage: $0 all|start|lane_a_only|v2lite_only|v3_only|gptoss_full|mixtral_full --out DIR | wait SECONDS --out DIR | schedule"; exit 2 ;;
 esac

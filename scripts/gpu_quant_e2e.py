@@ -90,6 +90,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "torch.compile, no CUDA graphs): reap vs stock without Inductor's per-process choices",
     )
     ap.add_argument("--serial-arms", action="store_true", help="one server per case at a time")
+    ap.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=0,
+        help="also time 1-stream decode (N tokens, 3 repeats) on stock and at every reap phase, with the "
+        "phase's router hit rate, for the bound t_resident + (1 - h) t_all_missed; 0 = off. Time it "
+        "with --jobs 1 --serial-arms",
+    )
     ap.add_argument("--ckpt-jobs", type=int, default=4, help="checkpoints written at a time (processes)")
     ap.add_argument(
         "--reap-group-size",
@@ -160,8 +168,18 @@ def commands(name: str, model: Path, info: dict, a: argparse.Namespace) -> dict:
     return {"stock": stock + gpu_e2e.PROBE_EXTENSION, "reap": reap}
 
 
-def sample(srv: Server, label: str) -> dict:
-    return {"greedy": gpu_e2e.greedy(srv.url), "moe_probe": gpu_e2e.moe_probe(srv, label)}
+DECODE_TOKENS = 0  # --decode-tokens (set in the case's child process)
+
+
+def sample(srv: Server, label: str, rid: str | None = None) -> dict:
+    """Greedy text and MoE digests; with --decode-tokens also decode tok/s and (reap-swap: `rid`,
+    the request the phase's swap opened) the router misses of everything the phase served."""
+    got = {"greedy": gpu_e2e.greedy(srv.url), "moe_probe": gpu_e2e.moe_probe(srv, label)}
+    if DECODE_TOKENS:
+        got["decode_1"] = gpu_e2e.decode_speed(srv.url, 1, n=DECODE_TOKENS, repeats=3)
+        if rid is not None:
+            got["router_misses"] = gpu_e2e.misses(srv, rid)
+    return got
 
 
 # the second stock server compiles on its own: with the same arguments it would otherwise load the
@@ -199,7 +217,7 @@ def run_reap(
         expect = group_e2e.GroupExpect(plan_path, facts.get("layouts") or {}) if grouped_run else None
         r["group_layout"] = {k: facts.get(k) for k in ("layout", "group_size", "layouts")} if expect else None
         gpu_e2e.open_request(srv, "p0")
-        r["phases"]["0"] = sample(srv, "reap 0")
+        r["phases"]["0"] = sample(srv, "reap 0", "p0")
         resident: set[tuple[int, int]] = set()
         for label, pct, start in SWAPS:
             k = shape["experts"] * pct // 100
@@ -211,7 +229,7 @@ def run_reap(
             if expect is not None and expect.active:  # grouped: admitted groups x group payload
                 sw.update(expect.swap(wanted))
             resident = want
-            r["phases"][label] = {"swap": sw, **sample(srv, f"reap {label}")}
+            r["phases"][label] = {"swap": sw, **sample(srv, f"reap {label}", f"p{label}")}
             if grouped_run:  # router statistics stay in logical ids (0 % misses at 100 %)
                 r["phases"][label]["misses"] = gpu_e2e.misses(srv, f"p{label}")
         r["status_end"] = gpu_e2e.status(srv)
@@ -222,7 +240,8 @@ def one_case(a: argparse.Namespace, name: str) -> dict:
     """The child process: stock then reap for one case, within the case's deadline."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # servers stop in their __exit__
     deadline = time.time() + a.case_timeout - 15
-    gpu_e2e.PROBE, gpu_e2e.GREEDY_TOKENS = True, a.greedy_tokens
+    global DECODE_TOKENS
+    gpu_e2e.PROBE, gpu_e2e.GREEDY_TOKENS, DECODE_TOKENS = True, a.greedy_tokens, a.decode_tokens
     model = checkpoint(a, CASES[name][0])
     info = case_info(name, model)
     out = a.out / name
@@ -276,6 +295,8 @@ def spawn(a: argparse.Namespace, name: str) -> dict:
         a.stock_twice,
         "--eager-pair",
         a.eager_pair,
+        "--decode-tokens",
+        str(a.decode_tokens),
     ]
     argv += (["--tiny"] if a.tiny else []) + (["--serial-arms"] if a.serial_arms else [])
     argv += ["--reap-group-size", a.reap_group_size] if a.reap_group_size else []

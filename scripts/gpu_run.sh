@@ -19,6 +19,14 @@
 #   count     exact router counts on full-size Qwen3.5 (gpu_families.py --arms count, ~8 min)
 #   mlacount  exact router counts on full-size DeepSeek-V2-Lite (all attention MLA) under CUDA graphs
 #             (--arms count WITHOUT --eager: padded piecewise prefills, padded concurrent decodes; ~6 min)
+#   gptossfull GPT-OSS-20B bf16 at full depth (24 x 32 experts, biases), reap-swap and stock side by side,
+#             eager, 0/25/50/100 %/0 vs stock (gpu_families.sh gptoss_full; ~6 min, GPTOSS_CAP=420 s;
+#             HBM ~83 GiB, host ~46 GiB: may run beside v3layer or mlacount, not beside mixfull/v2lite)
+#   mixfull   Mixtral-8x7B at full depth (32 x 8 x 336 MiB = 84 GiB): stock, THEN reap-swap (both need
+#             ~89 GiB HBM; reap's host ~93 GiB), eager, 4 prompts (gpu_families.sh mixtral_full;
+#             ~12 min, MIX_CAP=780 s; MIX_LAYERS for a shallower depth): alone
+#   hybridauto --reap-budget auto on full-size Qwen3.5 (hybrid attention), HYB_ARMS=auto@0.5,auto@0.85
+#             one server after the other (gpu_budget_auto.py --config; ~16 min, HYB_CAP=1200 s): alone
 #   extra     bash scripts/gpu_extra_phase.sh $R/extra (a phase a branch ships for this run)
 #   skewbench issue 17's skew bench, alone (scripts/gpu_skew_bench.py, ~10-11 min, SKEW_CAP=720 s hard):
 #             the vLLM-routed trace, plan-cache / plan-swap / plan-static / stock UVA / resident at
@@ -26,14 +34,22 @@
 #   guards    issue 17's guards, alone (<= 9.5 min): scripts/gpu_swap_guard.py (1 GiB swap >= 50 GB/s,
 #             publish_every 0 vs 8 vs 32, ~1-2 min) then scripts/gpu_guards.py (stock vs reap-swap all
 #             resident vs + --reap-cache lfu, GUARD_SERVES x GUARD_ROUNDS, single stream, GUARD_CAP s)
+# Knobs (old defaults): BUDGET_CAP (330 s), BUDGET_ARMS, RUN_DIR (/tmp/run), PY (python3).
+# DRY=1 (no GPU needed; what tests/test_gpu_run_phases.py runs): every python call goes through
+# scripts/dry_py.sh (gpu_families.py arms become `prepare`, gpu_budget_auto.py gets --dry-run, the
+# rest is only logged to $RUN_DIR/dry.log) and no leftover server is looked for or killed.
+#   DRY=1 RUN_DIR=/tmp/dry PHASES="gptossfull mixfull v2lite+v3layer mlacount hybridauto budget" bash scripts/gpu_run.sh session
 # Everything lands in /tmp/run; the tarball leaves out checkpoints and safetensors.
 set -u
-R=/tmp/run
-PY=python3
+R=${RUN_DIR:-/tmp/run}
+PY=${PY:-python3}
+if [ "${DRY:-0}" = 1 ]; then PY="bash scripts/dry_py.sh"; export DRY_LOG=$R/dry.log; fi
+export PY
 export PYTHONPATH=$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1  # the synced tree first
 stamp() { date +%H:%M:%S; }
 step() { echo "$(stamp) [$1] $2"; }
 leftovers() {  # stop any server a timed-out phase left behind, then wait until its HBM is free (run 9b)
+  [ "${DRY:-0}" = 1 ] && { step run "dry run: no leftover check"; return; }
   pkill -TERM -f "vllm.entrypoints.openai.api_server|reap_swap.server|EngineCore" 2>/dev/null; sleep 5
   pkill -KILL -f "vllm.entrypoints.openai.api_server|reap_swap.server|EngineCore" 2>/dev/null
   for _ in $(seq 30); do
@@ -50,7 +66,7 @@ ph_tests() {
 ph_budget() {
   $PY -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import gpu_e2e; \
 gpu_e2e.make_plan(Path('/tmp/model'), 0.25, 8, Path('$R/budget.plan.json'), budget_fraction=0.25)"
-  timeout 330 $PY scripts/gpu_budget_auto.py --model /tmp/model --plan $R/budget.plan.json --out $R/budget \
+  timeout ${BUDGET_CAP:-330} $PY scripts/gpu_budget_auto.py --model /tmp/model --plan $R/budget.plan.json --out $R/budget \
     --arms ${BUDGET_ARMS:-auto@0.08,auto@0.14,cap@0.14,refused} > $R/budget.log 2>&1
 }
 ph_cache() {
@@ -88,6 +104,14 @@ ph_mlacount() {  # mlapad: the MLA-only padding case (research.md, mlapad); coun
 ph_skewbench() {  # the driver SIGTERMs its benches 60 s before the outer cap and writes the summary
   timeout --kill-after=30 ${SKEW_CAP:-720} $PY scripts/gpu_skew_bench.py --out $R/skewbench \
     --deadline $(( ${SKEW_CAP:-720} - 60 )) ${SKEW_EXTRA:-} > $R/skewbench.log 2>&1
+}
+ph_gptossfull() { DEADLINE=${GPTOSS_CAP:-420} bash scripts/gpu_families.sh gptoss_full --out $R/fam > $R/gptossfull.log 2>&1; }
+ph_mixfull() { DEADLINE=${MIX_CAP:-780} bash scripts/gpu_families.sh mixtral_full --out $R/fam > $R/mixfull.log 2>&1; }
+ph_hybridauto() {  # hybridkv: the KV target from vLLM's own hybrid grouping; one server at a time
+  timeout --kill-after=30 ${HYB_CAP:-1200} $PY scripts/gpu_budget_auto.py \
+    --config tests/data/qwen3_5_moe_35b_a3b_config.json --plan ${HYB_PLAN:-.kit/strict30-v2-plan.json} \
+    --out $R/hybridauto --arms ${HYB_ARMS:-auto@0.5,auto@0.85} --startup-s ${HYB_STARTUP:-540} \
+    --extra "--max-model-len 4096 --max-num-seqs 8 ${HYB_EXTRA:-}" > $R/hybridauto.log 2>&1
 }
 ph_guards() {  # swap A/B first (no server), then the decode guard's servers side by side
   timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > $R/guards.log 2>&1

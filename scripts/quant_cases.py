@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from families_report import bound_rows
+
 from reap_swap.moe_probe import compare_probes
 from reap_swap.serving import compare
 
@@ -159,6 +161,8 @@ def case_row(res: dict) -> dict:
     if stock.get("greedy") and reap.get("phases"):
         row["text_differs"], row["probe_differs"] = _phase_checks(stock, reap["phases"])
         row.update(_swap_stats(reap["phases"]))
+        if any(p.get("decode_1") for p in reap["phases"].values()):  # --decode-tokens
+            row["bound"] = bound_rows(reap["phases"], stock)
     row["verdict"] = _verdict(row)
     row["pass"] = row["verdict"] == "PASS"
     return row
@@ -221,4 +225,29 @@ def markdown(doc: dict) -> str:
             f"{'yes' if mism == [] else mism if mism else '-'} | {unit} | {r.get('pool_slots')} | "
             f"{r.get('kept_per_layer')} | {note} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _bound_lines(doc)) + "\n"
+
+
+def _bound_lines(doc: dict) -> list[str]:
+    """With --decode-tokens: each case's decode tok/s per phase against its bound (1 stream)."""
+    rows = [r for r in doc.get("rows") or [case_row(c) for c in doc["cases"].values()] if r.get("bound")]
+    if not rows:
+        return []
+    out = ["", "decode (1 stream) against t_resident + (1 - h) t_all_missed:", ""]
+    out += [
+        "| case | t_resident ms (from) | t_all_missed ms | phase: h / tok/s / ratio to bound |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        b = r["bound"]
+        cells = "; ".join(
+            f"{k}: {v['h']:.3f} / {v['tok_s']:.1f} / {v['ratio']:.3f}" + (" (fit)" if v["fit"] else "")
+            if None not in (v.get("h"), v.get("tok_s"), v.get("ratio"))
+            else f"{k}: -"
+            for k, v in b["rows"].items()
+        )
+        tr, tm = b.get("t_resident_ms"), b.get("t_all_missed_ms")
+        out.append(
+            f"| {r['case']} | {tr and round(tr, 3)} ({b.get('t_resident_from')}) | {tm and round(tm, 3)} | {cells} |"
+        )
+    return out

@@ -188,3 +188,23 @@ def test_eager_pair_summary():
     res["reap_eager"] = {"error": "ServerError('exited')"}
     assert qe.case_row(res)["eager_pair"]["comparable"] is False
     assert qe.case_row(res)["pass"]  # the main verdict is stock vs reap with CUDA graphs
+
+
+def test_decode_against_the_bound_per_phase():
+    """--decode-tokens: tok/s per phase with the phase's router hit rate; t_resident from stock (no
+    100 % phase here), t_all_missed from the 0 % phase, the other phases as ratios to the bound."""
+    res = _fake(True)
+    res["stock"]["decode_1"] = {"median": 500.0}  # 2 ms per token, every expert in HBM
+    res["reap"]["phases"]["0"].update(
+        decode_1={"median": 100.0}, router_misses={"totals": {"miss_ratio": 1.0}}
+    )  # 10 ms: t_all_missed = 8 ms
+    res["reap"]["phases"]["25"].update(
+        decode_1={"median": 160.0}, router_misses={"totals": {"miss_ratio": 0.75}}
+    )  # bound 1000 / (2 + 6) = 125 tok/s
+    row = qe.case_row(res)
+    b = row["bound"]
+    assert b["t_resident_from"] == "stock" and b["t_resident_ms"] == 2.0 and b["t_all_missed_ms"] == 8.0
+    assert b["rows"]["25"]["bound"] == 125.0 and b["rows"]["25"]["ratio"] == 1.28
+    md = qe.markdown({"wall_s": 1, "cases": {"c": res}})
+    assert "decode (1 stream) against" in md and "25: 0.250 / 160.0 / 1.280" in md
+    assert "decode (1 stream)" not in qe.markdown({"wall_s": 1, "cases": {"c": _fake(True)}})

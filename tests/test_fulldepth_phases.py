@@ -1,0 +1,134 @@
+"""The full-depth phases of scripts/gpu_run.sh (branch fulldepth), on the CPU: the memory/time
+estimates behind the runbook (scripts/fulldepth_budget.py, pure) and a DRY=1 session of the new
+and the never-run phases with today's code (model folders, shapes, plans, engine arguments,
+gpu_budget_auto.py's arms), which starts no server and kills nothing."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from script_modules import load_script
+
+from reap_swap.model_shape import read_model_shape
+from reap_swap.plan import load_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELD_PLAN = ROOT.parent.parent / "shared" / "fixtures" / "strict30-v2-plan.json"
+if not FIELD_PLAN.exists():
+    FIELD_PLAN = ROOT.parent / "shared" / "fixtures" / "strict30-v2-plan.json"
+
+
+@pytest.fixture(scope="module")
+def fb():
+    return load_script("fulldepth_budget")
+
+
+def test_the_estimate_reproduces_run_10s_measured_qwen3_5_servers(fb):
+    q = fb.family("qwen35")
+    hbm, host = fb.reap_memory(q, pool_share=2663 / 10240, kv_gib=2)  # the field plan's 2663 slots
+    assert abs(hbm - 23.9) < 2.0 and abs(host - 63.3) < 3.0  # run 10: HBM peak 23.9, host 63.3 GiB
+    assert abs(fb.stock_memory(q, kv_gib=2)[0] - 68.3) < 1.0  # run 10: stock HBM peak 68.3 GiB
+
+
+def test_mixtral_full_depth_cannot_sit_beside_its_stock_twin_but_each_fits_alone(fb):
+    m = fb.family("mixtral_8x7b")
+    assert (m.moe_layers, m.experts, m.expert_gib, m.unit_bytes) == (32, 8, 84.0, 336 * 2**20)
+    reap, stock = fb.reap_memory(m), fb.stock_memory(m)
+    assert not fb.fits([reap, stock])["ok"] and fb.fits([reap])["ok"] and fb.fits([stock])["ok"]
+    assert not fb.fits([fb.reap_memory(m, 0.5), stock])["ok"]  # not even with half the pool
+    assert 85 < reap[1] < 95  # host: the experts once, one layer in flight, the process
+
+
+def test_the_lease_groups_of_the_runbook_fit_side_by_side(fb):
+    g, v2, v3 = (fb.family(n) for n in ("gpt_oss_20b", "deepseek_v2_lite", "deepseek_v3_d2"))
+    assert g.unit_bytes == 48 * 2**20 and v2.unit_bytes == 18 * 2**20  # 47.46 / 16.5 MiB rounded up
+    assert fb.fits([fb.reap_memory(v2), fb.stock_memory(v2), fb.reap_memory(v3)])["ok"]  # v2lite+v3layer
+    assert fb.fits([fb.reap_memory(g), fb.stock_memory(g), fb.reap_memory(v2)])["ok"]  # gptossfull+mlacount
+    assert not fb.fits([fb.reap_memory(g), fb.stock_memory(g), fb.reap_memory(v2), fb.stock_memory(v2)])["ok"]
+
+
+def test_point_times_scale_with_what_a_missed_token_reads(fb):
+    m = fb.family("mixtral_8x7b")
+    assert fb.points_s(m, 4, 16, 16, shares=(1,)) == 10.0  # all resident: nothing over PCIe
+    t0 = fb.points_s(m, 4, 16, 16, shares=(0,)) - 10.0
+    assert t0 == pytest.approx(2 * 32 * m.expert_bytes / 1e9 / fb.MISS_GBPS * (64 + 16 + 16))
+    assert "| mixtral_8x7b | 84.0 |" in "\n".join(fb.rows())
+
+
+FAMILIES = {  # name -> (MoE layers, experts, eager)
+    "gpt_oss_20b": (24, 32, True),
+    "mixtral_8x7b": (32, 8, True),
+    "deepseek_v2_lite": (26, 64, True),
+    "deepseek_v3_d2": (1, 256, True),
+}
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    pytest.importorskip("vllm", reason="the Qwen3.5 folder asks vLLM's registry for the text-only class")
+    run = tmp_path_factory.mktemp("dry")
+    env = {
+        **os.environ, "DRY": "1", "DRY_PYTHON": sys.executable, "RUN_DIR": str(run),
+        "HYB_PLAN": str(FIELD_PLAN), "PYTHONPATH": str(ROOT),
+        "PHASES": "gptossfull mixfull v2lite+v3layer mlacount hybridauto budget",
+    }  # fmt: skip
+    p = subprocess.run(
+        ["bash", "scripts/gpu_run.sh", "session"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return run, p
+
+
+def test_dry_session_runs_every_phase_to_its_end_without_a_server(dry):
+    run, p = dry
+    assert p.returncode == 0, p.stderr[-2000:]
+    for phase in ("gptossfull", "mixfull", "v2lite", "v3layer", "mlacount", "hybridauto", "budget"):
+        assert f"phase {phase} exit 0" in p.stdout, p.stdout[-3000:]
+    assert (run / "all.done").exists() and "no leftover check" in p.stdout
+    log = (run / "dry.log").read_text()
+    assert "--arms reap" in log and "--arms stock" in log and "--arms count" in log  # what would serve
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_dry_session_prepares_each_full_depth_family_with_todays_code(dry, name):
+    run, _ = dry
+    layers, experts, eager = FAMILIES[name]
+    meta = json.loads((run / "fam" / name / "meta.json").read_text())
+    assert (len(meta["shape"]["moe_layers"]), meta["shape"]["experts"]) == (layers, experts)
+    assert ("--enforce-eager" in meta["engine"]) == eager and "--load-format" in meta["engine"]
+    model = Path("/tmp/families") / name
+    loaded = load_plan(Path(meta["plan"]), read_model_shape(model))  # synthetic: empty core, budget 100 %
+    assert sorted(loaded.layers) == meta["shape"]["moe_layers"]
+    assert json.loads((run / "fam" / name / "family.json").read_text())["family"] == name
+
+
+def test_dry_mlacount_serves_v2_lite_under_graphs_and_mixtral_with_fewer_prompts(dry):
+    run, _ = dry
+    meta = json.loads((run / "mlacount" / "deepseek_v2_lite_graphs" / "meta.json").read_text())
+    assert "--enforce-eager" not in meta["engine"] and len(meta["shape"]["moe_layers"]) == 26
+    log = (run / "dry.log").read_text()
+    mix = [line for line in log.splitlines() if "mixtral_8x7b --out" in line and "--arms reap" in line]
+    assert mix and "--prompts 4 --decode-tokens 16" in mix[0] and "--layers 32" in mix[0]
+
+
+def test_dry_hybridauto_builds_the_full_qwen3_5_folder_and_both_arms(dry):
+    run, _ = dry
+    if not FIELD_PLAN.exists():
+        pytest.skip("the field plan is not on this machine")
+    doc = json.loads((run / "hybridauto" / "budget_auto.dry.json").read_text())
+    assert doc["plan_found"] and set(doc["arms"]) == {"auto@0.5", "auto@0.85"}
+    argv = doc["arms"]["auto@0.85"]
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.85"
+    assert "dummy" in argv and "--gdn-prefill-backend" in argv
+    assert argv[len(argv) - 1 - argv[::-1].index("--max-model-len") + 1] == "4096"  # the last one wins
+    assert read_model_shape(doc["model"]).total_expert_bytes == 60 * 2**30
+    assert all(v for v in doc["swap_with_empty_pool"].values())  # a slice per plan layer
+    budget = json.loads((run / "budget" / "budget_auto.dry.json").read_text())
+    assert not budget["plan_found"] and "refused" in budget["arms"]  # the plan is made on the device
