@@ -31,6 +31,9 @@
 #   skewbench issue 17's skew bench, alone (scripts/gpu_skew_bench.py, ~10-11 min, SKEW_CAP=720 s hard):
 #             the vLLM-routed trace, plan-cache / plan-swap / plan-static / stock UVA / resident at
 #             50 % then 25 % (SKEW_EXTRA="--no-25" for 50 % only); $R/skewbench/skew_bench.md
+#   guards    issue 17's guards, alone (<= 9.5 min): scripts/gpu_swap_guard.py (1 GiB swap >= 50 GB/s,
+#             publish_every 0 vs 8 vs 32, ~1-2 min) then scripts/gpu_guards.py (stock vs reap-swap all
+#             resident vs + --reap-cache lfu, GUARD_SERVES x GUARD_ROUNDS, single stream, GUARD_CAP s)
 # Knobs (old defaults): BUDGET_CAP (330 s), BUDGET_ARMS, RUN_DIR (/tmp/run), PY (python3).
 # DRY=1 (no GPU needed; what tests/test_gpu_run_phases.py runs): every python call goes through
 # scripts/dry_py.sh (gpu_families.py arms become `prepare`, gpu_budget_auto.py gets --dry-run, the
@@ -109,6 +112,11 @@ ph_hybridauto() {  # hybridkv: the KV target from vLLM's own hybrid grouping; on
     --config tests/data/qwen3_5_moe_35b_a3b_config.json --plan ${HYB_PLAN:-.kit/strict30-v2-plan.json} \
     --out $R/hybridauto --arms ${HYB_ARMS:-auto@0.5,auto@0.85} --startup-s ${HYB_STARTUP:-540} \
     --extra "--max-model-len 4096 --max-num-seqs 8 ${HYB_EXTRA:-}" > $R/hybridauto.log 2>&1
+}
+ph_guards() {  # swap A/B first (no server), then the decode guard's servers side by side
+  timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > $R/guards.log 2>&1
+  timeout --kill-after=30 ${GUARD_CAP:-420} $PY scripts/gpu_guards.py --model /tmp/model --out $R/guards \
+    --serves ${GUARD_SERVES:-2} --rounds ${GUARD_ROUNDS:-7} --deadline $(( ${GUARD_CAP:-420} - 40 )) >> $R/guards.log 2>&1
 }
 ph_extra() { [ -f scripts/gpu_extra_phase.sh ] && bash scripts/gpu_extra_phase.sh $R/extra > $R/extra.log 2>&1; }
 

@@ -31,6 +31,12 @@ def test_config_from_settings():
     assert why is None and cfg.slots_per_layer == 4 and not cfg.auto and cfg.caches.fused
     auto = cache_config_for(_s(), PLAN)[0]
     assert auto.split(11, 2, {0: [0, 1], 1: [2]}) == 3 and auto.slots_per_layer == 4  # (11-3)//2
+    full = cache_config_for(_s(), PLAN)[0]  # every pooled expert pinned (issue 17's decode guard)
+    assert full.split(3, 2, {0: [0, 1], 1: [2]}) == 3 and full.slots_per_layer == 0
+    assert full.refusal == (
+        "--reap-cache-slots auto: 0 pool slot(s) beyond the pinned set, fewer than one per layer "
+        "(2 layers, pool 3)"
+    )
 
 
 def test_view_status_totals_and_on_swap():

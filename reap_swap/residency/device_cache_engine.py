@@ -40,7 +40,12 @@ class CacheConfig:
             beyond = slots_beyond_pinned(pool_slots, pinned or {})
             self.slots_per_layer = beyond // max(num_layers, 1)
         want = self.slots_per_layer * num_layers
-        if self.slots_per_layer <= 0:
+        if self.slots_per_layer <= 0 and self.auto:  # e.g. every expert pinned: no tail, no cost
+            self.refusal = (
+                f"--reap-cache-slots auto: {beyond} pool slot(s) beyond the pinned set, fewer than one "
+                f"per layer ({num_layers} layers, pool {pool_slots})"
+            )
+        elif self.slots_per_layer <= 0:
             self.refusal = "--reap-cache-slots is 0"
         elif want > pool_slots:
             self.refusal = (

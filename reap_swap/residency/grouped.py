@@ -30,7 +30,7 @@ from reap_swap.group_layout import GroupLayout, Permutation, group_target, layer
 
 from . import vmm
 from .slot_table import SlotTable
-from .swap import SwapResult, apply_swap
+from .swap import PUBLISH_EVERY, SwapResult, apply_swap
 
 
 @dataclass
@@ -110,8 +110,9 @@ def remap_ids(layer: GroupedLayer, topk_ids: torch.Tensor) -> torch.Tensor:
 class GroupedStore:
     """swap.ExpertStore over groups: `expert` is a physical group id, a slot holds one group."""
 
-    def __init__(self, st: GroupedState) -> None:
+    def __init__(self, st: GroupedState, publish_every: int = PUBLISH_EVERY) -> None:
         self.st = st
+        self.publish_every = publish_every  # swap.py: overlapped publishes (0: only at the end)
         first = next(iter(st.layers.values()), None)
         self.bytes_per_expert = first.layout.group_payload_bytes if first else 0  # per group
 
@@ -140,6 +141,8 @@ class GroupedStore:
             rng.map_device(group, self.st.pools[name].slot_handle(slot), defer_access=True)
 
     def publish(self) -> None:
+        """Set access on every pending remap (flush_access returns at once where none is); also
+        called while later copies are in flight (swap.py's module docstring says why it is safe)."""
         for entry in self.st.layers.values():
             for rng in entry.ranges.values():
                 rng.flush_access()

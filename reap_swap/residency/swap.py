@@ -8,6 +8,24 @@ same bytes, so a forward pass that runs after a failure still reads correct weig
 committed step by step, so it says what the device really holds. On a failure the swap is rolled
 back to the previous resident set (re-copying what the failed swap overwrote), and the error is
 re-raised.
+
+Publishing in chunks (issue 17's swap guard): setting access costs ~30 us per HBM-backed unit and
+~110 us per host-backed one (research.md run 7), paid after the last copy landed it was the swap's
+tail (3 ms of 21 ms for 1 GiB, run 4). So every `publish_every` admissions whose copies have
+landed and been remapped, while later copies are still in flight, the store publishes what is
+pending so far (those admissions and the swap's evictions); the final publish handles the rest.
+Why this is safe while copies run: a copy reads the *source* expert's unit of a MixedRange (a
+host-backed unit not yet remapped, so not pending and not touched by the publish) and writes a
+slot's *staging* address in the DeviceSlotPool (a reservation of its own, mapped and made
+accessible once at startup, never changed). cuMemSetAccess acts only on the virtual-address
+range it is given (shared/notes/cuda-vmm.md, step 4: access is set "for that subrange"), here
+the pending runs of remapped units, disjoint from every in-flight copy's source and destination;
+cuMemUnmap/cuMemMap of other units of the same ranges already run during in-flight copies (run
+4: the remaps overlap the copies). No kernel runs during a swap (quiesce), so a unit published
+early is read by nothing until the swap returns. Not promised by the CUDA docs: that the call
+does not block until the copies end ("any CUDA API call may block or synchronize", driver API
+sync notes); it would then show as publish_overlapped ~ the copy time and no gain in the A/B of
+scripts/gpu_swap_guard.py. `publish_every = 0` turns it off.
 """
 
 from __future__ import annotations
@@ -18,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .slot_table import SlotTable, SwapPlan
+
+PUBLISH_EVERY = 8  # landed admissions between overlapped publishes (0: publish only at the end)
 
 
 class ExpertStore(Protocol):
@@ -42,7 +62,9 @@ class ExpertStore(Protocol):
 
     def publish(self) -> None:
         """Make every remap so far readable (the CUDA store sets access per run of units); called
-        at the end of every swap, also of one that failed mid-way."""
+        at the end of every swap, also of one that failed mid-way, and every `publish_every`
+        landed admissions while later copies are in flight (a store may set `publish_every`;
+        absent, PUBLISH_EVERY; 0 = only at the end)."""
 
 
 class SwapStepFailed(RuntimeError):
@@ -59,6 +81,27 @@ class SwapResult:
     plan: SwapPlan
     bytes_copied: int = 0
     phases: dict[str, float] = field(default_factory=dict)
+
+
+def _admit(table: SlotTable, store: ExpertStore, plan: SwapPlan, tokens: dict, result: SwapResult) -> None:
+    """Wait for each admission's copy, remap it, commit it; every `publish_every` landed ones,
+    while later copies are still in flight, publish what is pending (the module docstring says
+    why that is safe). Records the overlapped publishes' count and time in result.phases."""
+    every = int(getattr(store, "publish_every", PUBLISH_EVERY) or 0)
+    chunks, overlapped = 0, 0.0
+    last = len(plan.admit) - 1
+    for i, step in enumerate(plan.admit):
+        store.wait_copy(tokens[step])
+        store.map_slot(step.layer, step.expert, step.slot)
+        table.commit_admit(step)
+        result.bytes_copied += store.bytes_per_expert
+        if every and (i + 1) % every == 0 and i < last:  # the final publish handles the rest
+            t = time.perf_counter()
+            store.publish()
+            overlapped += time.perf_counter() - t
+            chunks += 1
+    result.phases["publish_overlapped"] = overlapped
+    result.phases["publish_chunks"] = float(chunks)
 
 
 def _execute(table: SlotTable, store: ExpertStore, plan: SwapPlan) -> SwapResult:
@@ -80,26 +123,24 @@ def _execute(table: SlotTable, store: ExpertStore, plan: SwapPlan) -> SwapResult
         for step in plan.admit:
             if step not in tokens:
                 tokens[step] = store.start_copy(step.layer, step.expert, step.slot)
-        for step in plan.admit:
-            store.wait_copy(tokens[step])
-            store.map_slot(step.layer, step.expert, step.slot)
-            table.commit_admit(step)
-            result.bytes_copied += store.bytes_per_expert
+        _admit(table, store, plan, tokens, result)
         t4 = time.perf_counter()
     finally:
-        # no kernel runs during a swap, so access is set once per run of remapped units -- and
-        # also when a step failed: every remap done so far must be readable before the rollback
-        # copies from those ranges (unreadable, the copy faults: a segfault on the H200) and
-        # before the next forward pass
+        # no kernel runs during a swap, so access is set per run of remapped units (in chunks
+        # while copies are in flight, the rest here) -- and also when a step failed: every remap
+        # done so far must be readable before the rollback copies from those ranges (unreadable,
+        # the copy faults: a segfault on the H200) and before the next forward pass
         store.publish()
     t5 = time.perf_counter()
-    result.phases = {
-        "quiesce": t1 - t0,
-        "copy_issue": t2 - t1,
-        "evict": t3 - t2,
-        "admit": t4 - t3,
-        "publish": t5 - t4,
-    }
+    result.phases.update(
+        {
+            "quiesce": t1 - t0,
+            "copy_issue": t2 - t1,
+            "evict": t3 - t2,
+            "admit": t4 - t3,  # includes publish_overlapped
+            "publish": t5 - t4,  # the final publish: the tail after the last copy
+        }
+    )
     return result
 
 

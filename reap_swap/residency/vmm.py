@@ -211,7 +211,13 @@ class MixedRange(_UnitRange):
         self.backing[unit] = None
 
     def flush_access(self) -> int:
-        """Make every remapped unit readable: one cuMemSetAccess per run of adjacent units."""
+        """Make every remapped unit readable: one cuMemSetAccess per run of adjacent units.
+
+        swap.py also calls this while later copies are in flight: only pending units (remapped,
+        their own copies landed) are touched, never the host-backed units those copies read nor
+        the pool's staging addresses they write (a separate reservation)."""
+        if not self.pending_access:
+            return 0
         calls = 0
         for first, count in contiguous_runs(self.pending_access):
             _check(

@@ -7,13 +7,15 @@ from typing import Any
 import torch
 
 from . import vmm
+from .swap import PUBLISH_EVERY
 
 
 class VmmStore:
     """Evict = map the host master back; admit = copy host -> slot, then map the slot."""
 
-    def __init__(self, st: Any) -> None:  # st: engine.EngineState
+    def __init__(self, st: Any, publish_every: int = PUBLISH_EVERY) -> None:  # st: engine.EngineState
         self.st = st
+        self.publish_every = publish_every  # swap.py: overlapped publishes (0: only at the end)
         # only the payload moves: the unit's padding to the mapping granularity is never read
         self.bytes_per_expert = next(iter(st.layers.values())).expert_bytes if st.layers else 0
 
@@ -38,5 +40,7 @@ class VmmStore:
         self.st.layers[layer].rng.map_device(expert, self.st.pool.slot_handle(slot), defer_access=True)
 
     def publish(self) -> None:
-        for entry in self.st.layers.values():
+        """Set access on every pending remap; also called while later copies are in flight
+        (swap.py's module docstring: the ranges touched are disjoint from those copies')."""
+        for entry in self.st.layers.values():  # flush_access returns at once where nothing is pending
             entry.rng.flush_access()

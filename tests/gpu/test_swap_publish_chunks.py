@@ -1,0 +1,65 @@
+"""Publishing access in chunks while copies are in flight (swap.py, issue 17's swap guard), on the
+real VMM store: the bytes land, vLLM's Triton MoE kernel reads them bitwise, the overlapped
+publishes happened, and a failure after overlapped publishes still rolls back cleanly.
+Run on the H200: PYTHONPATH=/tmp/site python3 -m pytest -q tests/gpu/test_swap_publish_chunks.py
+(~30 s: one Qwen3-30B-A3B-shaped layer, E=128)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+E, H, I, TOPK = 128, 2048, 768, 8
+
+
+@pytest.fixture(scope="module")
+def layer():
+    from reap_swap.residency.engine import standalone_state
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    st, views = standalone_state({0: (w13, w2)}, num_slots=E)
+    yield st, (w13, w2), views[0]
+    st.layers[0].rng.release()
+    st.pool.release()
+
+
+def _moe(x_seed: int, w13, w2):
+    fm = pytest.importorskip("vllm.model_executor.layers.fused_moe")
+    gen = torch.Generator(device="cuda").manual_seed(x_seed)
+    x = torch.randn(8, H, device="cuda", generator=gen).to(torch.bfloat16)
+    tw, ti, _ = fm.fused_topk(x, torch.randn(8, E, device="cuda", generator=gen), TOPK, renormalize=True)
+    return fm.fused_experts(x, w13, w2, tw, ti)
+
+
+@pytest.mark.parametrize("every", [1, 4, 8, 32])
+def test_chunked_swap_lands_every_byte(layer, every):
+    from reap_swap.residency.swap import apply_swap
+    from reap_swap.residency.vmm_store import VmmStore
+
+    st, (w13, w2), (v13, v2) = layer
+    apply_swap(st.table, VmmStore(st, 0), {0: list(range(0, E, 2))})  # half, then swap to the other half
+    result = apply_swap(st.table, VmmStore(st, every), {0: list(range(1, E, 2))})
+    assert result.phases["publish_chunks"] == (E // 2 - 1) // every
+    assert not st.layers[0].rng.pending_access
+    assert torch.equal(v13, w13) and torch.equal(v2, w2)
+    assert torch.equal(_moe(every, v13, v2), _moe(every, w13, w2))
+
+
+def test_failure_after_overlapped_publishes_rolls_back(layer):
+    from reap_swap.residency.fault import SwapFault
+    from reap_swap.residency.swap import SwapStepFailed, apply_swap
+    from reap_swap.residency.vmm_store import VmmStore
+
+    st, (w13, w2), (v13, v2) = layer
+    apply_swap(st.table, VmmStore(st, 0), {0: list(range(32))})
+    before = st.table.resident()
+    store = SwapFault(rank=0, after_admissions=20).wrap(VmmStore(st, 4))  # 5 chunks published, then fail
+    with pytest.raises(SwapStepFailed) as failed:
+        apply_swap(st.table, store, {0: list(range(40, 100))})
+    assert failed.value.rolled_back and st.table.resident() == before
+    assert not st.layers[0].rng.pending_access
+    assert torch.equal(v13, w13) and torch.equal(v2, w2)
+    assert torch.equal(_moe(99, v13, v2), _moe(99, w13, w2))

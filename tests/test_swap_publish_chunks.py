@@ -1,0 +1,151 @@
+"""Publishing access in chunks while later copies are in flight (issue 17's swap guard), against
+a fake store that models in-flight copies (no GPU): order, counts, and failure behaviour."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_residency_swap import EXPERTS, LAYERS, FakeStore, _check_consistent
+
+from reap_swap.residency import swap
+from reap_swap.residency.fault import SwapFault
+from reap_swap.residency.slot_table import SlotTable
+from reap_swap.residency.swap import SwapStepFailed, apply_swap
+
+
+class InFlightStore(FakeStore):
+    """A copy is in flight from start_copy until wait_copy of its token; every publish records
+    what it made readable and which copies were still in flight then, and checks the two are
+    disjoint (a publish never touches a unit an in-flight copy reads) and that no published
+    admission's copy is still in flight."""
+
+    def __init__(self, num_slots: int, publish_every: int, fail_at_map: int | None = None):
+        super().__init__(num_slots, fail_at_map)
+        self.publish_every = publish_every
+        self.in_flight: set[tuple[int, int]] = set()
+        self.publishes: list[dict] = []
+
+    def start_copy(self, layer, expert, slot):
+        token = super().start_copy(layer, expert, slot)
+        self.in_flight.add((layer, expert))
+        return token
+
+    def wait_copy(self, token):
+        self.in_flight.discard(token[:2])
+        self.events.append(("landed", *token[:2]))
+
+    def map_slot(self, layer, expert, slot):
+        assert (layer, expert) not in self.in_flight, f"remap of {layer}.{expert} before its copy landed"
+        super().map_slot(layer, expert, slot)
+
+    def publish(self):
+        made = set(self.unpublished)
+        assert not made & self.in_flight, (
+            f"publish of units whose copies are in flight: {made & self.in_flight}"
+        )
+        self.publishes.append({"units": made, "in_flight": set(self.in_flight)})
+        super().publish()
+
+
+def _admit_n(n: int) -> dict[int, set[int]]:
+    """n experts in layer order: layer 0's first, then layer 1's..."""
+    keys = [(l, e) for l in range(LAYERS) for e in range(EXPERTS)][:n]
+    out: dict[int, set[int]] = {}
+    for l, e in keys:
+        out.setdefault(l, set()).add(e)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("n", "every", "chunks"), [(20, 8, 2), (16, 8, 1), (17, 8, 2), (5, 8, 0), (20, 0, 0)]
+)
+def test_chunk_count_and_the_final_publish(n, every, chunks):
+    table, store = SlotTable(24), InFlightStore(24, every)
+    result = apply_swap(table, store, _admit_n(n))
+    assert result.phases["publish_chunks"] == chunks
+    assert len(store.publishes) == chunks + 1  # the final publish always runs
+    assert store.events[-1] == ("publish",) and not store.unpublished
+    for p in store.publishes[:-1]:  # every overlapped publish ran while later copies were in flight
+        assert p["in_flight"] and len(p["units"]) == every
+    assert store.publishes[-1]["in_flight"] == set()
+    assert result.phases["publish_overlapped"] >= 0.0 and (chunks or result.phases["publish_overlapped"] == 0)
+    _check_consistent(table, store)
+
+
+def test_overlapped_publish_follows_landed_copies_and_precedes_later_ones():
+    table, store = SlotTable(24), InFlightStore(24, publish_every=4)
+    apply_swap(table, store, _admit_n(12))
+    kinds = [e[0] for e in store.events]
+    first = kinds.index("publish")
+    assert kinds[:first].count("landed") == 4  # after the 4th landed copy ...
+    assert kinds[first:].count("landed") == 8  # ... while 8 were still in flight
+    assert store.publishes[0]["units"] == {(0, e) for e in range(4)}
+
+
+def test_the_first_chunk_also_publishes_the_swaps_evictions():
+    table, store = SlotTable(12), InFlightStore(12, publish_every=2)
+    apply_swap(table, store, {0: set(range(6))})
+    store.publishes.clear()
+    apply_swap(table, store, {1: set(range(6))})  # evict 0.0-0.5, admit 1.0-1.5
+    evicted = {(0, e) for e in range(6)}
+    assert evicted <= store.publishes[0]["units"]  # hidden behind the copies still in flight
+    assert store.publishes[0]["in_flight"]
+    _check_consistent(table, store)
+
+
+def test_default_publish_every_applies_to_a_store_without_the_attribute():
+    table, store = SlotTable(24), FakeStore(24)  # no publish_every: swap.PUBLISH_EVERY
+    result = apply_swap(table, store, _admit_n(20))
+    assert swap.PUBLISH_EVERY > 0
+    assert result.phases["publish_chunks"] == (20 - 1) // swap.PUBLISH_EVERY
+    assert store.events.count(("publish",)) == result.phases["publish_chunks"] + 1
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 5, 8])
+def test_failure_after_overlapped_publishes_publishes_before_rollback(fail_at):
+    """A remap fails after some chunks were published: the finally publishes the rest before the
+    rollback copies (which read the evicted units), and the previous set comes back."""
+    table, store = SlotTable(10), InFlightStore(10, publish_every=2)
+    apply_swap(table, store, {0: set(range(6))})
+    before = table.resident()
+    store.fail_at_map = store.maps + fail_at
+    with pytest.raises(SwapStepFailed) as err:
+        apply_swap(table, store, {0: {0}, 1: set(range(8))})
+    assert err.value.rolled_back and table.resident() == before == err.value.resident
+    assert store.events[-1] == ("publish",) and not store.unpublished
+    _check_consistent(table, store)
+
+
+def test_faulty_store_passes_publish_every_through():
+    table, store = SlotTable(10), InFlightStore(10, publish_every=2)
+    wrapped = SwapFault(rank=0, after_admissions=5).wrap(store)
+    assert wrapped.publish_every == 2
+    with pytest.raises(SwapStepFailed) as err:
+        apply_swap(table, wrapped, {0: set(range(8))})
+    assert err.value.rolled_back and table.resident() == {}
+    assert len(store.publishes) >= 3  # two overlapped chunks before the fault, then the final one
+    _check_consistent(table, store)
+
+
+targets = st.dictionaries(
+    st.integers(0, LAYERS - 1), st.frozensets(st.integers(0, EXPERTS - 1), max_size=EXPERTS), max_size=LAYERS
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 12), st.integers(0, 5), st.lists(targets, min_size=1, max_size=5), st.integers(0, 9))
+def test_chunked_swaps_keep_table_and_store_consistent(num_slots, every, sequence, fail_after):
+    """Any chunk size, any swap sequence, one remap failure somewhere: table == device, every
+    expert reads its own bytes, HBM use within the pool, nothing left unpublished."""
+    table, store = SlotTable(num_slots), InFlightStore(num_slots, every)
+    store.fail_at_map = fail_after + 1
+    for target in sequence:
+        if sum(len(v) for v in target.values()) > num_slots:
+            continue
+        try:
+            apply_swap(table, store, target)
+        except SwapStepFailed as err:
+            assert err.rolled_back
+        assert table.used <= num_slots and not store.unpublished
+        _check_consistent(table, store)
