@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when n
 from reap_swap.guard_report import swap_summary  # noqa: E402
 from reap_swap.residency.engine import standalone_state  # noqa: E402
 from reap_swap.residency.swap import PUBLISH_EVERY, apply_swap  # noqa: E402
+
+CANDIDATE = 8  # the chunk size to turn on by default if the A/B shows it (swap.PUBLISH_EVERY is 0)
 from reap_swap.residency.vmm_store import VmmStore  # noqa: E402
 
 E, H, I = 128, 2048, 768
@@ -99,7 +101,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--publish-every", default=f"0,{PUBLISH_EVERY},32", help="arms: comma-separated, 0 = off")
+    ap.add_argument("--publish-every", default=f"0,{CANDIDATE},32", help="arms: comma-separated, 0 = off")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,7 +112,7 @@ def main() -> int:
     )
     arms = [int(a) for a in args.publish_every.split(",")]
     samples, meta = run(args.layers, args.repeats, arms)
-    summary = swap_summary(samples, default_arm=str(PUBLISH_EVERY), baseline_arm="0")
+    summary = swap_summary(samples, default_arm=str(CANDIDATE), baseline_arm="0")
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "default_publish_every": PUBLISH_EVERY,
            "arms": arms, "repeats": args.repeats, **meta, "summary": summary, "samples": samples}  # fmt: skip
     (out / "swap_guard.json").write_text(json.dumps(doc, indent=1))

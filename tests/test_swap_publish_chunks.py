@@ -94,11 +94,15 @@ def test_the_first_chunk_also_publishes_the_swaps_evictions():
     _check_consistent(table, store)
 
 
-def test_default_publish_every_applies_to_a_store_without_the_attribute():
+def test_default_publish_every_applies_to_a_store_without_the_attribute(monkeypatch):
     table, store = SlotTable(24), FakeStore(24)  # no publish_every: swap.PUBLISH_EVERY
+    assert swap.PUBLISH_EVERY == 0  # off by default until the H200 A/B
     result = apply_swap(table, store, _admit_n(20))
-    assert swap.PUBLISH_EVERY > 0
-    assert result.phases["publish_chunks"] == (20 - 1) // swap.PUBLISH_EVERY
+    assert result.phases["publish_chunks"] == 0 and store.events.count(("publish",)) == 1
+    monkeypatch.setattr(swap, "PUBLISH_EVERY", 8)
+    table, store = SlotTable(24), FakeStore(24)
+    result = apply_swap(table, store, _admit_n(20))
+    assert result.phases["publish_chunks"] == (20 - 1) // 8
     assert store.events.count(("publish",)) == result.phases["publish_chunks"] + 1
 
 

@@ -37,7 +37,9 @@ from typing import Any, Protocol
 
 from .slot_table import SlotTable, SwapPlan
 
-PUBLISH_EVERY = 8  # landed admissions between overlapped publishes (0: publish only at the end)
+# landed admissions between overlapped publishes; 0 = publish only at the end (run 4's verified
+# behaviour). Off until scripts/gpu_swap_guard.py's A/B (0 / 8 / 32) has run on the H200.
+PUBLISH_EVERY = 0
 
 
 class ExpertStore(Protocol):
