@@ -10,20 +10,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.gpu.standalone import standalone_bf16_layer  # noqa: E402
+
 E, H, I, TOPK = 128, 2048, 768, 8
 
 
 @pytest.fixture(scope="module")
 def layer():
-    from reap_swap.residency.engine import standalone_state
-
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    st, views = standalone_state({0: (w13, w2)}, num_slots=E)
-    yield st, (w13, w2), views[0]
-    st.layers[0].rng.release()
-    st.pool.release()
+    yield from standalone_bf16_layer(3, E, H, I)
 
 
 def _moe(x_seed: int, w13, w2):
