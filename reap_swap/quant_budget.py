@@ -124,6 +124,26 @@ def served_quant_of(
     return served_quant(scheme_from_config(quant_config), method, cli_quantization, group_size)
 
 
+def device_load_refusal(
+    expert_bytes: int, tensor_parallel: int, utilization: float, device_total: int | None, why: str
+) -> str | None:
+    """Where the experts load into HBM before the engine re-homes them (`ServedQuant.uva_refusal`:
+    online FP8, INT4 in groups), a refusal before loading when each GPU's share of them alone is
+    over vLLM's memory cap (utilization x total); None when it fits or the total is unknown."""
+    if not device_total:
+        return None
+    per_gpu = expert_bytes / max(1, tensor_parallel)
+    cap = utilization * device_total
+    if per_gpu <= cap:
+        return None
+    return (
+        f"{why}: this model's experts alone take {per_gpu / 2**30:.1f} GiB per GPU (TP={tensor_parallel}), "
+        f"over --gpu-memory-utilization {utilization:g} x {device_total / 2**30:.1f} GiB = {cap / 2**30:.1f} "
+        "GiB, so loading would run out of memory; raise --tensor-parallel-size, or serve a format the "
+        "launcher loads into pinned host memory (bf16, FP8 checkpoints)"
+    )
+
+
 def pool_slots(swappable_budget_bytes: int, per_expert_bytes: int) -> int:
     """Slots of the engine's HBM pool: the number of experts the plan's budget holds (module doc)."""
     if per_expert_bytes < 1:

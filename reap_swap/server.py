@@ -30,7 +30,7 @@ from reap_swap.host_memory import HostMemoryNeed, mem_available_bytes
 from reap_swap.logs import get_logger
 from reap_swap.memory_split import inactive_note, launch_check
 from reap_swap.plugins import WORKER_EXTENSION_CLS, vllm_plugins_allowlist
-from reap_swap.quant_budget import served_quant
+from reap_swap.quant_budget import device_load_refusal, served_quant
 from reap_swap.settings import (
     ADDITIONAL_CONFIG_KEY,
     Resolved,
@@ -174,6 +174,7 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
         vllm_serve.use_triton_moe_backend(args)
         log.info("reap-swap: --moe-backend triton (the residency engine re-homes Triton expert weights)")
     if served.uva_refusal is not None:
+        check_device_load(shape, args, served.uva_refusal)  # the experts land in HBM first
         check_host_memory(shape)  # the engine's pinned host copies
         log.info("reap-swap: no UVA expert offload: %s", served.uva_refusal)
         return
@@ -186,6 +187,17 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
             "--cpu-offload-gb %.3f --cpu-offload-params w13_weight w2_weight)",
             gib,
         )
+
+
+def check_device_load(shape, args: argparse.Namespace, why: str) -> None:
+    """Refuse before loading when the experts, loaded into HBM as stock does, cannot fit there."""
+    util = getattr(args, "gpu_memory_utilization", None) or 0.9  # vLLM's default
+    tp = getattr(args, "tensor_parallel_size", None) or 1
+    refusal = device_load_refusal(
+        shape.total_expert_bytes, int(tp), float(util), vllm_serve.device_total_bytes(), why
+    )
+    if refusal:
+        raise LaunchError(refusal)
 
 
 def check_host_memory(shape, meminfo: Path = Path("/proc/meminfo")) -> None:

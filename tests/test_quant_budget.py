@@ -134,6 +134,7 @@ def _launch(monkeypatch, fmt, quantization=None, group_size="1"):
     monkeypatch.setattr(vs, "cpu_offload_chosen", lambda a: False)
     monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib: calls.append(("uva", gib)))
     monkeypatch.setattr(server, "check_host_memory", lambda s: calls.append(("host", s.total_expert_bytes)))
+    monkeypatch.setattr(vs, "device_total_bytes", lambda: 141 * 2**30)  # one H200
     shape = read_model_shape(config(fmt))
     settings = _Settings()
     settings.group_size = group_size
@@ -236,3 +237,28 @@ def test_unknown_quantization_is_refused_by_name():
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 3, "group_size": 128}
     with pytest.raises(ModelShapeError, match="'gptq'"):
         read_model_shape(cfg)
+
+
+def test_experts_that_load_into_hbm_first_are_refused_before_loading_when_they_cannot_fit():
+    """Online FP8 and INT4 in groups load every expert into HBM before the engine re-homes them:
+    a model whose experts alone exceed utilization x HBM is refused with the numbers, not OOM."""
+    from reap_swap.quant_budget import device_load_refusal
+
+    gib = 2**30
+    assert device_load_refusal(100 * gib, 1, 0.9, 141 * gib, "x") is None
+    why = device_load_refusal(130 * gib, 1, 0.9, 141 * gib, "INT4 experts in contiguous groups")
+    assert why.startswith("INT4 experts in contiguous groups: this model's experts alone take 130.0 GiB")
+    assert "0.9 x 141.0 GiB = 126.9 GiB" in why and "--tensor-parallel-size" in why
+    assert device_load_refusal(130 * gib, 2, 0.9, 141 * gib, "x") is None  # 65 GiB per GPU
+    assert device_load_refusal(130 * gib, 1, 0.9, None, "x") is None  # total unknown: vLLM decides
+
+
+def test_the_launcher_refuses_online_fp8_too_large_for_hbm(monkeypatch):
+    shape = read_model_shape(config("bf16"))
+    vs = server.vllm_serve
+    monkeypatch.setattr(vs, "platform_name", lambda: "cuda")
+    monkeypatch.setattr(vs, "moe_backend_is_default", lambda a: False)
+    tiny_hbm = shape.total_expert_bytes  # 0.9 x this < the experts
+    monkeypatch.setattr(vs, "device_total_bytes", lambda: tiny_hbm)
+    with pytest.raises(server.LaunchError, match="experts alone take"):
+        server.gpu_engine_args(_Settings(), argparse.Namespace(quantization="fp8"), shape)

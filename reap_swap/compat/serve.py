@@ -149,6 +149,18 @@ def use_triton_moe_backend(args: argparse.Namespace) -> None:
     args.moe_backend = "triton"
 
 
+def device_total_bytes(device_id: int = 0) -> int | None:
+    """The first device's total memory through vLLM's platform (CUDA: NVML, so the API process
+    creates no CUDA context; `NvmlCudaPlatform.get_device_total_memory` in 0.26.0 and 0.32.0);
+    None where the platform cannot say."""
+    from vllm.platforms import current_platform
+
+    try:
+        return int(current_platform.get_device_total_memory(device_id))
+    except Exception:  # noqa: BLE001 - NotImplementedError on some platforms, NVML errors
+        return None
+
+
 def cpu_offload_chosen(args: argparse.Namespace) -> bool:
     """True when the user set an offload budget (`--cpu-offload-gb`; 0.26.0 GPU, cpu 0.26.0, cpu 0.32.0)."""
     return bool(getattr(args, "cpu_offload_gb", 0))
