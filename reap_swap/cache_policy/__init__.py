@@ -26,8 +26,10 @@ Policies (``replay.POLICIES``): ``static`` (the plan's core, never changed), ``p
 the client's per-request ``probe`` slices, reap_swap.selection), ``lru``, ``lfu`` (with decay),
 ``lfru`` (each unseeded, ``-seeded`` starting from the plan core, ``core+`` with the core pinned
 and the policy on the tail), the plan-aware device policies of prior.py (``dlfu-admit-seeded``:
-admission control; ``dlfu-markov-seeded``: plus a transition prior from a calibration trace) and
-``belady``: the offline optimum of distinct misses under the same
+admission control; ``dlfu-markov-seeded``: plus a transition prior from a calibration trace),
+``probe+lfu`` / ``probe+dlfu`` (all three: the client's ``probe`` set pinned by a per-request swap,
+``lfu-seeded`` / ``dlfu-seeded`` in the slots left over, as the server's accounting mode; hybrid.py)
+and ``belady``: the offline optimum of distinct misses under the same
 rules (belady.py says why, and what it does not bound).
 """
 

@@ -9,6 +9,7 @@ from functools import cached_property
 
 from reap_swap.cache_policy.belady import Belady
 from reap_swap.cache_policy.device import DLFU
+from reap_swap.cache_policy.hybrid import TAILS, SwapPinned, swap_points
 from reap_swap.cache_policy.learned import DLearn, fit_layer
 from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
 from reap_swap.cache_policy.online import LFRU, LFU, LRU, PerRequest, Static
@@ -35,8 +36,11 @@ POLICIES = (
     "dlfu-admit-seeded",
     "dlfu-markov-seeded",
     "dlearn-seeded",
+    "probe+lfu",
+    "probe+dlfu",
     "belady",
 )
+PROBE_POLICIES = frozenset({"probe", *TAILS})  # need the client's per-request probe sets
 PRIOR_POLICIES = frozenset(
     {"dlfu-markov-seeded", "dlearn-seeded"}
 )  # need a calibration routing trace (--prior-trace)
@@ -182,6 +186,8 @@ def _policy(name, l, plan, probe_sets, lfu_decay, tables=None):
         return Static(core)
     if name == "probe":
         return PerRequest(core, probe_sets[l])
+    if name in TAILS:  # probe_sets here: only the request starts where the worker pins
+        return SwapPinned(name, _factory(TAILS[name], core, lfu_decay)(), probe_sets[l])
     if name == "belady":
         return Belady()
     return _factory(name, core, lfu_decay)()
@@ -189,6 +195,9 @@ def _policy(name, l, plan, probe_sets, lfu_decay, tables=None):
 
 def _run_policy(name, trace, plan, steps, slots, probe_sets, lfu_decay, tables) -> dict:
     per_layer, total = {}, LayerCounts()
+    if name in TAILS:
+        points = swap_points(probe_sets, {l: plan.layers[l].core for l in trace.layers})
+        probe_sets = {l: {t: probe_sets[l][t] for t in points} for l in trace.layers}
     for l in trace.layers:
         c = replay_layer(_policy(name, l, plan, probe_sets, lfu_decay, tables), steps[l], slots[l])
         per_layer[str(l)] = c.to_dict(trace.per_expert_bytes)
@@ -236,12 +245,12 @@ def simulate(
                 "policy": name,
             }
             reason = _refusal(name, plan, slots, trace.layers, tables)
-            if name == "probe" and reason is None and probe_sets is None and probe_error is None:
+            if name in PROBE_POLICIES and reason is None and probe_sets is None and probe_error is None:
                 try:
                     probe_sets = _probe_sets(plan, trace, counts, budget.bytes, slots)
                 except SelectionError as exc:
                     probe_error = f"selection refused: {exc}"
-            reason = reason or (probe_error if name == "probe" else None)
+            reason = reason or (probe_error if name in PROBE_POLICIES else None)
             if reason:
                 rows.append({**row, "status": "refused", "reason": reason})
                 continue

@@ -5,11 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from reap_swap.cache_policy.hybrid import TAILS
 from reap_swap.cache_policy.replay import POLICIES
 
 MIB = 1 << 20
 # Candidates for the server's --reap-cache default: device caches a plain client gets.
-DEVICE_POLICIES = tuple(p for p in POLICIES if p not in ("static", "probe", "belady"))
+# The cache under a client's per-request swaps (hybrid.py): not a plain client's, so neither a
+# candidate nor a competitor of the rule (``probe`` stays a competitor, as when the rule was set).
+CLIENT_SWAP_POLICIES = frozenset(TAILS)
+DEVICE_POLICIES = tuple(p for p in POLICIES if p not in ("static", "probe", "belady", *TAILS))
 
 
 def _pct(x: float | None) -> str:
@@ -91,7 +95,10 @@ def default_policy(
                 better = [
                     p
                     for p, v in row.items()
-                    if p not in ("belady", cand) and cand in row and v > row[cand] + 1e-12
+                    if p not in ("belady", cand)
+                    and p not in CLIENT_SWAP_POLICIES
+                    and cand in row
+                    and v > row[cand] + 1e-12
                 ]
                 if cand not in row:
                     fails.append(f"trace {i} budget {b}: {cand} not simulated")

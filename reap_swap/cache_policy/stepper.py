@@ -9,7 +9,8 @@ counts identical to ``replay_layer`` for every online policy.
 Only online policies step: Belady needs the future and per-request ``probe`` sets need the
 client; both are refused here (``StepperError``). One addition the simulator does not model: a
 per-request swap (``pin``) makes its set resident and pinned, and the policy's tail yields to it
-(the remaining slots, if any, stay dynamic).
+(the remaining slots, if any, stay dynamic); the simulator replays that with ``probe+lfu`` /
+``probe+dlfu`` (hybrid.py, which shares ``yield_tail`` with ``pin``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Set
 
 import numpy as np
 
+from reap_swap.cache_policy.hybrid import yield_tail
 from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, PolicyError, _check, _count_step
 from reap_swap.cache_policy.online import Static, _Ranked
 
@@ -79,10 +81,7 @@ class LayerCache:
         if isinstance(self.policy, Static):
             new = pinned
         else:
-            self.policy.pinned = pinned  # _Ranked.choose forces its pinned set every step
-            self.policy.capacity = self.capacity
-            rest = sorted(self.resident - pinned, key=lambda e: (self.policy.score(self.t - 1, e), -e))
-            new = pinned | frozenset(rest[::-1][: max(0, self.capacity - len(pinned))])
+            new = yield_tail(self.policy, self.resident, pinned, self.capacity, self.t)
         self.counts.prefetched += len(new - self.resident)
         self.resident, self.pinned = new, pinned
 

@@ -1,0 +1,185 @@
+"""All three in simulation (README's ``plan-swap+cache``, research.md "probecache"): ``probe+dlfu``
+and ``probe+lfu`` next to probe, the plain-client caches, dlearn-seeded and Belady, at 12.5 / 25 /
+50 % (each budget with its plan), on every committed trace: the mini MoE's held-out, held-out
+shuffled and calibration traces, and the skewed kit model's 3-layer held-out, shuffled and
+calibration traces. dlearn-seeded's weights always come from the other split's trace.
+References (not registered): ``probe(0.25)+dlfu`` / ``probe(0.5)+dlfu``, the client's probe budget
+cut to the core plus a quarter / half of the tail (``smaller_probe``).
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/sim_probecache.py     # CPU, a few minutes
+
+Writes research-notes/cache-sim/probecache.{md,json} (every count per policy, budget and layer).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import orjson
+
+from reap_swap.cache_policy.hybrid import SwapPinned, swap_points
+from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
+from reap_swap.cache_policy.replay import _policy, _probe_sets, simulate
+from reap_swap.plan import load_plan
+from reap_swap.trace import load_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_mini_report import PLANS, ROOT, shuffled  # noqa: E402
+
+OUT = ROOT / "research-notes/cache-sim"
+SKEW = OUT / "skew"
+SKEW_PLANS = {b: SKEW / f"plan-{b}.json" for b in ("0.125", "0.25", "0.5")}
+POLICIES = [
+    "static",
+    "probe",
+    "lfu-seeded",
+    "dlfu-seeded",
+    "core+dlfu",
+    "dlearn-seeded",
+    "probe+lfu",
+    "probe+dlfu",
+    "belady",
+]
+SHARES = (0.25, 0.5)  # references: the probe's share of the tail (smaller_probe)
+REFERENCES = [f"probe({x:g})+dlfu" for x in SHARES]
+METRICS = {
+    "expert hit %": "expert_hit_rate",
+    "selection hit %": "selection_hit_rate",
+    "decode expert hit %": "decode_expert_hit_rate",
+}
+
+
+def traces() -> dict[str, tuple]:
+    cal, held = (
+        load_trace(ROOT / "data/traces/mini-moe-calibration.npz"),
+        load_trace(ROOT / "data/traces/mini-moe-heldout.npz"),
+    )
+    scal, sheld = load_trace(SKEW / "skew-calibration.npz"), load_trace(SKEW / "skew-heldout.npz")
+    return {
+        "mini held-out": (held, cal, PLANS),
+        "mini held-out shuffled": (shuffled(held), cal, PLANS),
+        "mini calibration*": (cal, held, PLANS),
+        "skew held-out": (sheld, scal, SKEW_PLANS),
+        "skew held-out shuffled": (shuffled(sheld), scal, SKEW_PLANS),
+        "skew calibration*": (scal, sheld, SKEW_PLANS),
+    }
+
+
+def smaller_probe(trace, plan, row: dict, share: float) -> dict:
+    """Reference (not registered): ``probe+dlfu`` with the client's probe budget cut to the core
+    plus ``share`` of the tail, so the cache keeps the rest of the slots (share 0: no swap ever
+    changes the set, i.e. ``dlfu-seeded``; share 1: ``probe+dlfu``)."""
+    slots = {int(k): v for k, v in row["slots"].items()}
+    core = {l: plan.layers[l].core for l in trace.layers}
+    n_core = sum(len(c) for c in core.values())
+    budget = (n_core + int(share * (sum(slots.values()) - n_core))) * trace.per_expert_bytes
+    counts = {l: trace.step_counts(l) for l in trace.layers}
+    sets = _probe_sets(plan, trace, counts, budget, slots)
+    points = swap_points(sets, core)
+    starts = trace.request_first_steps()
+    per_layer, total = {}, LayerCounts()
+    for l in trace.layers:
+        tail = _policy("dlfu-seeded", l, plan, None, 0.8)
+        policy = SwapPinned("probe+dlfu", tail, {t: sets[l][t] for t in points})
+        c = replay_layer(policy, LayerSteps.from_counts(l, counts[l], starts), slots[l])
+        per_layer[str(l)] = c.to_dict(trace.per_expert_bytes)
+        total.add(c)
+    name = f"probe({share:g})+dlfu"
+    return {**row, "policy": name, "totals": total.to_dict(trace.per_expert_bytes), "layers": per_layer}
+
+
+def run() -> dict:
+    reports = {}
+    for name, (trace, prior, plans) in traces().items():
+        rows = []
+        for budget, path in plans.items():
+            plan = load_plan(path)
+            got = simulate(trace, plan, [budget], POLICIES, prior_trace=prior)["rows"]
+            ref = next(r for r in got if r["policy"] == "probe+dlfu")
+            rows += got + [smaller_probe(trace, plan, ref, share) for share in SHARES]
+        reports[name] = {
+            "rows": rows,
+            "plans": {b: str(p.relative_to(ROOT)) for b, p in plans.items()},
+            "requests": trace.num_requests,
+            "steps": trace.num_steps,
+        }
+        print(f"{name}: done", file=sys.stderr)
+    return reports
+
+
+def table(reports: dict, metric: str) -> str:
+    heads = [f"{n} {100 * float(b):g} %" for n, r in reports.items() for b in r["plans"]]
+    lines = ["| policy | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for p in POLICIES + REFERENCES:
+        cells = []
+        for r in reports.values():
+            for b in r["plans"]:
+                row = next(x for x in r["rows"] if x["policy"] == p and x["budget"] == b)
+                v = row["totals"][metric] if row["status"] == "ok" else None
+                cells.append("—" if v is None else f"{100 * v:.1f}")
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary(reports: dict) -> str:
+    """One row per trace and budget, one column per policy: expert hit % / selection hit %."""
+    shown = POLICIES + REFERENCES
+    lines = [
+        "| trace | budget | slots/layer | " + " | ".join(shown) + " |",
+        "|---|---|---|" + "---|" * len(shown),
+    ]
+    for n, r in reports.items():
+        for b in r["plans"]:
+            rows = {x["policy"]: x for x in r["rows"] if x["budget"] == b}
+            slots = "/".join(str(v) for v in rows["belady"]["slots"].values())
+            cells = [
+                "—"
+                if rows[p]["status"] != "ok"
+                else f"{100 * rows[p]['totals']['expert_hit_rate']:.1f} / "
+                f"{100 * rows[p]['totals']['selection_hit_rate']:.1f}"
+                for p in shown
+            ]
+            lines.append(f"| {n} | {100 * float(b):g} % | {slots} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def moved(reports: dict) -> str:
+    lines = [
+        "| trace | budget | policy | MiB moved | prefetched | admitted | bypassed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, r in reports.items():
+        for row in r["rows"]:
+            if row["status"] == "ok" and row["policy"] in ("probe", "dlfu-seeded", "probe+dlfu", *REFERENCES):
+                t = row["totals"]
+                lines.append(
+                    f"| {n} | {row['budget']} | {row['policy']} | {t['bytes_moved'] / 2**20:.1f} | "
+                    f"{t['prefetched']:,} | {t['admitted']:,} | {t['bypassed']:,} |"
+                )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    reports = run()
+    lines = ["## expert hit % / selection hit %", "", summary(reports), ""]
+    for title, metric in METRICS.items():
+        lines += [
+            f"## {title} (* calibration: dlearn's weights from held-out)",
+            "",
+            table(reports, metric),
+            "",
+        ]
+    lines += ["## bytes moved (prefetched: swaps; admitted: cache promotions)", "", moved(reports), ""]
+    (OUT / "probecache.md").write_text("\n".join(lines))
+    (OUT / "probecache.json").write_bytes(
+        orjson.dumps(
+            {"policies": POLICIES, "references": REFERENCES, "reports": reports}, option=orjson.OPT_INDENT_2
+        )
+    )
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""All three (plan-swap+cache): the simulator's ``probe+lfu`` / ``probe+dlfu`` equal the server's
+accounting mode (WorkerCore.apply pinning each swap, CacheAccounting stepping the counter stream)
+on the same trace and the same per-request sets, count for count."""
+
+import numpy as np
+import pytest
+
+from reap_swap import wire
+from reap_swap.cache_accounting import CacheAccounting
+from reap_swap.cache_policy.hybrid import TAILS, SwapPinned, swap_points
+from reap_swap.cache_policy.mechanism import LayerSteps, replay_layer
+from reap_swap.cache_policy.replay import _policy, _probe_sets, simulate
+from reap_swap.cache_policy.stepper import LayerCache
+from reap_swap.plan import load_plan
+from reap_swap.residency.accounting import AccountingResidency
+from reap_swap.trace import from_requests, load_trace
+from reap_swap.worker_core import WorkerCore
+
+PLAN = "plans/reap-mini-moe.plan.json"
+TRACE = "data/traces/mini-moe-heldout.npz"
+REQUESTS = 10
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return load_plan(PLAN)
+
+
+@pytest.fixture(scope="module")
+def sub():
+    """The first REQUESTS requests of the held-out trace, as a trace of their own."""
+    t = load_trace(TRACE)
+    reqs = [
+        [t.topk_ids[t.step_offsets[s] : t.step_offsets[s + 1]] for s in range(a, b)]
+        for a, b in zip(t.request_offsets[:REQUESTS], t.request_offsets[1 : REQUESTS + 1], strict=True)
+    ]
+    return from_requests(
+        reqs,
+        layers=t.layers,
+        model=t.model,
+        num_experts=t.num_experts,
+        top_k=t.top_k,
+        per_expert_bytes=t.per_expert_bytes,
+    )
+
+
+def server_replay(plan, trace, tail, sets, name):
+    """The worker in accounting mode: before each request's prefill the client's swap goes through
+    WorkerCore.apply (which pins only a changing swap); every step's counter rows are fed to the
+    cache. ``sets``: request's first step -> {layer: set}. Returns the CacheAccounting."""
+    layers = {l: trace.num_experts for l in trace.layers}
+    acc = CacheAccounting.build(plan, "lfu", tail, layers, {}, top_k=trace.top_k)
+    if name == "probe+dlfu":  # the same stepper with the device's integer LFU as the tail
+        acc.caches = {
+            l: LayerCache(_policy("dlfu-seeded", l, plan, None, 0.8), l, e, acc.slots[l])
+            for l, e in layers.items()
+        }
+    core = WorkerCore(plan, {}, AccountingResidency(plan.core_sets(), 1, "test"), 0, {}, cache=acc)
+    counts = {l: trace.step_counts(l) for l in trace.layers}
+    starts = {int(s) for s in trace.request_first_steps()}
+    for t in range(trace.num_steps):
+        if t in starts:
+            reply = core.apply({"resident": wire.encode_resident_sets(sets[t])})
+            assert "error" not in reply, reply
+        acc.step({l: counts[l][t] for l in trace.layers}, t in starts)
+    return acc
+
+
+@pytest.mark.parametrize("name", sorted(TAILS))
+def test_simulate_equals_server_accounting(plan, sub, name):
+    tail = 12  # 36 slots over 4 layers (core 24): the probe sets leave a tail in some layers
+    budget = (sum(len(plan.layers[l].core) for l in sub.layers) + tail) * sub.per_expert_bytes
+    row = simulate(sub, plan, [f"{budget}B"], [name])["rows"][0]
+    assert row["status"] == "ok", row
+    slots = {int(k): v for k, v in row["slots"].items()}
+    counts = {l: sub.step_counts(l) for l in sub.layers}
+    probe = _probe_sets(plan, sub, counts, budget, slots)  # the client's sets, per layer
+    sets = {t: {l: probe[l][t] for l in sub.layers} for t in probe[sub.layers[0]]}
+    acc = server_replay(plan, sub, tail, sets, name)
+    assert acc.slots == slots
+    for l in sub.layers:
+        want = row["layers"][str(l)]
+        got = acc.caches[l].counts.to_dict(sub.per_expert_bytes)
+        assert got | {"steps": want["steps"]} == want, (name, l)
+        assert acc.caches[l].counts.steps == want["steps"]
+    tot = row["totals"]
+    assert tot["prefetched"] > 0 and tot["admitted"] > 0 and tot["selection_misses"] > 0
+    assert acc.totals()["misses"] == tot["selection_misses"]
+    assert acc.totals()["promotions"] == tot["admitted"]
+
+
+def _steps(rows, starts, e=8):
+    c = np.zeros((len(rows), e), dtype=np.int64)
+    for i, r in enumerate(rows):
+        for x in r:
+            c[i, x] += 1
+    return c
+
+
+def test_pins_follow_the_worker_rule():
+    """Startup swap to the core: no pin (the core stays evictable); a swap changing one layer pins
+    every layer; a repeated swap is a no-op. Checked against LayerCache.pin on a handmade stream
+    (the worker's own rule, WorkerCore.apply, is what the test above drives)."""
+    core = {0: frozenset({0, 1}), 1: frozenset({2, 3})}
+    a = {0: frozenset({0, 1, 5}), 1: frozenset({2, 3})}
+    starts = [0, 3, 6, 9]
+    sets = {0: core, 3: a, 6: a, 9: core}
+    rows = [[6, 7], [6, 7], [6, 4], [5, 0], [6, 7], [4, 6], [2, 3], [7, 6], [6, 5], [1, 4], [6, 7], [7, 6]]
+    assert swap_points({l: {t: s[l] for t, s in sets.items()} for l in core}, core) == [3, 9]
+    cap = 4
+    for l in core:
+        steps = LayerSteps.from_counts(l, _steps(rows, starts), np.array(starts))
+        swaps = {t: sets[t][l] for t in (3, 9)}
+        from reap_swap.cache_policy.online import LFU
+
+        got = replay_layer(SwapPinned("probe+lfu", LFU("x", seed=core[l]), swaps), steps, cap)
+        server = LayerCache(LFU("x", seed=core[l]), l, 8, cap)
+        pinned_after = []
+        for t in range(len(rows)):
+            if t in swaps:
+                server.pin(swaps[t])
+            pinned_after.append(server.pinned)
+            server.step(_steps(rows, starts)[t], t in starts)
+        assert got.to_dict(1) == server.counts.to_dict(1) | {"steps": got.steps}
+        assert pinned_after[0] == frozenset()  # the startup core is not pinned
+        assert pinned_after[3] == a[l] and pinned_after[9] == core[l]
+    # layer 1's set never changes, yet the worker pins it at step 3 (the swap changed layer 0)
+    assert swap_points({0: {0: core[0], 3: a[0]}, 1: {0: core[1], 3: core[1]}}, core) == [3]
