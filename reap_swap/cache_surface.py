@@ -36,8 +36,33 @@ def report(statuses: Sequence[Any]) -> dict:
     caches = [s.cache.model_dump() if s.cache is not None else None for s in statuses]
     if not caches or caches[0] is None:
         return {"engaged": False, "reason": "the workers report no cache (an older worker build?)"}
-    first = caches[0]
-    return {**first, "ranks_agree": all(_same(c, first) for c in caches[1:])}
+    stages: dict[int, dict] = {}  # pipeline stage -> its first rank's cache (the stage's reference)
+    for s, c in zip(statuses, caches):
+        if c is not None:
+            stages.setdefault(int(getattr(s, "pp_rank", 0)), c)
+    agree = all(_same(c, stages.get(int(getattr(s, "pp_rank", 0)), {})) for s, c in zip(statuses, caches))
+    return {**_merge_stages([stages[k] for k in sorted(stages)]), "ranks_agree": agree}
+
+
+def _merge_stages(refs: list[dict]) -> dict:
+    """One cache document over pipeline stages (each holds its own layers): layers joined, totals
+    summed; without pipeline parallelism the one stage's document as it is."""
+    first = refs[0]
+    if len(refs) == 1:
+        return first
+    totals: dict[str, int] = {}
+    layers: dict[str, Any] = {}
+    for ref in refs:
+        for k, v in (ref.get("totals") or {}).items():
+            totals[k] = totals.get(k, 0) + v
+        layers.update(ref.get("layers") or {})
+    return {
+        **first,
+        "engaged": any(r.get("engaged") for r in refs),
+        "totals": totals,
+        "layers": dict(sorted(layers.items(), key=lambda kv: int(kv[0]))),
+        "steps": max((int(r.get("steps") or 0) for r in refs), default=0),
+    }
 
 
 def _same(a: Mapping | None, b: Mapping) -> bool:

@@ -30,8 +30,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
-import orjson
-
 from reap_swap import wire
 from reap_swap.active_set import (
     RefreshLedger,
@@ -51,8 +49,8 @@ from reap_swap.forensics import ForensicsLog, aggregate_workers, summarize_route
 from reap_swap.lru import LRUDict
 from reap_swap.plan import Plan
 from reap_swap.pool_fill import Pool, fill_pool, pool_from_workers, resolve_swap
-from reap_swap.swap_failure import WorkerSwapFailed, ranks_named_in
-from reap_swap.swap_report import brief, status_report, swap_response, timing
+from reap_swap.swap_failure import WorkerSwapFailed, ranks_named_in, stages_agree
+from reap_swap.swap_report import brief, startup_resident, status_report, swap_response, timing
 
 log = logging.getLogger("reap_swap.controller")
 
@@ -146,12 +144,9 @@ class SwapController:
         """Adopt the workers' resident set and clear warm-up/profiling counts."""
         async with self.lock:
             statuses = await self._statuses()
-            sets = {orjson.dumps(s.layers, option=orjson.OPT_SORT_KEYS) for s in statuses}
-            if len(sets) != 1:
-                raise RuntimeError(f"workers disagree about the resident set at startup: {statuses}")
             if any(s.plan_identity != self.plan.identity for s in statuses):
                 raise RuntimeError("a worker loaded a different plan than the API process")
-            self.resident = wire.decode_resident_sets(statuses[0].layers)
+            self.resident = startup_resident(statuses, self.plan.layers)
             if self.keep_pool_full:
                 await self._fill_pool_at_start([s.backend for s in statuses])
             self.sig = signature(self.resident)
@@ -335,8 +330,7 @@ class SwapController:
         phases: dict,
     ) -> dict:
         """Adopt the new resident set, count the swap, answer it and remember it (forensics)."""
-        sigs = {r.signature for r in results}
-        if len(sigs) > 1:
+        if not stages_agree([(r.pp_rank, r.signature) for r in results]):
             log.error(
                 "reap-swap: ranks disagree after swap %s: %s", base["signature"], [brief(r) for r in results]
             )

@@ -6,8 +6,13 @@ request what was observed and what was asked for, within a fixed memory bound.
 
 One worker's raw report (what ``worker.reap_read_stats`` returns)::
 
-    {"rank": int, "tp_rank": int, "tp_size": int, "dp_rank": int,
+    {"rank": int, "tp_rank": int, "tp_size": int, "pp_rank": int, "pp_size": int, "dp_rank": int,
      "layers": {"<layer>": {"counts": [E ints], "weights": [E floats]}}}
+
+Under pipeline parallelism each stage's workers hold (and report) only that stage's layers, so a
+tensor-parallel group is one (dp_rank, pp_rank): stages are summed like data-parallel groups, and
+a layer that two stages of one data-parallel group both report is listed in ``tp_disagreement``
+(with its ``pp_rank``) and counted once, from the lower stage.
 """
 
 from __future__ import annotations
@@ -52,13 +57,16 @@ def _accumulate(into: dict[int, dict], layer_stats: Mapping[Any, Mapping], where
             into[layer] = _copy(stats)
 
 
-def tp_groups(reports: Sequence[Mapping]) -> dict[int, list[Mapping]]:
-    """dp_rank -> that data-parallel group's reports, lowest tp rank first (the reference rank)."""
-    groups: dict[int, list[Mapping]] = {}
+def tp_groups(reports: Sequence[Mapping]) -> dict[tuple[int, int], list[Mapping]]:
+    """(dp_rank, pp_rank) -> that tensor-parallel group's reports, lowest tp rank first (the
+    reference rank)."""
+    groups: dict[tuple[int, int], list[Mapping]] = {}
     for report in reports:
-        groups.setdefault(int(report.get("dp_rank", 0)), []).append(report)
+        key = (int(report.get("dp_rank", 0)), int(report.get("pp_rank", 0)))
+        groups.setdefault(key, []).append(report)
     return {
-        dp: sorted(members, key=lambda r: int(r.get("tp_rank", 0))) for dp, members in sorted(groups.items())
+        key: sorted(members, key=lambda r: int(r.get("tp_rank", 0)))
+        for key, members in sorted(groups.items())
     }
 
 
@@ -66,14 +74,20 @@ def aggregate_workers(reports: Sequence[Mapping]) -> dict[int, dict]:
     """layer -> {"counts", "weights", "tp_disagreement"} over all workers.
 
     Tensor-parallel ranks route the same tokens identically, so summing them would multiply
-    every count by tp_size: take the lowest tp rank (normally 0) of each data-parallel group, sum
-    over groups, and list in ``tp_disagreement`` every (dp_rank, tp_rank) whose counts differ
+    every count by tp_size: take the lowest tp rank (normally 0) of each (dp_rank, pp_rank) group,
+    sum over groups, and list in ``tp_disagreement`` every (dp_rank, tp_rank) whose counts differ
     from its group's reference (a bug worth seeing, never silently averaged away).
     """
     out: dict[int, dict] = {}
-    for dp_rank, members in tp_groups(reports).items():
+    owner: dict[tuple[int, int], int] = {}  # (dp_rank, layer) -> the pp stage it was counted from
+    for (dp_rank, pp_rank), members in tp_groups(reports).items():
         reference = {int(k): v for k, v in members[0].get("layers", {}).items()}
         for layer, stats in reference.items():
+            if (dp_rank, layer) in owner:  # two stages report one layer: count it once, say so
+                bad = {"dp_rank": dp_rank, "pp_rank": pp_rank, "tp_rank": int(members[0].get("tp_rank", 0))}
+                out[layer]["tp_disagreement"].append(bad)
+                continue
+            owner[(dp_rank, layer)] = pp_rank
             if layer not in out:
                 out[layer] = {**_copy(stats), "tp_disagreement": []}
             else:

@@ -11,6 +11,16 @@ import re
 _RANK_RE = re.compile(r"\brank (\d+)\b")
 
 
+def stages_agree(ranks: list[tuple[int, str | None]]) -> bool:
+    """(pp_rank, signature) of every rank -> one signature per pipeline stage (a stage's tensor-
+    and data-parallel ranks hold the same layers' set; without PP: one signature for all ranks).
+    False for no ranks."""
+    seen: dict[int, set] = {}
+    for pp_rank, sig in ranks:
+        seen.setdefault(int(pp_rank), set()).add(sig)
+    return bool(seen) and all(len(sigs) == 1 for sigs in seen.values())
+
+
 class WorkerSwapFailed(RuntimeError):
     """A worker call failed; `rolled_back` says whether the previous resident set was restored.
 
@@ -34,8 +44,11 @@ class WorkerSwapFailed(RuntimeError):
 
     @property
     def workers_consistent(self) -> bool | None:
-        """Do the ranks report one signature after the rollback (None: no per-rank replies)?"""
-        return len({w.get("signature") for w in self.workers}) == 1 if self.workers else None
+        """Do the ranks report one signature (per pipeline stage) after the rollback (None: no
+        per-rank replies)?"""
+        if not self.workers:
+            return None
+        return stages_agree([(w.get("pp_rank", 0), w.get("signature")) for w in self.workers])
 
 
 def ranks_named_in(text: str) -> list[int]:

@@ -12,10 +12,12 @@ from typing import Any
 from reap_swap import cache_surface, wire
 from reap_swap.active_set import resident_bytes
 from reap_swap.plan_model import format_ranges
+from reap_swap.swap_failure import stages_agree
 
 _BRIEF_KEYS = {
     "rank",
     "tp_rank",
+    "pp_rank",
     "dp_rank",
     "bytes_copied",
     "seconds",
@@ -29,7 +31,10 @@ _STATUS_WORKER_KEYS = (
     "rank",
     "tp_rank",
     "tp_size",
+    "pp_rank",
+    "pp_size",
     "dp_rank",
+    "stage_layers",
     "resident_bytes",
     "signature",
     "resident_experts",
@@ -70,7 +75,7 @@ def swap_response(
         "bytes_copied_per_worker": [r.bytes_copied for r in results],
         "note": noop_note + " ".join(notes),
         "workers": [brief(r) for r in results],
-        "workers_consistent": len({r.signature for r in results}) == 1,
+        "workers_consistent": stages_agree([(r.pp_rank, r.signature) for r in results]),
     }
 
 
@@ -111,9 +116,50 @@ def status_report(ctl: Any, statuses: list[wire.StatusReply]) -> dict:
             }
             for s in statuses
         ],
-        "workers_consistent": all(s.layers == mine for s in statuses),
+        "workers_consistent": all(s.layers == _stage_part(mine, s) for s in statuses),
+        "stages": stage_coverage(ctl.plan.layers, statuses),
         "cache": cache_surface.report(statuses),
         "group_size": group_size_report(getattr(ctl.plan, "group_size", 1), [s.backend for s in statuses]),
+    }
+
+
+def startup_resident(statuses: list[wire.StatusReply], plan_layers) -> dict:
+    """The resident set the workers start with, joined over pipeline stages: every rank of a
+    stage must hold the same set, and the stages together every plan layer exactly once (without
+    PP: every rank the same set of every layer). RuntimeError naming the disagreement."""
+    stages: dict[int, dict] = {}
+    for s in statuses:
+        if stages.setdefault(s.pp_rank, s.layers) != s.layers:
+            raise RuntimeError(f"workers disagree about the resident set at startup: {statuses}")
+    if not stage_coverage(plan_layers, statuses)["every_layer_once"]:
+        raise RuntimeError(f"pipeline stages do not hold every plan layer exactly once: {statuses}")
+    joined: dict = {}
+    for pp_rank in sorted(stages):
+        joined.update(wire.decode_resident_sets(stages[pp_rank]))
+    return dict(sorted(joined.items()))
+
+
+def _stage_part(mine: dict, s: wire.StatusReply) -> dict:
+    """The controller's resident set restricted to the layers worker `s` holds."""
+    stage = {str(l) for l in s.stage_layers} if s.stage_layers else set(mine)
+    return {k: v for k, v in mine.items() if k in stage}
+
+
+def stage_coverage(plan_layers, statuses: list[wire.StatusReply]) -> dict:
+    """Which workers hold each plan layer, and whether every (dp_rank, tp_rank) sees each plan
+    layer on exactly one pipeline stage (always, without pipeline parallelism)."""
+    every = sorted(int(l) for l in plan_layers)
+    holders: dict[str, list[int]] = {str(l): [] for l in every}
+    groups: dict[tuple[int, int], list[int]] = {}
+    for s in statuses:
+        stage = list(s.stage_layers) or every
+        for layer in stage:
+            holders.setdefault(str(layer), []).append(s.rank)
+        groups.setdefault((s.dp_rank, s.tp_rank), []).extend(stage)
+    return {
+        "pp_size": max((s.pp_size for s in statuses), default=1),
+        "layer_workers": holders,
+        "every_layer_once": bool(groups) and all(sorted(v) == every for v in groups.values()),
     }
 
 

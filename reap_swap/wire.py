@@ -46,11 +46,13 @@ class _Model(BaseModel):
 
 
 class WorkerHeader(_Model):
-    """Who answered: the worker's global rank and its tensor/data-parallel coordinates."""
+    """Who answered: the worker's global rank and its tensor/pipeline/data-parallel coordinates."""
 
     rank: int
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
     dp_rank: int = 0
 
 
@@ -126,6 +128,9 @@ class StatusReply(WorkerHeader, ResidentSummary):
     counter_kernel: dict[str, Any] = Field(default_factory=dict)
     backend: dict[str, Any] = Field(default_factory=dict)
     cache: CacheStatus | None = None  # the expert cache (cache_accounting.CacheAccounting.status)
+    # pipeline parallelism: the plan layers this stage holds (`layers` lists only these); every
+    # plan layer without PP
+    stage_layers: list[int] = Field(default_factory=list)
 
 
 # -- reap_read_stats / reap_reset_stats ----------------------------------------------------------

@@ -31,10 +31,13 @@ from reap_swap.worker_core import ResidencyBackend, WorkerCore, WorkerRpc
 log = get_logger("reap_swap.worker")
 
 
-def make_residency_backend(runtime: WorkerRuntime, platform: str) -> ResidencyBackend:
-    """The one place that picks the residency backend for this worker."""
+def make_residency_backend(
+    runtime: WorkerRuntime, platform: str, other_stage: frozenset[int] = frozenset()
+) -> ResidencyBackend:
+    """The one place that picks the residency backend for this worker (`other_stage`: plan layers
+    another pipeline stage holds, left out of this worker's resident set)."""
     plan, settings = runtime.plan, runtime.settings
-    core = plan.core_sets()
+    core = {l: ids for l, ids in plan.core_sets().items() if l not in other_stage}
     reason = settings.accounting_reason(platform)
     if reason is not None:
         if settings.residency == "cuda" and not settings.masks_only:
@@ -104,8 +107,10 @@ def build_core(worker: Any, runtime: WorkerRuntime) -> WorkerCore:
         )
     plan = runtime.plan
     layers = _experts.find_layers(worker.get_model())
+    # pipeline parallelism: another stage's layers are neither counted nor refused here
+    other_stage = frozenset(compat.other_stage_layers(worker.get_model()) & set(plan.layers))
     # refused per layer, not fatal: the server starts, counts what it can, says why in status
-    uncounted = _experts.uncounted_layers(worker.get_model(), plan.layers)
+    uncounted = _experts.uncounted_layers(worker.get_model(), set(plan.layers) - other_stage)
     for layer, reason in uncounted.items():
         log.error("reap-swap: plan layer %d not counted: %s", layer, reason)
     uncountable = [i for i, m in layers.items() if not m.reap_countable]
@@ -115,9 +120,9 @@ def build_core(worker: Any, runtime: WorkerRuntime) -> WorkerCore:
             "router statistics for them are unavailable (counts stay 0)",
             uncountable,
         )
-    backend = make_residency_backend(runtime, compat.platform_name())
+    backend = make_residency_backend(runtime, compat.platform_name(), other_stage)
     rank = int(getattr(worker, "rank", 0))
-    cache = build_cache(runtime, layers, uncounted, backend)
+    cache = build_cache(runtime, layers, uncounted, backend)  # this stage's layers only
     core = WorkerCore(
         plan,
         layers,
@@ -127,15 +132,17 @@ def build_core(worker: Any, runtime: WorkerRuntime) -> WorkerCore:
         runtime.count_kernel,
         uncounted=uncounted,
         cache=cache,
+        other_stage=other_stage,
     )
     if cache.caches:
         hook = vllm_moe.wrap_execute_model(worker, core.cache_before_step, core.cache_after_step)
         log.debug("reap-swap: cache fed per step through %s", hook)
     log.info(
-        "reap-swap worker rank %d: %d MoE layers counted, residency %s",
+        "reap-swap worker rank %d: %d MoE layers counted, residency %s%s",
         rank,
         len(layers),
         backend.residency_mode,
+        f", plan layers {sorted(core.stage)} on this pipeline stage" if other_stage else "",
     )
     return core
 

@@ -9,7 +9,7 @@ the controller's tests exercise the same reply paths (including `{"error": ...}`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -64,12 +64,16 @@ class WorkerCore:
         counter_kernel: Any = None,
         uncounted: Mapping[int, str] | None = None,
         cache: Any = None,
+        other_stage: Iterable[int] = (),
     ) -> None:
         self.plan = plan
+        # pipeline parallelism: plan layers another stage holds (compat.other_stage_layers); this
+        # worker records, counts and answers for the rest only (its `stage`)
+        self.stage = frozenset(plan.layers) - frozenset(int(l) for l in other_stage)
         self.layers = dict(layers)  # plan layer index -> counting module
         self.backend = FaultInjectingBackend(backend, rank)
         self.rank = rank
-        self.ranks = dict(ranks)  # tp_rank, tp_size, dp_rank
+        self.ranks = dict(ranks)  # tp_rank, tp_size, pp_rank, pp_size, dp_rank
         self.counter_kernel = counter_kernel
         self.uncounted = dict(uncounted or {})  # plan layer -> why it has no counting module
         self.cache = cache  # cache_accounting.CacheAccounting (accounting mode), or None
@@ -80,8 +84,12 @@ class WorkerCore:
 
     def resident_summary(self, resident: ResidentSets | None = None) -> dict:
         resident = self.backend.resident() if resident is None else resident
-        planned = {l: v for l, v in resident.items() if l in self.plan.layers}
+        planned = self.mine(resident)
         return {"signature": signature(planned), "resident_experts": sum(len(v) for v in planned.values())}
+
+    def mine(self, resident: ResidentSets) -> ResidentSets:
+        """The part of a resident set this worker's stage holds (all plan layers without PP)."""
+        return {l: v for l, v in resident.items() if l in self.stage}
 
     def read_counters(self, reset: bool) -> dict[str, dict]:
         return {str(i): counters.read(m, reset) for i, m in self.layers.items()}
@@ -117,7 +125,7 @@ class WorkerCore:
 
     # -- RPCs --------------------------------------------------------------------------------
     def status(self) -> dict:
-        resident = self.backend.resident()
+        resident = self.mine(self.backend.resident())
         return wire.StatusReply(
             **self.header(),
             **self.resident_summary(resident),
@@ -134,6 +142,7 @@ class WorkerCore:
             counter_kernel=self.counter_kernel.status() if self.counter_kernel is not None else {},
             backend=self.backend.status(),
             cache=self.cache.status() if self.cache is not None else None,
+            stage_layers=sorted(self.stage),
         ).model_dump(exclude_none=True)
 
     def apply(self, request: Mapping[str, Any]) -> dict:
@@ -141,7 +150,7 @@ class WorkerCore:
         dry_run = bool(request.get("dry_run", False)) if isinstance(request, Mapping) else False
         try:
             req = wire.ApplyResidency.model_validate(request)
-            resident = check_resident_sets(self.plan, wire.decode_resident_sets(req.resident))
+            resident = self.mine(check_resident_sets(self.plan, wire.decode_resident_sets(req.resident)))
             take = req.read_stats and not req.dry_run
             stats = self.read_counters(reset=False) if take else {}
             before = self.backend.resident()

@@ -32,17 +32,29 @@ def counting_layer(num_experts: int = E) -> torch.nn.Module:
     return module
 
 
-def make_core(rank: int, tp_size: int, plan=PLAN) -> WorkerCore:
-    layers = {layer: counting_layer(plan.layers[layer].num_experts) for layer in plan.layers}
-    backend = AccountingResidency(plan.core_sets(), plan.per_expert_bytes, "fake")
-    ranks = {"tp_rank": rank, "tp_size": tp_size, "dp_rank": 0}
-    return WorkerCore(plan, layers, backend, rank, ranks)
+def stage_layers(plan, pp_rank: int, pp_size: int) -> list[int]:
+    """The plan layers pipeline stage `pp_rank` holds (contiguous, like vLLM's get_pp_indices)."""
+    every = sorted(plan.layers)
+    per = -(-len(every) // pp_size)
+    return every[pp_rank * per : (pp_rank + 1) * per]
+
+
+def make_core(rank: int, tp_size: int, plan=PLAN, pp_size: int = 1) -> WorkerCore:
+    """Global rank -> (pp_rank, tp_rank) as vLLM lays them out: tp fastest."""
+    pp_rank, tp_rank = divmod(rank, tp_size)
+    mine = stage_layers(plan, pp_rank, pp_size)
+    other = [l for l in plan.layers if l not in mine]
+    layers = {layer: counting_layer(plan.layers[layer].num_experts) for layer in mine}
+    core = {l: v for l, v in plan.core_sets().items() if l in mine}
+    backend = AccountingResidency(core, plan.per_expert_bytes, "fake")
+    ranks = {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": pp_rank, "pp_size": pp_size, "dp_rank": 0}
+    return WorkerCore(plan, layers, backend, rank, ranks, other_stage=other)
 
 
 class FakeWorker(WorkerRpc):
-    def __init__(self, rank: int, tp_size: int):
+    def __init__(self, rank: int, tp_size: int, pp_size: int = 1):
         self.rank = rank
-        self.core = make_core(rank, tp_size)
+        self.core = make_core(rank, tp_size, pp_size=pp_size)
         self.fail_apply = 0  # how many of the next non-dry-run applies fail (armed through the seam)
         self.calls: list[tuple[str, dict]] = []
 
@@ -67,8 +79,8 @@ class FakeWorker(WorkerRpc):
 class FakeEngine:
     """collective_rpc over replicated workers; one call at a time (like the engine core)."""
 
-    def __init__(self, tp_size: int = 2):
-        self.workers = [FakeWorker(r, tp_size) for r in range(tp_size)]
+    def __init__(self, tp_size: int = 2, pp_size: int = 1):
+        self.workers = [FakeWorker(r, tp_size, pp_size) for r in range(tp_size * pp_size)]
         self.in_flight = 0
         self.max_in_flight = 0
         self.raise_next: str | None = None  # the next call raises this (an RPC failing outright)
@@ -91,11 +103,12 @@ class FakeEngine:
 
     def route(self, layer: int, experts: list[int]):
         """One token per expert routed with gate weight 0.5, on every rank (TP ranks see identical
-        routing), recorded by the real counters."""
+        routing), recorded by the real counters; under PP only the stage holding the layer."""
         ids = torch.tensor([[e] for e in experts], dtype=torch.int64)
         weights = torch.full((len(experts), 1), 0.5)
         for w in self.workers:
-            counters.record(w.core.layers[layer], ids, weights)
+            if layer in w.core.layers:
+                counters.record(w.core.layers[layer], ids, weights)
 
 
 def build_tiny_model(out: Path) -> Path:

@@ -24,18 +24,37 @@ from reap_swap.compat.serve import platform_name  # noqa: F401
 
 
 def parallel_ranks(vllm_config) -> dict[str, int]:
-    """tp_rank, tp_size, dp_rank of the calling worker."""
+    """tp_rank, tp_size, pp_rank, pp_size, dp_rank of the calling worker (`get_pp_group()`'s
+    `rank_in_group`/`world_size`: vllm/distributed/parallel_state.py, 0.26.0 and 0.32.0)."""
     from vllm.distributed.parallel_state import (
+        get_pp_group,
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
     )
 
     pc = vllm_config.parallel_config
+    pp = get_pp_group()
     return {
         "tp_rank": int(get_tensor_model_parallel_rank()),
         "tp_size": int(get_tensor_model_parallel_world_size()),
+        "pp_rank": int(pp.rank_in_group),
+        "pp_size": int(pp.world_size),
         "dp_rank": int(getattr(pc, "data_parallel_rank", 0) or 0),
     }
+
+
+def other_stage_layers(model) -> set[int]:
+    """Decoder-layer indices this pipeline stage does not hold: vLLM's `make_layers` puts a
+    `PPMissingLayer` (vllm/model_executor/models/utils.py, 0.26.0 and 0.32.0) at every
+    `...layers.<i>` outside [start_layer, end_layer). Empty without pipeline parallelism."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    out = set()
+    for name, module in model.named_modules():
+        head, _, tail = name.rpartition(".")
+        if isinstance(module, PPMissingLayer) and tail.isdigit() and head.endswith("layers"):
+            out.add(int(tail))
+    return out
 
 
 def moe_layer_names(vllm_config) -> list[str]:
