@@ -12,8 +12,8 @@ Invariants:
   (it raises, or a worker answers {"error": ...}), the old resident set is re-applied on every
   worker (best effort) and the caller gets a WorkerSwapFailed (HTTP 5xx) naming the failed ranks
   and each rank's signature after the rollback; the controller's state is what it was before.
-- Every swap reports each rank's resident-set signature after it (`workers`), so a TP group
-  whose ranks disagree is visible in the response and in status().
+- Every swap reports each rank's resident-set signature after it (`workers`); ranks of one pipeline
+  stage that disagree are visible in the response and in status() (a stage holds its own layers).
 - Statistics attribution (docs/architecture.md): opening request R (swap/warm/cartridge) reads
   and resets the device counters in the same worker call that applies the new resident set,
   credits what was read to the previously open request R' measured against R''s resident set,
@@ -59,8 +59,7 @@ Rpc = Callable[..., Awaitable[list]]  # rpc(method, **kwargs) -> one reply per w
 __all__ = ["Metrics", "SwapController", "UnknownCartridge", "WorkerSwapFailed", "load_cartridges"]
 
 
-class UnknownCartridge(KeyError):
-    pass
+class UnknownCartridge(KeyError): ...
 
 
 class Metrics:

