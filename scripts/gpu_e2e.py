@@ -29,6 +29,9 @@ output for the same seeded input on every rank, compared bitwise across arms by 
 
 Usage (on the device, after installing the kit):
   python3 scripts/gpu_e2e.py --model /tmp/model --out DIR --arms stock-gpu,reap-sweep [--tp 2]
+  PP=2 (issue 18; needs 2 GPUs; NOT run on a GPU yet, the arms are the TP ones unchanged):
+  python3 scripts/gpu_e2e.py --model /tmp/model --out DIR --pp 2 --moe-probe \
+      --arms stock-gpu,stock-uva-half,reap-tp
 """
 
 from __future__ import annotations
@@ -531,6 +534,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--arms", default="stock-gpu,reap-sweep")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1, help="--pipeline-parallel-size for every arm")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument(
         "--common",
@@ -569,11 +573,12 @@ def main():
         base
         + (["--enforce-eager"] if args.eager else [])
         + (["--tensor-parallel-size", str(args.tp)] if args.tp > 1 else [])
+        + (["--pipeline-parallel-size", str(args.pp)] if args.pp > 1 else [])
         + (["--quantization", args.quantization] if args.quantization else [])
     )
     vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)] + common
     reap = [sys.executable, "-m", "reap_swap.server", str(model)] + common
-    results.setdefault("_meta", {})[f"{args.arms}@tp{args.tp}"] = {
+    results.setdefault("_meta", {})[f"{args.arms}@tp{args.tp}" + (f"pp{args.pp}" if args.pp > 1 else "")] = {
         "model": str(model),
         "shape": shape,
         "common": common,
@@ -588,7 +593,7 @@ def main():
             elif arm == "stock-uva-all":  # what the launcher sets: every expert in pinned host memory
                 arm_stock(vllm, arm, out, shape["expert_gib"] + 0.5, results, d1=(128, 1), d8=None)
             elif arm == "stock-uva-half":
-                arm_stock(vllm, arm, out, shape["expert_gib"] / 2 / args.tp, results)
+                arm_stock(vllm, arm, out, shape["expert_gib"] / 2 / args.tp / args.pp, results)
             elif arm == "reap-sweep":
                 arm_sweep(reap, out, shape, results, save)
             elif arm == "reap-clean":
