@@ -10,7 +10,9 @@
 #   budget    --reap-budget auto at two --gpu-memory-utilization values (gpu_budget_auto.py: alone)
 #   cache     the device cache in the server for a plain client (gpu_e2e.py reap-cache vs reap-plan25;
 #             CACHE_ARMS, CACHE_CAP, CACHE_EXTRA e.g. "--cache-shadow out")
-#   quant     quantized formats end to end (gpu_quant_e2e.py, QUANT_CASES)
+#   quant     quantized formats end to end (gpu_quant_e2e.py, QUANT_CASES; QUANT_EXTRA: more of its
+#             flags, e.g. "--decode-tokens 64 --serial-arms --case-timeout 600" with QUANT_JOBS=1 and a
+#             QUANT_CAP of at least cases x case-timeout + ~60 s: serial cases add up)
 #   qwen      full-size Qwen3.5-35B-A3B, field plan, reap-swap and stock side by side (QWEN_CAP s each)
 #   families  the whole families lane (gpu_families.sh, FAM_DEADLINE)
 #   v2lite    full-size DeepSeek-V2-Lite, reap-swap and stock side by side, eager
@@ -80,7 +82,7 @@ json.dump({'stock-gpu': d['stock-gpu']}, open('$R/cache/gpu_e2e.json', 'w'))"
 }
 ph_quant() {
   timeout ${QUANT_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/quant --jobs ${QUANT_JOBS:-3} \
-    --cases ${QUANT_CASES:-fp8-block,fp8-tensor,ct-fp8,fp8-online} > $R/quant.log 2>&1
+    --cases ${QUANT_CASES:-fp8-block,fp8-tensor,ct-fp8,fp8-online} ${QUANT_EXTRA:-} > $R/quant.log 2>&1
 }
 ph_qwen() {
   QWEN_CAP=${QWEN_CAP:-560} FIELD_PLAN=.kit/strict30-v2-plan.json DEADLINE=${QWEN_CAP:-560} \
