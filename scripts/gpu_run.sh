@@ -98,12 +98,12 @@ ph_fp8bench() { timeout ${FP8_CAP:-600} bash scripts/gpu_fp8_bench.sh run --out 
 ph_count() {  # qcount: exact router counts on full-size Qwen3.5 under CUDA graphs (no residency phases)
   timeout ${COUNT_CAP:-580} $PY scripts/gpu_families.py --name qwen35 --config tests/data/qwen3_5_moe_35b_a3b_config.json \
     --plan .kit/strict30-v2-plan.json --kv-gib 2 --gpu-util 0.1 --host-guard-gib 2.5 --arms count \
-    --startup-timeout 500 --out $R/count > $R/count.log 2>&1
+    --startup-timeout $(( ${COUNT_CAP:-580} - 80 )) --out $R/count > $R/count.log 2>&1
 }
 ph_mlacount() {  # mlapad: the MLA-only padding case (research.md, mlapad); count_cases in count.json
   timeout ${MLACOUNT_CAP:-560} $PY scripts/gpu_families.py --name deepseek_v2_lite_graphs \
     --config tests/data/deepseek_v2_lite_config.json --kv-gib 0.5 --gpu-util 0.1 --host-guard-gib 5 \
-    --arms count --startup-timeout 480 --out $R/mlacount > $R/mlacount.log 2>&1
+    --arms count --startup-timeout $(( ${MLACOUNT_CAP:-560} - 80 )) --out $R/mlacount > $R/mlacount.log 2>&1
 }
 ph_skewbench() {  # the driver SIGTERMs its benches 60 s before the outer cap and writes the summary
   timeout --kill-after=30 ${SKEW_CAP:-720} $PY scripts/gpu_skew_bench.py --out $R/skewbench \

@@ -46,3 +46,14 @@ def test_quant_extra_reaches_the_quant_driver(tmp_path):
 def test_quant_without_extra_is_unchanged(tmp_path):
     line = _line(dry_session(tmp_path, "quant"), "scripts/gpu_quant_e2e.py")
     assert line.endswith("--jobs 3 --cases fp8-block,fp8-tensor,ct-fp8,fp8-online")
+
+
+def test_count_startup_timeouts_stay_under_their_caps(tmp_path):
+    # MLACOUNT_CAP=420 (lease B) with a fixed --startup-timeout 480: `timeout` would kill a slow
+    # start before the driver records it; the default caps keep the old values (480, 500)
+    lines = dry_session(tmp_path, "mlacount count", MLACOUNT_CAP="420")
+    cmds = [x for x in lines if x.startswith("DRY scripts/gpu_families.py")]
+    assert any("deepseek_v2_lite_graphs" in x and "--startup-timeout 340 " in x for x in cmds), cmds
+    assert any("--name qwen35" in x and "--startup-timeout 500 " in x for x in cmds), cmds
+    lines = dry_session(tmp_path / "d", "mlacount")
+    assert "--startup-timeout 480 " in _line(lines, "scripts/gpu_families.py")
