@@ -1,0 +1,73 @@
+"""The summarisers of the next leases' phases on results cut by a phase's cap (branch gpureview):
+files cut mid-write, arms that never started, samples of one arm only. CPU only."""
+
+import json
+
+from script_modules import load_script
+
+from reap_swap.guard_report import decode_markdown, decode_summary, swap_summary
+
+
+def test_skew_summary_leaves_out_a_cut_bench_json_and_names_it(tmp_path):
+    sm = load_script("skew_bench_summary")
+    (tmp_path / "b-1-cache50").mkdir()
+    (tmp_path / "b-1-cache50" / "bench.json").write_text('{"runs": [{"arm": "plan-ca')  # cut
+    (tmp_path / "b-2-swap50").mkdir()
+    (tmp_path / "b-2-swap50" / "bench.json").write_text(
+        json.dumps({"runs": [{"arm": "plan-swap", "status": "failed", "error": "not healthy"}]})
+    )
+    (tmp_path / "trace").mkdir()
+    (tmp_path / "trace" / "trace.json").write_text('{"splits": ')  # cut
+    assert sm.main([str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "skew_bench.json").read_text())
+    assert sorted(doc["unreadable"]) == [
+        str(tmp_path / "b-1-cache50" / "bench.json"),
+        str(tmp_path / "trace" / "trace.json"),
+    ]
+    assert [r["arm"] for r in doc["rows"]] == ["plan-swap"]
+    md = (tmp_path / "skew_bench.md").read_text()
+    assert "Unreadable (left out)" in md and "not measured" in md
+
+
+def test_skew_summary_of_an_empty_run_dir(tmp_path):
+    sm = load_script("skew_bench_summary")
+    assert sm.main([str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "skew_bench.json").read_text())
+    assert doc["rows"] == [] and "unreadable" not in doc
+
+
+def test_decode_guard_summaries_with_nothing_or_one_arm():
+    assert "| arm |" in decode_markdown(decode_summary([]))
+    one = decode_summary([{"arm": "reap", "serve": 0, "round": 0, "tok_s": None}])  # a failed stream
+    decode_markdown(one)
+    assert (one["arms"]["reap"].get("vs_stock") or {}).get("pooled") is None
+
+
+def test_swap_guard_summary_without_the_candidate_arm():
+    rows = [{"case": "10pct_pool", "arm": "0", "gbps": 50.0, "phases": {"publish": 0.001}}]
+    out = swap_summary(rows, default_arm="8", baseline_arm="0")
+    assert "10pct_pool" in out["cases"]
+
+
+def test_quant_rows_of_a_timed_out_case_and_of_a_case_with_one_arm():
+    load_script("families_report")  # quant_cases imports it as scripts/ on sys.path would
+    qc = load_script("quant_cases")
+    cut = {"case": "awq", "case_rc": 124, "timed_out": True, "case_wall_s": 330.0}
+    one = {
+        "case": "gptq", "binds": True, "payload_bytes": 2**20,
+        "stock": {"error": "ServerError('stock: not healthy after 300s')"},
+        "reap": {"phases": {"0": {"greedy": [], "decode_1": {"median": 10.0}}}},
+    }  # fmt: skip
+    doc = {"wall_s": 400.0, "cases": {"awq": cut, "gptq": one}}
+    doc["rows"] = [qc.case_row(r) for r in doc["cases"].values()]
+    md = qc.markdown(doc)
+    assert "TIMED OUT" in md and "not healthy" in md
+
+
+def test_family_merge_with_only_the_meta(tmp_path):
+    gf = load_script("gpu_families")
+    out = tmp_path / "gpt_oss_20b"
+    out.mkdir()
+    (out / "meta.json").write_text(json.dumps({"shape": {"moe_layers": [0, 1], "experts": 32}}))
+    doc = gf.merge(out, "gpt_oss_20b")
+    assert doc["family"] == "gpt_oss_20b"
