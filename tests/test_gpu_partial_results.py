@@ -71,3 +71,40 @@ def test_family_merge_with_only_the_meta(tmp_path):
     (out / "meta.json").write_text(json.dumps({"shape": {"moe_layers": [0, 1], "experts": 32}}))
     doc = gf.merge(out, "gpt_oss_20b")
     assert doc["family"] == "gpt_oss_20b"
+
+
+def test_gpu_guards_summarises_what_a_sigterm_cut_serve_sampled(tmp_path, monkeypatch):
+    """`timeout` cuts serve 1 mid-round (SIGTERM -> SystemExit): guards.json keeps every sample,
+    with the summary, guards.md and the reason (before: only the per-serve guards.json, no summary)."""
+    import shutil
+
+    import pytest
+    import test_guard_report as tg
+
+    guards = load_script("gpu_guards")
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(tg.DATA / "mixtral_tiny_cpu_config.json", model / "config.json")
+    tg._FakeServer.started, tg._FakeServer.stopped = [], []
+    calls = []
+
+    def decode(url, tokens, prompt):
+        calls.append(url)
+        if len(calls) > 3 + 3 * 3 + 3 + 1:  # serve 0: 3 warm-ups + 3 x 3; serve 1: 3 warm-ups + 1 sample
+            raise SystemExit(143)
+        return 700.0
+
+    monkeypatch.setattr(guards.serving, "Server", tg._FakeServer)
+    monkeypatch.setattr(guards, "one_decode", decode)
+    monkeypatch.setattr(guards, "reap_facts", lambda url: {"cache": {"engaged": False}})
+    out = tmp_path / "out"
+    argv = ["gpu_guards", "--model", str(model), "--out", str(out), "--serves", "3", "--rounds", "3"]
+    monkeypatch.setattr("sys.argv", argv)
+    tg._URLS.clear()
+    with pytest.raises(SystemExit):
+        guards.main()
+    doc = json.loads((out / "guards.json").read_text())
+    assert len(doc["samples"]) == 3 * 3 + 1 and "SIGTERM" in doc["cut"]
+    assert doc["summary"]["arms"]["stock"]["pooled"]["n"] == 4
+    assert sorted(tg._FakeServer.stopped) == sorted(tg._FakeServer.started)
+    assert (out / "guards.md").read_text().startswith("| arm |")
