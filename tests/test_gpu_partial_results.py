@@ -108,3 +108,44 @@ def test_gpu_guards_summarises_what_a_sigterm_cut_serve_sampled(tmp_path, monkey
     assert doc["summary"]["arms"]["stock"]["pooled"]["n"] == 4
     assert sorted(tg._FakeServer.stopped) == sorted(tg._FakeServer.started)
     assert (out / "guards.md").read_text().startswith("| arm |")
+
+
+def test_quant_driver_cut_by_its_cap_writes_the_summary_and_starts_no_queued_case(tmp_path, monkeypatch):
+    """gpu_run.sh's INT4_CAP / QUANT_CAP SIGTERMs the driver while a case runs (--jobs 1): no queued
+    case starts after that, and quant_e2e.json / .md still come out (before: none, only
+    cases/*.json), the cut case from its own cases/*.json."""
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    from reap_swap import serving
+
+    qe = load_script("gpu_quant_e2e")
+    monkeypatch.setattr(qe, "write_checkpoints", lambda a, names: None)
+    spawned = []
+
+    def spawn(a, name):
+        spawned.append(name)
+        if name == "gptq":
+            (a.out / "cases").mkdir(parents=True, exist_ok=True)
+            (a.out / "cases" / "gptq.json").write_text(json.dumps({"case": "gptq", "stock": {"greedy": []}}))
+            os.kill(os.getpid(), signal.SIGTERM)  # `timeout`, while this case's child still runs
+            time.sleep(0.5)
+        return {"case": name, "binds": True, "case_rc": 0}
+
+    monkeypatch.setattr(qe, "spawn", spawn)
+    previous = signal.getsignal(signal.SIGTERM)
+    serving.stop_servers_on_sigterm()
+    try:
+        with pytest.raises(SystemExit):
+            qe.main(["--out", str(tmp_path), "--cases", "awq,gptq,ct-w4a16", "--jobs", "1"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert spawned == ["awq", "gptq"]
+    doc = json.loads((tmp_path / "quant_e2e.json").read_text())
+    assert list(doc["cases"]) == ["awq", "gptq", "ct-w4a16"]
+    assert not doc["cases"]["awq"].get("timed_out") and doc["cases"]["gptq"]["timed_out"]
+    assert doc["cases"]["gptq"]["stock"] == {"greedy": []} and doc["cases"]["ct-w4a16"]["timed_out"]
+    assert (tmp_path / "quant_e2e.md").read_text().count("TIMED OUT") == 2
