@@ -1,0 +1,137 @@
+"""Per-request swaps with the seeded device cache (``--reap-cache-seed seeded``, issue 17).
+
+With ``seed_core`` the plan core is not pinned by the engine: each cached layer gets its whole
+share C of the pool (core + tail, accounting's ``replay.layer_slots(..., "core+tail")``) as cache
+slots, seeded with the core, evictable (the simulator's ``dlfu-seeded``). The swap SlotTable keeps
+only the pool's remainder. A per-request swap's set P of a cached layer is therefore pinned
+*inside the layer's own slots*, not in the SlotTable:
+
+- P goes into the slots [C - |P|, C) (ascending ids), and each expert's own unit of the layer
+  range is remapped onto that slot's physical handle (the same lent pool allocation, mapped a
+  second time): the kernel reads P through the experts' own ids, the cache sees them ``pinned``
+  (DeviceCache.set_pinned's semantics) and its tail is the first ``active = C - |P|`` slots.
+- The tail keeps the best-scored former residents (cached ones and the previous swap's set, less
+  P; score after the last step, ties lower id): hybrid.yield_tail's choice, which
+  LayerCache.pin (accounting mode) makes too. A keeper already in a slot < active stays; others
+  move into the lowest free tail slots (lowest id first).
+- Bytes: every placed expert whose slot changed is copied from its host master (all own units are
+  host-backed while this runs: the previous swap's set is mapped back to host first). Nothing is
+  copied slot to slot, so the order of the copies does not matter.
+- A set wider than C is refused by name before anything moves (PoolCapacityError: the swap's
+  422). Accounting mode instead grows that layer's capacity to |P| (LayerCache.pin); the device
+  cannot, that is the one place the two differ besides the policy's arithmetic (research.md).
+
+Between steps only (the worker RPC; cuda_backend.apply quiesces first). Pure torch on the units
+view: runs on CPU tensors with a fake range (tests/test_device_cache_seeded.py) and on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .device_cache import DeviceCache, LayerStep
+from .slot_table import PoolCapacityError
+
+
+@dataclass(frozen=True)
+class SeededPin:
+    """One layer's new layout: tail slot -> expert (slots < active), pinned expert -> slot."""
+
+    tail: dict[int, int]
+    pinned: dict[int, int]
+    active: int
+    copies: tuple[tuple[int, int], ...]  # (expert, slot) whose bytes come from the host master
+
+
+def plan_pin(cache: DeviceCache, before: Mapping[int, int], experts: Iterable[int]) -> SeededPin:
+    """The layout after pinning ``experts`` (``before``: the previous swap's expert -> slot)."""
+    pins = sorted({int(e) for e in experts})
+    n, num_e = cache.num_slots, cache.num_experts
+    if pins and not 0 <= pins[0] <= pins[-1] < num_e:
+        raise ValueError(f"pinned experts {pins} outside [0, {num_e})")
+    if len(pins) > n:
+        raise PoolCapacityError(len(pins), n)
+    active = n - len(pins)
+    slot_expert = [int(e) for e in cache.slot_expert.tolist()]
+    score = cache.score.tolist()
+    former = ({e for e in slot_expert if e >= 0} | set(before)) - set(pins)
+    ranked = sorted(former, key=lambda e: (score[e], -e), reverse=True)  # hybrid.yield_tail's order
+    keep = set(ranked[:active])
+    tail = {s: e for s, e in enumerate(slot_expert[:active]) if e in keep}
+    free = [s for s in range(active) if s not in tail]
+    moving = sorted(keep - set(tail.values()))
+    tail.update(zip(free, moving, strict=False))
+    pinned = {e: active + i for i, e in enumerate(pins)}
+    copies = [(e, s) for s, e in tail.items() if slot_expert[s] != e]
+    copies += [(e, s) for e, s in pinned.items() if before.get(e) != s or slot_expert[s] >= 0]
+    return SeededPin(tail, pinned, active, tuple(sorted(copies, key=lambda c: c[1])))
+
+
+def apply_pin(step: LayerStep, rng: Any, handle: Callable[[int], Any], before: Mapping[int, int], pin: SeededPin):
+    """Carry out ``pin`` on one layer: map the previous set back to host, copy from the host
+    masters, set the cache state, map the new set onto its slots. Returns the bytes copied."""
+    cache, units, num_e = step.cache, step.units, step.cache.num_experts
+    for e in sorted(before):
+        rng.map_host(e, defer_access=True)
+    rng.flush_access()
+    for e, s in pin.copies:  # own unit e is host-backed now: its master's bytes
+        units[num_e + s].copy_(units[e])
+    se = torch.full_like(cache.slot_expert, -1)
+    for s, e in pin.tail.items():
+        se[s] = e
+    cache.slot_expert.copy_(se)
+    mask = torch.zeros_like(cache.pinned)
+    mask[sorted(pin.pinned)] = True
+    cache.pinned.copy_(mask)
+    cache.active.fill_(pin.active)
+    cache._rebuild()
+    for e, s in sorted(pin.pinned.items()):
+        rng.map_device(e, handle(s), defer_access=True)
+    rng.flush_access()
+    return len(pin.copies) * int(units[0].numel() * units.element_size())
+
+
+class SeededPins:
+    """Every seeded cached layer's pinned set (expert -> slot) and the swap over them."""
+
+    def __init__(self, caches: Any, layer_range: Callable[[int], Any], handle: Callable[[int, int], Any]):
+        self.caches = caches  # device_cache_api.DeviceCaches
+        self.layer_range = layer_range  # layer -> its CacheRange
+        self.handle = handle  # (layer, cache slot) -> the lent pool slot's physical handle
+        self.pinned: dict[int, dict[int, int]] = {}
+
+    def layers(self) -> set[int]:
+        return set(self.caches.layers)
+
+    def plan(self, target: Mapping[int, Iterable[int]]) -> dict[int, SeededPin]:
+        """Every layer's layout, validated before anything moves (raises PoolCapacityError)."""
+        out = {}
+        for layer, experts in sorted(target.items()):
+            cache = self.caches.layers[layer].cache
+            try:
+                out[layer] = plan_pin(cache, self.pinned.get(layer, {}), experts)
+            except PoolCapacityError as exc:
+                raise PoolCapacityError(exc.needed, exc.capacity) from ValueError(
+                    f"layer {layer}: a swap set of {exc.needed} experts is wider than the layer's "
+                    f"{exc.capacity} seeded cache slots (--reap-cache-seed seeded pins inside them)"
+                )
+        return out
+
+    def apply(self, target: Mapping[int, Iterable[int]]) -> tuple[int, int]:
+        """(bytes copied, experts newly pinned) after pinning ``target`` on its layers."""
+        pins = self.plan(target)
+        copied = admitted = 0
+        for layer, pin in pins.items():
+            before = self.pinned.get(layer, {})
+            step = self.caches.layers[layer]
+            copied += apply_pin(step, self.layer_range(layer), lambda s, l=layer: self.handle(l, s), before, pin)
+            admitted += len(set(pin.pinned) - set(before))
+            self.pinned[layer] = dict(pin.pinned)
+        return copied, admitted
+
+    def resident(self) -> dict[int, frozenset[int]]:
+        return {l: frozenset(p) for l, p in self.pinned.items()}
