@@ -76,6 +76,7 @@ class Settings(BaseModel):
     cache: Literal["lfu", "lru", "off"] = "lfu"
     cache_slots: Literal["auto"] | int = "auto"
     cache_device: Literal["on", "off"] = "off"  # the CUDA device cache (issue 17); off until measured
+    cache_seed: Literal["pinned", "seeded"] = "pinned"  # device cache: core+dlfu | dlfu-seeded
     cache_record_steps: int = Field(default=0, ge=0)
     cache_shadow: Literal["off", "out", "bytes"] = "off"  # debug shadow of the device cache
     group_size: Literal["auto", "1", "2", "4", "8"] = "1"  # grouped units (issue 16); experimental
@@ -186,6 +187,15 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         {
             "choices": ["on", "off"],
             "help": "CUDA: run --reap-cache lfu on the device slot tail (default off)",
+        },
+    ),
+    "cache_seed": (
+        "REAP_CACHE_SEED",
+        "--reap-cache-seed",
+        {
+            "choices": ["pinned", "seeded"],
+            "help": "CUDA device cache: plan core pinned beside the cache (pinned, default) or seeded "
+            "into its slots, evictable (seeded: dlfu-seeded, accounting's policy)",
         },
     ),
     "cache_record_steps": (

@@ -112,7 +112,69 @@ def test_wider_than_the_slots_is_refused_before_anything_moves():
     before = step.cache.slot_expert.clone()
     with pytest.raises(PoolCapacityError) as exc:
         pins.apply({0: list(range(C + 1))})
-    assert "seeded cache slots" in str(exc.value.__cause__) and exc.value.needed == C + 1
+    assert str(exc.value).startswith("layer 0: a swap set of 7 experts is wider than the layer's 6 cache")
+    assert exc.value.needed == C + 1 and exc.value.layer == 0
     assert torch.equal(step.cache.slot_expert, before) and not rng.mapped and not pins.pinned
     with pytest.raises(ValueError):
         pins.apply({0: [E]})
+
+
+class _Store:  # swap.ExpertStore fake: records what the SlotTable path moved
+    bytes_per_expert = 10
+
+    def __init__(self):
+        self.calls = []
+
+    def quiesce(self):
+        self.calls.append("quiesce")
+
+    def map_host(self, layer, expert):
+        self.calls.append(("host", layer, expert))
+
+    def start_copy(self, layer, expert, slot):
+        self.calls.append(("copy", layer, expert, slot))
+        return None
+
+    def wait_copy(self, token):
+        pass
+
+    def map_slot(self, layer, expert, slot):
+        self.calls.append(("slot", layer, expert, slot))
+
+    def publish(self):
+        pass
+
+
+def test_cuda_backend_routes_seeded_layers_to_the_cache_and_the_rest_to_the_table():
+    """CudaResidency.apply with --reap-cache-seed seeded: cached layers pin in their slots (bytes
+    counted), an uncached layer goes through the SlotTable's K slots; resident() answers the core
+    before any swap; a swap to the same sets is a no-op; a too-wide set is refused before the
+    table moves; dry runs validate both."""
+    from types import SimpleNamespace
+
+    from reap_swap.residency.cuda_backend import CudaResidency
+    from reap_swap.residency.slot_table import SlotTable
+
+    masters, step, rng, pins = _setup([1, 3])
+    pins.core = {0: frozenset({1, 3})}
+    layers = {0: SimpleNamespace(num_experts=E), 1: SimpleNamespace(num_experts=E)}
+    plan = SimpleNamespace(layers=layers, per_expert_bytes=10)
+    st = SimpleNamespace(
+        plan=plan, table=SlotTable(2), layers={0: None, 1: None}, swaps=0, bytes_copied_total=0
+    )
+    store = _Store()
+    backend = CudaResidency.over(st, store)
+    backend.seeded = pins
+    assert backend.resident() == {0: frozenset({1, 3}), 1: frozenset()}
+    assert backend.apply({0: [1, 3], 1: []})["bytes_copied"] == 0  # nothing changes: no-op
+    with pytest.raises(PoolCapacityError):
+        backend.apply({0: list(range(C + 1)), 1: [4]})
+    assert not store.calls and not pins.pinned  # refused before the table moved
+    dry = backend.apply({0: [2, 3], 1: [4]}, dry_run=True)
+    assert dry["admitted"] == 1 and not pins.pinned
+    out = backend.apply({0: [2, 3], 1: [4]})
+    assert out["bytes_copied"] == 10 + 2 * B * 4 and out["admitted"] == 3  # 4 via the table; 2, 3 pinned
+    assert ("copy", 1, 4, 0) in store.calls
+    assert backend.resident() == {0: frozenset({2, 3}), 1: frozenset({4})}
+    assert _device_state(step, pins, rng, masters) >= {2, 3}
+    assert backend.capacity_bytes() == (2 + C) * 10  # K + the seeded layer's C slots

@@ -59,3 +59,24 @@ def test_view_status_totals_and_on_swap():
     on_swap(cfg.caches, {0: [5]})
     assert view.status()["layers"]["0"]["resident"] == [1, 5, 7]  # 5 pinned now, not in a slot
     assert 5 not in cfg.caches.layers[0].cache.slot_expert.tolist()
+
+
+def test_seeded_config_splits_like_accounting_mode():
+    """--reap-cache-seed seeded: per-layer C_l = accounting's replay.layer_slots(core + tail,
+    "core+tail"); auto lends the whole pool (K = 0); N is the tail beyond the core; too big refused."""
+    from reap_swap.cache_policy.replay import layer_slots
+
+    core = {0: [0, 1], 1: [2]}
+    auto = cache_config_for(_s(cache_seed="seeded"), PLAN)[0]
+    assert auto.seed_core and auto.split(11, 2, core) == 0 and auto.refusal is None
+    fz = {l: frozenset(c) for l, c in core.items()}
+    assert auto.layer_slots == layer_slots(11, [0, 1], fz, "core+tail", 99)[0] == {0: 6, 1: 5}
+    assert auto.slots_of(0) == 6 and auto.slots_of(1) == 5
+    n = cache_config_for(_s(cache_seed="seeded", cache_slots=4), PLAN)[0]
+    assert n.split(11, 2, core) == 4 and n.layer_slots == {0: 4, 1: 3}  # core 3 + tail 4 of 11
+    big = cache_config_for(_s(cache_seed="seeded", cache_slots=20), PLAN)[0]
+    assert big.split(11, 2, core) == 11 and "23 slots > the pool's 11" in big.refusal
+    pinned = cache_config_for(_s(cache_seed="pinned"), PLAN)[0]
+    assert not pinned.seed_core and pinned.layer_slots is None  # the default: today's core+dlfu
+    view = DeviceCacheView(auto)
+    assert view.status()["policy"] == "dlfu-seeded" and "whole pool" in view.status()["tail_source"]

@@ -71,7 +71,9 @@ def plan_pin(cache: DeviceCache, before: Mapping[int, int], experts: Iterable[in
     return SeededPin(tail, pinned, active, tuple(sorted(copies, key=lambda c: c[1])))
 
 
-def apply_pin(step: LayerStep, rng: Any, handle: Callable[[int], Any], before: Mapping[int, int], pin: SeededPin):
+def apply_pin(
+    step: LayerStep, rng: Any, handle: Callable[[int], Any], before: Mapping[int, int], pin: SeededPin
+):
     """Carry out ``pin`` on one layer: map the previous set back to host, copy from the host
     masters, set the cache state, map the new set onto its slots. Returns the bytes copied."""
     cache, units, num_e = step.cache, step.units, step.cache.num_experts
@@ -95,17 +97,44 @@ def apply_pin(step: LayerStep, rng: Any, handle: Callable[[int], Any], before: M
     return len(pin.copies) * int(units[0].numel() * units.element_size())
 
 
-class SeededPins:
-    """Every seeded cached layer's pinned set (expert -> slot) and the swap over them."""
+class SeededCapacityError(PoolCapacityError):
+    """A swap set wider than a seeded layer's cache slots (the swap's 422, naming the layer)."""
 
-    def __init__(self, caches: Any, layer_range: Callable[[int], Any], handle: Callable[[int, int], Any]):
+    def __init__(self, layer: int, needed: int, capacity: int) -> None:
+        super().__init__(needed, capacity)
+        self.layer = layer
+        self.args = (
+            f"layer {layer}: a swap set of {needed} experts is wider than the layer's {capacity} "
+            "cache slots (--reap-cache-seed seeded pins a swap inside them; overflow "
+            f"{needed - capacity} experts)",
+        )
+
+
+class SeededPins:
+    """Every seeded cached layer's pinned set (expert -> slot) and the swap over them. ``core``:
+    what ``resident()`` answers for a layer no swap has pinned yet (the set the cache was seeded
+    with; accounting mode's backend answers the same), so WorkerCore's "a swap that changes the
+    set pins it" rule sees the same sets in both modes."""
+
+    def __init__(
+        self,
+        caches: Any,
+        layer_range: Callable[[int], Any],
+        handle: Callable[[int, int], Any],
+        core: Mapping[int, Iterable[int]] | None = None,
+    ):
         self.caches = caches  # device_cache_api.DeviceCaches
         self.layer_range = layer_range  # layer -> its CacheRange
         self.handle = handle  # (layer, cache slot) -> the lent pool slot's physical handle
+        self.core = {int(l): frozenset(int(e) for e in c) for l, c in (core or {}).items()}
         self.pinned: dict[int, dict[int, int]] = {}
 
     def layers(self) -> set[int]:
         return set(self.caches.layers)
+
+    def caches_slots(self) -> dict[int, int]:
+        """Cache slots per seeded layer (C_l: what a swap may pin there)."""
+        return {l: s.cache.num_slots for l, s in self.caches.layers.items()}
 
     def plan(self, target: Mapping[int, Iterable[int]]) -> dict[int, SeededPin]:
         """Every layer's layout, validated before anything moves (raises PoolCapacityError)."""
@@ -115,23 +144,45 @@ class SeededPins:
             try:
                 out[layer] = plan_pin(cache, self.pinned.get(layer, {}), experts)
             except PoolCapacityError as exc:
-                raise PoolCapacityError(exc.needed, exc.capacity) from ValueError(
-                    f"layer {layer}: a swap set of {exc.needed} experts is wider than the layer's "
-                    f"{exc.capacity} seeded cache slots (--reap-cache-seed seeded pins inside them)"
-                )
+                raise SeededCapacityError(layer, exc.needed, exc.capacity) from None
         return out
 
     def apply(self, target: Mapping[int, Iterable[int]]) -> tuple[int, int]:
-        """(bytes copied, experts newly pinned) after pinning ``target`` on its layers."""
+        """(bytes copied, experts newly pinned) after pinning ``target`` on its layers: every
+        layer is validated first (nothing moves on a refusal); a target equal to ``resident()``
+        is a no-op (WorkerCore pins only a swap that changes the set)."""
         pins = self.plan(target)
+        now = self.resident()
+        if all(frozenset(int(e) for e in v) == now.get(l) for l, v in target.items()):
+            return 0, 0
+        step0 = next(iter(self.caches.layers.values()), None)
+        if step0 is not None and step0.units.is_cuda:  # quiesce: no kernel reads a range remapped
+            torch.cuda.synchronize(step0.units.device)
         copied = admitted = 0
         for layer, pin in pins.items():
             before = self.pinned.get(layer, {})
             step = self.caches.layers[layer]
-            copied += apply_pin(step, self.layer_range(layer), lambda s, l=layer: self.handle(l, s), before, pin)
+            copied += apply_pin(
+                step, self.layer_range(layer), lambda s, l=layer: self.handle(l, s), before, pin
+            )
             admitted += len(set(pin.pinned) - set(before))
             self.pinned[layer] = dict(pin.pinned)
         return copied, admitted
 
     def resident(self) -> dict[int, frozenset[int]]:
-        return {l: frozenset(p) for l, p in self.pinned.items()}
+        """The backend's set per cached layer: the last swap's, else the seed (the plan core)."""
+        out = {l: self.core.get(l, frozenset()) for l in self.caches.layers}
+        out.update({l: frozenset(p) for l, p in self.pinned.items()})
+        return out
+
+
+def seeded_pins(engine: Any) -> SeededPins | None:
+    """The CUDA backend's SeededPins when the engine serves --reap-cache-seed seeded, else None."""
+    cfg = getattr(engine, "cache", None)
+    if cfg is None or not cfg.seed_core or cfg.layer_slots is None:
+        return None
+    st = engine.state
+    core = {l: p.core for l, p in st.plan.layers.items()} if st.plan is not None else {}
+    return SeededPins(
+        cfg.caches, lambda l: st.layers[l].rng, lambda l, s: st.pool.slot_handle(cfg.lent[l] + s), core
+    )
