@@ -82,6 +82,8 @@ def apply_pin(
     rng.flush_access()
     for e, s in pin.copies:  # own unit e is host-backed now: its master's bytes
         units[num_e + s].copy_(units[e])
+    if units.is_cuda:  # the copies read units about to be remapped: they must have landed
+        torch.cuda.synchronize(units.device)
     se = torch.full_like(cache.slot_expert, -1)
     for s, e in pin.tail.items():
         se[s] = e
