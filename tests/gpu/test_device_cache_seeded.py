@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.gpu.test_device_cache import E, H, INTER, _Method, _routing, _torch_moe  # noqa: E402
+from tests.gpu.test_device_cache import INTER, E, H, _Method, _routing, _torch_moe  # noqa: E402
 
 
 def _engine(monkeypatch):
