@@ -40,11 +40,11 @@ class Caches:  # the DeviceCaches surface SeededPins uses
         self.layers = {0: step}
 
 
-def _setup(core):
+def _setup(core, fused=False):
     masters = torch.arange(E * B, dtype=torch.float32).reshape(E, B)
     units = torch.zeros(E + C, B)
     units[:E] = masters
-    step = LayerStep(DeviceCache(E, C, "cpu", 0.8), units)
+    step = LayerStep(DeviceCache(E, C, "cpu", 0.8), units, fused=fused)
     step.seed(core)
     rng = FakeRange()
     pins = SeededPins(Caches(step), lambda l: rng, lambda l, s: ("slot", l, s))
@@ -69,8 +69,14 @@ def _device_state(step, pins, rng, masters):
 
 
 def test_seeded_swaps_agree_with_accounting_step_by_step():
+    agreement(fused=False)
+
+
+def agreement(fused: bool) -> None:
+    """The seeded device cache (torch step, or the fast Triton step with ``fused``) with swaps
+    pinned in its slots vs accounting's LayerCache(dlfu-seeded) + pin: sets and counters per step."""
     core = [1, 3, 5, 7]
-    masters, step, rng, pins = _setup(core)
+    masters, step, rng, pins = _setup(core, fused)
     acc = LayerCache(DLFU("dlfu-seeded", seed=frozenset(core)), 0, E, C)
     g = np.random.default_rng(3)
     swaps = {5: [2, 3], 11: [0, 2, 9, 11], 17: [], 23: [4, 5, 6, 7, 8, 9], 30: [10]}
