@@ -80,3 +80,19 @@ def test_seeded_config_splits_like_accounting_mode():
     assert not pinned.seed_core and pinned.layer_slots is None  # the default: today's core+dlfu
     view = DeviceCacheView(auto)
     assert view.status()["policy"] == "dlfu-seeded" and "whole pool" in view.status()["tail_source"]
+
+
+def test_seeded_refused_layers_before_any_lending_give_their_slots_back(monkeypatch):
+    """A layer the cache refuses under seeded (e.g. an unsupported kernel) needs its core pinned by
+    the swap table: while nothing is lent yet its share [K, K + C_l) is returned to the table."""
+    from reap_swap.residency import device_cache_engine as dce
+    from reap_swap.residency.slot_table import SlotTable
+
+    cfg = cache_config_for(_s(cache_seed="seeded"), PLAN)[0]
+    k = cfg.split(11, 2, {0: [0, 1], 1: [2]})
+    st = SimpleNamespace(table=SlotTable(k), plan=PLAN, pool=SimpleNamespace(num_slots=11))
+    monkeypatch.setattr(dce.moe_cache, "cache_refusal", lambda layer: "unsupported (test)")
+    assert dce.rehome_layer(cfg, st, None, 0, None, None, 64) is None
+    assert st.table.num_slots == 6 and cfg.caches.refused == {0: "unsupported (test)"}
+    assert dce.rehome_layer(cfg, st, None, 1, None, None, 64) is None
+    assert st.table.num_slots == 11 and not cfg.lent  # every layer refused: the plain engine's pool

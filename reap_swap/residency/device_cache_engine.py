@@ -89,9 +89,11 @@ def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, uni
     reason = cfg.refusal or ("no plan: the pool is not split" if st.plan is None else None)
     if reason is None and first + n > st.pool.num_slots:
         reason = f"pool slots {first}..{first + n - 1} do not exist (pool of {st.pool.num_slots})"
-    reason = reason or moe_cache.cache_refusal(layer)
-    if reason is not None:
-        cfg.caches.refuse(index, reason)
+    layer_reason = None if reason else moe_cache.cache_refusal(layer)
+    if reason or layer_reason:
+        cfg.caches.refuse(index, reason or layer_reason)
+        if layer_reason and cfg.layer_slots is not None and not cfg.lent_slots:
+            st.table.grow(n)  # seeded, nothing lent yet: [K, K + n) back to the swap table (its core)
         return None
     handles = [st.pool.slot_handle(s) for s in range(first, first + n)]
     rng, range_bytes, (v13, v2), ext = rehome_with_slots(w13, w2, unit_bytes, n, st.device, handles)
