@@ -125,7 +125,9 @@ class CudaResidency(ResidencyBase):
         through the layer's own quant method (the serving path), eagerly.
         """
         report: dict[str, Any] = {"layers": {}}
-        resident = self.st.table.resident()
+        resident = dict(self.st.table.resident())
+        if self.seeded is not None:  # seeded: a swap's set is HBM-backed in the cache's slots
+            resident.update({l: frozenset(p) for l, p in self.seeded.pinned.items()})
         for index, entry in self.st.layers.items():
             report["layers"][str(index)] = {
                 "params_in_range": points_into_range(entry),

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from tests.gpu.test_device_cache import INTER, E, H, _Method, _routing, _torch_moe  # noqa: E402
 
 
-def _engine(monkeypatch):
+def _engine(monkeypatch, fused):
     from types import SimpleNamespace
 
     from reap_swap.residency.device_cache_api import DeviceCaches
@@ -31,7 +31,7 @@ def _engine(monkeypatch):
         swappable_budget_bytes=10 * unit,
         per_expert_bytes=unit,
     )
-    cfg = CacheConfig(DeviceCaches(), 0, seed_core=True, auto=True, layer_slots={})
+    cfg = CacheConfig(DeviceCaches(fused=fused), 0, seed_core=True, auto=True, layer_slots={})
     engine = CudaEngine(plan, LayerRefusals(), cache=cfg)
     m = torch.nn.Module()
     m.layer_name, m.expert_map, m.global_num_experts = "model.layers.0.mlp.experts", None, E
@@ -56,11 +56,12 @@ def _serve(m, masters, gen, steps, forced=None):
         assert torch.equal(out, _torch_moe(x, *masters, tw, ti)), t
 
 
-def test_seeded_swaps_pin_inside_the_slots_and_serve_bitwise(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-step", "fast-triton-step"])
+def test_seeded_swaps_pin_inside_the_slots_and_serve_bitwise(monkeypatch, fused):
     from reap_swap.residency.cuda_backend import CudaResidency
     from reap_swap.residency.slot_table import PoolCapacityError
 
-    engine, cfg, m, masters = _engine(monkeypatch)
+    engine, cfg, m, masters = _engine(monkeypatch, fused)
     try:
         st = engine.state
         assert st.table.num_slots == 0 and cfg.lent == {0: 0} and cfg.lent_slots == {0: 10}
