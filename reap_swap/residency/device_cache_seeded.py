@@ -17,9 +17,11 @@ only the pool's remainder. A per-request swap's set P of a cached layer is there
 - Bytes: every placed expert whose slot changed is copied from its host master (all own units are
   host-backed while this runs: the previous swap's set is mapped back to host first). Nothing is
   copied slot to slot, so the order of the copies does not matter.
-- A set wider than C is refused by name before anything moves (PoolCapacityError: the swap's
-  422). Accounting mode instead grows that layer's capacity to |P| (LayerCache.pin); the device
-  cannot, that is the one place the two differ besides the policy's arithmetic (research.md).
+- A set wider than C is refused by name before anything moves (SeededCapacityError, a
+  PoolCapacityError; the worker's apply error, so the HTTP answer is 500 worker_failed naming the
+  layer, with the previous set re-applied -- a no-op: only the workers know C). Accounting mode
+  instead grows that layer's capacity to |P| (LayerCache.pin); research.md "seedserve" lists
+  every difference.
 
 Between steps only (the worker RPC; cuda_backend.apply quiesces first). Pure torch on the units
 view: runs on CPU tensors with a fake range (tests/test_device_cache_seeded.py) and on CUDA.
@@ -100,7 +102,7 @@ def apply_pin(
 
 
 class SeededCapacityError(PoolCapacityError):
-    """A swap set wider than a seeded layer's cache slots (the swap's 422, naming the layer)."""
+    """A swap set wider than a seeded layer's cache slots (the message names the layer)."""
 
     def __init__(self, layer: int, needed: int, capacity: int) -> None:
         super().__init__(needed, capacity)
