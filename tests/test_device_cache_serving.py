@@ -96,3 +96,23 @@ def test_seeded_refused_layers_before_any_lending_give_their_slots_back(monkeypa
     assert st.table.num_slots == 6 and cfg.caches.refused == {0: "unsupported (test)"}
     assert dce.rehome_layer(cfg, st, None, 1, None, None, 64) is None
     assert st.table.num_slots == 11 and not cfg.lent  # every layer refused: the plain engine's pool
+
+
+def test_seeded_share_is_capped_at_the_layers_experts(monkeypatch):
+    """A share beyond the layer's E (accounting's layer_slots caps it too) lends only E slots."""
+    from reap_swap.residency import device_cache_engine as dce
+    from reap_swap.residency.slot_table import SlotTable
+
+    cfg = cache_config_for(_s(cache_seed="seeded"), PLAN)[0]
+    assert cfg.split(11, 2, {0: [0, 1], 1: [2]}) == 0 and cfg.layer_slots[0] == 6
+    st = SimpleNamespace(table=SlotTable(0), plan=PLAN, pool=SimpleNamespace(num_slots=11))
+    monkeypatch.setattr(dce.moe_cache, "cache_refusal", lambda layer: None)
+    seen = {}
+    monkeypatch.setattr(
+        dce,
+        "rehome_with_slots",
+        lambda w13, w2, unit, n, dev, handles: seen.update(n=n) or ("r", "b", ("a", "c"), "x"),
+    )
+    st.pool.slot_handle, st.device = (lambda s: s), 0
+    dce.rehome_layer(cfg, st, None, 0, torch.zeros(4, 2, 2), None, 64)
+    assert seen["n"] == 4 and cfg.lent_slots == {0: 4} and cfg.lent == {0: 0}

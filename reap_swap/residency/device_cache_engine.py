@@ -85,6 +85,8 @@ def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, uni
     """(rng, range_bytes, w13 view, w2 view, ext views or None): with slot units when the cache can
     engage on this layer, else None for the caller to use engine.rehome (and a refusal recorded)."""
     n = cfg.slots_of(index)
+    if cfg.layer_slots is not None and w13 is not None:  # as accounting's layer_slots: at most E
+        n = min(n, int(w13.shape[0]))
     first = st.table.num_slots + sum(cfg.lent_slots.values())
     reason = cfg.refusal or ("no plan: the pool is not split" if st.plan is None else None)
     if reason is None and first + n > st.pool.num_slots:
