@@ -184,3 +184,28 @@ def test_cuda_backend_routes_seeded_layers_to_the_cache_and_the_rest_to_the_tabl
     assert backend.resident() == {0: frozenset({2, 3}), 1: frozenset({4})}
     assert _device_state(step, pins, rng, masters) >= {2, 3}
     assert backend.capacity_bytes() == (2 + C) * 10  # K + the seeded layer's C slots
+
+
+def test_a_change_on_an_uncached_layer_pins_the_cached_ones_too():
+    """As accounting's WorkerCore rule: a swap that changes the set anywhere pins every layer, so
+    the cached layer's unchanged set is pinned (it stops being evictable) when layer 1 changes."""
+    from types import SimpleNamespace
+
+    from reap_swap.residency.cuda_backend import CudaResidency
+    from reap_swap.residency.slot_table import SlotTable
+
+    masters, step, rng, pins = _setup([1, 3])
+    pins.core = {0: frozenset({1, 3})}
+    layers = {0: SimpleNamespace(num_experts=E), 1: SimpleNamespace(num_experts=E)}
+    st = SimpleNamespace(
+        plan=SimpleNamespace(layers=layers, per_expert_bytes=10),
+        table=SlotTable(2),
+        layers={0: None, 1: None},
+        swaps=0,
+        bytes_copied_total=0,
+    )
+    backend = CudaResidency.over(st, _Store())
+    backend.seeded = pins
+    backend.apply({0: [1, 3], 1: [4]})
+    assert pins.pinned == {0: {1: C - 2, 3: C - 1}} and int(step.cache.active) == C - 2
+    _device_state(step, pins, rng, masters)

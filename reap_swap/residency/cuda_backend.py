@@ -73,6 +73,8 @@ class CudaResidency(ResidencyBase):
         (rolled back locally)."""
         target = {int(l): sorted(int(e) for e in v) for l, v in resident.items() if int(l) in self.st.layers}
         ignored = sorted(int(l) for l in resident if int(l) not in self.st.layers)
+        now = self.resident() if self.seeded else {}  # WorkerCore's rule: a changed set pins every layer
+        changed = any(frozenset(v) != now.get(l, frozenset()) for l, v in target.items())
         seeded = {l: target.pop(l) for l in list(target) if self.seeded and l in self.seeded.layers()}
         if seeded:  # validated before anything moves (raises SeededCapacityError, a PoolCapacityError)
             self.seeded.plan(seeded)
@@ -90,7 +92,7 @@ class CudaResidency(ResidencyBase):
             }
         t0 = time.perf_counter()
         result = apply_swap(self.st.table, self.store, target)
-        copied, pinned = self.seeded.apply(seeded) if seeded else (0, 0)
+        copied, pinned = self.seeded.apply(seeded, force=changed) if seeded else (0, 0)
         if self.device_caches is not None and self.seeded is None:  # the tail yields to the swap
             from .device_cache_serving import on_swap
 

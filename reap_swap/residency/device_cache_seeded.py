@@ -151,13 +151,14 @@ class SeededPins:
                 raise SeededCapacityError(layer, exc.needed, exc.capacity) from None
         return out
 
-    def apply(self, target: Mapping[int, Iterable[int]]) -> tuple[int, int]:
+    def apply(self, target: Mapping[int, Iterable[int]], force: bool = False) -> tuple[int, int]:
         """(bytes copied, experts newly pinned) after pinning ``target`` on its layers: every
         layer is validated first (nothing moves on a refusal); a target equal to ``resident()``
-        is a no-op (WorkerCore pins only a swap that changes the set)."""
+        is a no-op unless ``force`` (WorkerCore pins every layer when the swap changes the set
+        anywhere, also on layers outside the cache: the caller says so)."""
         pins = self.plan(target)
         now = self.resident()
-        if all(frozenset(int(e) for e in v) == now.get(l) for l, v in target.items()):
+        if not force and all(frozenset(int(e) for e in v) == now.get(l) for l, v in target.items()):
             return 0, 0
         step0 = next(iter(self.caches.layers.values()), None)
         if step0 is not None and step0.units.is_cuda:  # quiesce: no kernel reads a range remapped
