@@ -18,7 +18,8 @@ the pool for its slots beyond the pinned set (``pool_tail_slots``, another devel
 layer the capacity is ``replay.layer_slots(core + tail, ..., "core+tail")``: the simulator's
 allocation, so ``reap-swap simulate --budget <(core + tail) x per_expert_bytes>B`` replays the
 same cache. Policy names: ``--reap-cache lfu`` is the simulator's ``lfu-seeded`` (decay 0.8),
-``lru`` is ``lru-seeded``.
+``lru`` is ``lru-seeded``; with ``--reap-cache-seed seeded`` lfu is ``dlfu-seeded`` (the same LFU
+in the integer arithmetic the CUDA device cache runs).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from reap_swap.logs import get_logger
 log = get_logger("reap_swap.cache")
 
 CACHE_POLICIES = {"lfu": "lfu-seeded", "lru": "lru-seeded"}  # --reap-cache -> simulator policy
+# --reap-cache-seed seeded: the integer LFU the CUDA device runs (residency/device_cache_seeded.py),
+# so this accounting equals the device's decisions by construction (research.md "seedserve")
+SEEDED_POLICIES = {"lfu": "dlfu-seeded", "lru": "lru-seeded"}
 LFU_DECAY = 0.8  # research.md "Device-cache policies in simulation": tuned on the calibration trace
 COUNTERS = ("hits", "misses", "promotions", "evictions", "read_through_steps")
 
@@ -81,9 +85,11 @@ class CacheAccounting:
         top_k: int,
         record_steps: int = 0,
         pool_tail_slots=None,
+        seed: str = "pinned",
     ) -> CacheAccounting:
-        """``layers``: counted plan layer -> its number of experts; ``uncounted``: layer -> why not."""
-        name = CACHE_POLICIES[setting]
+        """``layers``: counted plan layer -> its number of experts; ``uncounted``: layer -> why not;
+        ``seed``: --reap-cache-seed (seeded: lfu runs as the device's integer ``dlfu-seeded``)."""
+        name = (SEEDED_POLICIES if seed == "seeded" else CACHE_POLICIES)[setting]
         tail, source = tail_slots(plan, slots_setting, pool_tail_slots)
         core = {l: plan.layers[l].core for l in plan.layers}
         total = sum(len(c) for c in core.values()) + tail

@@ -95,6 +95,7 @@ def build_cache(runtime: WorkerRuntime, layers: dict, uncounted: dict, backend) 
         top_k,
         record_steps=settings.cache_record_steps,
         pool_tail_slots=pool,
+        seed=getattr(settings, "cache_seed", "pinned"),
     )
 
 

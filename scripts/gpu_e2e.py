@@ -17,6 +17,11 @@ Arms (each: start a server, measure, stop; results merged into OUT/gpu_e2e.json)
                   (--reap-cache lfu --reap-cache-device on): greedy text, decode, cache counters
                   (/reap/status) and router misses of a plain client (no swap calls), issue 17
   reap-plan25     the same plan and pool with --reap-cache off: the plain client's static core
+  reap-cache-seeded  the same plan and pool with --reap-cache-seed seeded (dlfu-seeded: every layer's
+                  core + tail share is cache slots seeded with the core, evictable): the plain client,
+                  then swaps pinned inside the slots (core + q/2, core + q per layer: the whole share),
+                  one layer one past its share (refused by name), back to the core; greedy text and
+                  cache status at each
   reap-tp         (with --tp 2) reap-swap, core 25 %, pool 50 %: per-rank status, counters vs
                   routed experts, swap to 50 %, a failure injected on rank 1 mid-swap (both ranks
                   must stay on the previous set), swaps back, greedy text throughout
@@ -497,6 +502,35 @@ def arm_plain_client(name, reap, out, shape, res, cache_flags, d1=(256, 3), d8=(
         log(name, "cache", json.dumps(st.get("cache"))[:1500])
 
 
+def arm_cache_seeded(reap, out, shape, res, flags):
+    """reap-cache-seeded: the plain client on the seeded device cache, then per-request swaps that
+    pin inside the cache slots (device_cache_seeded.py), a too-wide one, and back to the core."""
+    name = "reap-cache-seeded"
+    r = res.setdefault(name, {})
+    plan_path = out / f"plan-{name}.json"
+    make_plan(Path(reap[3]), 0.25, 8, plan_path, budget_fraction=0.5)
+    argv = reap + ["--reap-plan", str(plan_path), *flags]
+    with Server(name, argv, out, env=DEV, port=serving.free_port()) as srv:
+        r["startup_s"], r["argv"] = srv.startup_s, srv.command
+        r["status_start"] = status(srv)
+        open_request(srv, "plain")
+        r["plain"] = measure(srv, "plain", d1=(256, 3), d8=(128, 2))
+        r["plain"]["moe_probe"] = moe_probe(srv, f"{name} plain")
+        r["status_plain"] = status(srv).get("cache")
+        q = shape["experts"] // 4  # the core is 0..q-1; the pool's per-layer share is 2q
+        for rid, extra in (("s-half-tail", q // 2), ("s-full", q)):
+            r[rid] = {"swap": swap(srv, rid, first_experts(shape, extra, start=q))}
+            r[rid]["cache"] = status(srv).get("cache")
+            r[rid]["measure"] = measure(srv, rid, d1=(128, 1), d8=None)
+        first = f"layer_{shape['moe_layers'][0]}"
+        wide = first_experts(shape, 0) | {first: list(range(q, 2 * q + 1))}  # 2q + 1 on one layer
+        r["s-wide"] = swap(srv, "s-wide", wide)  # expected: refused, naming the layer
+        r["s-core"] = {"swap": swap(srv, "s-core", {}), "cache": status(srv).get("cache")}
+        r["s-core"]["measure"] = measure(srv, "s-core", d1=None, d8=None)
+        r["status_end"] = status(srv)
+        log(name, "cache", json.dumps(r["status_end"].get("cache"))[:1500])
+
+
 def arm_tp(reap, out, shape, res, save):
     r = res.setdefault("reap-tp", {})
     with routed_server("reap-tp", reap, out, 0.5) as srv:
@@ -604,6 +638,9 @@ def main():
                 flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
                 flags += ["--reap-cache-shadow", args.cache_shadow] if args.cache_shadow != "off" else []
                 arm_plain_client(arm, reap, out, shape, results, flags)
+            elif arm == "reap-cache-seeded":
+                flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
+                arm_cache_seeded(reap, out, shape, results, flags + ["--reap-cache-seed", "seeded"])
             elif arm == "reap-plan25":
                 arm_plain_client(arm, reap, out, shape, results, ["--reap-cache", "off"])
             elif arm == "reap-tp":

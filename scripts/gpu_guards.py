@@ -127,6 +127,17 @@ def main() -> int:
     samples: list[dict] = []
     facts: dict = {}
     doc = {"args": vars(args), "commands": cmds, "samples": samples, "facts": facts, "serve_wall_s": []}
+    try:
+        serves(args, cmds, out, samples, facts, doc)
+    except SystemExit:  # serving.stop_servers_on_sigterm: the serve's servers stopped on the way out
+        doc["cut"] = "SIGTERM during a serve (gpu_run.sh's GUARD_CAP); its samples so far are kept"
+        raise
+    finally:  # also when `timeout` (gpu_run.sh's GUARD_CAP) cuts a serve: what was sampled is summarised
+        finish(doc, samples, facts, out)
+    return 0 if samples and "errors" not in doc else 1
+
+
+def serves(args, cmds: dict, out: Path, samples: list, facts: dict, doc: dict) -> None:
     t_start = time.monotonic()
     for s in range(args.serves):
         elapsed = time.monotonic() - t_start
@@ -145,6 +156,9 @@ def main() -> int:
             doc.setdefault("errors", []).append(repr(exc)[:4000])
         doc["serve_wall_s"].append(time.monotonic() - t)
         (out / "guards.json").write_text(json.dumps(doc, indent=1))
+
+
+def finish(doc: dict, samples: list, facts: dict, out: Path) -> None:
     doc["summary"] = summary = decode_summary(samples)
     doc["what"] = (
         "single-stream decode tok/s of one greedy completion per (serve, round, arm); 'pooled' = median "
@@ -154,7 +168,6 @@ def main() -> int:
     (out / "guards.md").write_text(decode_markdown(summary) + "\n")
     log.info("\n%s", decode_markdown(summary))
     log.info("reap-cache status: %s", json.dumps(facts.get("reap-cache"))[:1500])
-    return 0 if samples and "errors" not in doc else 1
 
 
 if __name__ == "__main__":

@@ -364,14 +364,33 @@ def main(argv=None) -> int:
         return 0
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     t0 = time.time()
-    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        results = dict(zip(names, pool.map(lambda n: spawn(a, n), names)))
-    doc = {"wall_s": time.time() - t0, "cases": results}
-    doc["rows"] = [case_row(r) for r in results.values()]
+    results: dict[str, dict] = {}
+    pool = ThreadPoolExecutor(max_workers=a.jobs)
+    try:
+        for name, res in zip(names, pool.map(lambda n: spawn(a, n), names)):
+            results[name] = res
+    finally:  # also when gpu_run.sh's cap SIGTERMs this driver (its case processes get it too):
+        pool.shutdown(wait=True, cancel_futures=True)  # no queued case starts after the cap (map's too)
+        write_summary(a, names, results, time.time() - t0)  # what the cases wrote
+    return 0
+
+
+def write_summary(a: argparse.Namespace, names: list[str], results: dict, wall_s: float) -> None:
+    """quant_e2e.json / .md; a case that never returned (the driver was cut) from its own
+    cases/<case>.json, as far as its arms got, marked timed out."""
+    for name in names:
+        if name not in results:
+            path = a.out / "cases" / f"{name}.json"
+            try:
+                res = json.loads(path.read_text()) if path.exists() else {"case": name}
+            except ValueError:  # cut mid-write
+                res = {"case": name}
+            results[name] = {**res, "timed_out": True, "cut": "the driver stopped before this case returned"}
+    doc = {"wall_s": wall_s, "cases": {n: results[n] for n in names}}
+    doc["rows"] = [case_row(r) for r in doc["cases"].values()]
     (a.out / "quant_e2e.json").write_text(json.dumps(doc, indent=1))
     (a.out / "quant_e2e.md").write_text(markdown(doc))
     print(markdown(doc))
-    return 0
 
 
 if __name__ == "__main__":

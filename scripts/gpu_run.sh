@@ -10,7 +10,9 @@
 #   budget    --reap-budget auto at two --gpu-memory-utilization values (gpu_budget_auto.py: alone)
 #   cache     the device cache in the server for a plain client (gpu_e2e.py reap-cache vs reap-plan25;
 #             CACHE_ARMS, CACHE_CAP, CACHE_EXTRA e.g. "--cache-shadow out")
-#   quant     quantized formats end to end (gpu_quant_e2e.py, QUANT_CASES)
+#   quant     quantized formats end to end (gpu_quant_e2e.py, QUANT_CASES; QUANT_EXTRA: more of its
+#             flags, e.g. "--decode-tokens 64 --serial-arms --case-timeout 600" with QUANT_JOBS=1 and a
+#             QUANT_CAP of at least cases x case-timeout + ~60 s: serial cases add up)
 #   qwen      full-size Qwen3.5-35B-A3B, field plan, reap-swap and stock side by side (QWEN_CAP s each)
 #   families  the whole families lane (gpu_families.sh, FAM_DEADLINE)
 #   v2lite    full-size DeepSeek-V2-Lite, reap-swap and stock side by side, eager
@@ -80,7 +82,7 @@ json.dump({'stock-gpu': d['stock-gpu']}, open('$R/cache/gpu_e2e.json', 'w'))"
 }
 ph_quant() {
   timeout ${QUANT_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/quant --jobs ${QUANT_JOBS:-3} \
-    --cases ${QUANT_CASES:-fp8-block,fp8-tensor,ct-fp8,fp8-online} > $R/quant.log 2>&1
+    --cases ${QUANT_CASES:-fp8-block,fp8-tensor,ct-fp8,fp8-online} ${QUANT_EXTRA:-} > $R/quant.log 2>&1
 }
 ph_qwen() {
   QWEN_CAP=${QWEN_CAP:-560} FIELD_PLAN=.kit/strict30-v2-plan.json DEADLINE=${QWEN_CAP:-560} \
@@ -96,12 +98,12 @@ ph_fp8bench() { timeout ${FP8_CAP:-600} bash scripts/gpu_fp8_bench.sh run --out 
 ph_count() {  # qcount: exact router counts on full-size Qwen3.5 under CUDA graphs (no residency phases)
   timeout ${COUNT_CAP:-580} $PY scripts/gpu_families.py --name qwen35 --config tests/data/qwen3_5_moe_35b_a3b_config.json \
     --plan .kit/strict30-v2-plan.json --kv-gib 2 --gpu-util 0.1 --host-guard-gib 2.5 --arms count \
-    --startup-timeout 500 --out $R/count > $R/count.log 2>&1
+    --startup-timeout $(( ${COUNT_CAP:-580} - 80 )) --out $R/count > $R/count.log 2>&1
 }
 ph_mlacount() {  # mlapad: the MLA-only padding case (research.md, mlapad); count_cases in count.json
   timeout ${MLACOUNT_CAP:-560} $PY scripts/gpu_families.py --name deepseek_v2_lite_graphs \
     --config tests/data/deepseek_v2_lite_config.json --kv-gib 0.5 --gpu-util 0.1 --host-guard-gib 5 \
-    --arms count --startup-timeout 480 --out $R/mlacount > $R/mlacount.log 2>&1
+    --arms count --startup-timeout $(( ${MLACOUNT_CAP:-560} - 80 )) --out $R/mlacount > $R/mlacount.log 2>&1
 }
 ph_skewbench() {  # the driver SIGTERMs its benches 60 s before the outer cap and writes the summary
   timeout --kill-after=30 ${SKEW_CAP:-720} $PY scripts/gpu_skew_bench.py --out $R/skewbench \

@@ -234,14 +234,28 @@ def markdown(doc: Mapping) -> str:
     ]
     if doc.get("trace"):
         lines += ["", "Trace: " + json.dumps(doc["trace"])]
+    for path, why in (doc.get("unreadable") or {}).items():
+        lines += ["", f"Unreadable (left out): {path}: {why}"]
     return "\n".join(lines)
+
+
+def _read(path: Path, unreadable: dict) -> dict | None:
+    """One JSON file, or None with the reason in `unreadable` (a file cut by the phase's cap)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        unreadable[str(path)] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        return None
 
 
 def main(argv=None) -> int:
     d = Path((argv or sys.argv[1:])[0])
-    reports = [json.loads(p.read_text()) for p in sorted(d.glob("b-*/bench.json"))]
+    unreadable: dict[str, str] = {}
+    reports = [r for p in sorted(d.glob("b-*/bench.json")) if (r := _read(p, unreadable)) is not None]
     trace = d / "trace" / "trace.json"
-    doc = summarize(reports, json.loads(trace.read_text()) if trace.is_file() else None)
+    doc = summarize(reports, _read(trace, unreadable) if trace.is_file() else None)
+    if unreadable:
+        doc["unreadable"] = unreadable
     (d / "skew_bench.json").write_text(json.dumps(doc, indent=1))
     (d / "skew_bench.md").write_text(markdown(doc) + "\n")
     print(markdown(doc))

@@ -53,10 +53,12 @@ def test_offline_policies_refused(plan):
         LayerCache(_policy("belady", 0, plan, None, 0.8), 0, 16, 8)
 
 
-def test_accounting_equals_simulate_on_the_trace(plan, trace):
-    """The worker-side object (all layers, the simulator's core+tail allocation) == simulate()."""
+@pytest.mark.parametrize("seed, sim", [("pinned", "lfu-seeded"), ("seeded", "dlfu-seeded")])
+def test_accounting_equals_simulate_on_the_trace(plan, trace, seed, sim):
+    """The worker-side object (all layers, the simulator's core+tail allocation) == simulate();
+    with --reap-cache-seed seeded lfu runs as the device's dlfu-seeded."""
     t, counts, starts = trace
-    acc = CacheAccounting.build(plan, "lfu", 6, {l: 16 for l in t.layers}, {}, top_k=2)
+    acc = CacheAccounting.build(plan, "lfu", 6, {l: 16 for l in t.layers}, {}, top_k=2, seed=seed)
     start_set = set(int(s) for s in starts)
     for i in range(len(counts[t.layers[0]])):
         acc.step({l: counts[l][i] for l in t.layers}, i in start_set)
@@ -75,7 +77,7 @@ def test_accounting_equals_simulate_on_the_trace(plan, trace):
         top_k=t.top_k,
         per_expert_bytes=t.per_expert_bytes,
     )
-    row = simulate(sub, plan, [budget], ["lfu-seeded"])["rows"][0]
+    row = simulate(sub, plan, [budget], [sim])["rows"][0]
     assert {int(k): v for k, v in row["slots"].items()} == acc.slots
     tot = row["totals"]
     got = acc.totals()
@@ -87,7 +89,7 @@ def test_accounting_equals_simulate_on_the_trace(plan, trace):
     )
     assert got["misses"] > 0 and got["promotions"] > 0 and got["evictions"] > 0
     st = acc.status()
-    assert st["engaged"] and st["policy"] == CACHE_POLICIES["lfu"]
+    assert st["engaged"] and st["policy"] == (CACHE_POLICIES["lfu"] if seed == "pinned" else "dlfu-seeded")
     assert all(v["occupied"] <= v["slots"] for v in st["layers"].values())
 
 

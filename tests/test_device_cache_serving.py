@@ -59,3 +59,60 @@ def test_view_status_totals_and_on_swap():
     on_swap(cfg.caches, {0: [5]})
     assert view.status()["layers"]["0"]["resident"] == [1, 5, 7]  # 5 pinned now, not in a slot
     assert 5 not in cfg.caches.layers[0].cache.slot_expert.tolist()
+
+
+def test_seeded_config_splits_like_accounting_mode():
+    """--reap-cache-seed seeded: per-layer C_l = accounting's replay.layer_slots(core + tail,
+    "core+tail"); auto lends the whole pool (K = 0); N is the tail beyond the core; too big refused."""
+    from reap_swap.cache_policy.replay import layer_slots
+
+    core = {0: [0, 1], 1: [2]}
+    auto = cache_config_for(_s(cache_seed="seeded"), PLAN)[0]
+    assert auto.seed_core and auto.split(11, 2, core) == 0 and auto.refusal is None
+    fz = {l: frozenset(c) for l, c in core.items()}
+    assert auto.layer_slots == layer_slots(11, [0, 1], fz, "core+tail", 99)[0] == {0: 6, 1: 5}
+    assert auto.slots_of(0) == 6 and auto.slots_of(1) == 5
+    n = cache_config_for(_s(cache_seed="seeded", cache_slots=4), PLAN)[0]
+    assert n.split(11, 2, core) == 4 and n.layer_slots == {0: 4, 1: 3}  # core 3 + tail 4 of 11
+    big = cache_config_for(_s(cache_seed="seeded", cache_slots=20), PLAN)[0]
+    assert big.split(11, 2, core) == 11 and "23 slots > the pool's 11" in big.refusal
+    pinned = cache_config_for(_s(cache_seed="pinned"), PLAN)[0]
+    assert not pinned.seed_core and pinned.layer_slots is None  # the default: today's core+dlfu
+    view = DeviceCacheView(auto)
+    assert view.status()["policy"] == "dlfu-seeded" and "whole pool" in view.status()["tail_source"]
+
+
+def test_seeded_refused_layers_before_any_lending_give_their_slots_back(monkeypatch):
+    """A layer the cache refuses under seeded (e.g. an unsupported kernel) needs its core pinned by
+    the swap table: while nothing is lent yet its share [K, K + C_l) is returned to the table."""
+    from reap_swap.residency import device_cache_engine as dce
+    from reap_swap.residency.slot_table import SlotTable
+
+    cfg = cache_config_for(_s(cache_seed="seeded"), PLAN)[0]
+    k = cfg.split(11, 2, {0: [0, 1], 1: [2]})
+    st = SimpleNamespace(table=SlotTable(k), plan=PLAN, pool=SimpleNamespace(num_slots=11))
+    monkeypatch.setattr(dce.moe_cache, "cache_refusal", lambda layer: "unsupported (test)")
+    assert dce.rehome_layer(cfg, st, None, 0, None, None, 64) is None
+    assert st.table.num_slots == 6 and cfg.caches.refused == {0: "unsupported (test)"}
+    assert dce.rehome_layer(cfg, st, None, 1, None, None, 64) is None
+    assert st.table.num_slots == 11 and not cfg.lent  # every layer refused: the plain engine's pool
+
+
+def test_seeded_share_is_capped_at_the_layers_experts(monkeypatch):
+    """A share beyond the layer's E (accounting's layer_slots caps it too) lends only E slots."""
+    from reap_swap.residency import device_cache_engine as dce
+    from reap_swap.residency.slot_table import SlotTable
+
+    cfg = cache_config_for(_s(cache_seed="seeded"), PLAN)[0]
+    assert cfg.split(11, 2, {0: [0, 1], 1: [2]}) == 0 and cfg.layer_slots[0] == 6
+    st = SimpleNamespace(table=SlotTable(0), plan=PLAN, pool=SimpleNamespace(num_slots=11))
+    monkeypatch.setattr(dce.moe_cache, "cache_refusal", lambda layer: None)
+    seen = {}
+    monkeypatch.setattr(
+        dce,
+        "rehome_with_slots",
+        lambda w13, w2, unit, n, dev, handles: seen.update(n=n) or ("r", "b", ("a", "c"), "x"),
+    )
+    st.pool.slot_handle, st.device = (lambda s: s), 0
+    dce.rehome_layer(cfg, st, None, 0, torch.zeros(4, 2, 2), None, 64)
+    assert seen["n"] == 4 and cfg.lent_slots == {0: 4} and cfg.lent == {0: 0}

@@ -41,6 +41,7 @@ class ResidencyBase:
     def _init(self, st: Any, store: ExpertStore, refusals: LayerRefusals) -> None:
         self.st = st
         self.device_caches = None
+        self.seeded = None  # cuda_backend: device_cache_seeded.SeededPins with --reap-cache-seed seeded
         self.store = store  # the data path; fault.FaultInjectingBackend may wrap it for one apply
         self.refusals = refusals
 

@@ -16,6 +16,7 @@ import torch
 from reap_swap.compat import moe as vllm_moe
 
 from .backend_base import ResidencyBase, refuse_misplaced
+from .device_cache_seeded import seeded_pins
 from .engine import CudaEngine, EngineState, LayerEntry
 from .swap import apply_swap
 from .vmm_store import VmmStore
@@ -57,11 +58,13 @@ class CudaResidency(ResidencyBase):
         self._init(st, VmmStore(st), engine.refusals)
         cache = getattr(engine, "cache", None)  # device_cache_engine.CacheConfig (issue 17)
         self.device_caches = cache.caches if cache is not None else None
+        self.seeded = seeded_pins(engine)  # --reap-cache-seed seeded: swaps pin inside the cache slots
 
     def capacity_bytes(self) -> int:
         plan = self.st.plan
         per_expert = int(plan.per_expert_bytes) if plan is not None else self.st.pool.unit_bytes
-        return self.st.table.num_slots * per_expert
+        lent = sum(self.seeded.caches_slots().values()) if self.seeded is not None else 0
+        return (self.st.table.num_slots + lent) * per_expert  # seeded: swaps pin in the cache slots too
 
     def apply(self, resident: Mapping[int, Any], *, dry_run: bool = False) -> dict:
         """Make exactly `resident` (core included) resident on the re-homed layers.
@@ -70,6 +73,11 @@ class CudaResidency(ResidencyBase):
         (rolled back locally)."""
         target = {int(l): sorted(int(e) for e in v) for l, v in resident.items() if int(l) in self.st.layers}
         ignored = sorted(int(l) for l in resident if int(l) not in self.st.layers)
+        now = self.resident() if self.seeded else {}  # WorkerCore's rule: a changed set pins every layer
+        changed = any(frozenset(v) != now.get(l, frozenset()) for l, v in target.items())
+        seeded = {l: target.pop(l) for l in list(target) if self.seeded and l in self.seeded.layers()}
+        if seeded:  # validated before anything moves (raises SeededCapacityError, a PoolCapacityError)
+            self.seeded.plan(seeded)
         if dry_run:  # capacity check only (raises PoolCapacityError); nothing moves
             plan = self.st.table.plan(target)
             return {
@@ -84,20 +92,21 @@ class CudaResidency(ResidencyBase):
             }
         t0 = time.perf_counter()
         result = apply_swap(self.st.table, self.store, target)
-        if self.device_caches is not None:  # the swapped-in set leaves the caches: the tail yields
+        copied, pinned = self.seeded.apply(seeded, force=changed) if seeded else (0, 0)
+        if self.device_caches is not None and self.seeded is None:  # the tail yields to the swap
             from .device_cache_serving import on_swap
 
             on_swap(self.device_caches, target)
         seconds = time.perf_counter() - t0
         self.st.swaps += 1
-        self.st.bytes_copied_total += result.bytes_copied
+        self.st.bytes_copied_total += result.bytes_copied + copied
         return {
-            "bytes_copied": result.bytes_copied,
+            "bytes_copied": result.bytes_copied + copied,
             "seconds": seconds,
-            "gbps": (result.bytes_copied / seconds / 1e9) if seconds > 0 else 0.0,
+            "gbps": ((result.bytes_copied + copied) / seconds / 1e9) if seconds > 0 else 0.0,
             "phases": result.phases,
             "evicted": len(result.plan.evict),
-            "admitted": len(result.plan.admit),
+            "admitted": len(result.plan.admit) + pinned,
             "reused": result.plan.reused,
             "ignored_layers": ignored,
             "note": "experts remapped between pinned host memory and HBM slots (CUDA VMM)",
@@ -106,6 +115,7 @@ class CudaResidency(ResidencyBase):
     def resident(self) -> dict[int, frozenset[int]]:
         out = {l: frozenset() for l in self.st.layers}
         out.update(self.st.table.resident())
+        out.update(self.seeded.resident() if self.seeded is not None else {})
         return self.with_refused(out)
 
     def selfcheck(self, iters: int = 20) -> dict:
@@ -117,7 +127,9 @@ class CudaResidency(ResidencyBase):
         through the layer's own quant method (the serving path), eagerly.
         """
         report: dict[str, Any] = {"layers": {}}
-        resident = self.st.table.resident()
+        resident = dict(self.st.table.resident())
+        if self.seeded is not None:  # seeded: a swap's set is HBM-backed in the cache's slots
+            resident.update({l: frozenset(p) for l, p in self.seeded.pinned.items()})
         for index, entry in self.st.layers.items():
             report["layers"][str(index)] = {
                 "params_in_range": points_into_range(entry),

@@ -8,8 +8,11 @@ pool keeps ownership). K = pool - L*N where L = the plan's layer count; a pool t
 lending refuses the cache on every layer, by reason, and keeps the plain engine.
 
 ``seed_core``: True = the simulator's ``dlfu-seeded`` (the plan core goes into the cache slots,
-evictable; N should then be the core plus a tail); False = ``core+dlfu`` (the engine pins the core
-in its own units as before; the cache runs on the N-slot tail).
+evictable); False = ``core+dlfu`` (the engine pins the core in its own units as before; the cache
+runs on the N-slot tail). With ``seed_core`` and ``layer_slots`` (``--reap-cache-seed seeded``)
+each layer lends its own count C_l = accounting mode's ``replay.layer_slots(core + tail, ...,
+"core+tail")`` (auto: the whole pool is core + tail), so K is only the pool's remainder and a
+per-request swap is pinned inside the layer's slots (device_cache_seeded.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from reap_swap.cache_policy.replay import layer_slots
 from reap_swap.compat import moe_cache
 from reap_swap.memory_split import slots_beyond_pinned
 
@@ -32,10 +36,33 @@ class CacheConfig:
     lent: dict[int, int] = field(default_factory=dict)  # layer -> first lent pool slot
     refusal: str | None = None  # why no layer can be cached (set when the pool is split)
     auto: bool = False  # --reap-cache-slots auto: the pool's slots beyond the pinned set, per layer
+    layer_slots: dict[int, int] | None = None  # seeded: layer -> its C_l (set by split)
+    tail_total: int = 0  # seeded, --reap-cache-slots N: N (the tail beyond the core, all layers)
+    lent_slots: dict[int, int] = field(default_factory=dict)  # layer -> slots lent to it
+
+    def slots_of(self, index: int) -> int:
+        if self.layer_slots is not None:
+            return self.layer_slots.get(index, 0)
+        return self.slots_per_layer
+
+    def split_seeded(self, pool_slots: int, core) -> int:
+        """--reap-cache-seed seeded: C_l per layer as accounting mode computes it; K = the rest."""
+        core = {l: frozenset(c) for l, c in (core or {}).items()}
+        total = pool_slots if self.auto else sum(len(c) for c in core.values()) + self.tail_total
+        self.layer_slots, how = layer_slots(total, sorted(core), core, "core+tail", 1 << 30)
+        want = sum(self.layer_slots.values())
+        self.slots_per_layer = min(self.layer_slots.values(), default=0)
+        if not core or how != "core+tail":
+            self.refusal = f"--reap-cache-seed seeded: the plan core does not fit the {total} slots ({how})"
+        elif want > pool_slots:
+            self.refusal = f"--reap-cache-seed seeded: core + tail = {want} slots > the pool's {pool_slots}"
+        return pool_slots if self.refusal else pool_slots - want
 
     def split(self, pool_slots: int, num_layers: int, pinned=None) -> int:
         """Slots kept for swaps (K); records a refusal when the lending does not fit. ``pinned``:
         layer -> the plan core (what auto leaves to the swap table)."""
+        if self.seed_core and self.layer_slots is not None:
+            return self.split_seeded(pool_slots, pinned)
         if self.auto:
             beyond = slots_beyond_pinned(pool_slots, pinned or {})
             self.slots_per_layer = beyond // max(num_layers, 1)
@@ -57,18 +84,22 @@ class CacheConfig:
 def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, unit_bytes: int):
     """(rng, range_bytes, w13 view, w2 view, ext views or None): with slot units when the cache can
     engage on this layer, else None for the caller to use engine.rehome (and a refusal recorded)."""
-    n = cfg.slots_per_layer
-    first = st.table.num_slots + n * len(cfg.lent)
+    n = cfg.slots_of(index)
+    if cfg.layer_slots is not None and w13 is not None:  # as accounting's layer_slots: at most E
+        n = min(n, int(w13.shape[0]))
+    first = st.table.num_slots + sum(cfg.lent_slots.values())
     reason = cfg.refusal or ("no plan: the pool is not split" if st.plan is None else None)
     if reason is None and first + n > st.pool.num_slots:
         reason = f"pool slots {first}..{first + n - 1} do not exist (pool of {st.pool.num_slots})"
-    reason = reason or moe_cache.cache_refusal(layer)
-    if reason is not None:
-        cfg.caches.refuse(index, reason)
+    layer_reason = None if reason else moe_cache.cache_refusal(layer)
+    if reason or layer_reason:
+        cfg.caches.refuse(index, reason or layer_reason)
+        if layer_reason and cfg.layer_slots is not None and not cfg.lent_slots:
+            st.table.grow(n)  # seeded, nothing lent yet: [K, K + n) back to the swap table (its core)
         return None
     handles = [st.pool.slot_handle(s) for s in range(first, first + n)]
     rng, range_bytes, (v13, v2), ext = rehome_with_slots(w13, w2, unit_bytes, n, st.device, handles)
-    cfg.lent[index] = first
+    cfg.lent[index], cfg.lent_slots[index] = first, n
     return rng, range_bytes, v13, v2, ext
 
 
@@ -90,6 +121,6 @@ def engage(cfg: CacheConfig, st: Any, layer: Any, index: int, rng, range_bytes, 
     """After the core swap (or instead of it, with seed_core): start the layer's cache."""
     core = set(st.plan.layers[index].core) if st.plan is not None else set()
     if cfg.seed_core:
-        cfg.caches.engage(layer, index, rng, range_bytes, ext, seed=sorted(core)[: cfg.slots_per_layer])
+        cfg.caches.engage(layer, index, rng, range_bytes, ext, seed=sorted(core)[: cfg.slots_of(index)])
     elif cfg.caches.engage(layer, index, rng, range_bytes, ext):
         cfg.caches.on_swap(index, core)

@@ -9,6 +9,9 @@ users keep exactly the path they had until scripts/gpu_e2e.py's ``reap-cache`` a
 (stock-equal text, counters, tok/s). Device policy: ``dlfu`` (the integer LFU with decay 0.8,
 cache_policy.device) in the ``core+dlfu`` form: the plan core pinned in its own units, the cache on
 the tail. ``--reap-cache lru`` on CUDA is refused by name (not implemented on the device).
+``--reap-cache-seed seeded`` serves ``dlfu-seeded`` instead (accounting mode's policy, in integer
+arithmetic): every layer's core + tail share is cache slots seeded with the core, evictable, and
+a per-request swap pins its set inside them (device_cache_seeded.py).
 
 Counters are read between steps (the status RPC on the engine-core thread: one ``.tolist()`` per
 layer there, nothing on the step path; the per-step stream of accounting mode is not used).
@@ -46,6 +49,9 @@ def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str 
             shadow,
         )
     caches = DeviceCaches(decay=0.8, fused=True, shadow=shadow)
+    if getattr(settings, "cache_seed", "pinned") == "seeded":
+        tail = 0 if auto else int(settings.cache_slots)
+        return CacheConfig(caches, 0, seed_core=True, auto=auto, layer_slots={}, tail_total=tail), None
     return CacheConfig(caches, slots_per_layer=per_layer, seed_core=False, auto=auto), None
 
 
@@ -98,12 +104,12 @@ class DeviceCacheView:
         return {
             "engaged": bool(dev["layers"]),
             "mode": "device",
-            "policy": "core+dlfu",
+            "policy": "dlfu-seeded" if self.cfg.seed_core else "core+dlfu",
             "lfu_decay": dev["decay"],
-            "tail_slots": self.cfg.slots_per_layer * len(dev["layers"]),
-            "tail_source": "--reap-cache-slots auto: pool slots beyond the plan core"
-            if self.cfg.auto
-            else "--reap-cache-slots",
+            "tail_slots": sum(self.cfg.lent_slots.get(int(l), 0) for l in dev["layers"])
+            if self.cfg.seed_core
+            else self.cfg.slots_per_layer * len(dev["layers"]),
+            "tail_source": _tail_source(self.cfg),
             "steps": max((c["steps"] for c in counts.values()), default=0),
             "recording": 0,
             "totals": self.totals(),
@@ -111,6 +117,13 @@ class DeviceCacheView:
             **({"reason": reason} if reason else {}),
             **({"shadow": {str(k): v for k, v in dev["shadow"].items()}} if "shadow" in dev else {}),
         }
+
+
+def _tail_source(cfg: CacheConfig) -> str:
+    if cfg.seed_core and cfg.layer_slots is not None:
+        how = "the whole pool" if cfg.auto else f"the plan core + --reap-cache-slots {cfg.tail_total}"
+        return f"--reap-cache-seed seeded: {how} as cache slots, per layer core+tail, seeded with the core"
+    return "--reap-cache-slots auto: pool slots beyond the plan core" if cfg.auto else "--reap-cache-slots"
 
 
 def counters_of(c: dict[str, int]) -> dict[str, int]:

@@ -45,9 +45,19 @@ ARGS = [
 ]
 
 
-@pytest.fixture
-def cache_api(server_pool):
-    with server_pool.get("cache-lfu", ARGS).client() as c:
+# (server name, extra flags, the simulator policy the server must equal): default, and
+# --reap-cache-seed seeded (lfu as the CUDA device's integer dlfu-seeded; research.md "seedserve")
+VARIANTS = {
+    "lfu": ("cache-lfu", [], "lfu-seeded"),
+    "seeded": ("cache-seeded", ["--reap-cache-seed", "seeded"], "dlfu-seeded"),
+}
+
+
+@pytest.fixture(params=sorted(VARIANTS))
+def cache_api(server_pool, request):
+    name, extra, policy = VARIANTS[request.param]
+    with server_pool.get(name, ARGS + extra).client() as c:
+        c.reap_policy = policy
         yield c
 
 
@@ -79,7 +89,8 @@ def routed(recount, ids: list[int]) -> np.ndarray:
 def test_cache_accounting_equals_simulate(cache_api, recount, tiny_moe):
     plan = load_plan(str(tiny_moe / "plan.json"))
     before = status(cache_api)["cache"]
-    assert before["engaged"] and before["policy"] == "lfu-seeded", before
+    policy = cache_api.reap_policy
+    assert before["engaged"] and before["policy"] == policy, before
     assert before["steps"] == 0, "the cache saw steps before the first request (warm-up is not a step)"
     cache_api.get("/reap/cache/trace", params={"reset": "true"})
     requests = []
@@ -108,7 +119,7 @@ def test_cache_accounting_equals_simulate(cache_api, recount, tiny_moe):
         )
 
     core = sum(len(p.core) for p in plan.layers.values())
-    report = simulate(trace, plan, [f"{(core + TAIL) * plan.per_expert_bytes}B"], ["lfu-seeded"])
+    report = simulate(trace, plan, [f"{(core + TAIL) * plan.per_expert_bytes}B"], [policy])
     row = report["rows"][0]
     cache = status(cache_api)["cache"]
     assert {k: v["slots"] for k, v in cache["layers"].items()} == row["slots"]

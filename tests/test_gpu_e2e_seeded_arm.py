@@ -1,0 +1,42 @@
+"""gpu_e2e.py's reap-cache-seeded arm against fakes (no server): the flags it serves with and the
+sequence of swaps it sends (plain client, core + q/2, core + q, one layer too wide, back to core)."""
+
+from contextlib import contextmanager
+from pathlib import Path
+
+from script_modules import load_script
+
+
+def test_the_seeded_arm_serves_seeded_and_sends_its_swaps(monkeypatch, tmp_path):
+    e2e = load_script("gpu_e2e")
+    calls = []
+
+    @contextmanager
+    def server(name, argv, out, env=None, port=None):
+        calls.append(("serve", argv))
+        yield type("S", (), {"startup_s": 1.0, "command": argv, "url": "http://x"})()
+
+    monkeypatch.setattr(e2e, "Server", server)
+    monkeypatch.setattr(e2e, "make_plan", lambda *a, **k: calls.append(("plan", a[1], k)))
+    monkeypatch.setattr(e2e, "status", lambda srv: {"cache": {"policy": "dlfu-seeded"}})
+    monkeypatch.setattr(e2e, "open_request", lambda srv, rid: calls.append(("open", rid)))
+    monkeypatch.setattr(e2e, "measure", lambda srv, rid, d1=None, d8=None: {"rid": rid})
+    monkeypatch.setattr(e2e, "moe_probe", lambda srv, label: None)
+    monkeypatch.setattr(e2e, "swap", lambda srv, rid, s: calls.append(("swap", rid, s)) or {"status": 200})
+    shape = {"experts": 16, "moe_layers": [1, 3]}
+    res = {}
+    reap = ["python", "-m", "reap_swap.server", str(Path("/m"))]
+    e2e.arm_cache_seeded(reap, tmp_path, shape, res, ["--reap-cache-seed", "seeded"])
+    argv = calls[1][1]
+    assert argv[argv.index("--reap-cache-seed") + 1] == "seeded"
+    swaps = [(c[1], c[2]) for c in calls if c[0] == "swap"]
+    assert swaps == [
+        ("s-half-tail", {"layer_1": [4, 5], "layer_3": [4, 5]}),
+        ("s-full", {"layer_1": [4, 5, 6, 7], "layer_3": [4, 5, 6, 7]}),
+        ("s-wide", {"layer_1": [4, 5, 6, 7, 8], "layer_3": []}),
+        ("s-core", {}),
+    ]
+    r = res["reap-cache-seeded"]
+    assert (
+        r["plain"] == {"rid": "plain", "moe_probe": None} and r["s-full"]["cache"]["policy"] == "dlfu-seeded"
+    )

@@ -1,0 +1,59 @@
+"""scripts/gpu_run.sh knobs the next leases need (branch gpureview), checked with a DRY=1 session:
+every python call is only logged to $RUN_DIR/dry.log (scripts/dry_py.sh), no server, nothing killed."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dry_session(tmp_path: Path, phases: str, **knobs: str) -> list[str]:
+    tmp_path.mkdir(parents=True, exist_ok=True)  # `session` writes into RUN_DIR (`start` makes it)
+    env = {
+        **os.environ, "DRY": "1", "DRY_PYTHON": sys.executable, "RUN_DIR": str(tmp_path),
+        "PYTHONPATH": str(ROOT), "PHASES": phases, **knobs,
+    }  # fmt: skip
+    p = subprocess.run(
+        ["bash", "scripts/gpu_run.sh", "session"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    return (tmp_path / "dry.log").read_text().splitlines()
+
+
+def _line(lines: list[str], script: str) -> str:
+    (line,) = [x for x in lines if x.startswith(f"DRY {script}")]
+    return line
+
+
+def test_quant_extra_reaches_the_quant_driver(tmp_path):
+    # lease C: `--decode-tokens 64 --jobs 1 --serial-arms` had no way into ph_quant
+    lines = dry_session(
+        tmp_path, "quant", QUANT_CASES="fp8-tensor,ct-fp8,fp8-online", QUANT_JOBS="1",
+        QUANT_EXTRA="--decode-tokens 64 --serial-arms --case-timeout 600",
+    )  # fmt: skip
+    line = _line(lines, "scripts/gpu_quant_e2e.py")
+    assert "--jobs 1 --cases fp8-tensor,ct-fp8,fp8-online --decode-tokens 64 --serial-arms" in line
+    assert line.endswith("--case-timeout 600")
+
+
+def test_quant_without_extra_is_unchanged(tmp_path):
+    line = _line(dry_session(tmp_path, "quant"), "scripts/gpu_quant_e2e.py")
+    assert line.endswith("--jobs 3 --cases fp8-block,fp8-tensor,ct-fp8,fp8-online")
+
+
+def test_count_startup_timeouts_stay_under_their_caps(tmp_path):
+    # MLACOUNT_CAP=420 (lease B) with a fixed --startup-timeout 480: `timeout` would kill a slow
+    # start before the driver records it; the default caps keep the old values (480, 500)
+    lines = dry_session(tmp_path, "mlacount count", MLACOUNT_CAP="420")
+    cmds = [x for x in lines if x.startswith("DRY scripts/gpu_families.py")]
+    assert any("deepseek_v2_lite_graphs" in x and "--startup-timeout 340 " in x for x in cmds), cmds
+    assert any("--name qwen35" in x and "--startup-timeout 500 " in x for x in cmds), cmds
+    lines = dry_session(tmp_path / "d", "mlacount")
+    assert "--startup-timeout 480 " in _line(lines, "scripts/gpu_families.py")
