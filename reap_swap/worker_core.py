@@ -78,6 +78,7 @@ class WorkerCore:
         self.uncounted = dict(uncounted or {})  # plan layer -> why it has no counting module
         self.cache = cache  # cache_accounting.CacheAccounting (accounting mode), or None
         self._step_snapshot: dict[int, Any] = {}
+        self._last_full: ResidentSets | None = None  # the whole set last applied (PP: _changes)
 
     def header(self) -> dict:
         return {"rank": self.rank, **self.ranks}
@@ -86,6 +87,15 @@ class WorkerCore:
         resident = self.backend.resident() if resident is None else resident
         planned = self.mine(resident)
         return {"signature": signature(planned), "resident_experts": sum(len(v) for v in planned.values())}
+
+    def _changes(self, full: ResidentSets, mine: ResidentSets) -> bool:
+        """Does a swap to `full` change the resident set? Without PP: this worker's set against
+        its backend's. A PP stage compares the whole set last applied (the plan core before the
+        first), so a swap changing only another stage's layers counts as a change here too."""
+        if self.stage == frozenset(self.plan.layers):
+            return mine != self.backend.resident()
+        last = self._last_full if self._last_full is not None else self.plan.core_sets()
+        return full != {**last, **self.backend.resident()}
 
     def mine(self, resident: ResidentSets) -> ResidentSets:
         """The part of a resident set this worker's stage holds (all plan layers without PP)."""
@@ -150,14 +160,18 @@ class WorkerCore:
         dry_run = bool(request.get("dry_run", False)) if isinstance(request, Mapping) else False
         try:
             req = wire.ApplyResidency.model_validate(request)
-            resident = self.mine(check_resident_sets(self.plan, wire.decode_resident_sets(req.resident)))
+            full = check_resident_sets(self.plan, wire.decode_resident_sets(req.resident))
+            resident = self.mine(full)
             take = req.read_stats and not req.dry_run
             stats = self.read_counters(reset=False) if take else {}
-            before = self.backend.resident()
+            changed = self._changes(full, resident)
             result = self.backend.apply(resident, dry_run=req.dry_run)
-            if self.cache is not None and not req.dry_run and resident != before:
-                # a swap that changes the set pins it; the cache's tail yields (a no-op swap,
-                # e.g. a plain client's bookkeeping swap to the core, leaves the cache alone)
+            if not req.dry_run:
+                self._last_full = full
+            if self.cache is not None and not req.dry_run and changed:
+                # a swap that changes the set (on any layer, any stage) pins it; the cache's tail
+                # yields (a no-op swap, e.g. a plain client's bookkeeping swap to the core, leaves
+                # the cache alone)
                 self.cache.pin(resident)
             if take:
                 self.zero_counters()

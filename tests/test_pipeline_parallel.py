@@ -139,3 +139,29 @@ def test_a_failure_on_one_stage_rolls_back_both(failing):
     again = run(ctl.swap(req("b", {"layer_1": [0], "layer_3": [8]})))
     assert again["workers_consistent"] and 0 in engine.workers[0].core.backend.resident()[1]
     assert 8 in engine.workers[1].core.backend.resident()[3]
+
+
+class _Pins:
+    """A stand-in for the worker's cache that records what a swap pins."""
+
+    def __init__(self):
+        self.pins = []
+
+    def pin(self, resident):
+        self.pins.append(sorted(resident))
+
+    def status(self):
+        return None
+
+
+def test_a_swap_changing_only_the_other_stage_still_pins_this_stages_cache():
+    """As without PP (a changed set on any layer pins every cached layer): stage 0 pins too."""
+    engine, ctl = make()
+    for w in engine.workers:
+        w.core.cache = _Pins()
+    run(ctl.swap(req("a", {"layer_3": [7]})))  # only stage 1's layer changes
+    assert [w.core.cache.pins for w in engine.workers] == [[[0, 1]], [[2, 3]]]
+    run(ctl.swap(req("a2", {"layer_3": [7]})))  # the same set again: a no-op, nothing pinned
+    assert [len(w.core.cache.pins) for w in engine.workers] == [1, 1]
+    run(ctl.swap(req("b", {"layer_0": [4], "layer_3": [7]})))  # only stage 0's layer changes
+    assert [len(w.core.cache.pins) for w in engine.workers] == [2, 2]
