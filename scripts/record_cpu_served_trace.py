@@ -18,7 +18,7 @@ one per decode token, prompt + completion - 1 routed tokens as vLLM's `routed_ex
 Writes OUT/skew-<split>.npz (reap_swap/trace.py format), OUT/trace.json (per request: prompt and
 completion tokens, seconds, greedy token ids and text; engine settings) and, with --plans, the
 plans of scripts/record_skew_trace.py (calibration prefill counts, 12.5/25/50 %, core 0.75).
---deadline-s: no new request starts after that many seconds; a split cut short is written with
+--deadline-s / --stop-at: no new request starts after that many seconds / that epoch; a split cut short is written with
 the requests it has and says so in its source (requested vs recorded).
 """
 
@@ -35,6 +35,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+COMMANDS = [
+    "python3 /work/shared/gpu-kit/mk_model.py /tmp/skew12/model --layers 12 --seed 0",
+    "PYTHONPATH=$PWD python scripts/make_skewed_moe.py /tmp/skew12/model /tmp/skew12/skew --workers 1",
+    "VLLM_CPU_KVCACHE_SPACE=2 flock /tmp/vllm.lock env PYTHONPATH=$PWD python scripts/record_cpu_served_trace.py "
+    "--model /tmp/skew12/skew --out research-notes/cache-sim/skew12cpu --plans",
+    "PYTHONPATH=$PWD python scripts/sim_skew_policy.py --dir research-notes/cache-sim/skew12cpu",
+]
 SPLITS = {"heldout": "data/corpus/heldout.jsonl", "calibration": "data/corpus/calibration.jsonl"}
 
 
@@ -48,6 +55,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1536)
     ap.add_argument("--deadline-s", type=float, default=0.0, help="0: none")
+    ap.add_argument(
+        "--stop-at", type=float, default=0.0, help="epoch seconds: no new request after it (0: none)"
+    )
     ap.add_argument("--plans", action="store_true", help="also write plan-{0.125,0.25,0.5}.json")
     return ap.parse_args(argv)
 
@@ -94,21 +104,11 @@ def one_request(llm, prompt: dict, a, shape, where: str) -> tuple[list, dict]:
     return steps, rec
 
 
-def record_split(llm, a, split: str, shape, t_start: float, doc: dict):
-    from reap_swap.bench_config import load_prompts
+def save_split(a, split: str, shape, requests: list, records: list, doc: dict):
+    """Write OUT/skew-<split>.npz with the requests recorded so far (after every request, so a
+    cut run keeps what it measured) and the split's entry of trace.json."""
     from reap_swap.trace import from_requests, save_trace
 
-    prompts = load_prompts(ROOT / SPLITS[split], a.max_prompts, a.prompt_chars)
-    requests, records = [], []
-    for i, p in enumerate(prompts):
-        if a.deadline_s and time.time() - t_start > a.deadline_s:
-            print(f"{split}: deadline, {i} of {len(prompts)} requests", flush=True)
-            break
-        steps, rec = one_request(llm, p, a, shape, f"{split} request {i} ({p.get('tag') or ''})")
-        requests.append(steps)
-        records.append(rec)
-        print(f"{split} {i}: {rec['prompt_tokens']}+{rec['completion_tokens']} tokens, {rec['seconds']} s",
-              flush=True)  # fmt: skip
     trace = from_requests(
         requests,
         layers=list(shape.moe_layers),
@@ -132,7 +132,52 @@ def record_split(llm, a, split: str, shape, t_start: float, doc: dict):
     save_trace(a.out / f"skew-{split}.npz", trace)
     doc["splits"][split] = {"requests": len(records), "steps": trace.num_steps, "tokens": trace.num_tokens,
                             "seconds": round(sum(r["seconds"] for r in records), 1), "per_request": records}  # fmt: skip
+    (a.out / "trace.json").write_text(json.dumps(doc, indent=1) + "\n")
     return trace
+
+
+def record_split(llm, a, split: str, shape, t_start: float, doc: dict):
+    from reap_swap.bench_config import load_prompts
+
+    prompts = load_prompts(ROOT / SPLITS[split], a.max_prompts, a.prompt_chars)
+    requests, records, trace = [], [], None
+    for i, p in enumerate(prompts):
+        late = a.deadline_s and time.time() - t_start > a.deadline_s
+        if late or (a.stop_at and time.time() > a.stop_at):
+            print(f"{split}: deadline, {i} of {len(prompts)} requests", flush=True)
+            break
+        steps, rec = one_request(llm, p, a, shape, f"{split} request {i} ({p.get('tag') or ''})")
+        requests.append(steps)
+        records.append(rec)
+        trace = save_split(a, split, shape, requests, records, doc)
+        print(f"{split} {i}: {rec['prompt_tokens']}+{rec['completion_tokens']} tokens, {rec['seconds']} s",
+              flush=True)  # fmt: skip
+    return trace
+
+
+def write_params(a: argparse.Namespace) -> None:
+    """OUT/params.json: how the model was built (kit_model_info.json, skew_construction.json and
+    its sha256) and how the traces were recorded."""
+    from reap_swap.observations import file_digest
+
+    if not (a.model / "skew_construction.json").is_file():
+        print(f"{a.model}: no skew_construction.json, no params.json (not a make_skewed_moe model)")
+        return
+    con = json.loads((a.model / "skew_construction.json").read_text())
+    info = json.loads((a.model / "kit_model_info.json").read_text())
+    mk = {k: info[k] for k in ("layers", "experts", "topk", "hidden", "moe_intermediate", "vocab")}
+    params = {
+        "mk_model": {**mk, "seed": 0, "generator": "torch CPU (on a GPU host mk_model draws on CUDA: other values)"},
+        "make_skewed_moe": {**con["params"], "format": con.get("format"), "rho": "auto (RHO_KIT at 12 layers)"},
+        "skew_construction_sha256": file_digest(a.model / "skew_construction.json"),
+        "trace": {"recorder": "scripts/record_cpu_served_trace.py", "splits": a.splits,
+                  "max_prompts": a.max_prompts, "prompt_chars": a.prompt_chars, "max_tokens": a.max_tokens,
+                  "prompts": "reap_swap.bench_config.load_prompts (as scripts/gpu_skew_trace.py)"},
+        "plans": {"budgets": ["0.125", "0.25", "0.5"], "core_fraction": 0.75,
+                  "from": "skew-calibration.npz prefill counts (scripts/record_skew_trace.py plans)"},
+        "commands": COMMANDS,
+    }  # fmt: skip
+    (a.out / "params.json").write_text(json.dumps(params, indent=1) + "\n")
 
 
 def main(argv=None) -> int:
@@ -144,6 +189,7 @@ def main(argv=None) -> int:
     from reap_swap.model_shape import read_model_shape
 
     a.out.mkdir(parents=True, exist_ok=True)
+    write_params(a)
     shape = read_model_shape(a.model)
     t_start = time.time()
     llm, engine = make_engine(a)
@@ -154,7 +200,9 @@ def main(argv=None) -> int:
     traces = {}
     try:
         for split in [s.strip() for s in a.splits.split(",") if s.strip()]:
-            traces[split] = record_split(llm, a, split, shape, t_start, doc)
+            trace = record_split(llm, a, split, shape, t_start, doc)
+            if trace is not None:
+                traces[split] = trace
     finally:
         doc["total_s"] = round(time.time() - t_start, 1)
         (a.out / "trace.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -48,7 +48,8 @@ def bind_capture(llm) -> int:
         sink = ListSink()
         bind_routed_experts_capturer(model, sink)
         model.reap_trace_sink = sink
-        return sum(1 for m in model.modules() if getattr(getattr(m, "router", None), "capture_fn", None))
+        routers = (getattr(m, "router", None) for m in model.modules())
+        return len({id(r) for r in routers if getattr(r, "capture_fn", None) is not None})
 
     return int(llm.apply_model(bind)[0])
 
