@@ -58,6 +58,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--stop-at", type=float, default=0.0, help="epoch seconds: no new request after it (0: none)"
     )
+    ap.add_argument("--interleave", action="store_true", help="alternate the splits request by request")
     ap.add_argument("--plans", action="store_true", help="also write plan-{0.125,0.25,0.5}.json")
     return ap.parse_args(argv)
 
@@ -136,23 +137,34 @@ def save_split(a, split: str, shape, requests: list, records: list, doc: dict):
     return trace
 
 
-def record_split(llm, a, split: str, shape, t_start: float, doc: dict):
+def record_splits(llm, a, splits: list[str], shape, t_start: float, doc: dict) -> dict:
+    """Every split's first --max-prompts requests, split after split, or with --interleave request
+    i of every split before request i + 1 (one request at a time, prefix caching off: no request
+    sees another's state, so the order changes nothing but which requests a cut run keeps)."""
     from reap_swap.bench_config import load_prompts
 
-    prompts = load_prompts(ROOT / SPLITS[split], a.max_prompts, a.prompt_chars)
-    requests, records, trace = [], [], None
-    for i, p in enumerate(prompts):
+    prompts = {s: load_prompts(ROOT / SPLITS[s], a.max_prompts, a.prompt_chars) for s in splits}
+    got = {s: ([], []) for s in splits}
+    if a.interleave:
+        order = [(s, i) for i in range(a.max_prompts) for s in splits if i < len(prompts[s])]
+    else:
+        order = [(s, i) for s in splits for i in range(len(prompts[s]))]
+    traces = {}
+    for split, i in order:
         late = a.deadline_s and time.time() - t_start > a.deadline_s
         if late or (a.stop_at and time.time() > a.stop_at):
-            print(f"{split}: deadline, {i} of {len(prompts)} requests", flush=True)
+            counts = {s: len(r) for s, (r, _) in got.items()}
+            print(f"deadline: {counts} requests recorded", flush=True)
             break
+        p = prompts[split][i]
         steps, rec = one_request(llm, p, a, shape, f"{split} request {i} ({p.get('tag') or ''})")
+        requests, records = got[split]
         requests.append(steps)
         records.append(rec)
-        trace = save_split(a, split, shape, requests, records, doc)
+        traces[split] = save_split(a, split, shape, requests, records, doc)
         print(f"{split} {i}: {rec['prompt_tokens']}+{rec['completion_tokens']} tokens, {rec['seconds']} s",
               flush=True)  # fmt: skip
-    return trace
+    return traces
 
 
 def write_params(a: argparse.Namespace) -> None:
@@ -197,12 +209,10 @@ def main(argv=None) -> int:
     if bound != len(shape.moe_layers):
         sys.exit(f"router capture bound {bound} routers, the model has {len(shape.moe_layers)} MoE layers")
     doc: dict = {"argv": sys.argv, "engine": engine, "routers_bound": bound, "splits": {}}
+    splits = [s.strip() for s in a.splits.split(",") if s.strip()]
     traces = {}
     try:
-        for split in [s.strip() for s in a.splits.split(",") if s.strip()]:
-            trace = record_split(llm, a, split, shape, t_start, doc)
-            if trace is not None:
-                traces[split] = trace
+        traces = record_splits(llm, a, splits, shape, t_start, doc)
     finally:
         doc["total_s"] = round(time.time() - t_start, 1)
         (a.out / "trace.json").write_text(json.dumps(doc, indent=1) + "\n")
