@@ -49,6 +49,7 @@ import os
 import shlex
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -486,9 +487,10 @@ def arm_routed(reap, out, shape, res):
         core_and_counters(srv, shape, r, (128, 1), 4)
 
 
-def arm_plain_client(name, reap, out, shape, res, cache_flags, d1=(256, 3), d8=(128, 2)):
-    """A plain OpenAI client on the plan core 25 % / pool 50 % (no swap calls): what the cache adds."""
-    r = res.setdefault(name, {})
+@contextmanager
+def plain_client_served(name, reap, out, r, cache_flags, d1=(256, 3), d8=(128, 2)):
+    """A server on the plan core 25 % / pool 50 % with `cache_flags`, its plain-client phase (no
+    swap calls) measured into r["plain"]; yields the server for what an arm does next."""
     plan_path = out / f"plan-{name}.json"
     make_plan(Path(reap[3]), 0.25, 8, plan_path, budget_fraction=0.5)
     argv = reap + ["--reap-plan", str(plan_path), *cache_flags]
@@ -498,6 +500,13 @@ def arm_plain_client(name, reap, out, shape, res, cache_flags, d1=(256, 3), d8=(
         open_request(srv, "plain")
         r["plain"] = measure(srv, "plain", d1=d1, d8=d8)
         r["plain"]["moe_probe"] = moe_probe(srv, f"{name} plain")
+        yield srv
+
+
+def arm_plain_client(name, reap, out, shape, res, cache_flags, d1=(256, 3), d8=(128, 2)):
+    """A plain OpenAI client on the plan core 25 % / pool 50 % (no swap calls): what the cache adds."""
+    r = res.setdefault(name, {})
+    with plain_client_served(name, reap, out, r, cache_flags, d1, d8) as srv:
         r["status_end"] = st = status(srv)
         log(name, "cache", json.dumps(st.get("cache"))[:1500])
 
@@ -507,15 +516,7 @@ def arm_cache_seeded(reap, out, shape, res, flags):
     pin inside the cache slots (device_cache_seeded.py), a too-wide one, and back to the core."""
     name = "reap-cache-seeded"
     r = res.setdefault(name, {})
-    plan_path = out / f"plan-{name}.json"
-    make_plan(Path(reap[3]), 0.25, 8, plan_path, budget_fraction=0.5)
-    argv = reap + ["--reap-plan", str(plan_path), *flags]
-    with Server(name, argv, out, env=DEV, port=serving.free_port()) as srv:
-        r["startup_s"], r["argv"] = srv.startup_s, srv.command
-        r["status_start"] = status(srv)
-        open_request(srv, "plain")
-        r["plain"] = measure(srv, "plain", d1=(256, 3), d8=(128, 2))
-        r["plain"]["moe_probe"] = moe_probe(srv, f"{name} plain")
+    with plain_client_served(name, reap, out, r, flags) as srv:
         r["status_plain"] = status(srv).get("cache")
         q = shape["experts"] // 4  # the core is 0..q-1; the pool's per-layer share is 2q
         for rid, extra in (("s-half-tail", q // 2), ("s-full", q)):
