@@ -4,13 +4,11 @@ and the never-run phases with today's code (model folders, shapes, plans, engine
 gpu_budget_auto.py's arms), which starts no server and kills nothing."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from script_modules import load_script
+from test_gpu_run_knobs import run_dry_session
 
 from reap_swap.model_shape import read_model_shape
 from reap_swap.plan import load_plan
@@ -70,18 +68,11 @@ FAMILIES = {  # name -> (MoE layers, experts, eager)
 def dry(tmp_path_factory):
     pytest.importorskip("vllm", reason="the Qwen3.5 folder asks vLLM's registry for the text-only class")
     run = tmp_path_factory.mktemp("dry")
-    env = {
-        **os.environ, "DRY": "1", "DRY_PYTHON": sys.executable, "RUN_DIR": str(run),
-        "HYB_PLAN": str(FIELD_PLAN), "PYTHONPATH": str(ROOT),
-        "PHASES": "gptossfull mixfull v2lite+v3layer mlacount hybridauto budget",
-    }  # fmt: skip
-    p = subprocess.run(
-        ["bash", "scripts/gpu_run.sh", "session"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    p = run_dry_session(
+        run,
+        "gptossfull mixfull v2lite+v3layer mlacount hybridauto budget",
         timeout=300,
+        HYB_PLAN=str(FIELD_PLAN),
     )
     return run, p
 

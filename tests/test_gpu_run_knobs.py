@@ -9,20 +9,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def dry_session(tmp_path: Path, phases: str, **knobs: str) -> list[str]:
-    tmp_path.mkdir(parents=True, exist_ok=True)  # `session` writes into RUN_DIR (`start` makes it)
+def run_dry_session(
+    run_dir: Path, phases: str, timeout: float = 60, **knobs: str
+) -> subprocess.CompletedProcess:
+    """`gpu_run.sh session` with DRY=1 into `run_dir` (python calls only logged to dry.log)."""
     env = {
-        **os.environ, "DRY": "1", "DRY_PYTHON": sys.executable, "RUN_DIR": str(tmp_path),
+        **os.environ, "DRY": "1", "DRY_PYTHON": sys.executable, "RUN_DIR": str(run_dir),
         "PYTHONPATH": str(ROOT), "PHASES": phases, **knobs,
     }  # fmt: skip
-    p = subprocess.run(
+    return subprocess.run(
         ["bash", "scripts/gpu_run.sh", "session"],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
     )
+
+
+def dry_session(tmp_path: Path, phases: str, **knobs: str) -> list[str]:
+    tmp_path.mkdir(parents=True, exist_ok=True)  # `session` writes into RUN_DIR (`start` makes it)
+    p = run_dry_session(tmp_path, phases, **knobs)
     assert p.returncode == 0, p.stderr[-2000:]
     return (tmp_path / "dry.log").read_text().splitlines()
 
