@@ -35,6 +35,7 @@
 #             50 % then 25 % (SKEW_EXTRA="--no-25" for 50 % only); $R/skewbench/skew_bench.md
 #   int4      issue 16's INT4 contiguous groups: tests/gpu/test_int4_groups.py, then gpu_quant_e2e.py
 #             --cases awq,gptq,ct-w4a16 --reap-group-size auto (~8 min, small models: fits beside cache)
+#   swapguard only the swap half of guards (gpu_swap_guard.py, no server, ~1-2 min): alone
 #   guards    issue 17's guards, alone (<= 9.5 min): scripts/gpu_swap_guard.py (1 GiB swap >= 50 GB/s,
 #             publish_every 0 vs 8 vs 32, ~1-2 min) then scripts/gpu_guards.py (stock vs reap-swap all
 #             resident vs + --reap-cache lfu, GUARD_SERVES x GUARD_ROUNDS, single stream, GUARD_CAP s)
@@ -122,6 +123,7 @@ ph_guards() {  # swap A/B first (no server), then the decode guard's servers sid
   timeout --kill-after=30 ${GUARD_CAP:-420} $PY scripts/gpu_guards.py --model /tmp/model --out $R/guards \
     --serves ${GUARD_SERVES:-2} --rounds ${GUARD_ROUNDS:-7} --deadline $(( ${GUARD_CAP:-420} - 40 )) >> $R/guards.log 2>&1
 }
+ph_swapguard() { timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > $R/swapguard.log 2>&1; }  # guards' swap half only
 ph_int4() {  # int4grp: contiguous INT4 groups, kernel test then the server e2e (small models; ~8 min)
   timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu/test_int4_groups.py > $R/int4_kernel.log 2>&1
   timeout ${INT4_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/int4 --cases ${INT4_CASES:-awq,gptq,ct-w4a16} \
