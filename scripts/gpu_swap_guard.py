@@ -29,7 +29,7 @@ from reap_swap.guard_report import swap_summary  # noqa: E402
 from reap_swap.residency.engine import standalone_state  # noqa: E402
 from reap_swap.residency.swap import PUBLISH_EVERY, apply_swap  # noqa: E402
 
-CANDIDATE = 8  # the chunk size to turn on by default if the A/B shows it (swap.PUBLISH_EVERY is 0)
+CANDIDATE = 8  # the chunk size the A/B checks against the 50 GB/s guard (swap.PUBLISH_EVERY, on since run 12)
 from reap_swap.residency.vmm_store import VmmStore  # noqa: E402
 
 E, H, I = 128, 2048, 768

@@ -37,9 +37,11 @@ from typing import Any, Protocol
 
 from .slot_table import SlotTable, SwapPlan
 
-# landed admissions between overlapped publishes; 0 = publish only at the end (run 4's verified
-# behaviour). Off until scripts/gpu_swap_guard.py's A/B (0 / 8 / 32) has run on the H200.
-PUBLISH_EVERY = 0
+# landed admissions between overlapped publishes; 0 = publish only at the end (run 4's behaviour).
+# 8 from scripts/gpu_swap_guard.py's A/B on the H200 (run 12, arms interleaved, 5 repeats, medians):
+# 1 GiB delta 44.2 -> 48.9 GB/s, 100 % pool 44.6 -> 53.1 GB/s, publish tail 3.5 -> 0.3 ms; 32 was
+# no better (49.7 / 51.8 GB/s); the bytes landed bitwise.
+PUBLISH_EVERY = 8
 
 
 class ExpertStore(Protocol):
