@@ -107,6 +107,9 @@ class WorkerCore:
     def zero_counters(self) -> None:
         for m in self.layers.values():
             counters.zero(m)
+        reset = getattr(self.cache, "reset_counters", None)  # the device cache's own counters
+        if reset is not None:
+            reset()
 
     # -- the cache's per-step stream (cache_accounting's module docstring) ------------------------
     def cache_before_step(self) -> None:

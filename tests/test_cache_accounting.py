@@ -195,3 +195,25 @@ def test_surface_report_and_prometheus_deltas(plan):
     m.update(same)
     m.update(same)  # the same totals twice: counted once
     assert cache_surface.COUNTERS["misses"]._value.get() - before == same["totals"]["misses"] > 0
+
+
+def test_startup_reset_zeroes_a_device_cache_counters_too(plan):
+    """reset_stats (the controller's startup reset) also zeroes the device cache's own counters:
+    vLLM's profile forward runs the device step (run 12 counted its 8192 dummy tokens)."""
+
+    class _DeviceLike:
+        caches: dict = {}  # noqa: RUF012 - no per-step stream, like DeviceCacheView
+        resets = 0
+
+        def reset_counters(self):
+            self.resets += 1
+
+    layers = {l: _Layer() for l in plan.layers}
+    dev = _DeviceLike()
+    core = WorkerCore(plan, layers, AccountingResidency(plan.core_sets(), 1, "test"), 0, {}, cache=dev)
+    ids = torch.tensor([[0, 1], [1, 5]])
+    for m in layers.values():
+        counters.record_torch(m, ids, torch.ones_like(ids, dtype=torch.float32))
+    core.reset_stats()
+    assert dev.resets == 1
+    assert all(sum(c["counts"]) == 0 for c in core.read_counters(False).values())

@@ -58,6 +58,9 @@ def test_view_status_totals_and_on_swap():
     )
     on_swap(cfg.caches, {0: [5]})
     assert view.status()["layers"]["0"]["resident"] == [1, 5, 7]  # 5 pinned now, not in a slot
+    view.reset_counters()  # the controller's startup reset (vLLM's profile forward ran the step)
+    assert all(v == 0 for v in view.totals().values())
+    assert view.status()["layers"]["0"]["resident"] == [1, 5, 7]  # the state stays
     assert 5 not in cfg.caches.layers[0].cache.slot_expert.tolist()
 
 

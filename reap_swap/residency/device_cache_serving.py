@@ -75,6 +75,13 @@ class DeviceCacheView:
     def trace(self, reset: bool) -> list:
         return []
 
+    def reset_counters(self) -> None:
+        """Zero the device counters (the controller's startup reset): vLLM's profile forward and
+        warm-ups run the cache step too (8192 dummy tokens counted in run 12's skew bench), so
+        without this /reap/status and the metrics count tokens no request sent. The policy state
+        (slots, scores) keeps what those forwards admitted."""
+        self.cfg.caches.read_counters(reset=True)
+
     def totals(self) -> dict[str, int]:
         out = dict.fromkeys(("hits", "misses", "expert_hits", "expert_misses", "promotions"), 0)
         out.update(evictions=0, read_through_steps=0)
