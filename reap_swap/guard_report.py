@@ -83,11 +83,7 @@ def cache_not_engaged(
     if len(engaged) != layers:
         off = {l: row.get("reason") for l, row in per_layer.items() if not row.get("engaged")}
         return f"cache engaged on {len(engaged)} of {layers} layers (refused: {off})"[:600]
-    short = {
-        l: per_layer[l].get("slots")
-        for l in engaged
-        if per_layer[l].get("slots") != slots_per_layer
-    }
+    short = {l: per_layer[l].get("slots") for l in engaged if per_layer[l].get("slots") != slots_per_layer}
     if short:
         return f"cache slots per layer {short}, expected {slots_per_layer}"[:600]
     if ran and not cache.get("steps"):

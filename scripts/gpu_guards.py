@@ -125,9 +125,9 @@ def serve(s: int, cmds: dict, out: Path, a: argparse.Namespace, samples: list, f
         if why is not None:  # refuse to time a cache arm whose cache is not running
             log.error("serve %d: %s not timed: %s", s, CACHE_ARM, why)
             facts.setdefault("not_engaged", []).append({"serve": s, "reason": why})
-        for arm in arms:  # warm-up: the first requests after graph capture are not timed
-            for _ in range(a.warmup):
-                one_decode(servers[arm].url, 64, "warm up")
+        for arm in arms:  # warm-up on the timed prompts: the first requests after capture are not timed
+            for i in range(a.warmup):
+                one_decode(servers[arm].url, 64, gpu_e2e.PROMPTS[i % len(gpu_e2e.PROMPTS)])
         for r in range(a.rounds):
             k = r % len(arms)
             for arm in arms[k:] + arms[:k]:
