@@ -54,10 +54,12 @@ log = logging.getLogger("guards")
 
 
 def commands(
-    model: Path, out: Path, kv_gib: float, util: float, slots_per_layer: int = 8
+    model: Path, out: Path, kv_gib: float, util: float, slots_per_layer: int = 8, seed: str = "pinned"
 ) -> dict[str, list[str]]:
-    """The three arms' argv. The cache arm's plan budgets every expert + `slots_per_layer` per layer
-    (the pool's tail beyond the pinned set, lent to the device cache: device_cache_engine.split)."""
+    """The three arms' argv. pinned (core+dlfu): the cache arm's plan budgets every expert +
+    `slots_per_layer` per layer (the pool's tail beyond the pinned set, lent to the device cache:
+    device_cache_engine.split). seeded (dlfu-seeded): the all-resident plan, every pool slot a cache
+    slot seeded with the core (E slots per layer, `--reap-cache-slots auto`)."""
     common = [a for a in gpu_e2e.COMMON]
     common[common.index("--gpu-memory-utilization") + 1] = str(util)
     common += ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30))]
@@ -71,8 +73,15 @@ def commands(
     return {
         "stock": [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *common],
         "reap": [*server, str(plan), "--reap-cache", "off"],
-        CACHE_ARM: [*server, str(tail_plan), *CACHE_FLAGS, tail],
+        CACHE_ARM: [*server, str(tail_plan), *CACHE_FLAGS, tail]
+        if seed == "pinned"
+        else [*server, str(plan), *CACHE_FLAGS, "auto", "--reap-cache-seed", "seeded"],
     }
+
+
+def expected_slots(a: argparse.Namespace, model: Path) -> int:
+    """Cache slots per layer the cache arm must show in /reap/status."""
+    return a.cache_slots_per_layer if a.cache_seed == "pinned" else gpu_e2e.model_shape(model)["experts"]
 
 
 def one_decode(url: str, tokens: int, prompt: str) -> float | None:
@@ -120,7 +129,7 @@ def serve(s: int, cmds: dict, out: Path, a: argparse.Namespace, samples: list, f
         servers = start_all(s, cmds, out, stack)
         for arm in ("reap", CACHE_ARM):
             facts.setdefault(arm, []).append({"serve": s, "when": "start", **reap_facts(servers[arm].url)})
-        why = cache_not_engaged(facts[CACHE_ARM][-1].get("cache"), a.expect_layers, a.cache_slots_per_layer)
+        why = cache_not_engaged(facts[CACHE_ARM][-1].get("cache"), a.expect_layers, a.expect_slots)
         arms = ARMS if why is None else tuple(x for x in ARMS if x != CACHE_ARM)
         if why is not None:  # refuse to time a cache arm whose cache is not running
             log.error("serve %d: %s not timed: %s", s, CACHE_ARM, why)
@@ -137,7 +146,12 @@ def serve(s: int, cmds: dict, out: Path, a: argparse.Namespace, samples: list, f
         if why is None:  # the cache ran: steps counted on the device during the timed rounds
             end = {"serve": s, "when": "end", **reap_facts(servers[CACHE_ARM].url)}
             facts[CACHE_ARM].append(end)
-            ran = cache_not_engaged(end.get("cache"), a.expect_layers, a.cache_slots_per_layer, ran=True)
+            ran = cache_not_engaged(end.get("cache"), a.expect_layers, a.expect_slots, ran=True)
+            misses = ((end.get("cache") or {}).get("totals") or {}).get("expert_misses")
+            if misses:  # every expert is resident: a miss means the cache's pinned/seeded set is wrong
+                log.warning(
+                    "serve %d: %s counted %s expert misses with every expert resident", s, CACHE_ARM, misses
+                )
             if ran is not None:
                 log.error("serve %d: %s samples dropped: %s", s, CACHE_ARM, ran)
                 facts.setdefault("not_engaged", []).append({"serve": s, "reason": ran})
@@ -153,6 +167,10 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=512, help="decode tokens per sample (ignore_eos)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed completions per server per serve")
     ap.add_argument("--cache-slots-per-layer", type=int, default=8, help="the cache arm's tail per layer")
+    ap.add_argument(
+        "--cache-seed", choices=("pinned", "seeded"), default="pinned",
+        help="the cache arm's --reap-cache-seed (seeded: every expert a cache slot, seeded with the core)",
+    )  # fmt: skip
     ap.add_argument("--kv-gib", type=float, default=2.0)
     ap.add_argument("--util", type=float, default=0.3)
     ap.add_argument("--deadline", type=float, default=480.0, help="no new serve after this many seconds")
@@ -161,8 +179,11 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
                         handlers=[logging.FileHandler(out / "guards.log"), logging.StreamHandler()])  # fmt: skip
-    cmds = commands(Path(args.model), out, args.kv_gib, args.util, args.cache_slots_per_layer)
+    cmds = commands(
+        Path(args.model), out, args.kv_gib, args.util, args.cache_slots_per_layer, args.cache_seed
+    )
     args.expect_layers = gpu_e2e.model_shape(Path(args.model))["layers"]
+    args.expect_slots = expected_slots(args, Path(args.model))
     samples: list[dict] = []
     facts: dict = {}
     doc = {"args": vars(args), "commands": cmds, "samples": samples, "facts": facts, "serve_wall_s": []}
@@ -198,7 +219,10 @@ def serves(args, cmds: dict, out: Path, samples: list, facts: dict, doc: dict) -
 
 
 def finish(doc: dict, samples: list, facts: dict, out: Path) -> None:
-    refused = {CACHE_ARM: facts["not_engaged"][-1]["reason"]} if facts.get("not_engaged") else {}
+    ne = facts.get("not_engaged") or []
+    timed = any(x["arm"] == CACHE_ARM for x in samples)  # a serve that engaged still counts
+    refused = {CACHE_ARM: ne[-1]["reason"]} if ne and not timed else {}
+    doc["cache_not_engaged_serves"] = [x["serve"] for x in ne]
     doc["summary"] = summary = decode_summary(samples, refused=refused)
     doc["what"] = (
         "single-stream decode tok/s of one greedy completion per (serve, round, arm); 'pooled' = median "

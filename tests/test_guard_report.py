@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from script_modules import load_script
@@ -259,3 +260,46 @@ _URLS: dict[str, str] = {}
 def _arm_of(url: str, guards) -> str:
     """The arm a fake server's url belongs to (the fake records name -> url at start)."""
     return next(a for a in guards.ARMS if any(n.startswith(a + "-s") and u == url for n, u in _URLS.items()))
+
+
+def test_guard_seeded_cache_arm_uses_the_all_resident_plan(tmp_path):
+    """--cache-seed seeded: every pool slot a cache slot seeded with the core (auto), E per layer."""
+    guards = load_script("gpu_guards")
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(DATA / "mixtral_tiny_cpu_config.json", model / "config.json")
+    cmds = guards.commands(model, tmp_path, kv_gib=2.0, util=0.3, seed="seeded")
+    cache = cmds["reap-cache"]
+    assert cache[cache.index("--reap-plan") + 1] == str(tmp_path / "plan-all-resident.json")
+    assert cache[-4:] == ["--reap-cache-slots", "auto", "--reap-cache-seed", "seeded"]
+    a = SimpleNamespace(cache_seed="seeded", cache_slots_per_layer=8)
+    assert guards.expected_slots(a, model) == read_model_shape(model).num_experts
+    assert guards.expected_slots(SimpleNamespace(cache_seed="pinned", cache_slots_per_layer=8), model) == 8
+
+
+def test_gpu_guards_keeps_the_serves_whose_cache_engaged(tmp_path, monkeypatch):
+    """Serve 0's cache did not engage, serve 1's did: serve 1's cache samples are reported, serve 0
+    is named in cache_not_engaged_serves."""
+    guards = load_script("gpu_guards")
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(DATA / "mixtral_tiny_cpu_config.json", model / "config.json")
+    _FakeServer.started, _FakeServer.stopped = [], []
+    monkeypatch.setattr(guards.serving, "Server", _FakeServer)
+    monkeypatch.setattr(guards, "one_decode", lambda url, tokens, prompt: 700.0)
+    layers = len(read_model_shape(model).moe_layers)
+    off = {"engaged": False, "mode": "device", "reason": "x", "layers": {}}
+    serve_of = lambda url: int(next(n for n, u in _URLS.items() if u == url).rsplit("-s", 1)[1])  # noqa: E731
+    monkeypatch.setattr(
+        guards, "reap_facts", lambda url: {"cache": off if serve_of(url) == 0 else _cache(layers=layers)}
+    )
+    out = tmp_path / "out"
+    argv = ["gpu_guards", "--model", str(model), "--out", str(out), "--serves", "2", "--rounds", "2"]
+    monkeypatch.setattr("sys.argv", argv)
+    _URLS.clear()
+    assert guards.main() == 0
+    doc = json.loads((out / "guards.json").read_text())
+    assert doc["cache_not_engaged_serves"] == [0]
+    assert {x["serve"] for x in doc["samples"] if x["arm"] == "reap-cache"} == {1}
+    row = doc["summary"]["arms"]["reap-cache"]
+    assert "not_measured" not in row and row["vs_stock"]["paired"] == pytest.approx(1.0)
