@@ -36,7 +36,7 @@
 #   int4      issue 16's INT4 contiguous groups: tests/gpu/test_int4_groups.py, then gpu_quant_e2e.py
 #             --cases awq,gptq,ct-w4a16 --reap-group-size auto (~8 min, small models: fits beside cache)
 #   swapguard only the swap half of guards (gpu_swap_guard.py, no server, ~1-2 min): alone
-#   guards    issue 17's guards, alone (<= 9.5 min): scripts/gpu_swap_guard.py (1 GiB swap >= 50 GB/s,
+#   guards    issue 17's guards, alone (<= 10.5 min, ~9): scripts/gpu_swap_guard.py (1 GiB swap >= 50 GB/s,
 #             publish_every 0 vs 8 vs 32, ~1-2 min) then scripts/gpu_guards.py (stock vs reap-swap all
 #             resident vs + the device cache ENGAGED on an 8-slot tail per layer beyond every expert,
 #             GUARD_SERVES x GUARD_ROUNDS x GUARD_TOKENS (2 x 12 x 512), single stream, GUARD_CAP s;
@@ -122,8 +122,8 @@ ph_hybridauto() {  # hybridkv: the KV target from vLLM's own hybrid grouping; on
 }
 ph_guards() {  # swap A/B first (no server), then the decode guard's servers side by side
   timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > $R/guards.log 2>&1
-  timeout --kill-after=30 ${GUARD_CAP:-420} $PY scripts/gpu_guards.py --model /tmp/model --out $R/guards \
-    --serves ${GUARD_SERVES:-2} --rounds ${GUARD_ROUNDS:-12} --tokens ${GUARD_TOKENS:-512} --deadline $(( ${GUARD_CAP:-420} - 40 )) >> $R/guards.log 2>&1
+  timeout --kill-after=30 ${GUARD_CAP:-480} $PY scripts/gpu_guards.py --model /tmp/model --out $R/guards \
+    --serves ${GUARD_SERVES:-2} --rounds ${GUARD_ROUNDS:-12} --tokens ${GUARD_TOKENS:-512} --deadline $(( ${GUARD_CAP:-480} - 40 )) >> $R/guards.log 2>&1
 }
 ph_swapguard() { timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > $R/swapguard.log 2>&1; }  # guards' swap half only
 ph_int4() {  # int4grp: contiguous INT4 groups, kernel test then the server e2e (small models; ~8 min)

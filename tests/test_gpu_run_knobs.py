@@ -70,7 +70,7 @@ def test_guards_knobs_reach_the_decode_guard(tmp_path):
     # guardfix: 512-token samples x 12 rounds by default; GUARD_* still override, the deadline
     # stays 40 s inside GUARD_CAP
     line = _line(dry_session(tmp_path / "a", "guards"), "scripts/gpu_guards.py")
-    assert line.endswith("--serves 2 --rounds 12 --tokens 512 --deadline 380")
+    assert line.endswith("--serves 2 --rounds 12 --tokens 512 --deadline 440")
     line = _line(
         dry_session(tmp_path / "b", "guards", GUARD_SERVES="5", GUARD_CAP="1000", GUARD_ROUNDS="8",
                     GUARD_TOKENS="256"),
