@@ -67,7 +67,13 @@ def commands(
     gpu_e2e.make_plan(model, 1.0, 8, plan, budget_fraction=1.0)  # core = every expert
     shape = gpu_e2e.model_shape(model)
     tail_plan = out / "plan-all-resident-tail.json"
-    gpu_e2e.make_plan(model, 1.0, 8, tail_plan, budget_fraction=1.0 + slots_per_layer / shape["experts"])
+    doc = gpu_e2e.make_plan(model, 1.0, 8, tail_plan, budget_fraction=1.0)
+    budget = doc["budget"]  # exactly layers x (E + N) experts (a float fraction could round one short)
+    budget["swappable_expert_budget_bytes"] = (
+        shape["layers"] * (shape["experts"] + slots_per_layer) * shape["per_expert"]
+    )
+    budget["specialist_budget_bytes"] = budget["swappable_expert_budget_bytes"] - budget["core_budget_bytes"]
+    tail_plan.write_text(json.dumps(doc))
     server = [sys.executable, "-m", "reap_swap.server", str(model), *common, "--reap-plan"]
     tail = str(slots_per_layer * shape["layers"])
     return {

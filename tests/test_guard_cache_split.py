@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from script_modules import load_script
 
 from reap_swap.model_shape import read_model_shape
@@ -40,13 +41,14 @@ def _setup(tmp_path, slots_per_layer=2, seed="pinned"):
     return shape, plan, settings
 
 
-def test_pinned_tail_engages_with_every_expert_pinned(tmp_path):
-    shape, plan, settings = _setup(tmp_path, slots_per_layer=2)
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_pinned_tail_engages_with_every_expert_pinned(tmp_path, n):
+    shape, plan, settings = _setup(tmp_path, slots_per_layer=n)
     cfg, why = cache_config_for(settings, plan)
-    assert why is None and cfg.slots_per_layer == 2 and not cfg.seed_core
+    assert why is None and cfg.slots_per_layer == n and not cfg.seed_core
     slots = pool_slots(plan.swappable_budget_bytes, plan.per_expert_bytes)
     layers = len(plan.layers)
-    assert slots == shape.num_experts * layers + 2 * layers
+    assert slots == shape.num_experts * layers + n * layers
     core = {l: p.core for l, p in plan.layers.items()}
     kept = cfg.split(slots, layers, core)
     assert cfg.refusal is None

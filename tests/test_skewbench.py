@@ -360,3 +360,17 @@ def test_summary_tells_stock_spread_from_ours():
     doc1 = sm.summarize(reports[:2])
     assert "differs from both" not in sm.markdown(doc1)
     assert not any("resident-2" in x["target"] for x in doc1["targets"])
+
+
+def test_summary_main_names_the_resident2_folder(tmp_path):
+    import json
+
+    sm = load_script("skew_bench_summary")
+    for name in ("b-3-resident", "b-10-resident2"):
+        (tmp_path / name).mkdir()
+        rep = _report([_run("resident", None, 500.0, 4000.0, h=1.0, reap=False)])
+        (tmp_path / name / "bench.json").write_text(json.dumps(rep))
+    assert sm.main([str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "skew_bench.json").read_text())
+    assert [r["arm"] for r in doc["rows"]] == ["resident", "resident-2"]
+    assert "| resident-2 | 100.0 |" in (tmp_path / "skew_bench.md").read_text()
