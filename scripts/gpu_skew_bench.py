@@ -160,12 +160,21 @@ def observe_plan25(a, paths) -> subprocess.Popen:
     return subprocess.Popen(["bash", "-c", cmd], cwd=ROOT, start_new_session=True)
 
 
-def start(job: Job) -> None:
+DETERMINISTIC_ENV = {"TORCHINDUCTOR_DETERMINISTIC": "1"}  # torch._inductor.config.deterministic
+
+
+def job_env(a) -> dict[str, str]:
+    """The jobs' environment: with --inductor-deterministic, Inductor skips on-device benchmarking
+    that affects numerics (one reduction config, no per-process timing choice) in EVERY arm alike."""
+    return {**os.environ, **(DETERMINISTIC_ENV if getattr(a, "inductor_deterministic", False) else {})}
+
+
+def start(job: Job, env: dict[str, str] | None = None) -> None:
     job.log = job.out.parent / f"{job.out.name}.log"
     job.log.parent.mkdir(parents=True, exist_ok=True)
     fh = open(job.log, "w")  # noqa: SIM115 - the child's stdout for its lifetime
     job.proc = subprocess.Popen(
-        job.argv, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+        job.argv, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=env
     )
     job.started = time.time()
     say(f"[{job.name}] started pid {job.proc.pid}")
@@ -213,7 +222,7 @@ def step_loop(a, jobs: list[Job], holders: dict, plan_proc, deadline: float) -> 
             for j in jobs:
                 if j.group == "B":
                     if Path(j.argv[j.argv.index("--plan") + 1]).is_file():
-                        start(j)
+                        start(j, job_env(a))
                     else:
                         j.ended, j.rc = time.time(), -1
                         say(f"[{j.name}] skipped: no 25 % plan (observe/plan failed: {a.out}/observe.log)")
@@ -269,6 +278,10 @@ def parse(argv=None):
         "--no-25", dest="with_25", action="store_false", help="only the 50 %% group (+ resident2)"
     )
     ap.add_argument(
+        "--inductor-deterministic", action="store_true",
+        help="TORCHINDUCTOR_DETERMINISTIC=1 for every arm (diagnostic: per-process autotuned numerics)",
+    )  # fmt: skip
+    ap.add_argument(
         "--measure-during-startup", action="store_true",
         help="let an arm measure while another group's servers start (run 12's schedule)",
     )  # fmt: skip
@@ -295,7 +308,10 @@ def main(argv=None) -> int:
         for j in jobs:
             print(j.order, j.group, j.name, " ".join(j.argv))
         return 0
-    (a.out / "jobs.json").write_text(json.dumps([{"name": j.name, "argv": j.argv} for j in jobs], indent=1))
+    env = {k: v for k, v in job_env(a).items() if k.startswith("TORCHINDUCTOR_")}
+    (a.out / "jobs.json").write_text(
+        json.dumps([{"name": j.name, "argv": j.argv, "inductor_env": env} for j in jobs], indent=1)
+    )
     holders = {}
     for j in jobs:
         holders[j.name] = open(j.lock, "a+")  # noqa: SIM115 - held until this job may measure
@@ -303,7 +319,7 @@ def main(argv=None) -> int:
     plan_proc = observe_plan25(a, paths) if a.with_25 else subprocess.Popen(["true"])
     for j in jobs:
         if j.group == "A":
-            start(j)
+            start(j, job_env(a))
     try:
         step_loop(a, jobs, holders, plan_proc, t0 + a.deadline)
     finally:

@@ -374,3 +374,12 @@ def test_summary_main_names_the_resident2_folder(tmp_path):
     doc = json.loads((tmp_path / "skew_bench.json").read_text())
     assert [r["arm"] for r in doc["rows"]] == ["resident", "resident-2"]
     assert "| resident-2 | 100.0 |" in (tmp_path / "skew_bench.md").read_text()
+
+
+def test_driver_inductor_deterministic_env_for_every_job(tmp_path, monkeypatch):
+    dr = load_script("gpu_skew_bench")
+    monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
+    assert "TORCHINDUCTOR_DETERMINISTIC" not in dr.job_env(_args(tmp_path))
+    assert dr.job_env(_args(tmp_path, inductor_deterministic=True))["TORCHINDUCTOR_DETERMINISTIC"] == "1"
+    assert dr.parse(["--inductor-deterministic"]).inductor_deterministic
+    assert not dr.parse([]).inductor_deterministic and not dr.parse([]).measure_during_startup
