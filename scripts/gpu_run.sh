@@ -32,7 +32,9 @@
 #   extra     bash scripts/gpu_extra_phase.sh $R/extra (a phase a branch ships for this run)
 #   skewbench issue 17's skew bench, alone (scripts/gpu_skew_bench.py, ~10-11 min, SKEW_CAP=720 s hard):
 #             the vLLM-routed trace, plan-cache / plan-swap / plan-static / stock UVA / resident at
-#             50 % then 25 % (SKEW_EXTRA="--no-25" for 50 % only); $R/skewbench/skew_bench.md
+#             50 % then 25 %, then resident2 (a second stock resident: stock's own text spread); nothing
+#             measures while another group starts (SKEW_EXTRA="--no-25" for 50 % only, "--inductor-
+#             deterministic" for TORCHINDUCTOR_DETERMINISTIC=1 in every arm); $R/skewbench/skew_bench.md
 #   int4      issue 16's INT4 contiguous groups: tests/gpu/test_int4_groups.py, then gpu_quant_e2e.py
 #             --cases awq,gptq,ct-w4a16 --reap-group-size auto (~8 min, small models: fits beside cache)
 #   swapguard only the swap half of guards (gpu_swap_guard.py, no server, ~1-2 min): alone
