@@ -32,13 +32,17 @@
 #   extra     bash scripts/gpu_extra_phase.sh $R/extra (a phase a branch ships for this run)
 #   skewbench issue 17's skew bench, alone (scripts/gpu_skew_bench.py, ~10-11 min, SKEW_CAP=720 s hard):
 #             the vLLM-routed trace, plan-cache / plan-swap / plan-static / stock UVA / resident at
-#             50 % then 25 % (SKEW_EXTRA="--no-25" for 50 % only); $R/skewbench/skew_bench.md
+#             50 % then 25 %, then resident2 (a second stock resident: stock's own text spread); nothing
+#             measures while another group starts (SKEW_EXTRA="--no-25" for 50 % only, "--inductor-
+#             deterministic" for TORCHINDUCTOR_DETERMINISTIC=1 in every arm); $R/skewbench/skew_bench.md
 #   int4      issue 16's INT4 contiguous groups: tests/gpu/test_int4_groups.py, then gpu_quant_e2e.py
 #             --cases awq,gptq,ct-w4a16 --reap-group-size auto (~8 min, small models: fits beside cache)
 #   swapguard only the swap half of guards (gpu_swap_guard.py, no server, ~1-2 min): alone
-#   guards    issue 17's guards, alone (<= 9.5 min): scripts/gpu_swap_guard.py (1 GiB swap >= 50 GB/s,
+#   guards    issue 17's guards, alone (<= 10.5 min, ~9): scripts/gpu_swap_guard.py (1 GiB swap >= 50 GB/s,
 #             publish_every 0 vs 8 vs 32, ~1-2 min) then scripts/gpu_guards.py (stock vs reap-swap all
-#             resident vs + --reap-cache lfu, GUARD_SERVES x GUARD_ROUNDS, single stream, GUARD_CAP s)
+#             resident vs + the device cache ENGAGED on an 8-slot tail per layer beyond every expert,
+#             GUARD_SERVES x GUARD_ROUNDS x GUARD_TOKENS (2 x 12 x 512), single stream, GUARD_CAP s;
+#             ~150-200 s a serve: the issue's >= 5 serves want GUARD_SERVES=5 GUARD_CAP=1000)
 # Knobs (old defaults): BUDGET_CAP (330 s), BUDGET_ARMS, RUN_DIR (/tmp/run), PY (python3).
 # DRY=1 (no GPU needed; what tests/test_gpu_run_phases.py runs): every python call goes through
 # scripts/dry_py.sh (gpu_families.py arms become `prepare`, gpu_budget_auto.py gets --dry-run, the
@@ -120,8 +124,8 @@ ph_hybridauto() {  # hybridkv: the KV target from vLLM's own hybrid grouping; on
 }
 ph_guards() {  # swap A/B first (no server), then the decode guard's servers side by side
   timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > $R/guards.log 2>&1
-  timeout --kill-after=30 ${GUARD_CAP:-420} $PY scripts/gpu_guards.py --model /tmp/model --out $R/guards \
-    --serves ${GUARD_SERVES:-2} --rounds ${GUARD_ROUNDS:-7} --deadline $(( ${GUARD_CAP:-420} - 40 )) >> $R/guards.log 2>&1
+  timeout --kill-after=30 ${GUARD_CAP:-480} $PY scripts/gpu_guards.py --model /tmp/model --out $R/guards \
+    --serves ${GUARD_SERVES:-2} --rounds ${GUARD_ROUNDS:-12} --tokens ${GUARD_TOKENS:-512} --deadline $(( ${GUARD_CAP:-480} - 40 )) >> $R/guards.log 2>&1
 }
 ph_swapguard() { timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > $R/swapguard.log 2>&1; }  # guards' swap half only
 ph_int4() {  # int4grp: contiguous INT4 groups, kernel test then the server e2e (small models; ~8 min)

@@ -15,13 +15,17 @@ what was measured:
     leave a 25 % cache ~1 slot per layer);
  3. group A (started together, fixed 2 GiB KV, --gpu-memory-utilization 0.1): plan-cache@50,
     plan-swap@50, resident, the vLLM routing trace (scripts/gpu_skew_trace.py), plan-static, stock
-    UVA@50; group B (plan 25 %): plan-cache@25, plan-swap@25, stock UVA@25, started once the 25 %
+    UVA@50; group B (plan 25 %): plan-cache@25, plan-swap@25, stock UVA@25 and resident2 (a second
+    stock resident process: stock's own text spread, see skew_bench_summary), started once the 25 %
     plan exists and plan-cache@50, plan-swap@50 and resident have finished (host memory: every reap
-    server pins all 13.5 GiB of experts);
+    server pins all 13.5 GiB of experts); with --no-25 group B is resident2 alone;
  4. measuring strictly in that order, one at a time: each job has its own --measure-lock file that
-    this driver holds and releases when every earlier job has ended and its group is up (or the
-    group's start-up cap passed): plan-cache vs plan-swap at 50 % first, on a quiet machine, then
-    resident (text reference, t_resident), the trace, the rest;
+    this driver holds and releases when every earlier job has ended, its group is up (or the
+    group's start-up cap passed) and no server of the other group is starting (guardfix: run 12
+    measured trace, plan-static@50 and stock UVA@50 while group B started; --measure-during-startup
+    restores that): plan-cache vs plan-swap at 50 % first, on a quiet machine, then resident (text
+    reference, t_resident), the trace, the rest. Run 12 took 457 s; the quiet rule waits for group
+    B's start-up (~160 s) after resident, so expect ~550 s (deadline 660);
  5. at --deadline every job still running gets SIGTERM (each bench stops its own server) and the
     summary is written from what finished.
 --dry-run prints the jobs and their commands (CPU-testable; tests/test_skewbench.py).
@@ -58,7 +62,9 @@ JOBS = (
     ("cache25", "B", "bench", "plan-cache", 0.25, "p25"),
     ("swap25", "B", "bench", "plan-swap", 0.25, "p25"),
     ("uva25", "B", "bench", "stock-uva", 0.25, "p25"),
+    ("resident2", "B", "bench", "resident", None, "p50"),  # stock's own spread (skew_bench_summary)
 )
+ALWAYS = ("resident2",)  # run with --no-25 too (it needs no 25 % plan)
 B_AFTER = ("cache50", "swap50", "resident")  # group B starts once these have ended (host memory)
 
 
@@ -94,10 +100,10 @@ def job_argv(kind, arms, share, plan_key, a, paths, total_gib, out: Path, lock: 
 
 
 def plan_jobs(a, paths, total_gib, with_25: bool = True) -> list[Job]:
-    """The jobs in measuring order; a bench's folder DIR/b-<n>-<name> sorts in that order too."""
+    """The jobs in measuring order; a bench's folder DIR/b-<n>-<name> numbers that order."""
     jobs = []
     for i, (name, group, kind, arms, share, plan_key) in enumerate(JOBS):
-        if group == "B" and not with_25:
+        if group == "B" and not with_25 and name not in ALWAYS:
             continue
         out = a.out / (f"b-{i + 1}-{name}" if kind == "bench" else "trace")
         lock = a.out / "locks" / f"{name}.lock"
@@ -154,12 +160,21 @@ def observe_plan25(a, paths) -> subprocess.Popen:
     return subprocess.Popen(["bash", "-c", cmd], cwd=ROOT, start_new_session=True)
 
 
-def start(job: Job) -> None:
+DETERMINISTIC_ENV = {"TORCHINDUCTOR_DETERMINISTIC": "1"}  # torch._inductor.config.deterministic
+
+
+def job_env(a) -> dict[str, str]:
+    """The jobs' environment: with --inductor-deterministic, Inductor skips on-device benchmarking
+    that affects numerics (one reduction config, no per-process timing choice) in EVERY arm alike."""
+    return {**os.environ, **(DETERMINISTIC_ENV if getattr(a, "inductor_deterministic", False) else {})}
+
+
+def start(job: Job, env: dict[str, str] | None = None) -> None:
     job.log = job.out.parent / f"{job.out.name}.log"
     job.log.parent.mkdir(parents=True, exist_ok=True)
     fh = open(job.log, "w")  # noqa: SIM115 - the child's stdout for its lifetime
     job.proc = subprocess.Popen(
-        job.argv, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+        job.argv, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=env
     )
     job.started = time.time()
     say(f"[{job.name}] started pid {job.proc.pid}")
@@ -207,7 +222,7 @@ def step_loop(a, jobs: list[Job], holders: dict, plan_proc, deadline: float) -> 
             for j in jobs:
                 if j.group == "B":
                     if Path(j.argv[j.argv.index("--plan") + 1]).is_file():
-                        start(j)
+                        start(j, job_env(a))
                     else:
                         j.ended, j.rc = time.time(), -1
                         say(f"[{j.name}] skipped: no 25 % plan (observe/plan failed: {a.out}/observe.log)")
@@ -217,9 +232,25 @@ def step_loop(a, jobs: list[Job], holders: dict, plan_proc, deadline: float) -> 
         time.sleep(2)
 
 
+def starting_elsewhere(a, jobs: list[Job], j: Job, group_start: dict) -> list[str]:
+    """Servers of another group still starting (within their group's start-up cap): while they load
+    weights, compile and capture graphs, nothing measures (run 12: stock UVA@50 measured while group
+    B started and its greedy text moved; --measure-during-startup restores the old schedule)."""
+    if getattr(a, "measure_during_startup", False):
+        return []
+    now = time.time()
+    return [
+        k.name
+        for k in jobs
+        if k.group != j.group and k.proc is not None and not k.ended and not is_up(k)
+        and now - group_start.get(k.group, now) <= a.startup_cap + 30
+    ]  # fmt: skip
+
+
 def release_next(a, jobs: list[Job], holders: dict, group_start: dict) -> None:
-    """Let the first job that has not measured yet measure, once every earlier job has ended and
-    its group is up (every started server healthy or its bench ended) or the group's cap passed."""
+    """Let the first job that has not measured yet measure, once every earlier job has ended, its
+    group is up (every started server healthy or its bench ended) or the group's cap passed, and no
+    server of another group is starting (starting_elsewhere)."""
     for j in jobs:
         if j.released or (j.proc is None and j.ended):
             continue  # measured or measuring, or skipped
@@ -228,7 +259,7 @@ def release_next(a, jobs: list[Job], holders: dict, group_start: dict) -> None:
         group = [k for k in jobs if k.group == j.group and k.proc is not None]
         up = all(is_up(k) or k.ended for k in group)
         late = time.time() - group_start[j.group] > a.startup_cap + 30
-        if up or late:
+        if (up or late) and not starting_elsewhere(a, jobs, j, group_start):
             holders.pop(j.name).close()
             j.released = True
             say(f"[{j.name}] measuring" + ("" if up else " (group start-up cap passed)"))
@@ -243,7 +274,17 @@ def parse(argv=None):
     ap.add_argument("--deadline", type=float, default=660.0, help="seconds from start to SIGTERM everything")
     ap.add_argument("--startup-cap", type=float, default=300.0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-25", dest="with_25", action="store_false", help="only the 50 %% group")
+    ap.add_argument(
+        "--no-25", dest="with_25", action="store_false", help="only the 50 %% group (+ resident2)"
+    )
+    ap.add_argument(
+        "--inductor-deterministic", action="store_true",
+        help="TORCHINDUCTOR_DETERMINISTIC=1 for every arm (diagnostic: per-process autotuned numerics)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--measure-during-startup", action="store_true",
+        help="let an arm measure while another group's servers start (run 12's schedule)",
+    )  # fmt: skip
     ap.add_argument("--dry-run", action="store_true")
     return ap.parse_args(argv)
 
@@ -267,7 +308,10 @@ def main(argv=None) -> int:
         for j in jobs:
             print(j.order, j.group, j.name, " ".join(j.argv))
         return 0
-    (a.out / "jobs.json").write_text(json.dumps([{"name": j.name, "argv": j.argv} for j in jobs], indent=1))
+    env = {k: v for k, v in job_env(a).items() if k.startswith("TORCHINDUCTOR_")}
+    (a.out / "jobs.json").write_text(
+        json.dumps([{"name": j.name, "argv": j.argv, "inductor_env": env} for j in jobs], indent=1)
+    )
     holders = {}
     for j in jobs:
         holders[j.name] = open(j.lock, "a+")  # noqa: SIM115 - held until this job may measure
@@ -275,7 +319,7 @@ def main(argv=None) -> int:
     plan_proc = observe_plan25(a, paths) if a.with_25 else subprocess.Popen(["true"])
     for j in jobs:
         if j.group == "A":
-            start(j)
+            start(j, job_env(a))
     try:
         step_loop(a, jobs, holders, plan_proc, t0 + a.deadline)
     finally:

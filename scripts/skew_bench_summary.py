@@ -14,6 +14,12 @@ with t_resident from `resident` and t_all_missed fitted on this run's plan-stati
 ((t_static - t_resident) / (1 - h_static)), else on stock UVA, else run 3's measured constants.
 Targets (issue 17): plan-cache >= 1.25x plan-swap at 1 stream (50 % and 25 %), >= plan-swap at
 the batch, >= 0.9 of the bound, text identical to stock; reach: plan-cache >= 0.75 of resident at 50 %.
+
+Stock's own spread (guardfix, run 12: stock UVA at 50 % differed from `resident` in the prefill's
+first logprob on all 8 prompts, as plan-cache at 25 % did): the driver's `resident2` job serves a
+second stock resident process (folder b-N-resident2, arm `resident-2` here). Every arm's greedy text
+is then classified per prompt: equal to resident / equal to resident-2 / differs from both, with the
+bitwise-logprob count and the largest |first-logprob difference| (the prefill) against each.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ def rows_of(reports: Sequence[Mapping]) -> list[dict]:
         total = (rep.get("model") or {}).get("total_expert_bytes") or 0
         plan_budget = (rep.get("plan") or {}).get("budget_bytes")
         for run in rep.get("runs") or []:
+            arm = _arm_name(rep, run)
             budget = run.get("budget_bytes") or (plan_budget if run.get("arm") == "plan-static" else None)
             pct = round(100 * budget / total, 1) if budget and total else None
             h, h_src = _hit(run)
@@ -56,8 +63,8 @@ def rows_of(reports: Sequence[Mapping]) -> list[dict]:
             cache = ((run.get("reap_status") or {}).get("cache")) or {}
             rows.append(
                 {
-                    "arm": run.get("arm"),
-                    "pct": pct if run.get("arm") != "resident" else 100.0,
+                    "arm": arm,
+                    "pct": pct if arm not in STOCK_RESIDENT else 100.0,
                     "status": run.get("status"),
                     "error": run.get("error") or run.get("reason"),
                     "plan": (rep.get("plan") or {}).get("identity"),
@@ -77,6 +84,15 @@ def rows_of(reports: Sequence[Mapping]) -> list[dict]:
     return rows
 
 
+STOCK_RESIDENT = ("resident", "resident-2")
+
+
+def _arm_name(rep: Mapping, run: Mapping) -> str | None:
+    """The bench's arm, except the driver's second stock resident (folder b-N-resident2)."""
+    arm = run.get("arm")
+    return "resident-2" if arm == "resident" and str(rep.get("_job", "")).endswith("resident2") else arm
+
+
 def _find(rows: Sequence[Mapping], arm: str, pct: float | None = None) -> Mapping | None:
     for r in rows:
         if r["arm"] == arm and r["status"] == "ok" and (pct is None or r["pct"] == pct):
@@ -88,7 +104,7 @@ def compare_text(ref: Sequence[Mapping] | None, got: Sequence[Mapping] | None) -
     """Greedy token ids per prompt (the bench's records): identical count and first divergences."""
     if not ref or not got:
         return None
-    same, first = [], []
+    same, first, bitwise, d0 = [], [], 0, []
     for a, b in zip(ref, got):
         ta, tb = a.get("tokens") or list(a.get("text") or ""), b.get("tokens") or list(b.get("text") or "")
         d = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
@@ -96,7 +112,31 @@ def compare_text(ref: Sequence[Mapping] | None, got: Sequence[Mapping] | None) -
             d = min(len(ta), len(tb))
         same.append(d is None)
         first.append(d)
-    return {"identical": sum(same), "of": len(same), "first_divergence": first}
+        la, lb = a.get("logprobs"), b.get("logprobs")
+        if la and lb:
+            bitwise += la == lb
+            d0.append(abs(float(la[0]) - float(lb[0])))
+    out = {"identical": sum(same), "of": len(same), "first_divergence": first, "same": same}
+    if d0:  # the records carry logprobs (bench's greedy pass): bitwise and the prefill's first
+        out.update(logprobs_bitwise=bitwise, first_logprob_max_abs_diff=max(d0))
+    return out
+
+
+def text_classes(res: Sequence[Mapping] | None, res2: Sequence[Mapping] | None, got) -> dict | None:
+    """Per prompt: equal (tokens) to resident, to resident-2, or differs from both."""
+    a, b = compare_text(res, got), compare_text(res2, got)
+    if a is None and b is None:
+        return None
+    n = (a or b)["of"]
+    sa, sb = (a or {}).get("same") or [False] * n, (b or {}).get("same") or [False] * n
+    return {
+        "vs_resident": a,
+        "vs_resident_2": b,
+        "equal_resident": sum(sa) if a else None,
+        "equal_resident_2": sum(sb) if b else None,
+        "differs_from_both": sum(not (x or y) for x, y in zip(sa, sb)),
+        "of": n,
+    }
 
 
 def fit_t_miss(rows: Sequence[Mapping], metric: str, t_res: float | None) -> tuple[float | None, str]:
@@ -159,18 +199,39 @@ def targets(rows: Sequence[Mapping]) -> list[dict]:
             "all identical",
             t is not None and t["identical"] == t["of"],
         )
+        res2 = _find(rows, "resident-2")
+        if res2 is not None:
+            c = text_classes(res and res["greedy"], res2["greedy"], cache and cache["greedy"])
+            add(
+                f"plan-cache greedy text = resident or resident-2 (per prompt), {pct:g} %",
+                None if c is None else f"{c['of'] - c['differs_from_both']}/{c['of']}",
+                "none differs from both",
+                c is not None and c["differs_from_both"] == 0,
+            )
         if pct == 50.0:
             v = _ratio(cache, res, "decode_tok_s_1")
             add("reach: plan-cache / resident, 1 stream, 50 %", v, ">= 0.75", v is not None and v >= 0.75)
+    res2 = _find(rows, "resident-2")
+    if res is not None and res2 is not None:  # stock vs stock: the spread ours is judged against
+        t = compare_text(res["greedy"], res2["greedy"])
+        add(
+            "stock's own spread: resident-2 greedy text = resident",
+            None if t is None else f"{t['identical']}/{t['of']}",
+            "(reference, no goal)",
+            t is not None and t["identical"] == t["of"],
+        )
     return out
 
 
 def summarize(reports: Sequence[Mapping], trace_doc: Mapping | None = None) -> dict:
     rows = rows_of(reports)
     info = bounds(rows)
-    res = _find(rows, "resident")
+    res, res2 = _find(rows, "resident"), _find(rows, "resident-2")
     for r in rows:
         r["text_vs_stock"] = compare_text(res and res["greedy"], r.get("greedy")) if r is not res else None
+        r["text"] = text_classes(
+            res and r is not res and res["greedy"], res2 and r is not res2 and res2["greedy"], r.get("greedy")
+        )
     doc = {
         "bound": info,
         "targets": targets(rows),
@@ -199,6 +260,36 @@ def _text_cell(arm: str, t: Mapping | None) -> str:
     return f"{t['identical']}/{t['of']}" if t else "n/a"
 
 
+def _vs(c: Mapping | None) -> str:
+    """`tokens equal/of (logprobs bitwise, max |d first logprob|)` of one comparison."""
+    if not c:
+        return "n/a"
+    cell = f"{c['identical']}/{c['of']}"
+    if "logprobs_bitwise" in c:
+        cell += f" (bitwise {c['logprobs_bitwise']}, d0 {c['first_logprob_max_abs_diff']:.1e})"
+    return cell
+
+
+def text_table(rows: Sequence[Mapping]) -> list[str]:
+    """Greedy text per arm against both stock resident processes (only when resident-2 ran)."""
+    if not any(r["arm"] == "resident-2" for r in rows):
+        return []
+    out = [
+        "",
+        "Greedy text per prompt, tokens (logprobs bitwise, largest |first-logprob difference| = the prefill):",
+        "",
+        "| arm | % | = resident | = resident-2 | differs from both |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r.get("text") or {}
+        both = "--" if not c else f"{c['differs_from_both']}/{c['of']}"
+        ref1 = "reference" if r["arm"] == "resident" else _vs(c.get("vs_resident"))
+        ref2 = "reference" if r["arm"] == "resident-2" else _vs(c.get("vs_resident_2"))
+        out.append(f"| {r['arm']} | {_f(r['pct'])} | {ref1} | {ref2} | {both} |")
+    return out
+
+
 def markdown(doc: Mapping) -> str:
     lines = ["| target | value | goal | met |", "|---|---|---|---|"]
     for t in doc["targets"]:
@@ -222,6 +313,7 @@ def markdown(doc: Mapping) -> str:
             f"{_f(r['swap_count'])} | {', '.join(f'{k} {v}' for k, v in cache.items()) or '-'}"
             + (f" | {r['status']}: {str(r['error'])[:80]}" if r["status"] != "ok" else " |")
         )
+    lines += text_table(doc["rows"])
     b = doc["bound"]
     lines += [
         "",
@@ -248,10 +340,20 @@ def _read(path: Path, unreadable: dict) -> dict | None:
         return None
 
 
+def _job_order(path: Path) -> tuple[int, str]:
+    """b-<n>-<name>/bench.json in the driver's measuring order (b-10 after b-9)."""
+    part = path.parent.name.split("-")
+    return (int(part[1]) if len(part) > 1 and part[1].isdigit() else 1 << 30, path.parent.name)
+
+
 def main(argv=None) -> int:
     d = Path((argv or sys.argv[1:])[0])
     unreadable: dict[str, str] = {}
-    reports = [r for p in sorted(d.glob("b-*/bench.json")) if (r := _read(p, unreadable)) is not None]
+    reports = []
+    for p in sorted(d.glob("b-*/bench.json"), key=_job_order):
+        r = _read(p, unreadable)
+        if r is not None:
+            reports.append({**r, "_job": p.parent.name})  # b-N-resident2 -> arm resident-2
     trace = d / "trace" / "trace.json"
     doc = summarize(reports, _read(trace, unreadable) if trace.is_file() else None)
     if unreadable:

@@ -96,9 +96,11 @@ def test_gpu_guards_summarises_what_a_sigterm_cut_serve_sampled(tmp_path, monkey
 
     monkeypatch.setattr(guards.serving, "Server", tg._FakeServer)
     monkeypatch.setattr(guards, "one_decode", decode)
-    monkeypatch.setattr(guards, "reap_facts", lambda url: {"cache": {"engaged": False}})
+    layers = len(tg.read_model_shape(model).moe_layers)
+    monkeypatch.setattr(guards, "reap_facts", lambda url: {"cache": tg._cache(layers=layers)})
     out = tmp_path / "out"
     argv = ["gpu_guards", "--model", str(model), "--out", str(out), "--serves", "3", "--rounds", "3"]
+    argv += ["--warmup", "1"]
     monkeypatch.setattr("sys.argv", argv)
     tg._URLS.clear()
     with pytest.raises(SystemExit):

@@ -64,3 +64,16 @@ def test_count_startup_timeouts_stay_under_their_caps(tmp_path):
     assert any("--name qwen35" in x and "--startup-timeout 500 " in x for x in cmds), cmds
     lines = dry_session(tmp_path / "d", "mlacount")
     assert "--startup-timeout 480 " in _line(lines, "scripts/gpu_families.py")
+
+
+def test_guards_knobs_reach_the_decode_guard(tmp_path):
+    # guardfix: 512-token samples x 12 rounds by default; GUARD_* still override, the deadline
+    # stays 40 s inside GUARD_CAP
+    line = _line(dry_session(tmp_path / "a", "guards"), "scripts/gpu_guards.py")
+    assert line.endswith("--serves 2 --rounds 12 --tokens 512 --deadline 440")
+    line = _line(
+        dry_session(tmp_path / "b", "guards", GUARD_SERVES="5", GUARD_CAP="1000", GUARD_ROUNDS="8",
+                    GUARD_TOKENS="256"),
+        "scripts/gpu_guards.py",
+    )  # fmt: skip
+    assert line.endswith("--serves 5 --rounds 8 --tokens 256 --deadline 960")

@@ -226,7 +226,7 @@ def test_driver_jobs_in_measuring_order(tmp_path):
     paths = {"p50": tmp_path / "p50.json", "p25": tmp_path / "p25.json"}
     jobs = dr.plan_jobs(_args(tmp_path), paths, 13.5)
     assert [j.name for j in jobs][:3] == ["cache50", "swap50", "resident"]
-    assert [j.group for j in jobs] == ["A"] * 6 + ["B"] * 3
+    assert [j.group for j in jobs] == ["A"] * 6 + ["B"] * 4
     by = {j.name: j for j in jobs}
     assert by["cache50"].argv[by["cache50"].argv.index("--budget-gib") + 1] == "6.750000"
     assert by["cache25"].argv[by["cache25"].argv.index("--plan") + 1] == str(paths["p25"])
@@ -234,10 +234,16 @@ def test_driver_jobs_in_measuring_order(tmp_path):
     assert "--budget-gib" not in by["static50"].argv and "--budget-gib" not in by["resident"].argv
     for j in jobs:  # every job measures under its own lock, in its own folder, with a bounded start-up
         assert str(j.lock) in j.argv and "--startup-timeout" in j.argv
-    assert sorted(p.name for p in (j.out for j in jobs) if p.name.startswith("b-")) == [
-        j.out.name for j in jobs if j.out.name.startswith("b-")
+    order = load_script("skew_bench_summary")._job_order  # by number: b-10 after b-9
+    assert sorted((j.out / "bench.json" for j in jobs if j.out.name.startswith("b-")), key=order) == [
+        j.out / "bench.json" for j in jobs if j.out.name.startswith("b-")
     ]
-    assert [j.name for j in dr.plan_jobs(_args(tmp_path), paths, 13.5, with_25=False)][-1] == "uva50"
+    # the second stock resident measures last, with --no-25 too (it needs no 25 % plan)
+    assert jobs[-1].name == "resident2" and jobs[-1].out.name == "b-10-resident2"
+    assert by["resident2"].argv[by["resident2"].argv.index("--arms") + 1] == "resident"
+    assert "--budget-gib" not in by["resident2"].argv
+    no25 = [j.name for j in dr.plan_jobs(_args(tmp_path), paths, 13.5, with_25=False)]
+    assert no25[-2:] == ["uva50", "resident2"]
 
 
 class _Proc:
@@ -258,6 +264,7 @@ class _Holder:
 def test_driver_releases_one_lock_at_a_time_in_order(tmp_path):
     dr = load_script("gpu_skew_bench")
     jobs = dr.plan_jobs(_args(tmp_path), {"p50": tmp_path / "a", "p25": tmp_path / "b"}, 13.5, with_25=False)
+    jobs = [j for j in jobs if j.group == "A"]
     holders = {j.name: _Holder() for j in jobs}
     for j in jobs:
         j.proc, j.log = _Proc(), tmp_path / f"{j.name}.log"
@@ -278,3 +285,101 @@ def test_driver_releases_one_lock_at_a_time_in_order(tmp_path):
     jobs[2].log.write_text("starting\n")
     dr.release_next(_args(tmp_path), jobs, holders, {"A": time.time() - 1000})
     assert jobs[2].released and "resident" not in holders
+
+
+def test_driver_measures_nothing_while_another_group_starts(tmp_path):
+    """guardfix: run 12 measured stock UVA@50 while group B's servers started; now the next job
+    waits until they are up (or their start-up cap passed); --measure-during-startup: the old way."""
+    dr = load_script("gpu_skew_bench")
+    jobs = dr.plan_jobs(_args(tmp_path), {"p50": tmp_path / "a", "p25": tmp_path / "b"}, 13.5)
+    by = {j.name: j for j in jobs}
+    for j in jobs:
+        j.log = tmp_path / f"{j.name}.log"
+        if j.group == "A":
+            j.proc = _Proc()
+            j.log.write_text("healthy after 90s\n")
+    for name in ("cache50", "swap50", "resident"):
+        by[name].released, by[name].ended = True, time.time()
+    for j in jobs:
+        if j.group == "B":
+            j.proc = _Proc()
+            j.log.write_text("starting\n")
+    now = time.time()
+    holders = {j.name: _Holder() for j in jobs if not j.released}
+    dr.release_next(_args(tmp_path), jobs, holders, {"A": now - 200, "B": now})
+    assert not by["trace"].released  # group B is starting
+    dr.release_next(_args(tmp_path, measure_during_startup=True), jobs, holders, {"A": now - 200, "B": now})
+    assert by["trace"].released
+    by["trace"].released = False
+    holders["trace"] = _Holder()
+    dr.release_next(_args(tmp_path), jobs, holders, {"A": now - 1000, "B": now - 1000})
+    assert by["trace"].released  # B's start-up cap passed: measure anyway
+    by["trace"].released = False
+    holders["trace"] = _Holder()
+    for j in jobs:
+        if j.group == "B":
+            j.log.write_text("healthy after 150s\n")
+    dr.release_next(_args(tmp_path), jobs, holders, {"A": now - 200, "B": now})
+    assert by["trace"].released
+
+
+def test_summary_tells_stock_spread_from_ours():
+    """resident-2 (folder b-N-resident2): each arm's text per prompt = resident / = resident-2 /
+    differs from both, with bitwise logprobs and the prefill's first-logprob difference."""
+    sm = load_script("skew_bench_summary")
+
+    def greedy(run, lps):
+        run["greedy"] = [{"tokens": t, "logprobs": lp} for t, lp in lps]
+        return run
+
+    a, b = ([1, 2, 3], [-1.0, -2.0]), ([4, 5], [-0.5, -0.1])
+    a2 = ([1, 2, 3], [-1.01, -2.0])  # stock's own spread: same tokens, another prefill logprob
+    reports = [
+        _report([greedy(_run("resident", None, 500.0, 4000.0, h=1.0, reap=False), [a, b])]),
+        _report([greedy(_run("plan-cache", 25, 400.0, 2000.0, cache_h=0.7), [a2, ([4, 6], [-0.5, -0.2])])],
+                budget=25, identity="p25"),
+        {**_report([greedy(_run("resident", None, 500.0, 4000.0, h=1.0, reap=False), [a2, ([4, 6], b[1])])]),
+         "_job": "b-10-resident2"},
+    ]  # fmt: skip
+    doc = sm.summarize(reports)
+    rows = {r["arm"]: r for r in doc["rows"]}
+    assert rows["resident-2"]["pct"] == 100.0
+    c = rows["plan-cache"]["text"]
+    assert c["equal_resident"] == 1 and c["equal_resident_2"] == 2 and c["differs_from_both"] == 0
+    assert c["vs_resident"]["logprobs_bitwise"] == 0
+    assert c["vs_resident"]["first_logprob_max_abs_diff"] == pytest.approx(0.01)
+    assert c["vs_resident_2"]["logprobs_bitwise"] == 1
+    t = {x["target"]: x for x in doc["targets"]}
+    assert t["plan-cache greedy text = stock (resident), 25 %"]["met"] is False
+    assert t["plan-cache greedy text = resident or resident-2 (per prompt), 25 %"]["met"] is True
+    assert t["stock's own spread: resident-2 greedy text = resident"]["value"] == "1/2"
+    md = sm.markdown(doc)
+    assert "| plan-cache | 25.0 | 1/2 (bitwise 0, d0 1.0e-02) | 2/2 (bitwise 1, d0 0.0e+00) | 0/2 |" in md
+    assert "| resident | 100.0 | reference | 1/2" in md
+    # without resident-2 nothing changes: no extra table, no extra targets
+    doc1 = sm.summarize(reports[:2])
+    assert "differs from both" not in sm.markdown(doc1)
+    assert not any("resident-2" in x["target"] for x in doc1["targets"])
+
+
+def test_summary_main_names_the_resident2_folder(tmp_path):
+    import json
+
+    sm = load_script("skew_bench_summary")
+    for name in ("b-3-resident", "b-10-resident2"):
+        (tmp_path / name).mkdir()
+        rep = _report([_run("resident", None, 500.0, 4000.0, h=1.0, reap=False)])
+        (tmp_path / name / "bench.json").write_text(json.dumps(rep))
+    assert sm.main([str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "skew_bench.json").read_text())
+    assert [r["arm"] for r in doc["rows"]] == ["resident", "resident-2"]
+    assert "| resident-2 | 100.0 |" in (tmp_path / "skew_bench.md").read_text()
+
+
+def test_driver_inductor_deterministic_env_for_every_job(tmp_path, monkeypatch):
+    dr = load_script("gpu_skew_bench")
+    monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
+    assert "TORCHINDUCTOR_DETERMINISTIC" not in dr.job_env(_args(tmp_path))
+    assert dr.job_env(_args(tmp_path, inductor_deterministic=True))["TORCHINDUCTOR_DETERMINISTIC"] == "1"
+    assert dr.parse(["--inductor-deterministic"]).inductor_deterministic
+    assert not dr.parse([]).inductor_deterministic and not dr.parse([]).measure_during_startup
