@@ -124,10 +124,10 @@ ph_guards() {  # swap A/B first (no server), then the decode guard's servers sid
     --serves ${GUARD_SERVES:-2} --rounds ${GUARD_ROUNDS:-7} --deadline $(( ${GUARD_CAP:-420} - 40 )) >> $R/guards.log 2>&1
 }
 ph_swapguard() { timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > $R/swapguard.log 2>&1; }  # guards' swap half only
-ph_int4() {  # int4grp: contiguous INT4 groups, kernel test then the server e2e (small models; ~8 min)
-  timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu/test_int4_groups.py > $R/int4_kernel.log 2>&1
+ph_int4() {  # int4perm: identity-order INT4 groups (opt-in), kernel test then the server e2e (~8 min)
+  timeout 300 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu/test_int4_groups.py > $R/int4_kernel.log 2>&1
   timeout ${INT4_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/int4 --cases ${INT4_CASES:-awq,gptq,ct-w4a16} \
-    --reap-group-size auto --jobs 3 --stock-twice all > $R/int4.log 2>&1
+    --reap-group-size auto --reap-unverified-int4-groups --jobs 3 --stock-twice all > $R/int4.log 2>&1
 }
 ph_extra() { [ -f scripts/gpu_extra_phase.sh ] && bash scripts/gpu_extra_phase.sh $R/extra > $R/extra.log 2>&1; }
 
