@@ -105,12 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="EXPERIMENTAL grouped units: pass --reap-group-size to the reap-swap servers; the plan's "
         "slices become seeded random ids (scripts/group_e2e.py) and expected bytes count groups",
     )
-    ap.add_argument(
-        "--reap-unverified-int4-groups",
-        action="store_true",
-        help="pass --reap-unverified-int4-groups: INT4 layers in identity-order contiguous groups "
-        "(refused without it since run 12; research.md int4perm)",
-    )
+    ap.add_argument("--reap-unverified-int4-groups", action="store_true", help="INT4 identity groups")
     ap.add_argument("--one-case", help=argparse.SUPPRESS)  # the per-case child process
     a = ap.parse_args(argv)
     bad = sorted(set(a.cases.split(",")) - set(CASES))
@@ -138,8 +133,7 @@ def checkpoint(a: argparse.Namespace, fmt: str) -> Path:
 
 
 def case_info(name: str, model: Path, group_size: str | None = None, unverified_int4: bool = False) -> dict:
-    """What the launcher will do with the case (bound or refused) and the served expert payload;
-    INT4 binds only with --reap-group-size not 1 (contiguous groups, on vLLM's own Marlin path)."""
+    """What the launcher does with the case (bound or refused; INT4: quant_budget) and its payload."""
     cfg = json.loads((model / "config.json").read_text())
     extra = CASES[name][1]
     cli = extra[extra.index("--quantization") + 1] if "--quantization" in extra else None
