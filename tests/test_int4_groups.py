@@ -288,3 +288,35 @@ def test_the_launcher_binds_int4_only_in_groups_and_keeps_vllms_marlin_backend()
         assert not grouped.triton and "HBM" in grouped.uva_refusal  # Marlin stays; no UVA offload
     assert served_quant_of(GPTQ_CFG, "gptq_marlin", "auto", unverified_int4=True).engine_refusal  # unchecked
     assert served_quant_of({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "auto").triton
+
+
+@pytest.mark.usefixtures("opt_in")
+def test_identity_order_core_fill_keeps_the_best_covered_group_within_the_packed_hbm():
+    """16 experts, groups of 8, core {1, 9, 10}: a permuted layout packs the core into one group;
+    in identity order the load-time fill keeps the group holding 9 and 10 (group 1), never two."""
+    n = 16
+    g = torch.Generator().manual_seed(4)
+    t = {
+        "w13_qweight": torch.randint(0, 256, (n, 2 * I, H // 2), generator=g, dtype=torch.uint8),
+        "w2_qweight": torch.randint(0, 256, (n, H, I // 2), generator=g, dtype=torch.uint8),
+        "w13_scales": torch.rand(n, 2 * I, H // 128, generator=g).to(torch.bfloat16),
+        "w2_scales": torch.rand(n, H, I // 128, generator=g).to(torch.bfloat16),
+    }
+    m = gw._module(0, t, MoeWNA16Method())
+    m.local_num_experts = n
+    plan = SimpleNamespace(
+        layers={0: SimpleNamespace(core=[1, 9, 10], num_experts=n, slices=[SimpleNamespace(experts=[2, 3])])},
+        swappable_budget_bytes=8 * (W13 + W2),
+        per_expert_bytes=W13 + W2,
+        fill_order=lambda: ([], "none"),
+    )
+    eng = int4_engine("auto", GPTQ_CFG, plan=plan)
+    eng.attach_after_load(m, 0)
+    assert eng.refusals.reasons == {}
+    gs = eng.state.grouped
+    assert gs.layers[0].perm.is_identity and gs.layers[0].layout.group_size == 8
+    assert gs.table.resident() == {0: frozenset({1})}  # experts 8..15: holds 9 and 10
+    for p in range(n):  # identity order: physical row p is expert p, bytes as stock
+        assert torch.equal(m.w13_qweight[p], t["w13_qweight"][p]) and torch.equal(
+            m.w2_scales[p], t["w2_scales"][p]
+        )
