@@ -339,6 +339,10 @@ def resolve(
 def group_size_conflict(settings: Settings, sources: Mapping[str, str] | None = None) -> str | None:
     """Why --reap-group-size cannot be combined with the other settings (None: it can)."""
     if settings.group_size == "1":
+        if settings.unverified_int4_groups:
+            return (
+                "--reap-unverified-int4-groups needs --reap-group-size auto|2|4|8 (INT4 binds only in groups)"
+            )
         return None
     origin = "REAP_GROUP_SIZE" if (sources or {}).get("group_size") == "env" else "--reap-group-size"
     if settings.cache_device == "on":

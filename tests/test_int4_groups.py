@@ -185,14 +185,17 @@ def test_auto_refuses_int4_layers_by_name_citing_run_12_and_keeps_the_stock_path
 
 
 def test_the_opt_in_is_a_setting_that_reaches_the_workers():
-    from reap_swap.settings import Settings, resolve
+    from reap_swap.settings import Settings, SettingsError, resolve
 
     plan = {"plan_file": "p.json"}
     assert resolve(plan, {}).settings.unverified_int4_groups is False
     on = resolve({**plan, "group_size": "auto"}, {UNVERIFIED_INT4_ENV: "1"}).settings
     assert on.unverified_int4_groups is True
     assert Settings.from_worker_config(on.to_worker_config()).unverified_int4_groups is True
-    assert resolve({**plan, "unverified_int4_groups": True}, {}).settings.unverified_int4_groups is True
+    flags = {**plan, "group_size": "8", "unverified_int4_groups": True}
+    assert resolve(flags, {}).settings.unverified_int4_groups is True
+    with pytest.raises(SettingsError, match="needs --reap-group-size"):  # a no-op flag is refused
+        resolve({**plan, "unverified_int4_groups": True}, {})
 
 
 def test_identity_fill_keeps_the_best_covered_groups_within_the_packed_hbm():
