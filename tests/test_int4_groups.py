@@ -323,3 +323,35 @@ def test_identity_order_core_fill_keeps_the_best_covered_group_within_the_packed
         assert torch.equal(m.w13_qweight[p], t["w13_qweight"][p]) and torch.equal(
             m.w2_scales[p], t["w2_scales"][p]
         )
+
+
+class AutoGPTQMoEMethod(AutoAWQMoEMethod):  # GPTQ through Marlin (vLLM 0.26 auto_gptq.py)
+    pass
+
+
+def gptq_sym_marlin_layer(index, seed):
+    """Sym GPTQ after gptq_marlin_moe_repack: no zero points reach the kernel, and auto_gptq.py:581-603
+    leaves w13/w2_qzeros as registered, dtype params_dtype (bf16): half the bytes int32 zeros take."""
+    m = awq_marlin_layer(index, seed)
+    m.quant_method = AutoGPTQMoEMethod()
+    for name, n_out, k_in in (("w13_qzeros", 2 * I, H), ("w2_qzeros", H, I)):
+        bf16 = torch.zeros(E, k_in // 128, n_out // 8, dtype=torch.bfloat16)
+        setattr(m, name, torch.nn.Parameter(bf16, requires_grad=False))
+    return m
+
+
+@pytest.mark.usefixtures("opt_in")
+def test_sym_gptq_placeholder_zeros_are_kept_whole_not_refused_run_12_gptq_case():
+    """Run 12's gptq case: 'w2_qzeros: 3072 bytes per expert, the int/group config implies 6144'."""
+    from reap_swap.quant_scheme import scheme_from_config
+
+    assert not scheme_from_config(GPTQ_CFG).zero_point and scheme_from_config(AWQ_CFG).zero_point
+    assert scheme_from_config({**GPTQ_CFG, "sym": False}).zero_point
+    eng = int4_engine("auto", GPTQ_CFG, plan=gw.fake_plan(expert_slots=16, per_expert=W13 + W2))
+    eng.attach_after_load(gptq_sym_marlin_layer(0, 2), 0)
+    assert eng.refusals.reasons == {}
+    assert {"w13_qzeros", "w2_qzeros"} <= set(eng.state.grouped.layers[0].kept)
+    # the same bf16 placeholders under AWQ (zero points used) are still refused by size
+    eng = int4_engine("auto", AWQ_CFG, plan=gw.fake_plan(expert_slots=16, per_expert=W13 + W2))
+    eng.attach_after_load(gptq_sym_marlin_layer(1, 2), 1)
+    assert "w2_qzeros: 3072 bytes per expert" in eng.refusals.reasons["model.layers.1.mlp.experts"]
