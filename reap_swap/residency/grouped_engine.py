@@ -226,7 +226,7 @@ def _convert(st, layer, index, bound, layout, perm, why) -> None:
             for l, g in gs.table.resident().items()
         }
         core = set(st.plan.layers[index].core)
-        if perm.is_identity and layout.group_size > 1:  # no packing: the best-covered groups fit
+        if bound.contiguous and layout.group_size > 1:  # identity order, no packing: best-covered groups
             core = set(identity_fill(core, layout.group_size))
         current[index] = core
         grouped.apply_logical(gs, current, count=False)
