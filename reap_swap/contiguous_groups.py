@@ -13,17 +13,55 @@ resident. Qwen3-30B-A3B INT4 g128 (H = 2048, I = 768): w13 1.5 MiB, w2 0.75 MiB 
 (12 MiB + 6 MiB per group, 0 % padding). The group layout itself is `group_layout.plan_groups`
 (its stride formula gives stride = slab exactly when b aligns); this module only chooses b and
 refuses, by name, what does not align. Pure: no torch, no vLLM.
+
+Run 12 (H200, vLLM 0.26.0, 2026-12-01; research.md "int4perm"): the *permuted* contiguous groups
+were NOT bitwise on Marlin -- gptq-/awq-marlin differed from stock at m = 8 and 64 in every residency
+state, all experts resident included. Root cause (read in Marlin's kernel): the kernel splits the
+concatenation of (moe block, n tile, k tile) evenly over the SMs, so where an expert's K reduction is
+cut between thread blocks depends on the *position* of its blocks, and moe_align_block_size orders
+the blocks by expert id; permuted ids move an expert's blocks, hence its fp32 partial sums. So on
+CUDA --reap-group-size refuses INT4 layers (`INT4_GROUPS_REFUSED`, stock path kept) unless
+REAP_SWAP_UNVERIFIED_INT4_GROUPS=1 / --reap-unverified-int4-groups (settings.py) opts into the identity-order variant (groups of consecutive
+expert ids, no permutation: the kernel sees stock's ids and stock's bytes at stock's offsets), which
+is to be verified on the next GPU lease (tests/gpu/test_int4_groups.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 
 from reap_swap.group_layout import GROUP_SIZES, GroupLayout, plan_groups
 from reap_swap.quant_padding import GRANULE
 
 MAX_CONTIGUOUS_B = 16  # larger groups make the residency too coarse to follow a plan's slices
 CANDIDATES = (1, 2, 4, 8, 16)
+
+
+UNVERIFIED_INT4_ENV = "REAP_SWAP_UNVERIFIED_INT4_GROUPS"
+INT4_GROUPS_REFUSED = (
+    "INT4 contiguous groups are not bitwise to stock on CUDA: H200 run 12 (vLLM 0.26.0, 2026-12-01) "
+    "measured gptq-/awq-marlin outputs differing from stock at m = 8 and 64 in every residency state "
+    "(0 %..100 % resident), and awq / ct-w4a16 served MoE digests differing at 0/25/50/100 %; cause: "
+    "the permuted expert ids move each expert's blocks in Marlin's SM stripe schedule (research.md "
+    f"int4perm); kept on vLLM's stock path ({UNVERIFIED_INT4_ENV}=1: the unverified identity-order "
+    "variant)"
+)
+
+
+def identity_fill(wanted: Iterable[int], group_size: int, max_groups: int | None = None) -> list[int]:
+    """The wanted experts kept in identity order (group g = experts g*b .. g*b + b-1) when at most
+    `max_groups` groups may be resident (default: ceil(len(wanted) / b), the HBM a permuted layout
+    packs them into): the groups holding the most wanted experts, ties to the lower group id."""
+    wanted = sorted({int(e) for e in wanted})
+    if group_size < 1:
+        raise ValueError(f"group size {group_size}")
+    cap = math.ceil(len(wanted) / group_size) if max_groups is None else max(int(max_groups), 0)
+    per_group: dict[int, list[int]] = {}
+    for e in wanted:
+        per_group.setdefault(e // group_size, []).append(e)
+    ranked = sorted(per_group, key=lambda g: (-len(per_group[g]), g))[:cap]
+    return sorted(e for g in ranked for e in per_group[g])
 
 
 class ContiguousLayoutError(ValueError):

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from reap_swap.contiguous_groups import INT4_GROUPS_REFUSED
 from reap_swap.quant_scheme import QuantScheme, scheme_from_config
 
 # vLLM `--quantization` values that pick a method the engine refuses, whatever the checkpoint
@@ -76,9 +77,13 @@ INT4_GROUPED_UVA_REFUSAL = (
 GROUPED_INT4_CLI = frozenset({"moe_wna16"})
 
 
-def _grouped_int4(scheme: QuantScheme, method: str, cli: str, group_size: str) -> ServedQuant | None:
+def _grouped_int4(
+    scheme: QuantScheme, method: str, cli: str, group_size: str, unverified_int4: bool
+) -> ServedQuant | None:
     if group_size == "1" or scheme.kind != "int" or scheme.bits != 4 or cli not in ("", *GROUPED_INT4_CLI):
         return None
+    if not unverified_int4:  # run 12: not bitwise on Marlin (contiguous_groups' docstring)
+        return ServedQuant(cli or method, scheme, f"{cli or method}: {INT4_GROUPS_REFUSED}")
     return ServedQuant(cli or method, scheme, None, INT4_GROUPED_UVA_REFUSAL, triton=False)
 
 
@@ -100,12 +105,17 @@ def _refusal(method: str, scheme: QuantScheme) -> str | None:
 
 
 def served_quant(
-    scheme: QuantScheme, method: str = "", cli_quantization: str | None = None, group_size: str = "1"
+    scheme: QuantScheme,
+    method: str = "",
+    cli_quantization: str | None = None,
+    group_size: str = "1",
+    unverified_int4: bool = False,
 ) -> ServedQuant:
     """The checkpoint's scheme (``ModelShape.quant``), its ``quant_method``, ``--quantization`` and
-    ``--reap-group-size`` (INT4 binds only in contiguous groups)."""
+    ``--reap-group-size`` (INT4 binds only in contiguous groups, and only with
+    ``--reap-unverified-int4-groups``: run 12, research.md int4perm)."""
     cli = (cli_quantization or "").lower()
-    grouped = _grouped_int4(scheme, method, cli, str(group_size))
+    grouped = _grouped_int4(scheme, method, cli, str(group_size), unverified_int4)
     if grouped is not None:
         return grouped
     if cli in REFUSED_CLI_METHODS:
@@ -117,11 +127,16 @@ def served_quant(
 
 
 def served_quant_of(
-    quant_config: Mapping[str, Any] | None, cli_quantization: str | None = None, group_size: str = "1"
+    quant_config: Mapping[str, Any] | None,
+    cli_quantization: str | None = None,
+    group_size: str = "1",
+    unverified_int4: bool = False,
 ) -> ServedQuant:
     """As `served_quant`, from an HF ``quantization_config`` (or None)."""
     method = str((quant_config or {}).get("quant_method", "")).lower()
-    return served_quant(scheme_from_config(quant_config), method, cli_quantization, group_size)
+    return served_quant(
+        scheme_from_config(quant_config), method, cli_quantization, group_size, unverified_int4
+    )
 
 
 def device_load_refusal(

@@ -275,6 +275,9 @@ def bind_tensor(
     slab = int(p.nbytes / spec.num_experts)
     if p.numel == 0:  # e.g. Marlin's [E, 0] g_idx_sort_indices without act-order: no rows to bind
         return TensorBinding(p.name, role, Decision.KEEP_WHOLE, "empty (0 bytes): nothing to bind", 0)
+    if role == "zero" and not scheme.zero_point:  # sym GPTQ: auto_gptq.py:581-603's params_dtype placeholders
+        why = "zero points of a symmetric scheme: never passed to the kernel; kept whole, unchecked"
+        return TensorBinding(p.name, role, Decision.KEEP_WHOLE, why, slab)
     problem = _layout_problem(p) or _shape_problem(p, role, spec, scheme) or _implied_stride_problem(p, spec)
     if problem:
         return TensorBinding(p.name, role, Decision.REFUSE, problem, slab)

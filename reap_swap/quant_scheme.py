@@ -22,6 +22,7 @@ class QuantScheme:
     strategy: str  # none / tensor / channel / group / block
     group_size: int = 0
     block: tuple[int, int] | None = None
+    zero_point: bool = True  # False: symmetric GPTQ, whose zero-point tensors the kernel never gets
 
 
 def _ct_weights(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -45,7 +46,10 @@ def scheme_from_config(cfg: Mapping[str, Any] | None) -> QuantScheme:
     if method in ("awq", "awq_marlin", "gptq", "gptq_marlin", "moe_wna16"):
         bits = int(cfg.get("bits", cfg.get("w_bit", 4)))
         group = int(cfg.get("group_size", cfg.get("q_group_size", 128)))
-        return QuantScheme("int", bits, "group" if group > 0 else "channel", group_size=max(group, 0))
+        # vLLM 0.26 auto_gptq.py:780-790 passes w13/w2_qzeros to the kernel only when not sym (CUDA)
+        zp = not (method.startswith("gptq") and cfg.get("sym") is True)
+        strategy = "group" if group > 0 else "channel"
+        return QuantScheme("int", bits, strategy, group_size=max(group, 0), zero_point=zp)
     if method == "mxfp4":
         return QuantScheme("mxfp4", 4, "group", group_size=32)
     if method == "compressed-tensors":

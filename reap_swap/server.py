@@ -164,7 +164,9 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
     if settings.accounting_reason(vllm_serve.platform_name()) is not None:
         return
     cli = getattr(args, "quantization", None)
-    served = served_quant(shape.quant, shape.quant_method, cli, settings.group_size)
+    served = served_quant(
+        shape.quant, shape.quant_method, cli, settings.group_size, settings.unverified_int4_groups
+    )
     if not served.launcher_may_offload:
         log.info(
             "reap-swap: vLLM arguments left as given (stock path, every expert in HBM): %s; "

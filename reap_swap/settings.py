@@ -20,6 +20,7 @@ error listing the known names: a typo must not start a server that silently igno
 | REAP_CACHE_SEED             | --reap-cache-seed pinned,seeded | CUDA device cache: pinned (default, core+dlfu: the plan core pinned by the engine, the cache on the tail) or seeded (dlfu-seeded, accounting mode's policy: each layer's core + tail share is cache slots seeded with the core, evictable; a per-request swap pins its set inside them, a set wider than a layer's share is refused naming the layer; residency/device_cache_seeded.py); in accounting residency seeded runs lfu as the same integer dlfu-seeded |
 | REAP_CACHE_RECORD_STEPS     | --reap-cache-record-steps N   | keep the last N steps' routing the cache saw (0 = off), read back by GET /reap/cache/trace |
 | REAP_GROUP_SIZE             | --reap-group-size auto,1,2,4,8 | EXPERIMENTAL (CUDA, not yet verified in a server on a GPU): experts in mapping units of b physically adjacent experts in a plan-chosen order, ids remapped after counting (residency/grouped_engine.py); auto = the smallest b wasting < 12 % (FP8 on Triton: 2, bf16: 1); default 1 = private units, today's engine unchanged; refused with --reap-cache-device on and with --reap-budget auto/GiB |
+| REAP_SWAP_UNVERIFIED_INT4_GROUPS | --reap-unverified-int4-groups | UNVERIFIED (research.md int4perm): with --reap-group-size not 1, bind INT4 (Marlin / moe_wna16) layers in identity-order contiguous groups; without it they are refused (run 12: the permuted groups were not bitwise on Marlin) |
 | REAP_CACHE_SHADOW           | --reap-cache-shadow off,out,bytes | debug (CUDA device cache): every cached MoE step also runs the uncached kernel and compares on the device (out), and checks every slot's bytes (bytes, slow); results in /reap/status cache.shadow (residency/device_cache_shadow.py) |
 
 Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
@@ -81,6 +82,7 @@ class Settings(BaseModel):
     cache_record_steps: int = Field(default=0, ge=0)
     cache_shadow: Literal["off", "out", "bytes"] = "off"  # debug shadow of the device cache
     group_size: Literal["auto", "1", "2", "4", "8"] = "1"  # grouped units (issue 16); experimental
+    unverified_int4_groups: bool = False  # INT4 identity-order groups: not verified on a GPU (int4perm)
 
     @field_validator("group_size", mode="before")
     @classmethod
@@ -220,6 +222,15 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
             "help": "EXPERIMENTAL: experts per mapping unit (grouped units, CUDA; default 1 = private units)",
         },
     ),
+    "unverified_int4_groups": (
+        "REAP_SWAP_UNVERIFIED_INT4_GROUPS",
+        "--reap-unverified-int4-groups",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "UNVERIFIED: INT4 layers in identity-order contiguous groups (else refused; research.md)",
+        },
+    ),
 }
 ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())
 FLAG_NAMES: tuple[str, ...] = tuple(spec[1] for spec in _SPEC.values())
@@ -328,6 +339,10 @@ def resolve(
 def group_size_conflict(settings: Settings, sources: Mapping[str, str] | None = None) -> str | None:
     """Why --reap-group-size cannot be combined with the other settings (None: it can)."""
     if settings.group_size == "1":
+        if settings.unverified_int4_groups:
+            return (
+                "--reap-unverified-int4-groups needs --reap-group-size auto|2|4|8 (INT4 binds only in groups)"
+            )
         return None
     origin = "REAP_GROUP_SIZE" if (sources or {}).get("group_size") == "env" else "--reap-group-size"
     if settings.cache_device == "on":

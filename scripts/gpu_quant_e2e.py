@@ -105,6 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="EXPERIMENTAL grouped units: pass --reap-group-size to the reap-swap servers; the plan's "
         "slices become seeded random ids (scripts/group_e2e.py) and expected bytes count groups",
     )
+    ap.add_argument("--reap-unverified-int4-groups", action="store_true", help="INT4 identity groups")
     ap.add_argument("--one-case", help=argparse.SUPPRESS)  # the per-case child process
     a = ap.parse_args(argv)
     bad = sorted(set(a.cases.split(",")) - set(CASES))
@@ -131,13 +132,13 @@ def checkpoint(a: argparse.Namespace, fmt: str) -> Path:
     return folder
 
 
-def case_info(name: str, model: Path, group_size: str | None = None) -> dict:
-    """What the launcher will do with the case (bound or refused) and the served expert payload;
-    INT4 binds only with --reap-group-size not 1 (contiguous groups, on vLLM's own Marlin path)."""
+def case_info(name: str, model: Path, group_size: str | None = None, unverified_int4: bool = False) -> dict:
+    """What the launcher does with the case (bound or refused; INT4: quant_budget) and its payload."""
     cfg = json.loads((model / "config.json").read_text())
     extra = CASES[name][1]
     cli = extra[extra.index("--quantization") + 1] if "--quantization" in extra else None
-    served = served_quant_of(quantization_config(cfg.get("text_config") or cfg, cfg), cli, group_size or "1")
+    qc = quantization_config(cfg.get("text_config") or cfg, cfg)
+    served = served_quant_of(qc, cli, group_size or "1", unverified_int4)
     s = read_model_shape(cfg)
     fmt = expert_format(served.scheme, s.hidden_size, s.moe_intermediate_size, s.dtype_bytes, s.expert_bias)
     return {
@@ -167,6 +168,7 @@ def commands(name: str, model: Path, info: dict, a: argparse.Namespace) -> dict:
     stock = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *common]
     reap = [py, "-m", "reap_swap.server", str(model), *common]
     reap += ["--reap-group-size", a.reap_group_size] if getattr(a, "reap_group_size", None) else []
+    reap += ["--reap-unverified-int4-groups"] if getattr(a, "reap_unverified_int4_groups", False) else []
     return {"stock": stock + gpu_e2e.PROBE_EXTENSION, "reap": reap}
 
 
@@ -245,7 +247,7 @@ def one_case(a: argparse.Namespace, name: str) -> dict:
     global DECODE_TOKENS
     gpu_e2e.PROBE, gpu_e2e.GREEDY_TOKENS, DECODE_TOKENS = True, a.greedy_tokens, a.decode_tokens
     model = checkpoint(a, CASES[name][0])
-    info = case_info(name, model, a.reap_group_size)
+    info = case_info(name, model, a.reap_group_size, a.reap_unverified_int4_groups)
     out = a.out / name
     out.mkdir(parents=True, exist_ok=True)
     cmds = commands(name, model, info, a)
@@ -356,7 +358,7 @@ def main(argv=None) -> int:
         plans = {}
         for n in names:
             model = checkpoint(a, CASES[n][0])
-            info = case_info(n, model, a.reap_group_size)
+            info = case_info(n, model, a.reap_group_size, a.reap_unverified_int4_groups)
             plans[n] = {**info, "commands": commands(n, model, info, a)}
             gpu_e2e.make_plan(model, 0.0, 8, a.out / f"plan-{n}.json")
         (a.out / "dry_run.json").write_text(json.dumps(plans, indent=1))

@@ -6,7 +6,8 @@
   carry passengers and the logical -> physical remap is really exercised.
 - `GroupExpect`: the bytes a grouped swap must copy, from the plan's own permutation
   (`group_layout.plan_permutations`) and the server's reported layout (/reap/status
-  `workers[0].engine.layouts`): admitted groups x group payload, per layer.
+  `workers[0].engine.layouts`): admitted groups x group payload, per layer; a layer reported
+  `permuted: false` (INT4 identity order, research.md int4perm) is counted in identity order.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from reap_swap.group_layout import groups_for, plan_permutations
+from reap_swap.group_layout import Permutation, groups_for, plan_permutations
 from reap_swap.plan import load_plan
 
 
@@ -53,7 +54,10 @@ class GroupExpect:
             lay = self.layouts.get(layer)
             if lay is None:
                 continue
-            groups = groups_for(ids, self.perms[layer], int(lay["group_size"]))
+            perm = self.perms[layer]
+            if not lay.get("permuted", True):  # identity-order INT4 groups (research.md int4perm)
+                perm = Permutation.identity(perm.num_experts)
+            groups = groups_for(ids, perm, int(lay["group_size"]))
             fresh = groups - self.resident.get(layer, frozenset())
             admitted += len(fresh)
             nbytes += len(fresh) * int(lay["group_payload_bytes"])

@@ -148,7 +148,11 @@ def test_arms_per_case_and_the_fresh_compile_of_stock2(tmp_path, monkeypatch):
     pair (both servers with --enforce-eager); fp8-block: stock and reap only."""
     calls = []
     monkeypatch.setattr(qe, "checkpoint", lambda a, fmt: tmp_path / fmt)
-    monkeypatch.setattr(qe, "case_info", lambda name, model, group=None: {"binds": True, "dtype": "bfloat16"})
+    monkeypatch.setattr(
+        qe,
+        "case_info",
+        lambda name, model, group=None, unverified=False: {"binds": True, "dtype": "bfloat16"},
+    )
     monkeypatch.setattr(
         qe, "run_stock", lambda argv, out, dl, name="stock", env=None: calls.append((name, argv, env)) or {}
     )

@@ -13,9 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 from reap_swap.contiguous_groups import (
+    INT4_GROUPS_REFUSED,
+    UNVERIFIED_INT4_ENV,
     ContiguousLayoutError,
     check_contiguous_group,
     contiguous_group_size,
+    identity_fill,
     plan_contiguous_groups,
 )
 
@@ -30,6 +33,13 @@ AWQ_CFG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": Tr
 GPTQ_CFG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 pytestmark = pytest.mark.usefixtures("cpu_vmm")  # the CPU stand-in of the VMM (harmless for pure tests)
 W13, W2 = 2 * I * H // 2, H * I // 2  # packed int4 bytes per expert: 1.5 MiB, 0.75 MiB
+
+
+@pytest.fixture
+def opt_in(monkeypatch):
+    """--reap-unverified-int4-groups: the identity-order variant (unverified on a GPU); the runtime
+    sets this engine attribute from the settings (reap_swap/runtime.py)."""
+    monkeypatch.setattr(gw.engine_mod.CudaEngine, "unverified_int4_groups", True, raising=False)
 
 
 # -- the pure choice of b --------------------------------------------------------------------------
@@ -160,7 +170,48 @@ def test_default_group_size_refuses_contiguous_kernels_by_name():
     assert "<layout>: MarlinExperts implies the expert stride" in why and "--reap-group-size auto" in why
 
 
-def test_awq_marlin_layers_attach_in_contiguous_groups_scales_zeros_stay_whole_and_permuted():
+def test_auto_refuses_int4_layers_by_name_citing_run_12_and_keeps_the_stock_path():
+    for quant, make in ((AWQ_CFG, awq_marlin_layer), (GPTQ_CFG, wna16_layer)):
+        eng = int4_engine("auto", quant, plan=gw.fake_plan(expert_slots=16, per_expert=W13 + W2))
+        m = make(0, 1)
+        before = {n: (t.data_ptr(), t.detach().clone()) for n, t in m.named_parameters()}
+        eng.attach_after_load(m, 0)
+        why = eng.refusals.reasons["model.layers.0.mlp.experts"]
+        assert INT4_GROUPS_REFUSED in why and "run 12" in why and UNVERIFIED_INT4_ENV in why
+        assert eng.state.grouped is None or not eng.state.grouped.layers  # nothing half-applied
+        assert not hasattr(m, "reap_group_map") and not getattr(m, "_reap_vmm", False)
+        for n, t in m.named_parameters():  # stock tensors, same storage, same bytes
+            assert t.data_ptr() == before[n][0] and torch.equal(t, before[n][1]), n
+
+
+def test_the_opt_in_is_a_setting_that_reaches_the_workers():
+    from reap_swap.settings import Settings, SettingsError, resolve
+
+    plan = {"plan_file": "p.json"}
+    assert resolve(plan, {}).settings.unverified_int4_groups is False
+    on = resolve({**plan, "group_size": "auto"}, {UNVERIFIED_INT4_ENV: "1"}).settings
+    assert on.unverified_int4_groups is True
+    assert Settings.from_worker_config(on.to_worker_config()).unverified_int4_groups is True
+    flags = {**plan, "group_size": "8", "unverified_int4_groups": True}
+    assert resolve(flags, {}).settings.unverified_int4_groups is True
+    with pytest.raises(SettingsError, match="needs --reap-group-size"):  # a no-op flag is refused
+        resolve({**plan, "unverified_int4_groups": True}, {})
+
+
+def test_identity_fill_keeps_the_best_covered_groups_within_the_packed_hbm():
+    assert identity_fill([], 8) == []
+    assert identity_fill([3, 1, 2], 8) == [1, 2, 3]  # one group: ceil(3 / 8)
+    # 4 wanted over 3 groups of 4, room for ceil(4/4) = 1: group 1 holds two of them
+    assert identity_fill([0, 5, 6, 9], 4) == [5, 6]
+    assert identity_fill([0, 5, 6, 9], 4, max_groups=2) == [0, 5, 6]  # tie 0 vs 9: lower group
+    assert identity_fill([0, 5, 6, 9], 4, max_groups=9) == [0, 5, 6, 9]
+    assert identity_fill([0, 9], 4, max_groups=0) == []
+    with pytest.raises(ValueError):
+        identity_fill([1], 0)
+
+
+@pytest.mark.usefixtures("opt_in")
+def test_opted_in_awq_marlin_layers_attach_in_identity_order_scales_zeros_untouched():
     # 16 experts' budget at the INT4 price: 3 groups of 18 MiB (each layer's core needs one)
     eng = int4_engine("auto", AWQ_CFG, plan=gw.fake_plan(expert_slots=16, per_expert=W13 + W2))
     layers = {l: awq_marlin_layer(l, 20 + l) for l in (0, 1)}
@@ -178,13 +229,15 @@ def test_awq_marlin_layers_attach_in_contiguous_groups_scales_zeros_stay_whole_a
         assert m.w13_qweight.is_contiguous() and m.w2_qweight.is_contiguous()  # fused_marlin_moe asserts it
         assert m.w13_weight is m.w13_qweight or m.w13_weight.data_ptr() == m.w13_qweight.data_ptr()
         assert m.w13_qweight.data_ptr() == entry.ranges["w13_qweight"].base  # page-aligned base
-        assert set(entry.kept) == {"w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros"}  # [E, 0]: untouched
+        assert entry.perm.is_identity and not eng.state.layouts[l]["permuted"]  # stock ids (int4perm)
+        assert m.reap_group_map.tolist() == list(range(E)) and "identity order" in entry.why
         for p, e in enumerate(entry.perm.to_logical):
             for name in ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros"):
                 assert torch.equal(getattr(m, name)[p], originals[l][name][e]), (name, p, e)
         assert m.w13_g_idx.shape == (E, 0)
 
 
+@pytest.mark.usefixtures("opt_in")
 def test_moe_wna16_layer_in_one_group_computes_what_stock_computes_across_swaps():
     eng = int4_engine("auto", GPTQ_CFG, plan=gw.fake_plan(expert_slots=16, per_expert=W13 + W2))
     m = wna16_layer(0, 3)
@@ -202,10 +255,11 @@ def test_moe_wna16_layer_in_one_group_computes_what_stock_computes_across_swaps(
     out = backend.apply({0: [3]})
     assert (out["admitted"], out["bytes_copied"]) == (1, 18 * MIB)  # the whole group, whole pages
     assert torch.equal(int4_reference(m, x, ids, w), ref)
-    # negative control: without the logical -> physical remap the permuted layer is wrong
-    assert not torch.equal(int4_reference(m, x, ids, w, phys=False), ref)
+    assert eng.state.grouped.layers[0].perm.is_identity  # identity order: the ids are stock's
+    assert torch.equal(int4_reference(m, x, ids, w, phys=False), ref)
 
 
+@pytest.mark.usefixtures("opt_in")
 def test_misfit_shapes_and_the_device_cache_are_refused_by_name_never_private_units():
     eng = int4_engine("4", AWQ_CFG)
     eng.attach_after_load(awq_marlin_layer(0, 1), 0)
@@ -217,14 +271,87 @@ def test_misfit_shapes_and_the_device_cache_are_refused_by_name_never_private_un
     assert "contiguous groups only" in eng.refusals.reasons["model.layers.1.mlp.experts"]
 
 
+def test_the_launcher_refuses_int4_groups_without_the_opt_in():
+    from reap_swap.quant_budget import served_quant_of
+
+    for cfg, cli in ((AWQ_CFG, None), (GPTQ_CFG, None), (GPTQ_CFG, "moe_wna16")):
+        served = served_quant_of(cfg, cli, "auto")
+        assert INT4_GROUPS_REFUSED in served.engine_refusal and not served.launcher_may_offload
+    assert served_quant_of({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "auto").triton
+
+
 def test_the_launcher_binds_int4_only_in_groups_and_keeps_vllms_marlin_backend():
     from reap_swap.quant_budget import served_quant_of
 
     for cfg, cli in ((AWQ_CFG, None), (GPTQ_CFG, None), (GPTQ_CFG, "moe_wna16")):
         stock = served_quant_of(cfg, cli)
         assert stock.engine_refusal and "--reap-group-size auto" in stock.engine_refusal or cli
-        grouped = served_quant_of(cfg, cli, "auto")
+        grouped = served_quant_of(cfg, cli, "auto", unverified_int4=True)
         assert grouped.engine_refusal is None and grouped.launcher_may_offload
         assert not grouped.triton and "HBM" in grouped.uva_refusal  # Marlin stays; no UVA offload
-    assert served_quant_of(GPTQ_CFG, "gptq_marlin", "auto").engine_refusal  # not a checked method
+    assert served_quant_of(GPTQ_CFG, "gptq_marlin", "auto", unverified_int4=True).engine_refusal  # unchecked
     assert served_quant_of({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "auto").triton
+
+
+@pytest.mark.usefixtures("opt_in")
+def test_identity_order_core_fill_keeps_the_best_covered_group_within_the_packed_hbm():
+    """16 experts, groups of 8, core {1, 9, 10}: a permuted layout packs the core into one group;
+    in identity order the load-time fill keeps the group holding 9 and 10 (group 1), never two."""
+    n = 16
+    g = torch.Generator().manual_seed(4)
+    t = {
+        "w13_qweight": torch.randint(0, 256, (n, 2 * I, H // 2), generator=g, dtype=torch.uint8),
+        "w2_qweight": torch.randint(0, 256, (n, H, I // 2), generator=g, dtype=torch.uint8),
+        "w13_scales": torch.rand(n, 2 * I, H // 128, generator=g).to(torch.bfloat16),
+        "w2_scales": torch.rand(n, H, I // 128, generator=g).to(torch.bfloat16),
+    }
+    m = gw._module(0, t, MoeWNA16Method())
+    m.local_num_experts = n
+    plan = SimpleNamespace(
+        layers={0: SimpleNamespace(core=[1, 9, 10], num_experts=n, slices=[SimpleNamespace(experts=[2, 3])])},
+        swappable_budget_bytes=8 * (W13 + W2),
+        per_expert_bytes=W13 + W2,
+        fill_order=lambda: ([], "none"),
+    )
+    eng = int4_engine("auto", GPTQ_CFG, plan=plan)
+    eng.attach_after_load(m, 0)
+    assert eng.refusals.reasons == {}
+    gs = eng.state.grouped
+    assert gs.layers[0].perm.is_identity and gs.layers[0].layout.group_size == 8
+    assert gs.table.resident() == {0: frozenset({1})}  # experts 8..15: holds 9 and 10
+    for p in range(n):  # identity order: physical row p is expert p, bytes as stock
+        assert torch.equal(m.w13_qweight[p], t["w13_qweight"][p]) and torch.equal(
+            m.w2_scales[p], t["w2_scales"][p]
+        )
+
+
+class AutoGPTQMoEMethod(AutoAWQMoEMethod):  # GPTQ through Marlin (vLLM 0.26 auto_gptq.py)
+    pass
+
+
+def gptq_sym_marlin_layer(index, seed):
+    """Sym GPTQ after gptq_marlin_moe_repack: no zero points reach the kernel, and auto_gptq.py:581-603
+    leaves w13/w2_qzeros as registered, dtype params_dtype (bf16): half the bytes int32 zeros take."""
+    m = awq_marlin_layer(index, seed)
+    m.quant_method = AutoGPTQMoEMethod()
+    for name, n_out, k_in in (("w13_qzeros", 2 * I, H), ("w2_qzeros", H, I)):
+        bf16 = torch.zeros(E, k_in // 128, n_out // 8, dtype=torch.bfloat16)
+        setattr(m, name, torch.nn.Parameter(bf16, requires_grad=False))
+    return m
+
+
+@pytest.mark.usefixtures("opt_in")
+def test_sym_gptq_placeholder_zeros_are_kept_whole_not_refused_run_12_gptq_case():
+    """Run 12's gptq case: 'w2_qzeros: 3072 bytes per expert, the int/group config implies 6144'."""
+    from reap_swap.quant_scheme import scheme_from_config
+
+    assert not scheme_from_config(GPTQ_CFG).zero_point and scheme_from_config(AWQ_CFG).zero_point
+    assert scheme_from_config({**GPTQ_CFG, "sym": False}).zero_point
+    eng = int4_engine("auto", GPTQ_CFG, plan=gw.fake_plan(expert_slots=16, per_expert=W13 + W2))
+    eng.attach_after_load(gptq_sym_marlin_layer(0, 2), 0)
+    assert eng.refusals.reasons == {}
+    assert {"w13_qzeros", "w2_qzeros"} <= set(eng.state.grouped.layers[0].kept)
+    # the same bf16 placeholders under AWQ (zero points used) are still refused by size
+    eng = int4_engine("auto", AWQ_CFG, plan=gw.fake_plan(expert_slots=16, per_expert=W13 + W2))
+    eng.attach_after_load(gptq_sym_marlin_layer(1, 2), 1)
+    assert "w2_qzeros: 3072 bytes per expert" in eng.refusals.reasons["model.layers.1.mlp.experts"]

@@ -27,7 +27,14 @@ from typing import Any
 import torch
 
 from reap_swap.compat import moe as vllm_moe
-from reap_swap.contiguous_groups import ContiguousLayoutError, contiguous_group_size, plan_contiguous_groups
+from reap_swap.contiguous_groups import (
+    INT4_GROUPS_REFUSED,
+    UNVERIFIED_INT4_ENV,
+    ContiguousLayoutError,
+    contiguous_group_size,
+    identity_fill,
+    plan_contiguous_groups,
+)
 from reap_swap.group_layout import (
     GroupLayout,
     Permutation,
@@ -55,7 +62,11 @@ def slabs_of(bound: Any) -> list[tuple[str, int]]:
 
 def decide_contiguous(engine: Any, st: Any, bound: Any) -> tuple[int, str]:
     """(b, why) for a kernel that implies stride = slab (Marlin, moe_wna16); b = 0: refused, `why`
-    says why. Never private units: they would be read at the wrong address."""
+    says why. Never private units: they would be read at the wrong address. Refused on CUDA unless
+    --reap-unverified-int4-groups (run 12: not bitwise on Marlin; contiguous_groups' docstring); the
+    runtime sets `engine.unverified_int4_groups` from the settings."""
+    if not getattr(engine, "unverified_int4_groups", False):
+        return 0, INT4_GROUPS_REFUSED
     if engine.cache is not None:
         return (
             0,
@@ -87,8 +98,12 @@ def decide(engine: Any, st: Any, bound: Any) -> tuple[int, str]:
     return b, why
 
 
-def permutation_for(engine: Any, st: Any, index: int, num_experts: int) -> Permutation:
-    if st.plan is None:
+def permutation_for(
+    engine: Any, st: Any, index: int, num_experts: int, contiguous: bool = False
+) -> Permutation:
+    """The plan's physical order of this layer; identity for a contiguous (Marlin / moe_wna16)
+    layer, whose kernel's numerics depend on the expert ids' order (research.md int4perm)."""
+    if st.plan is None or contiguous:
         return Permutation.identity(num_experts)
     if engine._perms is None:
         engine._perms = plan_permutations(st.plan)
@@ -167,7 +182,9 @@ def attach(engine: Any, st: Any, layer: torch.nn.Module, index: int, bound: Any)
         layout = plan(slabs_of(bound), num_experts, b, st.granularity)
     except ValueError as exc:
         return _refuse(engine, layer, index, f"--reap-group-size {engine.group_size}: {exc}")
-    perm = permutation_for(engine, st, index, num_experts)
+    perm = permutation_for(engine, st, index, num_experts, contiguous=bound.contiguous)
+    if bound.contiguous:
+        why = f"{why}; identity order (unverified, {UNVERIFIED_INT4_ENV}=1): ids as stock"
     problem = layout_problem(st, layout, perm)
     if problem is not None:
         return _refuse(engine, layer, index, f"--reap-group-size {engine.group_size}: {problem}")
@@ -208,7 +225,10 @@ def _convert(st, layer, index, bound, layout, perm, why) -> None:
             l: residents_of(g, gs.layers[l].perm, gs.layers[l].layout.group_size)
             for l, g in gs.table.resident().items()
         }
-        current[index] = set(st.plan.layers[index].core)
+        core = set(st.plan.layers[index].core)
+        if bound.contiguous and layout.group_size > 1:  # identity order, no packing: best-covered groups
+            core = set(identity_fill(core, layout.group_size))
+        current[index] = core
         grouped.apply_logical(gs, current, count=False)
     torch.cuda.empty_cache()
     st.host_cache_release = vllm_moe.release_cached_pinned_memory()
