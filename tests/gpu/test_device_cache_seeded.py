@@ -188,6 +188,23 @@ def _slots_hold(step):
     return bad
 
 
+def _diagnose(fm, masters, ext, step, x, tw, ti, ids, out, ref, t):
+    """What a first unequal step says: its size, the max diff, whether the slots hold their bytes
+    now, and whether the same remapped ids read again after a sync give stock's bits (then the
+    kernel read a slot before its copy landed: a race) or not (wrong bytes or a numeric path)."""
+    torch.cuda.synchronize()
+    again = _cached_call(fm, masters, ext, x, tw, ids.clone())
+    return {
+        "step": t,
+        "rows": int(x.shape[0]),
+        "max_diff": float((out.float() - ref.float()).abs().max()),
+        "again_equal_stock": bool(torch.equal(again, ref)),
+        "bad_slots_now": _slots_hold(step),
+        "ids": ti.tolist()[:2],
+        "remapped": ids.tolist()[:2],
+    }
+
+
 def _seeded_evicted_and_reread(history, core=range(32)):
     """From per-step slot contents: a core expert left the slots and was later cached again."""
     seen_out = set()
@@ -210,9 +227,10 @@ def test_served_shape_eager_decode_and_prefill_bitwise(fm, form):
             rows = 64 if t % 97 == 50 else 256 if t % 151 == 75 else (1, 1, 1, 2, 1, 4, 1, 8)[t % 8]
             x, tw, ti = _drift(gen, t, rows)
             ref = _stock(fm, masters, x, tw, ti)
-            out = _cached_call(fm, masters, ext, x, tw, step(ti))
+            ids = step(ti)
+            out = _cached_call(fm, masters, ext, x, tw, ids)
             if first_bad is None and not torch.equal(out, ref):
-                first_bad = (t, rows, float((out.float() - ref.float()).abs().max()), ti.tolist()[:2])
+                first_bad = _diagnose(fm, masters, ext, step, x, tw, ti, ids, out, ref, t)
             history.append(set(step.cache.slot_expert.tolist()))
             if t % 25 == 0:
                 assert not _slots_hold(step), (form, t, _slots_hold(step))
@@ -242,7 +260,8 @@ def test_served_shape_decode_graph_replays_bitwise(fm, form):
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            out = _cached_call(fm, masters, ext, x, tw, step(ti, valid))
+            ids = step(ti, valid)
+            out = _cached_call(fm, masters, ext, x, tw, ids)
         first_bad, history = None, []
         for t in range(1, STEPS + 1):
             nx, ntw, nti = _drift(gen, t, 1)
@@ -252,7 +271,7 @@ def test_served_shape_decode_graph_replays_bitwise(fm, form):
             g.replay()
             ref = _stock(fm, masters, x, tw, ti)
             if first_bad is None and not torch.equal(out, ref):
-                first_bad = (t, float((out.float() - ref.float()).abs().max()), ti.tolist())
+                first_bad = _diagnose(fm, masters, ext, step, x, tw, ti, ids, out, ref, t)
             history.append(set(step.cache.slot_expert.tolist()))
             if t % 25 == 0:
                 assert not _slots_hold(step), (form, t, _slots_hold(step))
