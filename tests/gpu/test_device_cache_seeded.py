@@ -283,3 +283,30 @@ def test_served_shape_decode_graph_replays_bitwise(fm, form):
     finally:
         rng.release()
         pool.release()
+
+
+@pytest.mark.parametrize("form", ["seeded", "pinned"])
+def test_served_shape_run10_serving_sequence_bitwise(fm, form):
+    """tests/gpu/test_device_cache_serving_sequence.py's serving pattern (a 512-row profile run,
+    all-padding warm-ups, 8 prompts of read-through prefill then 48 decode steps with padded 8-row
+    steps carrying garbage routing) on the seeded layout, eager, bitwise per step."""
+    from tests.gpu.test_device_cache_serving_sequence import _garbage_padding, _routing, _sequence
+
+    masters, rng, ext, step, pool = _served_layer(form)
+    try:
+        gen = torch.Generator().manual_seed(11)
+        first_bad = None
+        for t, (rows, valid, hot, spread) in enumerate(_sequence(gen)):
+            x, tw, ti = _routing(gen, rows, hot, spread)
+            ti = _garbage_padding(gen, ti, valid)
+            ref = _stock(fm, masters, x, tw, ti)
+            ids = step(ti, None if valid is None else valid.cuda())
+            out = _cached_call(fm, masters, ext, x, tw, ids)
+            real = slice(None) if valid is None else valid.cuda()
+            if first_bad is None and not torch.equal(out[real], ref[real]):
+                first_bad = _diagnose(fm, masters, ext, step, x, tw, ti, ids, out, ref, t)
+        assert first_bad is None, f"{form}: first unequal step {first_bad}"
+        assert not _slots_hold(step)
+    finally:
+        rng.release()
+        pool.release()
