@@ -310,3 +310,43 @@ def test_served_shape_run10_serving_sequence_bitwise(fm, form):
     finally:
         rng.release()
         pool.release()
+
+
+@pytest.mark.parametrize("units", [128, 160, 192], ids=["E", "pinned-E+32", "seeded-E+64"])
+def test_kernel_over_more_units_with_identity_ids_is_stock(fm, units):
+    """Run 12's seeded text kept its exact logprobs after swaps that pinned 64 experts in their own
+    units (tail 0: ids not remapped, nothing copied): so what differs may not depend on the cache
+    at all but on the kernel call over E + 64 units. Here: no cache, the router's own ids, the
+    masters' bytes in the first E units of a [units, ...] unit-strided buffer (the range's
+    layout), stock tile config and stock block-assignment rule (compat.moe_cache), every row
+    count 1..40 plus 64 and 256, against fused_experts over the stock [E, ...] weights."""
+    import vllm.model_executor.layers.fused_moe.fused_moe as fmm
+
+    from reap_swap.compat import moe_cache
+
+    gen = torch.Generator(device="cpu").manual_seed(15)
+    w13 = (torch.randn(SE, 2 * SI, SH, generator=gen) / 32).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(SE, SH, SI, generator=gen) / 32).to(torch.bfloat16).cuda()
+    unit_elems = 5 * 2**20  # 10 MiB units of bf16, as served
+    flat = torch.zeros(units * unit_elems, dtype=torch.bfloat16, device="cuda")
+    v13 = flat.as_strided((units, 2 * SI, SH), (unit_elems, SH, 1), 0)
+    v2 = flat.as_strided((units, SH, SI), (unit_elems, SI, 1), w13[0].numel())
+    v13[:SE].copy_(w13)
+    v2[:SE].copy_(w2)
+    bad = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe_cache, "_UNITS", {units: SE} if units != SE else {})
+        mp.setattr(
+            fmm, "_prepare_expert_assignment", moe_cache.stock_assignment(fmm._prepare_expert_assignment)
+        )
+        for rows in [*range(1, 41), 64, 256]:
+            for rep in range(2):
+                x, tw, ti = _drift(gen, rows * 7 + rep, rows)
+                ref = fm.fused_experts(x, w13, w2, tw, ti)
+                cfg = fmm.try_get_optimal_moe_config(w13.size(), w2.size(), SK, None, rows)
+                with fm.override_config(cfg):
+                    out = fm.fused_experts(x, v13, v2, tw, ti, global_num_experts=units)
+                if not torch.equal(out, ref):
+                    bad.append((rows, rep, float((out.float() - ref.float()).abs().max())))
+    print(f"KERNEL_OVER_UNITS units={units} unequal={bad}")
+    assert not bad, f"{units} units: unequal (rows, rep, max diff): {bad}"
