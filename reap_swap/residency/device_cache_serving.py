@@ -17,8 +17,8 @@ a per-request swap pins its set inside them (device_cache_seeded.py).
 (2026-12-01, vLLM 0.26.0) served it with greedy logprobs that differ from stock on 3 of 8 prompts
 (research.md "seedfix"); the server falls back to the pinned form (``core+dlfu``, bitwise equal to
 stock in the same run) and says why in the log and in /reap/status (``cache.seed``). The env
-``REAP_SWAP_UNVERIFIED_SEEDED_CACHE=1`` (``--reap-unverified-seeded-cache``, settings.cache_seed_unverified) serves it anyway: for the next
-GPU verification only.
+``REAP_SWAP_UNVERIFIED_SEEDED_CACHE=1`` (``--reap-unverified-seeded-cache``,
+settings.cache_seed_unverified) serves it anyway: for the next GPU verification only.
 CPU accounting mode (state only, no bytes) keeps running ``dlfu-seeded`` (cache_accounting.py).
 
 Counters are read between steps (the status RPC on the engine-core thread: one ``.tolist()`` per
@@ -41,7 +41,8 @@ SEEDED_OPT_IN = "REAP_SWAP_UNVERIFIED_SEEDED_CACHE"  # settings.cache_seed_unver
 SEEDED_CUDA_REFUSAL = (
     "--reap-cache-seed seeded refused on CUDA: its greedy output differed from stock vLLM on the H200 "
     "(run 12, 2026-12-01, vLLM 0.26.0, 12-layer mk_model, plan 25 %, 64 slots/layer: logprobs of "
-    "prompts 0, 4, 7 of 8 first differ at decode steps 12, 11, 4, by up to 0.3; tokens differ on 2; "
+    "prompts 0, 4, 7 of 8 first differ at decode steps 12, 11, 4, by 0.05, 9e-5, 1.5e-4; tokens "
+    "differ on 2; "
     "research.md 'seedfix'); serving the pinned form (core+dlfu, bitwise equal to stock in the same "
     f"run) instead. {SEEDED_OPT_IN}=1 (--reap-unverified-seeded-cache) serves seeded anyway, for GPU "
     "verification only"
