@@ -4,9 +4,10 @@ their set inside the cache slots (own units remapped onto the slots' physical ha
 forward bitwise equal to the masters' result before, between and after swaps; a set wider than
 the slots refused before anything moves. Since run 12 (seedfix) also the served shape (E = 128,
 top-8, 64 slots, 10 MiB units, vLLM's fused_experts; 'pinned' as the control), eager and under a
-captured graph, 600 steps each. One-line run (H200, ~1-3 min; -x stops at the first failure):
+captured graph, 600 steps each, and the kernel over 128/160/192 units without a cache. One-line run
+(H200, ~2-6 min, mostly Triton compiles; bounded by timeout):
 
-    PYTHONPATH=$PWD python -m pytest -q -rA tests/gpu/test_device_cache_seeded.py 2>&1 | tee $LOGDIR/device_cache_seeded.log
+    PYTHONPATH=$PWD timeout 600 python -m pytest -q -rA -s tests/gpu/test_device_cache_seeded.py 2>&1 | tee $LOGDIR/seedfix_gpu.log
 """
 
 from __future__ import annotations
