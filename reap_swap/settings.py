@@ -18,6 +18,7 @@ error listing the known names: a typo must not start a server that silently igno
 | REAP_CACHE                  | --reap-cache lfu,lru,off      | the per-layer expert cache beside the pinned set (default lfu: the plan-core-seeded LFU, decay 0.8, that `reap-swap simulate` found best online; research.md, issue 17); in accounting residency the policy runs as state only |
 | REAP_CACHE_SLOTS            | --reap-cache-slots N,auto      | cache slots beyond the pinned set, over all layers (auto: what the pool budget leaves after the plan core; reap_swap.cache_accounting.tail_slots) |
 | REAP_CACHE_SEED             | --reap-cache-seed pinned,seeded | CUDA device cache: pinned (default, core+dlfu: the plan core pinned by the engine, the cache on the tail) or seeded (dlfu-seeded, accounting mode's policy: each layer's core + tail share is cache slots seeded with the core, evictable; a per-request swap pins its set inside them, a set wider than a layer's share is refused naming the layer; residency/device_cache_seeded.py); in accounting residency seeded runs lfu as the same integer dlfu-seeded |
+| REAP_SWAP_UNVERIFIED_SEEDED_CACHE | --reap-unverified-seeded-cache | serve --reap-cache-seed seeded on CUDA although H200 run 12 measured its text unequal to stock (without it CUDA falls back to pinned and says why; research.md "seedfix"): for the next GPU verification only |
 | REAP_CACHE_RECORD_STEPS     | --reap-cache-record-steps N   | keep the last N steps' routing the cache saw (0 = off), read back by GET /reap/cache/trace |
 | REAP_GROUP_SIZE             | --reap-group-size auto,1,2,4,8 | EXPERIMENTAL (CUDA, not yet verified in a server on a GPU): experts in mapping units of b physically adjacent experts in a plan-chosen order, ids remapped after counting (residency/grouped_engine.py); auto = the smallest b wasting < 12 % (FP8 on Triton: 2, bf16: 1); default 1 = private units, today's engine unchanged; refused with --reap-cache-device on and with --reap-budget auto/GiB |
 | REAP_SWAP_UNVERIFIED_INT4_GROUPS | --reap-unverified-int4-groups | UNVERIFIED (research.md int4perm): with --reap-group-size not 1, bind INT4 (Marlin / moe_wna16) layers in identity-order contiguous groups; without it they are refused (run 12: the permuted groups were not bitwise on Marlin) |
@@ -79,6 +80,7 @@ class Settings(BaseModel):
     cache_slots: Literal["auto"] | int = "auto"
     cache_device: Literal["on", "off"] = "off"  # the CUDA device cache (issue 17); off until measured
     cache_seed: Literal["pinned", "seeded"] = "pinned"  # device cache: core+dlfu | dlfu-seeded
+    cache_seed_unverified: bool = False  # serve seeded on CUDA despite run 12 (GPU verification only)
     cache_record_steps: int = Field(default=0, ge=0)
     cache_shadow: Literal["off", "out", "bytes"] = "off"  # debug shadow of the device cache
     group_size: Literal["auto", "1", "2", "4", "8"] = "1"  # grouped units (issue 16); experimental
@@ -199,6 +201,15 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
             "choices": ["pinned", "seeded"],
             "help": "CUDA device cache: plan core pinned beside the cache (pinned, default) or seeded "
             "into its slots, evictable (seeded: dlfu-seeded, accounting's policy)",
+        },
+    ),
+    "cache_seed_unverified": (
+        "REAP_SWAP_UNVERIFIED_SEEDED_CACHE",
+        "--reap-unverified-seeded-cache",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "CUDA: serve --reap-cache-seed seeded although run 12 refuted it (verification only)",
         },
     ),
     "cache_record_steps": (

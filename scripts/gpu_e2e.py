@@ -518,6 +518,9 @@ def arm_cache_seeded(reap, out, shape, res, flags):
     r = res.setdefault(name, {})
     with plain_client_served(name, reap, out, r, flags) as srv:
         r["status_plain"] = status(srv).get("cache")
+        r["seed"] = (r["status_plain"] or {}).get("seed")  # served seeded? (refused without the opt-in)
+        if (r["seed"] or {}).get("served") not in (None, "seeded"):
+            log(name, "WARNING: the server did not serve seeded:", json.dumps(r["seed"]))
         q = shape["experts"] // 4  # the core is 0..q-1; the pool's per-layer share is 2q
         for rid, extra in (("s-half-tail", q // 2), ("s-full", q)):
             r[rid] = {"swap": swap(srv, rid, first_experts(shape, extra, start=q))}
@@ -586,7 +589,7 @@ def main():
         "--cache-shadow",
         choices=["off", "out", "bytes"],
         default="off",
-        help="reap-cache arm: --reap-cache-shadow (debug: every cached MoE step beside the uncached one)",
+        help="reap-cache and reap-cache-seeded arms: --reap-cache-shadow (debug: every cached MoE step beside the uncached one)",
     )
     args = ap.parse_args()
     global QUICK, PROBE
@@ -641,7 +644,10 @@ def main():
                 arm_plain_client(arm, reap, out, shape, results, flags)
             elif arm == "reap-cache-seeded":
                 flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
-                arm_cache_seeded(reap, out, shape, results, flags + ["--reap-cache-seed", "seeded"])
+                flags += ["--reap-cache-shadow", args.cache_shadow] if args.cache_shadow != "off" else []
+                # the arm verifies seeded, which CUDA refuses by default since run 12 (seedfix)
+                flags += ["--reap-cache-seed", "seeded", "--reap-unverified-seeded-cache"]
+                arm_cache_seeded(reap, out, shape, results, flags)
             elif arm == "reap-plan25":
                 arm_plain_client(arm, reap, out, shape, results, ["--reap-cache", "off"])
             elif arm == "reap-tp":

@@ -64,20 +64,67 @@ def test_view_status_totals_and_on_swap():
     assert 5 not in cfg.caches.layers[0].cache.slot_expert.tolist()
 
 
+def _seeded(**kw):  # --reap-cache-seed seeded with the opt-in (the mechanics tests below)
+    return _s(cache_seed="seeded", cache_seed_unverified=True, **kw)
+
+
+@pytest.mark.parametrize("env", [None, "0", "false"])
+def test_seeded_is_refused_on_cuda_without_the_opt_in(caplog, env):
+    """Run 12 (H200): seeded served text unequal to stock, so without REAP_SWAP_UNVERIFIED_SEEDED_CACHE=1
+    the server serves the pinned form (core+dlfu) and says why in the log and in /reap/status."""
+    from reap_swap.residency.device_cache_serving import SEEDED_OPT_IN
+    from reap_swap.settings import resolve
+
+    environ = {"REAP_PLAN_FILE": "p.json", "REAP_CACHE_SEED": "seeded", "REAP_CACHE_DEVICE": "on"}
+    if env is not None:
+        environ[SEEDED_OPT_IN] = env
+    settings = resolve({}, environ).settings
+    assert settings.cache_seed == "seeded" and not settings.cache_seed_unverified
+    with caplog.at_level("ERROR", logger="reap_swap.cache"):
+        cfg, why = cache_config_for(settings, PLAN)
+    assert why is None and not cfg.seed_core and cfg.layer_slots is None and cfg.auto  # pinned form
+    assert "refused on CUDA" in cfg.seed_refusal and "run 12" in cfg.seed_refusal
+    assert SEEDED_OPT_IN in cfg.seed_refusal and "seedfix" in cfg.seed_refusal
+    assert any("refused on CUDA" in r.getMessage() for r in caplog.records)
+    assert cfg.split(11, 2, {0: [0, 1], 1: [2]}) == 3 and cfg.slots_per_layer == 4  # as pinned auto
+    st = DeviceCacheView(cfg).status()
+    assert st["policy"] == "core+dlfu"
+    assert st["seed"] == {"requested": "seeded", "served": "pinned", "refused": cfg.seed_refusal}
+    pinned = cache_config_for(_s(cache_seed="pinned"), PLAN)[0]
+    assert pinned.seed_refusal is None
+    assert DeviceCacheView(pinned).status()["seed"] == {"requested": "pinned", "served": "pinned"}
+
+
+@pytest.mark.parametrize("how", ["env", "flag"])
+def test_seeded_opt_in_serves_seeded_and_says_unverified(how):
+    from reap_swap.settings import resolve
+
+    environ = {"REAP_PLAN_FILE": "p.json", "REAP_CACHE_SEED": "seeded", "REAP_CACHE_DEVICE": "on"}
+    if how == "env":
+        settings = resolve({}, {**environ, "REAP_SWAP_UNVERIFIED_SEEDED_CACHE": "1"}).settings
+    else:
+        settings = resolve({"cache_seed_unverified": True}, environ).settings
+    assert settings.cache_seed_unverified
+    cfg, why = cache_config_for(settings, PLAN)
+    assert why is None and cfg.seed_core and cfg.seed_refusal is None
+    seed = DeviceCacheView(cfg).status()["seed"]
+    assert seed == {"requested": "seeded", "served": "seeded", "unverified": True}
+
+
 def test_seeded_config_splits_like_accounting_mode():
     """--reap-cache-seed seeded: per-layer C_l = accounting's replay.layer_slots(core + tail,
     "core+tail"); auto lends the whole pool (K = 0); N is the tail beyond the core; too big refused."""
     from reap_swap.cache_policy.replay import layer_slots
 
     core = {0: [0, 1], 1: [2]}
-    auto = cache_config_for(_s(cache_seed="seeded"), PLAN)[0]
+    auto = cache_config_for(_seeded(), PLAN)[0]
     assert auto.seed_core and auto.split(11, 2, core) == 0 and auto.refusal is None
     fz = {l: frozenset(c) for l, c in core.items()}
     assert auto.layer_slots == layer_slots(11, [0, 1], fz, "core+tail", 99)[0] == {0: 6, 1: 5}
     assert auto.slots_of(0) == 6 and auto.slots_of(1) == 5
-    n = cache_config_for(_s(cache_seed="seeded", cache_slots=4), PLAN)[0]
+    n = cache_config_for(_seeded(cache_slots=4), PLAN)[0]
     assert n.split(11, 2, core) == 4 and n.layer_slots == {0: 4, 1: 3}  # core 3 + tail 4 of 11
-    big = cache_config_for(_s(cache_seed="seeded", cache_slots=20), PLAN)[0]
+    big = cache_config_for(_seeded(cache_slots=20), PLAN)[0]
     assert big.split(11, 2, core) == 11 and "23 slots > the pool's 11" in big.refusal
     pinned = cache_config_for(_s(cache_seed="pinned"), PLAN)[0]
     assert not pinned.seed_core and pinned.layer_slots is None  # the default: today's core+dlfu
@@ -91,7 +138,7 @@ def test_seeded_refused_layers_before_any_lending_give_their_slots_back(monkeypa
     from reap_swap.residency import device_cache_engine as dce
     from reap_swap.residency.slot_table import SlotTable
 
-    cfg = cache_config_for(_s(cache_seed="seeded"), PLAN)[0]
+    cfg = cache_config_for(_seeded(), PLAN)[0]
     k = cfg.split(11, 2, {0: [0, 1], 1: [2]})
     st = SimpleNamespace(table=SlotTable(k), plan=PLAN, pool=SimpleNamespace(num_slots=11))
     monkeypatch.setattr(dce.moe_cache, "cache_refusal", lambda layer: "unsupported (test)")
@@ -106,7 +153,7 @@ def test_seeded_share_is_capped_at_the_layers_experts(monkeypatch):
     from reap_swap.residency import device_cache_engine as dce
     from reap_swap.residency.slot_table import SlotTable
 
-    cfg = cache_config_for(_s(cache_seed="seeded"), PLAN)[0]
+    cfg = cache_config_for(_seeded(), PLAN)[0]
     assert cfg.split(11, 2, {0: [0, 1], 1: [2]}) == 0 and cfg.layer_slots[0] == 6
     st = SimpleNamespace(table=SlotTable(0), plan=PLAN, pool=SimpleNamespace(num_slots=11))
     monkeypatch.setattr(dce.moe_cache, "cache_refusal", lambda layer: None)

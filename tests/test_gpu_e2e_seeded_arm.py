@@ -26,7 +26,9 @@ def test_the_seeded_arm_serves_seeded_and_sends_its_swaps(monkeypatch, tmp_path)
     shape = {"experts": 16, "moe_layers": [1, 3]}
     res = {}
     reap = ["python", "-m", "reap_swap.server", str(Path("/m"))]
-    e2e.arm_cache_seeded(reap, tmp_path, shape, res, ["--reap-cache-seed", "seeded"])
+    e2e.arm_cache_seeded(
+        reap, tmp_path, shape, res, ["--reap-cache-seed", "seeded", "--reap-unverified-seeded-cache"]
+    )
     argv = calls[1][1]
     assert argv[argv.index("--reap-cache-seed") + 1] == "seeded"
     swaps = [(c[1], c[2]) for c in calls if c[0] == "swap"]

@@ -39,6 +39,7 @@ class CacheConfig:
     layer_slots: dict[int, int] | None = None  # seeded: layer -> its C_l (set by split)
     tail_total: int = 0  # seeded, --reap-cache-slots N: N (the tail beyond the core, all layers)
     lent_slots: dict[int, int] = field(default_factory=dict)  # layer -> slots lent to it
+    seed_refusal: str | None = None  # --reap-cache-seed seeded asked but refused on CUDA (pinned served)
 
     def slots_of(self, index: int) -> int:
         if self.layer_slots is not None:

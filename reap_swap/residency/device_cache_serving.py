@@ -13,6 +13,14 @@ the tail. ``--reap-cache lru`` on CUDA is refused by name (not implemented on th
 arithmetic): every layer's core + tail share is cache slots seeded with the core, evictable, and
 a per-request swap pins its set inside them (device_cache_seeded.py).
 
+``--reap-cache-seed seeded`` is REFUSED on CUDA by default (branch seedfix): H200 run 12
+(2026-12-01, vLLM 0.26.0) served it with greedy logprobs that differ from stock on 3 of 8 prompts
+(research.md "seedfix"); the server falls back to the pinned form (``core+dlfu``, bitwise equal to
+stock in the same run) and says why in the log and in /reap/status (``cache.seed``). The env
+``REAP_SWAP_UNVERIFIED_SEEDED_CACHE=1`` (``--reap-unverified-seeded-cache``,
+settings.cache_seed_unverified) serves it anyway: for the next GPU verification only.
+CPU accounting mode (state only, no bytes) keeps running ``dlfu-seeded`` (cache_accounting.py).
+
 Counters are read between steps (the status RPC on the engine-core thread: one ``.tolist()`` per
 layer there, nothing on the step path; the per-step stream of accounting mode is not used).
 """
@@ -28,6 +36,24 @@ from .device_cache_engine import CacheConfig
 from .device_cache_shadow import shadow_mode
 
 log = get_logger("reap_swap.cache")
+
+SEEDED_OPT_IN = "REAP_SWAP_UNVERIFIED_SEEDED_CACHE"  # settings.cache_seed_unverified (GPU verification only)
+SEEDED_CUDA_REFUSAL = (
+    "--reap-cache-seed seeded refused on CUDA: its greedy output differed from stock vLLM on the H200 "
+    "(run 12, 2026-12-01, vLLM 0.26.0, 12-layer mk_model, plan 25 %, 64 slots/layer: logprobs of "
+    "prompts 0, 4, 7 of 8 first differ at decode steps 12, 11, 4, by 0.05, 9e-5, 1.5e-4; tokens "
+    "differ on 2; "
+    "research.md 'seedfix'); serving the pinned form (core+dlfu, bitwise equal to stock in the same "
+    f"run) instead. {SEEDED_OPT_IN}=1 (--reap-unverified-seeded-cache) serves seeded anyway, for GPU "
+    "verification only"
+)
+
+
+def seeded_refusal(settings: Any) -> str | None:
+    """Why ``--reap-cache-seed seeded`` falls back to pinned on CUDA (None: not asked, or opted in)."""
+    if getattr(settings, "cache_seed", "pinned") != "seeded":
+        return None
+    return None if getattr(settings, "cache_seed_unverified", False) else SEEDED_CUDA_REFUSAL
 
 
 def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str | None]:
@@ -49,10 +75,18 @@ def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str 
             shadow,
         )
     caches = DeviceCaches(decay=0.8, fused=True, shadow=shadow)
-    if getattr(settings, "cache_seed", "pinned") == "seeded":
+    refused = seeded_refusal(settings)
+    if refused is not None:
+        log.error("reap-swap cache: %s", refused)
+    elif getattr(settings, "cache_seed", "pinned") == "seeded":
+        log.warning(
+            "reap-swap cache: %s=1: serving --reap-cache-seed seeded, UNVERIFIED on CUDA", SEEDED_OPT_IN
+        )
         tail = 0 if auto else int(settings.cache_slots)
         return CacheConfig(caches, 0, seed_core=True, auto=auto, layer_slots={}, tail_total=tail), None
-    return CacheConfig(caches, slots_per_layer=per_layer, seed_core=False, auto=auto), None
+    cfg = CacheConfig(caches, slots_per_layer=per_layer, seed_core=False, auto=auto)
+    cfg.seed_refusal = refused
+    return cfg, None
 
 
 class DeviceCacheView:
@@ -122,8 +156,17 @@ class DeviceCacheView:
             "totals": self.totals(),
             "layers": layers,
             **({"reason": reason} if reason else {}),
+            "seed": _seed_status(self.cfg),
             **({"shadow": {str(k): v for k, v in dev["shadow"].items()}} if "shadow" in dev else {}),
         }
+
+
+def _seed_status(cfg: CacheConfig) -> dict[str, Any]:
+    """/reap/status cache.seed: the form served, and why seeded was refused (if it was asked)."""
+    served = "seeded" if cfg.seed_core else "pinned"
+    if cfg.seed_refusal:
+        return {"requested": "seeded", "served": served, "refused": cfg.seed_refusal}
+    return {"requested": served, "served": served, **({"unverified": True} if cfg.seed_core else {})}
 
 
 def _tail_source(cfg: CacheConfig) -> str:
