@@ -489,10 +489,8 @@ def test_group_layout_is_the_type_the_engine_stores():
 
 
 # -- scripts/group_e2e.py (gpu_quant_e2e.py --reap-group-size) ----------------------------------------
-def test_group_e2e_shuffles_the_plan_and_expects_admitted_groups_times_payload(tmp_path):
-    from tests.script_modules import load_script
-
-    ge = load_script("group_e2e")
+def _shuffled_two_slice_plan(ge, tmp_path):
+    """A 16-expert, two-slice plan written to tmp_path and shuffled by group_e2e (seed 0)."""
     plan = {
         "mode": "dynamic_core_specialist",
         "model": "m",
@@ -505,6 +503,14 @@ def test_group_e2e_shuffles_the_plan_and_expects_admitted_groups_times_payload(t
     path = tmp_path / "plan.json"
     path.write_text(__import__("json").dumps(plan))
     ge.shuffle_plan(path, seed=0)
+    return path
+
+
+def test_group_e2e_shuffles_the_plan_and_expects_admitted_groups_times_payload(tmp_path):
+    from tests.script_modules import load_script
+
+    ge = load_script("group_e2e")
+    path = _shuffled_two_slice_plan(ge, tmp_path)
     expect = ge.GroupExpect(path, {"0": {"layout": "grouped", "group_size": 2, "group_payload_bytes": 100}})
     perm = expect.perms[0]
     assert not perm.is_identity and expect.active
@@ -520,18 +526,7 @@ def test_group_e2e_counts_identity_order_layers_in_id_order(tmp_path):
     from tests.script_modules import load_script
 
     ge = load_script("group_e2e")
-    plan = {
-        "mode": "dynamic_core_specialist",
-        "model": "m",
-        "budget": {"per_expert_bytes": 4, "swappable_expert_budget_bytes": 64, "core_budget_bytes": 0,
-                   "specialist_budget_bytes": 64, "max_refreshes_per_request": 4},
-        "perLayer": {"layer_0": {"rawLayerKey": "0", "numExperts": 16, "coreExperts": [], "coreByteCost": 0,
-                                 "sliceCatalog": [{"sliceId": f"layer_0_slice_{i:02d}", "byteCost": 32,
-                                                   "experts": list(range(8 * i, 8 * i + 8))} for i in (0, 1)]}},
-    }  # fmt: skip
-    path = tmp_path / "plan.json"
-    path.write_text(__import__("json").dumps(plan))
-    ge.shuffle_plan(path, seed=0)
+    path = _shuffled_two_slice_plan(ge, tmp_path)
     lay = {"layout": "grouped", "group_size": 4, "group_payload_bytes": 100, "permuted": False}
     expect = ge.GroupExpect(path, {"0": lay})
     assert not expect.perms[0].is_identity  # the plan's order, which the identity layer ignores

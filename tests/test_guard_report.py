@@ -144,10 +144,7 @@ def test_guard_commands_and_the_all_resident_plan(tmp_path):
     """The reap arms serve a valid plan whose core is every expert of every MoE layer; the cache
     arm's plan budgets every expert + N slots per layer (the tail the device cache engages on) and
     asks for exactly those N x layers slots; otherwise the same argv."""
-    guards = load_script("gpu_guards")
-    model = tmp_path / "model"
-    model.mkdir()
-    shutil.copy(DATA / "mixtral_tiny_cpu_config.json", model / "config.json")
+    guards, model = _guards_and_model(tmp_path)
     cmds = guards.commands(model, tmp_path, kv_gib=2.0, util=0.3, slots_per_layer=2)
     shape = read_model_shape(model)
     doc = json.loads((tmp_path / "plan-all-resident.json").read_text())
@@ -189,17 +186,28 @@ class _FakeServer:
         _FakeServer.stopped.append(self.name)
 
 
-def test_gpu_guards_main_over_fake_servers(tmp_path, monkeypatch):
-    """gpu_guards.main end to end with fake servers and rates: 2 serves x 3 rounds x 3 arms
-    interleaved, every server stopped, facts recorded, the summary and markdown written."""
+def _guards_and_model(tmp_path):
+    """gpu_guards loaded, and a tiny Mixtral config as its model folder."""
     guards = load_script("gpu_guards")
     model = tmp_path / "model"
     model.mkdir()
     shutil.copy(DATA / "mixtral_tiny_cpu_config.json", model / "config.json")
+    return guards, model
+
+
+def _fake_servers(guards, monkeypatch, decode):
+    """gpu_guards' servers replaced by _FakeServer, its decode sample by `decode`."""
     _FakeServer.started, _FakeServer.stopped = [], []
-    rates = {"stock": 700.0, "reap": 690.0, "reap-cache": 689.0}
     monkeypatch.setattr(guards.serving, "Server", _FakeServer)
-    monkeypatch.setattr(guards, "one_decode", lambda url, tokens, prompt: rates[_arm_of(url, guards)])
+    monkeypatch.setattr(guards, "one_decode", decode)
+
+
+def test_gpu_guards_main_over_fake_servers(tmp_path, monkeypatch):
+    """gpu_guards.main end to end with fake servers and rates: 2 serves x 3 rounds x 3 arms
+    interleaved, every server stopped, facts recorded, the summary and markdown written."""
+    guards, model = _guards_and_model(tmp_path)
+    rates = {"stock": 700.0, "reap": 690.0, "reap-cache": 689.0}
+    _fake_servers(guards, monkeypatch, lambda url, tokens, prompt: rates[_arm_of(url, guards)])
     layers = len(read_model_shape(model).moe_layers)
     monkeypatch.setattr(guards, "reap_facts", lambda url: {"cache": _cache(slots=8, layers=layers)})
     out = tmp_path / "out"
@@ -227,13 +235,8 @@ def test_gpu_guards_main_over_fake_servers(tmp_path, monkeypatch):
 def test_gpu_guards_refuses_a_cache_arm_that_did_not_engage(tmp_path, monkeypatch):
     """Run 12's failure: the cache arm's cache reports not engaged -> that arm is not timed and the
     guard reads "not measured" (the other arms still are); the servers all stop."""
-    guards = load_script("gpu_guards")
-    model = tmp_path / "model"
-    model.mkdir()
-    shutil.copy(DATA / "mixtral_tiny_cpu_config.json", model / "config.json")
-    _FakeServer.started, _FakeServer.stopped = [], []
-    monkeypatch.setattr(guards.serving, "Server", _FakeServer)
-    monkeypatch.setattr(guards, "one_decode", lambda url, tokens, prompt: 700.0)
+    guards, model = _guards_and_model(tmp_path)
+    _fake_servers(guards, monkeypatch, lambda url, tokens, prompt: 700.0)
     off = {
         "engaged": False,
         "mode": "device",
@@ -264,10 +267,7 @@ def _arm_of(url: str, guards) -> str:
 
 def test_guard_seeded_cache_arm_uses_the_all_resident_plan(tmp_path):
     """--cache-seed seeded: every pool slot a cache slot seeded with the core (auto), E per layer."""
-    guards = load_script("gpu_guards")
-    model = tmp_path / "model"
-    model.mkdir()
-    shutil.copy(DATA / "mixtral_tiny_cpu_config.json", model / "config.json")
+    guards, model = _guards_and_model(tmp_path)
     cmds = guards.commands(model, tmp_path, kv_gib=2.0, util=0.3, seed="seeded")
     cache = cmds["reap-cache"]
     assert cache[cache.index("--reap-plan") + 1] == str(tmp_path / "plan-all-resident.json")
@@ -280,13 +280,8 @@ def test_guard_seeded_cache_arm_uses_the_all_resident_plan(tmp_path):
 def test_gpu_guards_keeps_the_serves_whose_cache_engaged(tmp_path, monkeypatch):
     """Serve 0's cache did not engage, serve 1's did: serve 1's cache samples are reported, serve 0
     is named in cache_not_engaged_serves."""
-    guards = load_script("gpu_guards")
-    model = tmp_path / "model"
-    model.mkdir()
-    shutil.copy(DATA / "mixtral_tiny_cpu_config.json", model / "config.json")
-    _FakeServer.started, _FakeServer.stopped = [], []
-    monkeypatch.setattr(guards.serving, "Server", _FakeServer)
-    monkeypatch.setattr(guards, "one_decode", lambda url, tokens, prompt: 700.0)
+    guards, model = _guards_and_model(tmp_path)
+    _fake_servers(guards, monkeypatch, lambda url, tokens, prompt: 700.0)
     layers = len(read_model_shape(model).moe_layers)
     off = {"engaged": False, "mode": "device", "reason": "x", "layers": {}}
     serve_of = lambda url: int(next(n for n, u in _URLS.items() if u == url).rsplit("-s", 1)[1])  # noqa: E731
