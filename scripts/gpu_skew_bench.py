@@ -16,9 +16,10 @@ what was measured:
  3. group A (started together, fixed 2 GiB KV, --gpu-memory-utilization 0.1): plan-cache@50,
     plan-swap@50, resident, the vLLM routing trace (scripts/gpu_skew_trace.py), plan-static, stock
     UVA@50; group B (plan 25 %): plan-cache@25, plan-swap@25, stock UVA@25 and resident2 (a second
-    stock resident process: stock's own text spread, see skew_bench_summary), started once the 25 %
+    stock resident process: stock's own text spread, see skew_bench_summary) and plan-swap+cache@50
+    (the issue's "all three" arm: swaps pin their set, the device cache's tail adapts), started once the 25 %
     plan exists and plan-cache@50, plan-swap@50 and resident have finished (host memory: every reap
-    server pins all 13.5 GiB of experts); with --no-25 group B is resident2 alone;
+    server pins all 13.5 GiB of experts); with --no-25 group B is resident2 and plan-swap+cache@50;
  4. measuring strictly in that order, one at a time: each job has its own --measure-lock file that
     this driver holds and releases when every earlier job has ended, its group is up (or the
     group's start-up cap passed) and no server of the other group is starting (guardfix: run 12
@@ -63,8 +64,9 @@ JOBS = (
     ("swap25", "B", "bench", "plan-swap", 0.25, "p25"),
     ("uva25", "B", "bench", "stock-uva", 0.25, "p25"),
     ("resident2", "B", "bench", "resident", None, "p50"),  # stock's own spread (skew_bench_summary)
+    ("swapcache50", "B", "bench", "plan-swap+cache", 0.5, "p50"),  # all three: swaps pin, the tail adapts
 )
-ALWAYS = ("resident2",)  # run with --no-25 too (it needs no 25 % plan)
+ALWAYS = ("resident2", "swapcache50")  # run with --no-25 too (they need no 25 % plan)
 B_AFTER = ("cache50", "swap50", "resident")  # group B starts once these have ended (host memory)
 
 
@@ -275,7 +277,7 @@ def parse(argv=None):
     ap.add_argument("--startup-cap", type=float, default=300.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
-        "--no-25", dest="with_25", action="store_false", help="only the 50 %% group (+ resident2)"
+        "--no-25", dest="with_25", action="store_false", help="only the 50 %% group (+ resident2 and plan-swap+cache@50)"
     )
     ap.add_argument(
         "--inductor-deterministic", action="store_true",

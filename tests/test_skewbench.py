@@ -226,7 +226,7 @@ def test_driver_jobs_in_measuring_order(tmp_path):
     paths = {"p50": tmp_path / "p50.json", "p25": tmp_path / "p25.json"}
     jobs = dr.plan_jobs(_args(tmp_path), paths, 13.5)
     assert [j.name for j in jobs][:3] == ["cache50", "swap50", "resident"]
-    assert [j.group for j in jobs] == ["A"] * 6 + ["B"] * 4
+    assert [j.group for j in jobs] == ["A"] * 6 + ["B"] * 5
     by = {j.name: j for j in jobs}
     assert by["cache50"].argv[by["cache50"].argv.index("--budget-gib") + 1] == "6.750000"
     assert by["cache25"].argv[by["cache25"].argv.index("--plan") + 1] == str(paths["p25"])
@@ -238,12 +238,16 @@ def test_driver_jobs_in_measuring_order(tmp_path):
     assert sorted((j.out / "bench.json" for j in jobs if j.out.name.startswith("b-")), key=order) == [
         j.out / "bench.json" for j in jobs if j.out.name.startswith("b-")
     ]
-    # the second stock resident measures last, with --no-25 too (it needs no 25 % plan)
-    assert jobs[-1].name == "resident2" and jobs[-1].out.name == "b-10-resident2"
+    # the second stock resident, then all three (plan-swap+cache@50) measure last, with --no-25 too
+    assert [j.name for j in jobs[-2:]] == ["resident2", "swapcache50"]
+    assert jobs[-2].out.name == "b-10-resident2" and jobs[-1].out.name == "b-11-swapcache50"
     assert by["resident2"].argv[by["resident2"].argv.index("--arms") + 1] == "resident"
     assert "--budget-gib" not in by["resident2"].argv
+    sc = by["swapcache50"].argv
+    assert sc[sc.index("--arms") + 1] == "plan-swap+cache" and sc[sc.index("--budget-gib") + 1] == "6.750000"
+    assert sc[sc.index("--plan") + 1] == str(paths["p50"])
     no25 = [j.name for j in dr.plan_jobs(_args(tmp_path), paths, 13.5, with_25=False)]
-    assert no25[-2:] == ["uva50", "resident2"]
+    assert no25[-3:] == ["uva50", "resident2", "swapcache50"]
 
 
 class _Proc:
