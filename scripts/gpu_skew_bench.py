@@ -277,7 +277,10 @@ def parse(argv=None):
     ap.add_argument("--startup-cap", type=float, default=300.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
-        "--no-25", dest="with_25", action="store_false", help="only the 50 %% group (+ resident2 and plan-swap+cache@50)"
+        "--no-25",
+        dest="with_25",
+        action="store_false",
+        help="only the 50 %% group (+ resident2 and plan-swap+cache@50)",
     )
     ap.add_argument(
         "--inductor-deterministic", action="store_true",
