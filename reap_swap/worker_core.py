@@ -107,9 +107,6 @@ class WorkerCore:
     def zero_counters(self) -> None:
         for m in self.layers.values():
             counters.zero(m)
-        reset = getattr(self.cache, "reset_counters", None)  # the device cache's own counters
-        if reset is not None:
-            reset()
 
     # -- the cache's per-step stream (cache_accounting's module docstring) ------------------------
     def cache_before_step(self) -> None:
@@ -241,7 +238,12 @@ class WorkerCore:
         )
 
     def reset_stats(self) -> dict:
+        """The controller's startup reset: the router counters, and the device cache's own
+        (cumulative from here on; a swap's stats read zeroes only the router counters)."""
         self.zero_counters()
+        reset = getattr(self.cache, "reset_counters", None)
+        if reset is not None:
+            reset()
         return wire.ResetReply(rank=self.rank).model_dump(exclude_none=True)
 
 

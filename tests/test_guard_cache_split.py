@@ -34,6 +34,7 @@ def _setup(tmp_path, slots_per_layer=2, seed="pinned"):
         cache_device=argv[argv.index("--reap-cache-device") + 1],
         cache_slots=argv[argv.index("--reap-cache-slots") + 1],
         cache_seed=argv[argv.index("--reap-cache-seed") + 1] if "--reap-cache-seed" in argv else "pinned",
+        cache_seed_unverified="--reap-unverified-seeded-cache" in argv,  # seeded: refused on CUDA without it
         cache_shadow="off",
     )
     if settings.cache_slots != "auto":

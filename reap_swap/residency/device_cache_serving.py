@@ -110,10 +110,11 @@ class DeviceCacheView:
         return []
 
     def reset_counters(self) -> None:
-        """Zero the device counters (the controller's startup reset): vLLM's profile forward and
-        warm-ups run the cache step too (8192 dummy tokens counted in run 12's skew bench), so
-        without this /reap/status and the metrics count tokens no request sent. The policy state
-        (slots, scores) keeps what those forwards admitted."""
+        """Zero the device counters, at the controller's startup reset only (WorkerCore.reset_stats;
+        swaps leave them cumulative): vLLM's startup forwards run the cache step too (run 12: the
+        seeded arm's /reap/status before any request showed 65 536 selections = 8192 tokens x
+        top-8 per layer), so without this /reap/status and the metrics count tokens no request
+        sent. The policy state (slots, scores) keeps what those forwards admitted."""
         self.cfg.caches.read_counters(reset=True)
 
     def totals(self) -> dict[str, int]:
