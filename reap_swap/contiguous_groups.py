@@ -4,7 +4,8 @@ Why (research.md "Padding", the int4grp subsection): vLLM 0.26.0 runs every INT4
 through Marlin (`fused_marlin_moe` -> `ops.moe_wna16_marlin_gemm`) or `moe_wna16` (`ops.moe_wna16_gemm`
 at decode, Triton `fused_moe_kernel_gptq_awq` above it). These kernels compute expert e's address as
 `base + e * slab_bytes` from the tensor's *shape*, so a padded per-expert unit is read at the wrong
-address. The layout that works keeps each re-homed tensor exactly as stock allocates it -- experts
+address. The layout that addresses correctly (its bits on Marlin depend on the id order: run 12,
+research.md int4perm) keeps each re-homed tensor exactly as stock allocates it -- experts
 back to back, stride = slab, no padding -- inside a VMM range whose base is page-aligned, and picks b
 such that every tensor's group of b experts is whole 2 MiB pages: `b * slab_t % G == 0` for every t.
 A group is then resident or host-backed as a whole, mapped page by page, no page is shared between

@@ -64,8 +64,9 @@ ONLINE_UVA_REFUSAL = (
 )
 
 
-# INT4 W4A16 with --reap-group-size not 1 (research.md int4grp): the engine binds Marlin and
-# moe_wna16 layers in contiguous groups of whole pages. vLLM's default WNA16 backend (Marlin) stays
+# INT4 W4A16 with --reap-group-size not 1 (research.md int4grp, int4perm): refused since H200 run 12
+# (permuted groups were not bitwise on Marlin); with --reap-unverified-int4-groups the engine binds
+# Marlin and moe_wna16 layers in identity-order contiguous groups of whole pages. vLLM's default WNA16 backend (Marlin) stays
 # (0.26.0 raises on --moe-backend triton for it) and the experts load into HBM as stock: the repack
 # in process_weights_after_loading (gptq/awq_marlin_moe_repack) writes new tensors, and the UVA
 # offload names w13_weight/w2_weight, which INT4 methods register as w13_qweight/w13_weight_packed.

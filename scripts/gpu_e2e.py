@@ -21,7 +21,8 @@ Arms (each: start a server, measure, stop; results merged into OUT/gpu_e2e.json)
                   core + tail share is cache slots seeded with the core, evictable): the plain client,
                   then swaps pinned inside the slots (core + q/2, core + q per layer: the whole share),
                   one layer one past its share (refused by name), back to the core; greedy text and
-                  cache status at each
+                  cache status at each (refused on CUDA since run 12: the arm passes
+                  --reap-unverified-seeded-cache itself)
   reap-tp         (with --tp 2) reap-swap, core 25 %, pool 50 %: per-rank status, counters vs
                   routed experts, swap to 50 %, a failure injected on rank 1 mid-swap (both ranks
                   must stay on the previous set), swaps back, greedy text throughout

@@ -30,7 +30,7 @@
 #   hybridauto --reap-budget auto on full-size Qwen3.5 (hybrid attention), HYB_ARMS=auto@0.5,auto@0.85
 #             one server after the other (gpu_budget_auto.py --config; ~16 min, HYB_CAP=1200 s): alone
 #   extra     bash scripts/gpu_extra_phase.sh $R/extra (a phase a branch ships for this run)
-#   skewbench issue 17's skew bench, alone (scripts/gpu_skew_bench.py, ~10-11 min, SKEW_CAP=720 s hard):
+#   skewbench issue 17's skew bench, alone (scripts/gpu_skew_bench.py, ~10-11 min, SKEW_CAP=780 s hard):
 #             the vLLM-routed trace, plan-cache / plan-swap / plan-static / stock UVA / resident at
 #             50 % then 25 %, then resident2 (a second stock resident: stock's own text spread); nothing
 #             measures while another group starts (SKEW_EXTRA="--no-25" for 50 % only, "--inductor-
@@ -111,8 +111,8 @@ ph_mlacount() {  # mlapad: the MLA-only padding case (research.md, mlapad); coun
     --arms count --startup-timeout $(( ${MLACOUNT_CAP:-560} - 80 )) --out $R/mlacount > $R/mlacount.log 2>&1
 }
 ph_skewbench() {  # the driver SIGTERMs its benches 60 s before the outer cap and writes the summary
-  timeout --kill-after=30 ${SKEW_CAP:-720} $PY scripts/gpu_skew_bench.py --out $R/skewbench \
-    --deadline $(( ${SKEW_CAP:-720} - 60 )) ${SKEW_EXTRA:-} > $R/skewbench.log 2>&1
+  timeout --kill-after=30 ${SKEW_CAP:-780} $PY scripts/gpu_skew_bench.py --out $R/skewbench \
+    --deadline $(( ${SKEW_CAP:-780} - 60 )) ${SKEW_EXTRA:-} > $R/skewbench.log 2>&1
 }
 ph_gptossfull() { DEADLINE=${GPTOSS_CAP:-420} bash scripts/gpu_families.sh gptoss_full --out $R/fam > $R/gptossfull.log 2>&1; }
 ph_mixfull() { DEADLINE=${MIX_CAP:-780} bash scripts/gpu_families.sh mixtral_full --out $R/fam > $R/mixfull.log 2>&1; }

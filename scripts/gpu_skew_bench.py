@@ -26,7 +26,8 @@ what was measured:
     measured trace, plan-static@50 and stock UVA@50 while group B started; --measure-during-startup
     restores that): plan-cache vs plan-swap at 50 % first, on a quiet machine, then resident (text
     reference, t_resident), the trace, the rest. Run 12 took 457 s; the quiet rule waits for group
-    B's start-up (~160 s) after resident, so expect ~550 s (deadline 660);
+    B's start-up (~160 s) after resident, and plan-swap+cache@50 measures last (~60 s), so expect
+    ~610 s (gpu_run.sh: SKEW_CAP 780, deadline 720; the deadline cuts the last jobs first);
  5. at --deadline every job still running gets SIGTERM (each bench stops its own server) and the
     summary is written from what finished.
 --dry-run prints the jobs and their commands (CPU-testable; tests/test_skewbench.py).

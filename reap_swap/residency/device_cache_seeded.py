@@ -1,4 +1,5 @@
-"""Per-request swaps with the seeded device cache (``--reap-cache-seed seeded``, issue 17).
+"""Per-request swaps with the seeded device cache (``--reap-cache-seed seeded``, issue 17; refused on
+CUDA since H200 run 12 unless --reap-unverified-seeded-cache: device_cache_serving.seeded_refusal).
 
 With ``seed_core`` the plan core is not pinned by the engine: each cached layer gets its whole
 share C of the pool (core + tail, accounting's ``replay.layer_slots(..., "core+tail")``) as cache

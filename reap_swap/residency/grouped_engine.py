@@ -2,8 +2,9 @@
 -> a `grouped.GroupedLayer` (the layout of reap_swap.residency.grouped, GPU-tested at kernel level).
 
 Called by `CudaEngine.attach_after_load` only when the setting is not 1 (the default path is
-untouched), after the binding rules accepted the layer (stride-taking kernel; Marlin / moe_wna16
-and monolithic kernels were refused before). `decide` picks b per layer and says why; b = 1 goes
+untouched), after the binding rules accepted the layer (stride-taking kernel; monolithic kernels
+were refused before; Marlin / moe_wna16 reach `decide_contiguous`, which refuses them since run 12
+unless the identity-order opt-in is set). `decide` picks b per layer and says why; b = 1 goes
 back to the private path with the reason recorded in `st.layouts` (what /reap/status shows). For
 b > 1: the layer's REHOME slabs -> `group_layout.plan_groups`, the plan's permutation of that
 layer (`plan_permutations`: core, slices, fill order), one grouped pool per tensor sized in groups
@@ -15,7 +16,9 @@ Nothing is half-applied: a failure before the parameters are re-pointed releases
 
 One layout per engine: the first re-homed layer decides (private or grouped with its group
 units); a later layer that would need the other, or other group units, is refused by name.
-Status: CPU-tested with fake layers and a fake VMM (tests/test_group_wiring.py); NOT run on a GPU.
+Status: CPU-tested with fake layers and a fake VMM (tests/test_group_wiring.py); on the H200, FP8 block
+(b = 2) and bf16 served identical to stock (run 11); INT4 permuted groups were not bitwise (run 12) and
+are refused in `decide_contiguous` unless --reap-unverified-int4-groups (identity order, research.md int4perm).
 """
 
 from __future__ import annotations
