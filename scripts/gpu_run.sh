@@ -122,12 +122,13 @@ ph_hybridauto() {  # hybridkv: the KV target from vLLM's own hybrid grouping; on
     --out $R/hybridauto --arms ${HYB_ARMS:-auto@0.5,auto@0.85} --startup-s ${HYB_STARTUP:-540} \
     --extra "--max-model-len 4096 --max-num-seqs 8 ${HYB_EXTRA:-}" > $R/hybridauto.log 2>&1
 }
+swap_guard() { timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > "$1" 2>&1; }  # the swap A/B, log $1
 ph_guards() {  # swap A/B first (no server), then the decode guard's servers side by side
-  timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > $R/guards.log 2>&1
+  swap_guard $R/guards.log
   timeout --kill-after=30 ${GUARD_CAP:-480} $PY scripts/gpu_guards.py --model /tmp/model --out $R/guards \
     --serves ${GUARD_SERVES:-2} --rounds ${GUARD_ROUNDS:-12} --tokens ${GUARD_TOKENS:-512} --deadline $(( ${GUARD_CAP:-480} - 40 )) >> $R/guards.log 2>&1
 }
-ph_swapguard() { timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > $R/swapguard.log 2>&1; }  # guards' swap half only
+ph_swapguard() { swap_guard $R/swapguard.log; }  # guards' swap half only
 ph_int4() {  # int4perm: identity-order INT4 groups (opt-in), kernel test then the server e2e (~8 min)
   timeout 300 $PY -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_int4_groups.py > $R/int4_kernel.log 2>&1
   timeout ${INT4_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/int4 --cases ${INT4_CASES:-awq,gptq,ct-w4a16} \
