@@ -202,6 +202,26 @@ def _fake_servers(guards, monkeypatch, decode):
     monkeypatch.setattr(guards, "one_decode", decode)
 
 
+def _run_main(guards, monkeypatch, model, tmp_path, serves: int, rounds: int):
+    """gpu_guards.main over the fakes into tmp_path/out (it must exit 0): (out, guards.json)."""
+    out = tmp_path / "out"
+    argv = [
+        "gpu_guards",
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--serves",
+        str(serves),
+        "--rounds",
+        str(rounds),
+    ]
+    monkeypatch.setattr("sys.argv", argv)
+    _URLS.clear()
+    assert guards.main() == 0
+    return out, json.loads((out / "guards.json").read_text())
+
+
 def test_gpu_guards_main_over_fake_servers(tmp_path, monkeypatch):
     """gpu_guards.main end to end with fake servers and rates: 2 serves x 3 rounds x 3 arms
     interleaved, every server stopped, facts recorded, the summary and markdown written."""
@@ -210,12 +230,7 @@ def test_gpu_guards_main_over_fake_servers(tmp_path, monkeypatch):
     _fake_servers(guards, monkeypatch, lambda url, tokens, prompt: rates[_arm_of(url, guards)])
     layers = len(read_model_shape(model).moe_layers)
     monkeypatch.setattr(guards, "reap_facts", lambda url: {"cache": _cache(slots=8, layers=layers)})
-    out = tmp_path / "out"
-    argv = ["gpu_guards", "--model", str(model), "--out", str(out), "--serves", "2", "--rounds", "3"]
-    monkeypatch.setattr("sys.argv", argv)
-    _URLS.clear()
-    assert guards.main() == 0
-    doc = json.loads((out / "guards.json").read_text())
+    out, doc = _run_main(guards, monkeypatch, model, tmp_path, serves=2, rounds=3)
     assert len(doc["samples"]) == 2 * 3 * 3 and sorted(_FakeServer.stopped) == sorted(_FakeServer.started)
     assert len(_FakeServer.started) == 6
     assert [s["arm"] for s in doc["samples"][:6]] == [
@@ -244,12 +259,7 @@ def test_gpu_guards_refuses_a_cache_arm_that_did_not_engage(tmp_path, monkeypatc
         "layers": {},
     }
     monkeypatch.setattr(guards, "reap_facts", lambda url: {"cache": off})
-    out = tmp_path / "out"
-    argv = ["gpu_guards", "--model", str(model), "--out", str(out), "--serves", "1", "--rounds", "2"]
-    monkeypatch.setattr("sys.argv", argv)
-    _URLS.clear()
-    assert guards.main() == 0
-    doc = json.loads((out / "guards.json").read_text())
+    out, doc = _run_main(guards, monkeypatch, model, tmp_path, serves=1, rounds=2)
     assert {s["arm"] for s in doc["samples"]} == {"stock", "reap"} and len(doc["samples"]) == 4
     row = doc["summary"]["arms"]["reap-cache"]
     assert "0 pool slot(s)" in row["not_measured"] and row["vs_stock"]["met_paired"] is None
@@ -294,12 +304,7 @@ def test_gpu_guards_keeps_the_serves_whose_cache_engaged(tmp_path, monkeypatch):
     monkeypatch.setattr(
         guards, "reap_facts", lambda url: {"cache": off if serve_of(url) == 0 else _cache(layers=layers)}
     )
-    out = tmp_path / "out"
-    argv = ["gpu_guards", "--model", str(model), "--out", str(out), "--serves", "2", "--rounds", "2"]
-    monkeypatch.setattr("sys.argv", argv)
-    _URLS.clear()
-    assert guards.main() == 0
-    doc = json.loads((out / "guards.json").read_text())
+    _, doc = _run_main(guards, monkeypatch, model, tmp_path, serves=2, rounds=2)
     assert doc["cache_not_engaged_serves"] == [0]
     assert {x["serve"] for x in doc["samples"] if x["arm"] == "reap-cache"} == {1}
     row = doc["summary"]["arms"]["reap-cache"]

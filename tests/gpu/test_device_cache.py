@@ -219,14 +219,11 @@ class _Method:
 _Method.__name__ = _Method.__qualname__ = "UnquantizedFusedMoEMethod"
 
 
-def test_e_engine_lends_pool_slots_seeds_and_serves_bitwise(monkeypatch):
-    """CudaEngine with a CacheConfig: pool split (swap table keeps K), lent slot units mapped in
-    the layer range, dlfu-seeded start (core copied into slots), forward through DeviceCaches equal
-    to the masters' result bitwise, the kernel called over E + N units."""
+def engine_and_layer(monkeypatch, cfg, seed: int):
+    """A CudaEngine with the cache config ``cfg`` over a one-layer plan (core [3, 4], a pool of 10
+    experts) and a random bf16 expert module for it, not hooked yet: (engine, module, masters)."""
     from types import SimpleNamespace
 
-    from reap_swap.residency.device_cache_api import DeviceCaches
-    from reap_swap.residency.device_cache_engine import CacheConfig
     from reap_swap.residency.engine import CudaEngine
     from reap_swap.residency.refusals import LayerRefusals
 
@@ -237,16 +234,26 @@ def test_e_engine_lends_pool_slots_seeds_and_serves_bitwise(monkeypatch):
         swappable_budget_bytes=10 * unit,
         per_expert_bytes=unit,
     )
-    cfg = CacheConfig(DeviceCaches(), slots_per_layer=4, seed_core=True)
     engine = CudaEngine(plan, LayerRefusals(), cache=cfg)
     m = torch.nn.Module()
     m.layer_name, m.expert_map, m.global_num_experts = "model.layers.0.mlp.experts", None, E
     m.activation, m.apply_router_weight_on_input, m.quant_method = "silu", False, _Method()
-    gen = torch.Generator(device="cuda").manual_seed(5)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     for name, shape in (("w13_weight", (E, 2 * INTER, H)), ("w2_weight", (E, H, INTER))):
         w = (torch.randn(*shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
         m.register_parameter(name, torch.nn.Parameter(w, requires_grad=False))
-    masters = (m.w13_weight.detach().clone(), m.w2_weight.detach().clone())
+    return engine, m, (m.w13_weight.detach().clone(), m.w2_weight.detach().clone())
+
+
+def test_e_engine_lends_pool_slots_seeds_and_serves_bitwise(monkeypatch):
+    """CudaEngine with a CacheConfig: pool split (swap table keeps K), lent slot units mapped in
+    the layer range, dlfu-seeded start (core copied into slots), forward through DeviceCaches equal
+    to the masters' result bitwise, the kernel called over E + N units."""
+    from reap_swap.residency.device_cache_api import DeviceCaches
+    from reap_swap.residency.device_cache_engine import CacheConfig
+
+    cfg = CacheConfig(DeviceCaches(), slots_per_layer=4, seed_core=True)
+    engine, m, masters = engine_and_layer(monkeypatch, cfg, seed=5)
     try:
         engine.hook_layer(m, 0, quant_config={})
         m.quant_method.process_weights_after_loading(m)

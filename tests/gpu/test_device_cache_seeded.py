@@ -16,34 +16,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.gpu.test_device_cache import INTER, E, H, _Method, _routing, _torch_moe  # noqa: E402
+from tests.gpu.test_device_cache import _routing, _torch_moe, engine_and_layer  # noqa: E402
 
 
 def _engine(monkeypatch, fused):
-    from types import SimpleNamespace
-
     from reap_swap.residency.device_cache_api import DeviceCaches
     from reap_swap.residency.device_cache_engine import CacheConfig
-    from reap_swap.residency.engine import CudaEngine
-    from reap_swap.residency.refusals import LayerRefusals
 
-    monkeypatch.setattr("reap_swap.compat.moe_cache.install_config_alias", lambda: "stand-in")
-    unit = (2 * INTER * H + H * INTER) * 2
-    plan = SimpleNamespace(
-        layers={0: SimpleNamespace(core=[3, 4], num_experts=E)},
-        swappable_budget_bytes=10 * unit,
-        per_expert_bytes=unit,
-    )
     cfg = CacheConfig(DeviceCaches(fused=fused), 0, seed_core=True, auto=True, layer_slots={})
-    engine = CudaEngine(plan, LayerRefusals(), cache=cfg)
-    m = torch.nn.Module()
-    m.layer_name, m.expert_map, m.global_num_experts = "model.layers.0.mlp.experts", None, E
-    m.activation, m.apply_router_weight_on_input, m.quant_method = "silu", False, _Method()
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    for name, shape in (("w13_weight", (E, 2 * INTER, H)), ("w2_weight", (E, H, INTER))):
-        w = (torch.randn(*shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-        m.register_parameter(name, torch.nn.Parameter(w, requires_grad=False))
-    masters = (m.w13_weight.detach().clone(), m.w2_weight.detach().clone())
+    engine, m, masters = engine_and_layer(monkeypatch, cfg, seed=7)
     engine.hook_layer(m, 0, quant_config={})
     m.quant_method.process_weights_after_loading(m)
     return engine, cfg, m, masters
@@ -218,6 +199,25 @@ def _seeded_evicted_and_reread(history, core=range(32)):
     return False
 
 
+def _check_step(fm, masters, ext, step, form, t, served, first_bad, history):
+    """One served step against stock: the first unequal one diagnosed (returned), the slot
+    contents recorded, every 25th step every slot's bytes checked."""
+    x, tw, ti, ids, out = served
+    ref = _stock(fm, masters, x, tw, ti)
+    if first_bad is None and not torch.equal(out, ref):
+        first_bad = _diagnose(fm, masters, ext, step, x, tw, ti, ids, out, ref, t)
+    history.append(set(step.cache.slot_expert.tolist()))
+    if t % 25 == 0:
+        assert not _slots_hold(step), (form, t, _slots_hold(step))
+    return first_bad
+
+
+def _check_run(form, what, first_bad, history):
+    assert first_bad is None, f"{form}: first unequal {what} {first_bad}"
+    if form == "seeded":
+        assert _seeded_evicted_and_reread(history), "no seeded expert was evicted and cached again"
+
+
 @pytest.mark.parametrize("form", ["seeded", "pinned"])
 def test_served_shape_eager_decode_and_prefill_bitwise(fm, form):
     masters, rng, ext, step, pool = _served_layer(form)
@@ -228,19 +228,14 @@ def test_served_shape_eager_decode_and_prefill_bitwise(fm, form):
             rows = 64 if t % 97 == 50 else 256 if t % 151 == 75 else (1, 1, 1, 2, 1, 4, 1, 8)[t % 8]
             rows = (19, 21, 20, 23)[t // 40 % 4] if t % 40 == 0 else rows  # run 12's prompt prefills
             x, tw, ti = _drift(gen, t, rows)
-            ref = _stock(fm, masters, x, tw, ti)
             ids = step(ti)
             out = _cached_call(fm, masters, ext, x, tw, ids)
-            if first_bad is None and not torch.equal(out, ref):
-                first_bad = _diagnose(fm, masters, ext, step, x, tw, ti, ids, out, ref, t)
-            history.append(set(step.cache.slot_expert.tolist()))
-            if t % 25 == 0:
-                assert not _slots_hold(step), (form, t, _slots_hold(step))
-        assert first_bad is None, f"{form}: first unequal step {first_bad}"
+            first_bad = _check_step(
+                fm, masters, ext, step, form, t, (x, tw, ti, ids, out), first_bad, history
+            )
+        _check_run(form, "step", first_bad, history)
         r = step.cache.read_counters()
         assert r["evicted"] > 100 and r["read_through_steps"] > 0, r
-        if form == "seeded":
-            assert _seeded_evicted_and_reread(history), "no seeded expert was evicted and cached again"
     finally:
         rng.release()
         pool.release()
@@ -271,17 +266,12 @@ def test_served_shape_decode_graph_replays_bitwise(fm, form):
             tw.copy_(ntw)
             ti.copy_(nti)
             g.replay()
-            ref = _stock(fm, masters, x, tw, ti)
-            if first_bad is None and not torch.equal(out, ref):
-                first_bad = _diagnose(fm, masters, ext, step, x, tw, ti, ids, out, ref, t)
-            history.append(set(step.cache.slot_expert.tolist()))
-            if t % 25 == 0:
-                assert not _slots_hold(step), (form, t, _slots_hold(step))
-        assert first_bad is None, f"{form}: first unequal replay {first_bad}"
+            first_bad = _check_step(
+                fm, masters, ext, step, form, t, (x, tw, ti, ids, out), first_bad, history
+            )
+        _check_run(form, "replay", first_bad, history)
         r = step.cache.read_counters()
         assert r["steps"] >= STEPS and r["evicted"] > 100, r
-        if form == "seeded":
-            assert _seeded_evicted_and_reread(history), "no seeded expert was evicted and cached again"
     finally:
         rng.release()
         pool.release()
