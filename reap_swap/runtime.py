@@ -80,8 +80,13 @@ class WorkerRuntime:
         from reap_swap.residency.device_cache_serving import cache_config_for
 
         cache, self.cache_reason = cache_config_for(self.settings, self.plan)
-        self.engine = CudaEngine(self.plan, self.refusals, cache=cache, group_size=self.settings.group_size)
-        self.engine.unverified_int4_groups = self.settings.unverified_int4_groups  # grouped_engine reads it
+        self.engine = CudaEngine(
+            self.plan,
+            self.refusals,
+            cache=cache,
+            group_size=self.settings.group_size,
+            unverified_int4_groups=self.settings.unverified_int4_groups,
+        )
         if self.settings.budget != "plan":  # --reap-budget auto | GiB (residency/budget.py)
             from reap_swap.residency.budget import BudgetHook
 

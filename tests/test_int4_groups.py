@@ -38,8 +38,10 @@ W13, W2 = 2 * I * H // 2, H * I // 2  # packed int4 bytes per expert: 1.5 MiB, 0
 @pytest.fixture
 def opt_in(monkeypatch):
     """--reap-unverified-int4-groups: the identity-order variant (unverified on a GPU); the runtime
-    sets this engine attribute from the settings (reap_swap/runtime.py)."""
-    monkeypatch.setattr(gw.engine_mod.CudaEngine, "unverified_int4_groups", True, raising=False)
+    passes it to CudaEngine from the settings (reap_swap/runtime.py); here gw.cpu_engine builds
+    its engines with it."""
+    engine = gw.cpu_engine
+    monkeypatch.setattr(gw, "cpu_engine", lambda *a, **k: engine(*a, **{"unverified_int4_groups": True, **k}))
 
 
 # -- the pure choice of b --------------------------------------------------------------------------

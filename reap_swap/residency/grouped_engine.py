@@ -67,8 +67,8 @@ def decide_contiguous(engine: Any, st: Any, bound: Any) -> tuple[int, str]:
     """(b, why) for a kernel that implies stride = slab (Marlin, moe_wna16); b = 0: refused, `why`
     says why. Never private units: they would be read at the wrong address. Refused on CUDA unless
     --reap-unverified-int4-groups (run 12: not bitwise on Marlin; contiguous_groups' docstring); the
-    runtime sets `engine.unverified_int4_groups` from the settings."""
-    if not getattr(engine, "unverified_int4_groups", False):
+    engine gets `unverified_int4_groups` from the settings at construction (runtime.py)."""
+    if not engine.unverified_int4_groups:
         return 0, INT4_GROUPS_REFUSED
     if engine.cache is not None:
         return (
