@@ -98,12 +98,13 @@ class CudaResidency(ResidencyBase):
 
             on_swap(self.device_caches, target)
         seconds = time.perf_counter() - t0
+        moved = result.bytes_copied + copied
         self.st.swaps += 1
-        self.st.bytes_copied_total += result.bytes_copied + copied
+        self.st.bytes_copied_total += moved
         return {
-            "bytes_copied": result.bytes_copied + copied,
+            "bytes_copied": moved,
             "seconds": seconds,
-            "gbps": ((result.bytes_copied + copied) / seconds / 1e9) if seconds > 0 else 0.0,
+            "gbps": (moved / seconds / 1e9) if seconds > 0 else 0.0,
             "phases": result.phases,
             "evicted": len(result.plan.evict),
             "admitted": len(result.plan.admit) + pinned,
