@@ -8,6 +8,11 @@ evicts everything (no copy), then times swap-in of 10 % of the pool, a 1 GiB del
 the pool (bytes = the 9 MiB payload per expert). Arms: --publish-every values (0 = off, the run-4
 path; 8 = the default). After the last repeat the chunked arm's 100 % swap is checked bitwise
 against the original weights of layer 0 (the bytes really landed where the kernel reads).
+Two ceilings per repeat (`--raw`, on by default): arm "raw" issues the same host-backed unit ->
+pool-staging copies on one stream with one synchronize (no remaps, events, publishes: what the
+copy engine does for this access pattern), and `pcie_1gib` times one 1 GiB pinned-tensor copy
+(the link itself). If raw is below 50 GB/s for the 1 GiB delta, the guard's target is above what
+the copies alone reach here; `gbps_vs_raw` says how much of it the swap path keeps.
 Needs torch and cuda-python only (no vLLM). Runtime ~1-2 min on the H200 (setup pins ~10 GB).
 Usage: python3 scripts/gpu_swap_guard.py --out DIR [--repeats 5] [--publish-every 0,8,32]
 Writes DIR/swap_guard.json (raw samples + summary) and DIR/swap_guard.log.
@@ -25,11 +30,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when not on PYTHONPATH
+from reap_swap.bench_report import ratio  # noqa: E402
 from reap_swap.guard_report import swap_summary  # noqa: E402
 from reap_swap.residency.engine import standalone_state  # noqa: E402
 from reap_swap.residency.swap import PUBLISH_EVERY, apply_swap  # noqa: E402
 
 CANDIDATE = 8  # the chunk size the A/B checks against the 50 GB/s guard (swap.PUBLISH_EVERY, on since run 12)
+from reap_swap.residency import vmm  # noqa: E402
 from reap_swap.residency.vmm_store import VmmStore  # noqa: E402
 
 E, H, I = 128, 2048, 768
@@ -49,7 +56,37 @@ def _target(keys) -> dict[int, list[int]]:
     return out
 
 
-def run(num_layers: int, repeats: int, arms: list[int]) -> tuple[list[dict], dict]:
+def _raw_copy(st, target: dict[int, list[int]]) -> tuple[int, float]:
+    """The swap's copies alone: host-backed units -> pool staging addresses, one stream, one sync."""
+    stream = st.copy_stream
+    nbytes = next(iter(st.layers.values())).expert_bytes
+    pairs = [(l, e) for l, es in target.items() for e in es]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for slot, (l, e) in enumerate(pairs):
+        vmm.copy_async(
+            st.pool.unit_address(slot), st.layers[l].rng.unit_address(e), nbytes, stream.cuda_stream
+        )
+    stream.synchronize()
+    return nbytes * len(pairs), time.perf_counter() - t
+
+
+def _pcie_1gib(repeats: int) -> dict:
+    """One 1 GiB pinned host tensor -> HBM copy, `repeats` times: the link's own ceiling."""
+    src = torch.empty(2**30, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    out = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out.append(2**30 / (time.perf_counter() - t) / 1e9)
+    del src, dst
+    return {"gbps": out[1:], "median": sorted(out[1:])[len(out[1:]) // 2]}
+
+
+def run(num_layers: int, repeats: int, arms: list, raw: bool = True) -> tuple[list[dict], dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = {l: _weights(gen) for l in range(num_layers)}
     t0 = time.perf_counter()
@@ -63,19 +100,25 @@ def run(num_layers: int, repeats: int, arms: list[int]) -> tuple[list[dict], dic
     cases = {"10pct_pool": len(keys) // 10, "1GiB_delta": -(-(2**30) // unit), "100pct_pool": len(keys)}
     log.info("setup %.1fs: %d layers, unit %d B, cases %s, arms %s", setup, num_layers, unit, cases, arms)
     samples = []
+    all_arms = [*arms, "raw"] if raw else list(arms)
     for case, n in cases.items():
         for rep in range(repeats + 1):  # rep 0: a warm-up per case, not recorded
-            for arm in arms if rep % 2 else arms[::-1]:  # alternate the order between repeats
+            for arm in all_arms if rep % 2 else all_arms[::-1]:  # alternate the order between repeats
                 apply_swap(st.table, VmmStore(st, 0), {})  # everything back on the host
                 torch.cuda.synchronize()
                 target = _target(keys[:n] if rep % 2 == 0 else keys[-n:])
-                t = time.perf_counter()
-                res = apply_swap(st.table, VmmStore(st, arm), target)
-                dt = time.perf_counter() - t
-                row = {"case": case, "arm": str(arm), "rep": rep, "experts": n, "bytes": res.bytes_copied,
-                       "s": dt, "gbps": res.bytes_copied / dt / 1e9, "phases": res.phases}  # fmt: skip
+                if arm == "raw":
+                    nbytes, dt = _raw_copy(st, target)
+                    phases: dict = {}
+                else:
+                    t = time.perf_counter()
+                    res = apply_swap(st.table, VmmStore(st, arm), target)
+                    dt = time.perf_counter() - t
+                    nbytes, phases = res.bytes_copied, res.phases
+                row = {"case": case, "arm": str(arm), "rep": rep, "experts": n, "bytes": nbytes,
+                       "s": dt, "gbps": nbytes / dt / 1e9, "phases": phases}  # fmt: skip
                 log.info("%s arm=%s rep=%d %.1f GB/s %s", case, arm, rep, row["gbps"],
-                         {k: round(v * 1e3, 2) if k != "publish_chunks" else v for k, v in res.phases.items()})  # fmt: skip
+                         {k: round(v * 1e3, 2) if k != "publish_chunks" else v for k, v in phases.items()})  # fmt: skip
                 if rep:
                     samples.append(row)
     chunked = max(arms)
@@ -85,6 +128,9 @@ def run(num_layers: int, repeats: int, arms: list[int]) -> tuple[list[dict], dic
     check = {"arm": chunked, "w13_equal": bool(torch.equal(views[0][0], ref[0])),
              "w2_equal": bool(torch.equal(views[0][1], ref[1]))}  # fmt: skip
     apply_swap(st.table, VmmStore(st, 0), {})
+    pcie = _pcie_1gib(repeats) if raw else None
+    if pcie:
+        log.info("pcie_1gib: one 1 GiB pinned copy, median %.1f GB/s", pcie["median"])
     for entry in st.layers.values():
         entry.rng.release()
     st.pool.release()
@@ -93,6 +139,7 @@ def run(num_layers: int, repeats: int, arms: list[int]) -> tuple[list[dict], dic
         "unit_bytes": unit,
         "layers": num_layers,
         "bitwise_after_chunked_100pct": check,
+        "pcie_1gib": pcie,
     }
 
 
@@ -102,6 +149,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--publish-every", default=f"0,{CANDIDATE},32", help="arms: comma-separated, 0 = off")
+    ap.add_argument(
+        "--no-raw", dest="raw", action="store_false", help="skip the raw-copy and 1 GiB pinned ceilings"
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,8 +161,12 @@ def main() -> int:
         handlers=[logging.FileHandler(out / "swap_guard.log"), logging.StreamHandler()],
     )
     arms = [int(a) for a in args.publish_every.split(",")]
-    samples, meta = run(args.layers, args.repeats, arms)
+    samples, meta = run(args.layers, args.repeats, arms, raw=args.raw)
     summary = swap_summary(samples, default_arm=str(CANDIDATE), baseline_arm="0")
+    for rows in summary["cases"].values():  # how much of the copies' own ceiling each arm keeps
+        raw_gbps = (rows.get("raw") or {}).get("gbps")
+        for row in rows.values():
+            row["gbps_vs_raw"] = ratio(row["gbps"], raw_gbps)
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "default_publish_every": PUBLISH_EVERY,
            "arms": arms, "repeats": args.repeats, **meta, "summary": summary, "samples": samples}  # fmt: skip
     (out / "swap_guard.json").write_text(json.dumps(doc, indent=1))
