@@ -23,9 +23,34 @@ def test_no_context_means_unknown(context):
     assert counters.rows_from_padding(moe.padding_source(4)) is None
 
 
-def test_model_runner_v2_padding_mask(context):
+def test_model_runner_v2_padding_mask(context, monkeypatch):
+    monkeypatch.setenv("VLLM_MOE_SKIP_PADDING", "1")  # the V2 runner fills is_padding per step
     context["ctx"] = SimpleNamespace(is_padding=torch.tensor([False, False, True, True]), slot_mapping={})
     assert counters.rows_from_padding(moe.padding_source(4)).tolist() == [True, True, False, False]
+
+
+def test_model_runner_v2_stale_is_padding_is_not_read(context, monkeypatch):
+    """Run 13 (H200, vLLM 0.26.0, DeepSeek-V2-Lite on Model Runner V2): without
+    VLLM_MOE_SKIP_PADDING the runner never rewrites is_padding after its dummy batches, so it is
+    all True; read as the mask it hid every selection (0 of 6084 counted). The V2 runner's slot
+    mapping (padded length, -1 past the step's tokens) is what marks the padded rows then."""
+    monkeypatch.setenv("VLLM_MOE_SKIP_PADDING", "0")
+    context["ctx"] = SimpleNamespace(
+        is_padding=torch.ones(4, dtype=torch.bool),  # left by the profile run / capture
+        slot_mapping={"model.layers.0.self_attn.attn": torch.tensor([7, 8, -1, -1])},
+    )
+    assert counters.rows_from_padding(moe.padding_source(4)).tolist() == [True, True, False, False]
+    context["ctx"] = SimpleNamespace(is_padding=torch.ones(4, dtype=torch.bool), slot_mapping={})
+    assert moe.padding_source(4) is None  # nothing else says which rows are padding: count all
+
+
+def test_runner_fills_is_padding_follows_vllms_flag(monkeypatch):
+    from reap_swap.compat import padding
+
+    monkeypatch.setenv("VLLM_MOE_SKIP_PADDING", "0")
+    assert padding.runner_fills_is_padding() is False
+    monkeypatch.setenv("VLLM_MOE_SKIP_PADDING", "1")
+    assert padding.runner_fills_is_padding() is True
 
 
 def test_v1_slot_mapping_pad_slots(context):

