@@ -70,7 +70,7 @@ leftovers() {  # stop any server a timed-out phase left behind, then wait until 
 
 ph_dcache() { timeout 240 $PY scripts/bench_device_cache.py --log-dir $R/dcache > $R/dcache.log 2>&1; }
 ph_tests() {
-  timeout 420 $PY -m pytest -q -rs tests/gpu -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > $R/tests.log 2>&1
+  timeout 420 $PY -m pytest -q -rsx tests/gpu -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > $R/tests.log 2>&1
 }
 ph_budget() {
   $PY -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import gpu_e2e; \
