@@ -1,8 +1,9 @@
 """All three at once (README's ``plan-swap+cache``): per-request swaps pin the client's ``probe``
 set, the device cache's policy keeps adapting in the slots left over.
 
-Policies ``probe+lfu`` (the tail is ``lfu-seeded``: what accounting mode runs for ``--reap-cache
-lfu``, cache_accounting.CACHE_POLICIES) and ``probe+dlfu`` (the tail is ``dlfu-seeded``, the integer
+Policies ``probe+lfu`` (the tail is ``lfu-seeded``, the float LFU no device serves; accounting
+mode ran it for ``--reap-cache lfu`` until the pinned default became the device's ``core+dlfu``) and
+``probe+dlfu`` (the tail is ``dlfu-seeded``, what ``--reap-cache-seed seeded`` runs: the integer
 LFU of device.py). The semantics are the server's in accounting mode, step for step:
 
 - Startup: the cache policy seeded with the plan core, nothing pinned (``LayerCache.__init__``);
