@@ -49,12 +49,15 @@ def server_replay(plan, trace, tail, sets, name):
     WorkerCore.apply (which pins only a changing swap); every step's counter rows are fed to the
     cache. ``sets``: request's first step -> {layer: set}. Returns the CacheAccounting."""
     layers = {l: trace.num_experts for l in trace.layers}
-    # the seeded slots (core + tail spread); the tail policy is TAILS[name] (lfu-seeded is no
-    # longer what --reap-cache lfu runs: the pinned default is core+dlfu, tests/test_cache_device_form.py)
-    acc = CacheAccounting.build(plan, "lfu", tail, layers, {}, top_k=trace.top_k, seed="seeded")
-    acc.caches = {
-        l: LayerCache(_policy(TAILS[name], l, plan, None, 0.8), l, e, acc.slots[l]) for l, e in layers.items()
-    }
+    if name == "probe+core+dlfu":  # the default --reap-cache lfu: the device's pinned form, as served
+        acc = CacheAccounting.build(plan, "lfu", tail, layers, {}, top_k=trace.top_k)
+        assert acc.policy == "core+dlfu" and acc.device_form
+    else:  # the seeded slots (core + tail spread) with TAILS[name] as the tail policy
+        acc = CacheAccounting.build(plan, "lfu", tail, layers, {}, top_k=trace.top_k, seed="seeded")
+        acc.caches = {
+            l: LayerCache(_policy(TAILS[name], l, plan, None, 0.8), l, e, acc.slots[l])
+            for l, e in layers.items()
+        }
     core = WorkerCore(plan, {}, AccountingResidency(plan.core_sets(), 1, "test"), 0, {}, cache=acc)
     counts = {l: trace.step_counts(l) for l in trace.layers}
     starts = {int(s) for s in trace.request_first_steps()}

@@ -22,7 +22,7 @@ from collections.abc import Set
 
 import numpy as np
 
-from reap_swap.cache_policy.hybrid import yield_tail
+from reap_swap.cache_policy.hybrid import device_pin, yield_tail
 from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, PolicyError, _check, _count_step
 from reap_swap.cache_policy.online import Static, _Ranked
 
@@ -99,10 +99,9 @@ class LayerCache:
         its own units (the swap table's), so the former pinned set leaves unless pinned again; the
         tail keeps its N slots and every cached expert not now pinned (slots of newly pinned ones
         are emptied, nothing is re-ranked, no score changes). Capacity: |pinned| + N (at most E)."""
-        tail = self.resident - self.pinned - pinned
-        self.capacity = min(self.num_experts, len(pinned) + self.device_tail)
-        self.policy.pinned, self.policy.capacity = pinned, self.capacity
-        new = pinned | tail
+        new, self.capacity = device_pin(
+            self.policy, self.resident, pinned, self.device_tail, self.num_experts
+        )
         self.counts.prefetched += len(new - self.resident)
         self.resident, self.pinned = new, pinned
 
