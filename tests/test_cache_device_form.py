@@ -89,8 +89,8 @@ def test_tail_slots_are_the_devices(budget, cores, setting):
         assert cache.pinned == plan.layers[l].core and cache.resident == cache.pinned
 
 
-def _device(plan, layer, tail):
-    d = DeviceCache(16, tail, "cpu", 0.8)
+def _device(plan, layer, tail, device="cpu"):
+    d = DeviceCache(plan.layers[layer].num_experts, tail, device, 0.8)
     d.set_pinned(plan.layers[layer].core)  # engage(): the core in its own units, the tail empty
     return d
 
@@ -106,42 +106,66 @@ def _check_equal(acc, devs, where):
         assert got.read_through_steps == c["read_through_steps"], (where, l)
 
 
-@pytest.mark.parametrize("tail", [1, 2, 5, 8])  # 8: core + tail = E on layer 0
-def test_device_form_equals_the_device_step_by_step_with_swaps(plan, tail):
-    """Random routing (skewed, some steps wider than the slots) and swaps through WorkerCore.apply
-    (which pins a changing set): accounting's core+dlfu and the device's DeviceCache agree on the
-    resident set, the pinned set and every counter after every step."""
-    rng = np.random.default_rng(tail)
-    layers = {l: 16 for l in plan.layers}
-    acc = CacheAccounting.build(plan, "lfu", tail * 4, layers, {}, top_k=2)
-    assert all(c.device_tail == tail for c in acc.caches.values())
-    devs = {l: _device(plan, l, tail) for l in plan.layers}
-    core = WorkerCore(plan, {}, AccountingResidency(plan.core_sets(), 1, "test"), 0, {}, cache=acc)
-    weights = np.linspace(3.0, 0.2, 16)
-    for t in range(240):
-        if t % 40 == 20:  # a swap: a random set per layer (sometimes the core back)
+def torch_step(d, ids):
+    d.step(step_counts(ids, d.num_experts))
+
+
+def drive(plan, tail, steps, seed, top_k=2, step_fn=torch_step, device="cpu", make_pin=None, wide=24):
+    """Random skewed routing (every 7th step up to ``wide`` tokens: wider than the slots) and a
+    swap every 40 steps (a random set per layer, every other one the core back): accounting's
+    core+dlfu (``make_pin(acc)``: how a swap reaches it, default acc.pin) and one device cache
+    per layer (``step_fn``: the torch ops or the served Triton step) must agree after every step on
+    the resident and pinned sets and every counter. Returns the CacheAccounting."""
+    rng = np.random.default_rng(seed)
+    layers = {l: p.num_experts for l, p in plan.layers.items()}
+    e = max(layers.values())
+    acc = CacheAccounting.build(plan, "lfu", tail * len(layers), layers, {}, top_k=top_k)
+    assert acc.policy == "core+dlfu" and all(c.device_tail == tail for c in acc.caches.values())
+    devs = {l: _device(plan, l, tail, device) for l in plan.layers}
+    pin = make_pin(acc) if make_pin else acc.pin
+    weights = np.linspace(3.0, 0.2, e)
+    for t in range(steps):
+        if t % 40 == 20:
             sets = {
                 l: sorted(plan.layers[l].core)
                 if t % 80 == 60
-                else sorted(int(e) for e in rng.choice(16, int(rng.integers(1, 9)), replace=False))
+                else sorted(int(x) for x in rng.choice(e, int(rng.integers(1, e // 2 + 1)), replace=False))
                 for l in plan.layers
             }
-            from reap_swap import wire
-
-            reply = core.apply({"resident": wire.encode_resident_sets(sets)})
-            assert "error" not in reply, reply
+            pin(sets)
             for l, d in devs.items():  # cuda_backend.apply -> device_cache_serving.on_swap
                 d.set_pinned(sets[l])
-        tokens = int(rng.integers(1, 9 if t % 7 else 24))
-        ids = torch.tensor(rng.choice(16, (tokens, 2), p=weights / weights.sum()))
+        tokens = int(rng.integers(1, 9 if t % 7 else wide + 1))
+        ids = np.stack(
+            [rng.choice(e, top_k, replace=False, p=weights / weights.sum()) for _ in range(tokens)]
+        )
+        ids = torch.tensor(ids, dtype=torch.int32)
         for d in devs.values():
-            d.step(step_counts(ids, 16))
-        rows = step_counts(ids, 16).numpy()
+            step_fn(d, ids.to(device))
+        rows = step_counts(ids, e).numpy()
         acc.step({l: rows for l in plan.layers}, t % 9 == 0)
         _check_equal(acc, devs, t)
     tot = acc.totals()
     assert tot["misses"] > 0 and tot["promotions"] > 0 and tot["evictions"] > 0
     assert tot["read_through_steps"] > 0 and sum(c.counts.prefetched for c in acc.caches.values()) > 0
+    return acc
+
+
+@pytest.mark.parametrize("tail", [1, 2, 5, 8])  # 8: core + tail = E on layer 0
+def test_device_form_equals_the_device_step_by_step_with_swaps(plan, tail):
+    """The swaps go through WorkerCore.apply (which pins a changing set), as on a server."""
+    from reap_swap import wire
+
+    def make_pin(acc):
+        core = WorkerCore(plan, {}, AccountingResidency(plan.core_sets(), 1, "t"), 0, {}, cache=acc)
+
+        def pin(sets):
+            reply = core.apply({"resident": wire.encode_resident_sets(sets)})
+            assert "error" not in reply, reply
+
+        return pin
+
+    drive(plan, tail, 240, seed=tail, make_pin=make_pin)
 
 
 def test_accounting_equals_simulate_core_dlfu_on_the_trace(plan):
