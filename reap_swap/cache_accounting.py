@@ -12,14 +12,21 @@ between steps, never inside one). Those are the model's own expert ids and the s
 every token of the step; a step is a request's prefill when it schedules a new request. Steps
 that route nothing (no tokens scheduled) are not steps of the cache.
 
-Slots: ``--reap-cache-slots N`` is the tail beyond the pinned set, over all layers; ``auto`` asks
-the pool for its slots beyond the pinned set (``pool_tail_slots``, another developer's
-``--reap-budget auto`` provides it) and falls back to the plan budget minus the plan core. Per
-layer the capacity is ``replay.layer_slots(core + tail, ..., "core+tail")``: the simulator's
-allocation, so ``reap-swap simulate --budget <(core + tail) x per_expert_bytes>B`` replays the
-same cache. Policy names: ``--reap-cache lfu`` is the simulator's ``lfu-seeded`` (decay 0.8),
-``lru`` is ``lru-seeded``; with ``--reap-cache-seed seeded`` lfu is ``dlfu-seeded`` (the same LFU
-in the integer arithmetic the CUDA device cache runs).
+Policy and slots: the CUDA device's, so the check is of what the device runs (ACCOUNTING_POLICIES).
+``--reap-cache lfu`` with the default ``--reap-cache-seed pinned`` is the simulator's ``core+dlfu``:
+the plan core pinned, the integer LFU (decay 0.8, cache_policy.device) on a tail of N slots per
+layer computed by the device's rule (memory_split.pinned_tail_split, which
+device_cache_engine.CacheConfig.split runs): ``--reap-cache-slots N`` gives N // layers per layer
+(the remainder is not lent), ``auto`` the pool's slots beyond the plan core // layers, the pool
+being the plan budget's slots (``pool_tail_slots``, if an engine offers it, replaces the pool's
+count); where the device would refuse (0 per layer, more than the pool) the cache is disengaged
+with the device's reason. A swap pins its set beside the N-slot tail as the device does
+(LayerCache ``device_tail``). ``reap-swap simulate --budget <(core + layers x N//layers) x
+per_expert_bytes>B --policy core+dlfu`` replays the same cache. ``--reap-cache-seed seeded``: lfu
+is ``dlfu-seeded`` (the device's seeded form) on ``replay.layer_slots(core + tail, ...,
+"core+tail")`` slots, the tail N (or auto: the plan budget minus the core, as split_seeded).
+``lru``: the simulator's ``lru-seeded`` on the seeded slots; the device has no LRU (NO_DEVICE_LRU,
+in /reap/status ``cache.note`` and the log).
 """
 
 from __future__ import annotations
@@ -35,13 +42,34 @@ from reap_swap.cache_policy.mechanism import LayerCounts
 from reap_swap.cache_policy.replay import _policy, layer_slots
 from reap_swap.cache_policy.stepper import LayerCache
 from reap_swap.logs import get_logger
+from reap_swap.memory_split import pinned_tail_split
+from reap_swap.quant_budget import pool_slots
 
 log = get_logger("reap_swap.cache")
 
-CACHE_POLICIES = {"lfu": "lfu-seeded", "lru": "lru-seeded"}  # --reap-cache -> simulator policy
-# --reap-cache-seed seeded: the integer LFU the CUDA device runs (residency/device_cache_seeded.py),
-# so this accounting equals the device's decisions by construction (research.md "seedserve")
-SEEDED_POLICIES = {"lfu": "dlfu-seeded", "lru": "lru-seeded"}
+# --reap-cache x --reap-cache-seed -> the simulator policy accounting runs: the CUDA device's own
+# where it has one (device_cache_serving.cache_config_for serves lfu as core+dlfu, or dlfu-seeded
+# with --reap-cache-seed seeded), so CI's exact check against `reap-swap simulate` checks the policy
+# the device runs. The device has no LRU: lru keeps the simulator's lru-seeded (NO_DEVICE_LRU).
+ACCOUNTING_POLICIES = {
+    ("lfu", "pinned"): "core+dlfu",
+    ("lfu", "seeded"): "dlfu-seeded",
+    ("lru", "pinned"): "lru-seeded",
+    ("lru", "seeded"): "lru-seeded",
+}
+DEVICE_FORM = "core+dlfu"  # the plan core pinned, the tail slots per layer by the device's rule
+NO_DEVICE_LRU = (
+    "--reap-cache lru: the CUDA device cache has no LRU (it implements the integer LFU dlfu only and "
+    "refuses lru by name); accounting runs the simulator's lru-seeded, a policy no device serves"
+)
+
+
+def accounting_policy(setting: str, seed: str = "pinned") -> tuple[str, str | None]:
+    """(the simulator policy accounting runs, why it is not the device's or None)."""
+    name = ACCOUNTING_POLICIES[(setting, "seeded" if seed == "seeded" else "pinned")]
+    return name, (NO_DEVICE_LRU if setting == "lru" else None)
+
+
 LFU_DECAY = 0.8  # research.md "Device-cache policies in simulation": tuned on the calibration trace
 COUNTERS = ("hits", "misses", "promotions", "evictions", "read_through_steps")
 
@@ -59,6 +87,21 @@ def tail_slots(plan, setting: int | str, pool_tail_slots: Callable[[], int | Non
     return max(0, budget - core), f"plan budget ({budget} experts) minus the plan core ({core})"
 
 
+def device_tail(plan, setting: int | str, pool_tail_slots=None) -> tuple[int, str, str | None]:
+    """(tail slots per layer, where from, why the device would not engage): the CUDA device's
+    pinned form (CacheConfig.split on the pool of the plan's budget, pinned = the plan core) by the
+    rule they share (memory_split.pinned_tail_split)."""
+    core = {l: p.core for l, p in plan.layers.items()}
+    pool = pool_slots(int(plan.swappable_budget_bytes), int(plan.per_expert_bytes))
+    source = f"pool of {pool} slots (the plan budget)"
+    if setting == "auto" and pool_tail_slots is not None and pool_tail_slots() is not None:
+        pool = int(pool_tail_slots()) + sum(len(c) for c in core.values())
+        source = "the pool's slots beyond the pinned set"
+    per_layer, refusal = pinned_tail_split(pool, len(plan.layers), core, setting)
+    how = "auto: beyond the plan core" if setting == "auto" else f"--reap-cache-slots {setting}"
+    return per_layer, f"{how}, // {len(plan.layers)} layers, {source}", refusal
+
+
 @dataclass
 class CacheAccounting:
     """Per counted layer, one LayerCache; the totals the surfaces report."""
@@ -73,6 +116,8 @@ class CacheAccounting:
     record: deque | None = None  # the last N steps fed (rows per layer), when asked for
     steps: int = 0
     reason: str | None = None  # why the cache is not engaged at all
+    device_form: bool = False  # core+dlfu: swaps and evictions as the CUDA device counts them
+    note: str | None = None  # why the policy is not the device's (lru), for /reap/status and the log
 
     @classmethod
     def build(
@@ -88,13 +133,21 @@ class CacheAccounting:
         seed: str = "pinned",
     ) -> CacheAccounting:
         """``layers``: counted plan layer -> its number of experts; ``uncounted``: layer -> why not;
-        ``seed``: --reap-cache-seed (seeded: lfu runs as the device's integer ``dlfu-seeded``)."""
-        name = (SEEDED_POLICIES if seed == "seeded" else CACHE_POLICIES)[setting]
-        tail, source = tail_slots(plan, slots_setting, pool_tail_slots)
+        ``seed``: --reap-cache-seed (lfu: pinned runs the device's core+dlfu, seeded dlfu-seeded)."""
+        name, note = accounting_policy(setting, seed)
+        device_form = name == DEVICE_FORM
+        if device_form:  # the device's rule: N // layers (or auto) tail slots beside every layer's core
+            per_layer, source, refusal = device_tail(plan, slots_setting, pool_tail_slots)
+            if refusal:
+                return cls.disengaged(f"{refusal} (the CUDA device cache refuses it too; policy {name})")
+            tail = per_layer * len(plan.layers)
+        else:
+            tail, source = tail_slots(plan, slots_setting, pool_tail_slots)
         core = {l: plan.layers[l].core for l in plan.layers}
         total = sum(len(c) for c in core.values()) + tail
-        num_experts = max(layers.values(), default=0)
-        slots, how = layer_slots(total, sorted(plan.layers), core, "core+tail", num_experts)
+        slots, how = layer_slots(
+            total, sorted(plan.layers), core, "core+tail", max(layers.values(), default=0)
+        )
         refused = {
             l: f"not counted ({why}): the cache cannot see its routing" for l, why in uncounted.items()
         }
@@ -106,19 +159,15 @@ class CacheAccounting:
                 refused[l] = (
                     f"too few slots for one token: {slots[l]} slots < top_k {top_k}; every step reads through"
                 )
-            caches[l] = LayerCache(_policy(name, l, plan, None, LFU_DECAY), l, e, slots[l])
-        acc = cls(
-            name,
-            caches,
-            slots,
-            tail,
-            f"{source}; per layer {how}",
-            top_k,
-            refused,
-            deque(maxlen=record_steps) if record_steps else None,
-        )
+            device = per_layer if device_form else None
+            caches[l] = LayerCache(_policy(name, l, plan, None, LFU_DECAY), l, e, slots[l], device)
+        record = deque(maxlen=record_steps) if record_steps else None
+        acc = cls(name, caches, slots, tail, f"{source}; per layer {how}", top_k, refused, record)
+        acc.device_form, acc.note = device_form, note
         for l, why in sorted(refused.items()):
             log.error("reap-swap cache: layer %d not engaged: %s", l, why)
+        if note:
+            log.warning("reap-swap cache: %s", note)
         log.info(
             "reap-swap cache: policy %s, %d tail slots (%s), slots per layer %s",
             name,
@@ -161,8 +210,11 @@ class CacheAccounting:
         return counters_of(c, self.evictions())
 
     def evictions(self, layer: int | None = None) -> int:
-        """Experts that left a layer's slots: admissions + prefetches + the startup fill - resident."""
+        """Experts that left a layer's slots: admissions + prefetches + the startup fill - resident
+        (core+dlfu: the tail's step evictions, as the device counts them; a swap's are the swap's)."""
         caches = self.caches.values() if layer is None else [self.caches[layer]]
+        if self.device_form:  # the device's ``evicted``: experts leaving the tail slots in a step
+            return sum(x.evicted for x in caches)
         return sum(
             x.counts.admitted + x.counts.prefetched + x.counts.start_resident - len(x.resident)
             for x in caches
@@ -190,6 +242,8 @@ class CacheAccounting:
             "engaged": any(l not in self.refused for l in self.caches),
             "mode": "accounting",
             "policy": self.policy,
+            "device_policy": self.policy if self.note is None else None,
+            **({"note": self.note} if self.note else {}),
             "lfu_decay": LFU_DECAY if "lfu" in self.policy else None,
             "tail_slots": self.tail,
             "tail_source": self.tail_source,

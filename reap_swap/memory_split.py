@@ -285,6 +285,35 @@ def slots_beyond_pinned(num_slots: int, pinned: Mapping[int, Iterable[int]]) -> 
     return max(int(num_slots) - sum(len(set(v)) for v in pinned.values()), 0)
 
 
+def pinned_tail_split(
+    pool_slots: int, num_layers: int, pinned: Mapping[int, Iterable[int]], setting: int | str
+) -> tuple[int, str | None]:
+    """(cache tail slots per layer, why the cache cannot engage or None): the device cache's pinned
+    form (``core+dlfu``, device_cache_engine.CacheConfig.split) and accounting mode's same policy
+    (cache_accounting) share this rule. ``setting``: --reap-cache-slots, ``auto`` (the pool's slots
+    beyond the pinned set, evenly per layer) or N (N // layers each); remainders are not lent."""
+    layers = max(int(num_layers), 1)
+    if setting == "auto":
+        beyond = slots_beyond_pinned(pool_slots, pinned)
+        per_layer = beyond // layers
+        if per_layer <= 0:  # e.g. every expert pinned: no tail, no cost
+            return 0, (
+                f"--reap-cache-slots auto: {beyond} pool slot(s) beyond the pinned set, fewer than one "
+                f"per layer ({num_layers} layers, pool {pool_slots})"
+            )
+        return per_layer, None
+    per_layer = int(setting) // layers
+    if per_layer <= 0:
+        return 0, "--reap-cache-slots is 0" if int(setting) <= 0 else (
+            f"--reap-cache-slots {setting} < one per layer ({num_layers} layers)"
+        )
+    if per_layer * num_layers > pool_slots:
+        return per_layer, (
+            f"{num_layers} layers x {per_layer} cache slots = {per_layer * num_layers} > the pool's {pool_slots}"
+        )
+    return per_layer, None
+
+
 def launch_check(budget: str | float, plan_budget_bytes: int, accounting_reason: str | None) -> str | None:
     """At launch: None, or the sentence refusing the budget (a GiB cap below the plan's pool).
     On accounting residency (the CPU build) budget auto/GiB is inactive: `inactive_note` says so."""

@@ -7,7 +7,7 @@ import torch
 
 from reap_swap import settings as reap_settings
 from reap_swap import wire
-from reap_swap.cache_accounting import CACHE_POLICIES, CacheAccounting, tail_slots
+from reap_swap.cache_accounting import CacheAccounting, device_tail, tail_slots
 from reap_swap.cache_policy.mechanism import LayerSteps, replay_layer
 from reap_swap.cache_policy.replay import _policy, simulate
 from reap_swap.cache_policy.stepper import LayerCache, StepperError
@@ -53,17 +53,19 @@ def test_offline_policies_refused(plan):
         LayerCache(_policy("belady", 0, plan, None, 0.8), 0, 16, 8)
 
 
-@pytest.mark.parametrize("seed, sim", [("pinned", "lfu-seeded"), ("seeded", "dlfu-seeded")])
-def test_accounting_equals_simulate_on_the_trace(plan, trace, seed, sim):
-    """The worker-side object (all layers, the simulator's core+tail allocation) == simulate();
-    with --reap-cache-seed seeded lfu runs as the device's dlfu-seeded."""
+# (seed, simulator policy, tail slots the simulator gets for --reap-cache-slots 6 over 4 layers):
+# pinned runs the device's core+dlfu on 6 // 4 = 1 slot per layer (the device drops the remainder)
+@pytest.mark.parametrize("seed, sim, tail", [("pinned", "core+dlfu", 4), ("seeded", "dlfu-seeded", 6)])
+def test_accounting_equals_simulate_on_the_trace(plan, trace, seed, sim, tail):
+    """The worker-side object (all layers, the device's slots) == simulate(); lfu is the device's
+    core+dlfu by default and its dlfu-seeded with --reap-cache-seed seeded."""
     t, counts, starts = trace
     acc = CacheAccounting.build(plan, "lfu", 6, {l: 16 for l in t.layers}, {}, top_k=2, seed=seed)
     start_set = set(int(s) for s in starts)
     for i in range(len(counts[t.layers[0]])):
         acc.step({l: counts[l][i] for l in t.layers}, i in start_set)
     core = sum(len(plan.layers[l].core) for l in t.layers)
-    budget = f"{(core + 6) * t.per_expert_bytes}B"
+    budget = f"{(core + tail) * t.per_expert_bytes}B"
     from reap_swap.trace import from_requests
 
     sub = from_requests(
@@ -89,7 +91,7 @@ def test_accounting_equals_simulate_on_the_trace(plan, trace, seed, sim):
     )
     assert got["misses"] > 0 and got["promotions"] > 0 and got["evictions"] > 0
     st = acc.status()
-    assert st["engaged"] and st["policy"] == (CACHE_POLICIES["lfu"] if seed == "pinned" else "dlfu-seeded")
+    assert st["engaged"] and st["policy"] == st["device_policy"] == sim and "note" not in st
     assert all(v["occupied"] <= v["slots"] for v in st["layers"].values())
 
 
@@ -113,10 +115,14 @@ def test_swap_pins_its_set_and_the_tail_yields(plan):
 
 
 def test_disengaged_layers_and_reasons(plan):
-    acc = CacheAccounting.build(plan, "lfu", 0, {0: 16, 1: 16}, {2: "x", 3: "y"}, top_k=64)
+    args = (plan, "lfu", 0, {0: 16, 1: 16}, {2: "x", 3: "y"})
+    acc = CacheAccounting.build(*args, top_k=64, seed="seeded")
     st = acc.status()
     assert not st["layers"]["2"]["engaged"] and "not counted" in st["layers"]["2"]["reason"]
     assert "too few slots" in st["layers"]["0"]["reason"]
+    # pinned (core+dlfu): 0 slots is the device's refusal, so no cache at all (as on CUDA)
+    none = CacheAccounting.build(*args, top_k=2).status()
+    assert not none["engaged"] and none["reason"].startswith("--reap-cache-slots is 0"), none
     off = CacheAccounting.disengaged("--reap-cache off").status()
     assert off == {"engaged": False, "reason": "--reap-cache off"}
     wire.CacheStatus.model_validate(st)
@@ -129,6 +135,12 @@ def test_tail_slots_auto_and_fallback(plan):
     assert tail_slots(plan, "auto", lambda: None)[0] == max(0, budget - core)
     assert tail_slots(plan, "auto", lambda: 5) == (5, "the pool's slots beyond the pinned set")
     assert tail_slots(plan, 3, None) == (3, "--reap-cache-slots")
+    # the device's pinned form: per layer, the remainder not lent (pool 32 slots, core 24, 4 layers)
+    assert device_tail(plan, "auto")[::2] == ((budget - core) // 4, None) == (2, None)
+    assert device_tail(plan, 7)[::2] == (1, None)
+    assert device_tail(plan, 3)[2] == "--reap-cache-slots 3 < one per layer (4 layers)"
+    assert device_tail(plan, 40)[2] == "4 layers x 10 cache slots = 40 > the pool's 32"
+    assert device_tail(plan, "auto", lambda: 13)[::2] == (3, None)  # an engine's own pool count
 
 
 class _Layer(torch.nn.Module):

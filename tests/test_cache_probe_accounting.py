@@ -49,10 +49,13 @@ def server_replay(plan, trace, tail, sets, name):
     WorkerCore.apply (which pins only a changing swap); every step's counter rows are fed to the
     cache. ``sets``: request's first step -> {layer: set}. Returns the CacheAccounting."""
     layers = {l: trace.num_experts for l in trace.layers}
-    acc = CacheAccounting.build(plan, "lfu", tail, layers, {}, top_k=trace.top_k)
-    if name == "probe+dlfu":  # the same stepper with the device's integer LFU as the tail
+    if name == "probe+core+dlfu":  # the default --reap-cache lfu: the device's pinned form, as served
+        acc = CacheAccounting.build(plan, "lfu", tail, layers, {}, top_k=trace.top_k)
+        assert acc.policy == "core+dlfu" and acc.device_form
+    else:  # the seeded slots (core + tail spread) with TAILS[name] as the tail policy
+        acc = CacheAccounting.build(plan, "lfu", tail, layers, {}, top_k=trace.top_k, seed="seeded")
         acc.caches = {
-            l: LayerCache(_policy("dlfu-seeded", l, plan, None, 0.8), l, e, acc.slots[l])
+            l: LayerCache(_policy(TAILS[name], l, plan, None, 0.8), l, e, acc.slots[l])
             for l, e in layers.items()
         }
     core = WorkerCore(plan, {}, AccountingResidency(plan.core_sets(), 1, "test"), 0, {}, cache=acc)

@@ -28,7 +28,9 @@ the client's per-request ``probe`` slices, reap_swap.selection), ``lru``, ``lfu`
 and the policy on the tail), the plan-aware device policies of prior.py (``dlfu-admit-seeded``:
 admission control; ``dlfu-markov-seeded``: plus a transition prior from a calibration trace),
 ``probe+lfu`` / ``probe+dlfu`` (all three: the client's ``probe`` set pinned by a per-request swap,
-``lfu-seeded`` / ``dlfu-seeded`` in the slots left over, as the server's accounting mode; hybrid.py)
+``lfu-seeded`` / ``dlfu-seeded`` in the slots left over, as accounting mode with --reap-cache-seed
+seeded; hybrid.py), ``probe+core+dlfu`` (the device's pinned form with swaps: the set pinned beside
+a fixed N-slot ``core+dlfu`` tail, as the default accounting mode and DeviceCache.set_pinned)
 and ``belady``: the offline optimum of distinct misses under the same
 rules (belady.py says why, and what it does not bound).
 """

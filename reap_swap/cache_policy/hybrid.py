@@ -1,8 +1,9 @@
 """All three at once (README's ``plan-swap+cache``): per-request swaps pin the client's ``probe``
 set, the device cache's policy keeps adapting in the slots left over.
 
-Policies ``probe+lfu`` (the tail is ``lfu-seeded``: what accounting mode runs for ``--reap-cache
-lfu``, cache_accounting.CACHE_POLICIES) and ``probe+dlfu`` (the tail is ``dlfu-seeded``, the integer
+Policies ``probe+lfu`` (the tail is ``lfu-seeded``, the float LFU no device serves; accounting
+mode ran it for ``--reap-cache lfu`` until the pinned default became the device's ``core+dlfu``) and
+``probe+dlfu`` (the tail is ``dlfu-seeded``, what ``--reap-cache-seed seeded`` runs: the integer
 LFU of device.py). The semantics are the server's in accounting mode, step for step:
 
 - Startup: the cache policy seeded with the plan core, nothing pinned (``LayerCache.__init__``);
@@ -28,7 +29,21 @@ from collections.abc import Mapping, Set
 from reap_swap.cache_policy.mechanism import LayerSteps
 from reap_swap.cache_policy.online import _Ranked
 
-TAILS = {"probe+lfu": "lfu-seeded", "probe+dlfu": "dlfu-seeded"}  # policy -> the tail's policy
+# policy -> the tail's policy; ``probe+core+dlfu`` is the device's pinned form (DevicePinned below)
+TAILS = {"probe+lfu": "lfu-seeded", "probe+dlfu": "dlfu-seeded", "probe+core+dlfu": "core+dlfu"}
+
+
+def device_pin(
+    policy: _Ranked, resident: frozenset[int], pinned: frozenset[int], tail: int, num_experts: int
+):
+    """A per-request swap on the CUDA device's pinned form (DeviceCache.set_pinned, active slots
+    unchanged): ``pinned`` in its own units, the former pinned set leaves unless pinned again, the
+    ``tail`` slots keep every cached expert not now pinned (nothing re-ranked). Sets
+    ``policy.pinned`` / ``policy.capacity``; returns (the new resident set, the new capacity)."""
+    kept = resident - policy.pinned - pinned
+    capacity = min(int(num_experts), len(pinned) + int(tail))
+    policy.pinned, policy.capacity = pinned, capacity
+    return pinned | kept, capacity
 
 
 def yield_tail(policy: _Ranked, resident: frozenset[int], pinned: frozenset[int], capacity: int, t: int):
@@ -79,6 +94,37 @@ class SwapPinned:
         if pinned is None:
             return resident
         return yield_tail(self.tail, resident, frozenset(pinned), max(self.capacity, len(pinned)), t)
+
+    def choose(self, t, resident, needed, counts) -> Set[int]:
+        return self.tail.choose(t, resident, needed, counts)
+
+
+class DevicePinned:
+    """``probe+core+dlfu``: the device's pinned form (``core+dlfu``) with the client's swaps, as
+    accounting mode runs it for the default ``--reap-cache lfu`` (LayerCache ``device_tail``): the
+    tail is the layer's slots minus its core (N), fixed; a swap pins its set beside it
+    (``device_pin``), so the layer's capacity becomes |set| + N (``resizes``: replay_layer follows)."""
+
+    prefetches = True
+    resizes = True
+
+    def __init__(self, name: str, tail: _Ranked, swaps: Mapping[int, frozenset[int]]):
+        self.name, self.tail, self.swaps = name, tail, dict(swaps)
+        self.capacity = self.tail_slots = self.num_experts = 0
+
+    def start(self, steps: LayerSteps, capacity: int) -> Set[int]:
+        self.capacity, self.num_experts = capacity, steps.num_experts
+        self.tail_slots = capacity - len(self.tail.pinned)  # N (at most E - core: the slots given)
+        return self.tail.start(steps, capacity)
+
+    def prefetch(self, t: int, resident: frozenset[int]) -> Set[int]:
+        pinned = self.swaps.get(t)
+        if pinned is None:
+            return resident
+        new, self.capacity = device_pin(
+            self.tail, resident, frozenset(pinned), self.tail_slots, self.num_experts
+        )
+        return new
 
     def choose(self, t, resident, needed, counts) -> Set[int]:
         return self.tail.choose(t, resident, needed, counts)

@@ -154,6 +154,8 @@ def replay_layer(policy: Policy, steps: LayerSteps, capacity: int) -> LayerCount
     for t in range(steps.num_steps):
         if policy.prefetches and steps.request_start[t]:
             new = frozenset(int(e) for e in policy.prefetch(t, resident))
+            if getattr(policy, "resizes", False):  # the device's pinned form: |swap set| + N slots
+                capacity = policy.capacity
             if len(new) > capacity:
                 raise PolicyError(f"{policy.name} step {t}: prefetch of {len(new)} > {capacity} slots")
             c.prefetched += len(new - resident)

@@ -9,7 +9,7 @@ from functools import cached_property
 
 from reap_swap.cache_policy.belady import Belady
 from reap_swap.cache_policy.device import DLFU
-from reap_swap.cache_policy.hybrid import TAILS, SwapPinned, swap_points
+from reap_swap.cache_policy.hybrid import TAILS, DevicePinned, SwapPinned, swap_points
 from reap_swap.cache_policy.learned import DLearn, fit_layer
 from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
 from reap_swap.cache_policy.online import LFRU, LFU, LRU, PerRequest, Static
@@ -38,6 +38,7 @@ POLICIES = (
     "dlearn-seeded",
     "probe+lfu",
     "probe+dlfu",
+    "probe+core+dlfu",
     "belady",
 )
 PROBE_POLICIES = frozenset({"probe", *TAILS})  # need the client's per-request probe sets
@@ -187,7 +188,8 @@ def _policy(name, l, plan, probe_sets, lfu_decay, tables=None):
     if name == "probe":
         return PerRequest(core, probe_sets[l])
     if name in TAILS:  # probe_sets here: only the request starts where the worker pins
-        return SwapPinned(name, _factory(TAILS[name], core, lfu_decay)(), probe_sets[l])
+        wrap = DevicePinned if TAILS[name].startswith("core+") else SwapPinned
+        return wrap(name, _factory(TAILS[name], core, lfu_decay)(), probe_sets[l])
     if name == "belady":
         return Belady()
     return _factory(name, core, lfu_decay)()

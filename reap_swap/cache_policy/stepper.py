@@ -10,7 +10,10 @@ Only online policies step: Belady needs the future and per-request ``probe`` set
 client; both are refused here (``StepperError``). One addition the simulator does not model: a
 per-request swap (``pin``) makes its set resident and pinned, and the policy's tail yields to it
 (the remaining slots, if any, stay dynamic); the simulator replays that with ``probe+lfu`` /
-``probe+dlfu`` (hybrid.py, which shares ``yield_tail`` with ``pin``).
+``probe+dlfu`` (hybrid.py, which shares ``yield_tail`` with ``pin``). With ``device_tail`` (accounting
+mode's ``core+dlfu``, the CUDA device's pinned form) a swap follows the device instead: the set is
+pinned in its own units beside a tail that keeps its N slots (``_pin_device``; parity with
+residency.device_cache.DeviceCache: tests/test_cache_device_form.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Set
 
 import numpy as np
 
-from reap_swap.cache_policy.hybrid import yield_tail
+from reap_swap.cache_policy.hybrid import device_pin, yield_tail
 from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, PolicyError, _check, _count_step
 from reap_swap.cache_policy.online import Static, _Ranked
 
@@ -32,7 +35,7 @@ class LayerCache:
     """One layer's cache state, stepped online. ``policy``: a fresh policy object from the
     simulator's factories (``cache_policy.replay._policy``); ``capacity``: the layer's slots."""
 
-    def __init__(self, policy, layer: int, num_experts: int, capacity: int):
+    def __init__(self, policy, layer: int, num_experts: int, capacity: int, device_tail: int | None = None):
         if getattr(policy, "prefetches", False) or not isinstance(policy, _Ranked | Static):
             raise StepperError(
                 f"policy {policy.name!r} cannot run online (it needs the future or the client)"
@@ -49,6 +52,9 @@ class LayerCache:
         self.counts = LayerCounts(start_resident=len(self.resident))
         self.pinned: frozenset[int] = frozenset(getattr(policy, "pinned", frozenset()))
         self.t = 0
+        # the CUDA device cache's pinned form (core+dlfu): N slots beside the pinned set, always N
+        self.device_tail = None if device_tail is None else int(device_tail)
+        self.evicted = 0  # experts that left the resident set in a step (the device's ``evicted``)
 
     def step(self, row: np.ndarray, request_start: bool) -> None:
         """One step's routed selections per expert (int [E], the counters' delta)."""
@@ -68,6 +74,7 @@ class LayerCache:
         c.admitted += len(new - resident)
         c.bypassed += len(need - resident - new)
         c.steps += 1
+        self.evicted += len(resident - new)
         self.resident = new
         self.t += 1
 
@@ -77,11 +84,24 @@ class LayerCache:
         A set larger than the layer's slots takes them all (no tail for that layer until a
         smaller set is swapped in)."""
         pinned = frozenset(int(e) for e in pinned)
+        if self.device_tail is not None:
+            return self._pin_device(pinned)
         self.capacity = max(self.base_capacity, len(pinned))
         if isinstance(self.policy, Static):
             new = pinned
         else:
             new = yield_tail(self.policy, self.resident, pinned, self.capacity, self.t)
+        self.counts.prefetched += len(new - self.resident)
+        self.resident, self.pinned = new, pinned
+
+    def _pin_device(self, pinned: frozenset[int]) -> None:
+        """The device's swap (DeviceCache.set_pinned, active slots unchanged): ``pinned`` lives in
+        its own units (the swap table's), so the former pinned set leaves unless pinned again; the
+        tail keeps its N slots and every cached expert not now pinned (slots of newly pinned ones
+        are emptied, nothing is re-ranked, no score changes). Capacity: |pinned| + N (at most E)."""
+        new, self.capacity = device_pin(
+            self.policy, self.resident, pinned, self.device_tail, self.num_experts
+        )
         self.counts.prefetched += len(new - self.resident)
         self.resident, self.pinned = new, pinned
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from reap_swap.cache_policy.replay import layer_slots
 from reap_swap.compat import moe_cache
-from reap_swap.memory_split import slots_beyond_pinned
+from reap_swap.memory_split import pinned_tail_split
 
 from .device_cache_api import DeviceCaches
 from .device_cache_range import rehome_with_slots
@@ -40,6 +40,7 @@ class CacheConfig:
     tail_total: int = 0  # seeded, --reap-cache-slots N: N (the tail beyond the core, all layers)
     lent_slots: dict[int, int] = field(default_factory=dict)  # layer -> slots lent to it
     seed_refusal: str | None = None  # --reap-cache-seed seeded asked but refused on CUDA (pinned served)
+    slots_setting: int | str | None = None  # --reap-cache-slots as given (split's rule: pinned_tail_split)
 
     def slots_of(self, index: int) -> int:
         if self.layer_slots is not None:
@@ -64,21 +65,13 @@ class CacheConfig:
         layer -> the plan core (what auto leaves to the swap table)."""
         if self.seed_core and self.layer_slots is not None:
             return self.split_seeded(pool_slots, pinned)
-        if self.auto:
-            beyond = slots_beyond_pinned(pool_slots, pinned or {})
-            self.slots_per_layer = beyond // max(num_layers, 1)
+        # the rule accounting mode shares (memory_split.pinned_tail_split; parity: tests/test_cache_device_form.py)
+        setting = "auto" if self.auto else self.slots_setting
+        if setting is None:  # built without the raw setting (tests, standalone): N per layer given
+            setting = self.slots_per_layer * num_layers
+        self.slots_per_layer, refusal = pinned_tail_split(pool_slots, num_layers, pinned or {}, setting)
+        self.refusal = self.refusal or refusal
         want = self.slots_per_layer * num_layers
-        if self.slots_per_layer <= 0 and self.auto:  # e.g. every expert pinned: no tail, no cost
-            self.refusal = (
-                f"--reap-cache-slots auto: {beyond} pool slot(s) beyond the pinned set, fewer than one "
-                f"per layer ({num_layers} layers, pool {pool_slots})"
-            )
-        elif self.slots_per_layer <= 0:
-            self.refusal = "--reap-cache-slots is 0"
-        elif want > pool_slots:
-            self.refusal = (
-                f"{num_layers} layers x {self.slots_per_layer} cache slots = {want} > the pool's {pool_slots}"
-            )
         return pool_slots if self.refusal else pool_slots - want
 
 

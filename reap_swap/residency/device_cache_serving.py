@@ -85,6 +85,7 @@ def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str 
         tail = 0 if auto else int(settings.cache_slots)
         return CacheConfig(caches, 0, seed_core=True, auto=auto, layer_slots={}, tail_total=tail), None
     cfg = CacheConfig(caches, slots_per_layer=per_layer, seed_core=False, auto=auto)
+    cfg.slots_setting = settings.cache_slots  # split: memory_split.pinned_tail_split, as accounting
     cfg.seed_refusal = refused
     return cfg, None
 

@@ -9,8 +9,12 @@ policy the per-step delta of its device router counters (cache_accounting's docs
 test checks two independent things: (1) the stream the server fed (GET /reap/cache/trace) equals
 the model's routing step by step, with the same request starts -- the step semantics are vLLM's
 and not assumed; (2) the server's hits, misses, promotions and read-through steps, per layer,
-equal what the simulator counts for the same policy (`lfu-seeded`, decay 0.8) and the same slots
-(core + tail, ``--budget <bytes>B``) on the transformers trace.
+equal what the simulator counts for the same policy and the same slots (``--budget <bytes>B``) on
+the transformers trace. The policy is the one the CUDA device runs (cache_accounting's
+ACCOUNTING_POLICIES): by default ``core+dlfu`` (the plan core pinned, the integer LFU of decay 0.8
+on ``--reap-cache-slots N`` // layers tail slots per layer, the device's rule: TAIL = 10 over 4
+layers lends 2 each, the remainder 2 is not lent, so the simulator's budget is core + 8), and with
+``--reap-cache-seed seeded`` ``dlfu-seeded`` on core + TAIL slots spread over the layers.
 
 Step semantics pinned: requests one at a time, prefix caching off (no prompt token skipped),
 prompts far below the batched-token budget (one prefill step, no chunking), ``ignore_eos`` and a
@@ -29,7 +33,7 @@ from reap_swap.trace import from_requests, steps_of_sequence
 from .conftest import MODEL_NAME
 from .helpers import status, unique_prompt
 
-TAIL = 6
+TAIL = 10  # not a multiple of the 4 layers: the pinned form must drop the remainder, as CUDA does
 REQUESTS = 4
 MAX_TOKENS = 8
 ARGS = [
@@ -45,19 +49,20 @@ ARGS = [
 ]
 
 
-# (server name, extra flags, the simulator policy the server must equal): default, and
-# --reap-cache-seed seeded (lfu as the CUDA device's integer dlfu-seeded; research.md "seedserve")
+# (server name, extra flags, the simulator policy the server must equal, tail slots the simulator
+# gets): default (the device's pinned form core+dlfu, 10 // 4 = 2 per layer), and
+# --reap-cache-seed seeded (the device's seeded dlfu-seeded on core + 10; research.md "seedserve")
 VARIANTS = {
-    "lfu": ("cache-lfu", [], "lfu-seeded"),
-    "seeded": ("cache-seeded", ["--reap-cache-seed", "seeded"], "dlfu-seeded"),
+    "lfu": ("cache-lfu", [], "core+dlfu", 4 * (TAIL // 4)),
+    "seeded": ("cache-seeded", ["--reap-cache-seed", "seeded"], "dlfu-seeded", TAIL),
 }
 
 
 @pytest.fixture(params=sorted(VARIANTS))
 def cache_api(server_pool, request):
-    name, extra, policy = VARIANTS[request.param]
+    name, extra, policy, tail = VARIANTS[request.param]
     with server_pool.get(name, ARGS + extra).client() as c:
-        c.reap_policy = policy
+        c.reap_policy, c.reap_tail = policy, tail
         yield c
 
 
@@ -90,7 +95,7 @@ def test_cache_accounting_equals_simulate(cache_api, recount, tiny_moe):
     plan = load_plan(str(tiny_moe / "plan.json"))
     before = status(cache_api)["cache"]
     policy = cache_api.reap_policy
-    assert before["engaged"] and before["policy"] == policy, before
+    assert before["engaged"] and before["policy"] == before["device_policy"] == policy, before
     assert before["steps"] == 0, "the cache saw steps before the first request (warm-up is not a step)"
     cache_api.get("/reap/cache/trace", params={"reset": "true"})
     requests = []
@@ -119,7 +124,7 @@ def test_cache_accounting_equals_simulate(cache_api, recount, tiny_moe):
         )
 
     core = sum(len(p.core) for p in plan.layers.values())
-    report = simulate(trace, plan, [f"{(core + TAIL) * plan.per_expert_bytes}B"], [policy])
+    report = simulate(trace, plan, [f"{(core + cache_api.reap_tail) * plan.per_expert_bytes}B"], [policy])
     row = report["rows"][0]
     cache = status(cache_api)["cache"]
     assert {k: v["slots"] for k, v in cache["layers"].items()} == row["slots"]
@@ -138,6 +143,12 @@ def test_cache_accounting_equals_simulate(cache_api, recount, tiny_moe):
             "decode_expert_hits",
         ):
             assert got[key] == sim[key], f"layer {layer} {key}: server {got[key]} != simulate {sim[key]}"
+        # evictions: the simulator reports none; consistent with its admissions and the server's
+        # final occupancy (no swaps here, so every expert that left a slot left in a step)
+        server = cache["layers"][layer]
+        assert server["evictions"] == sim["admitted"] + sim["start_resident"] - len(server["resident"])
+        if policy == "core+dlfu":  # the plan core pinned, the tail the device's 2 slots
+            assert server["pinned"] == len(plan.layers[int(layer)].core) and server["tail_slots"] == 2
     tot = row["totals"]
     assert cache["totals"]["hits"] == tot["selection_hits"]
     assert cache["totals"]["misses"] == tot["selection_misses"] > 0
