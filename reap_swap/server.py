@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from reap_swap.budget_startup import BudgetRefused, arm_refusal_file, read_refusal
+from reap_swap.compat import runner as vllm_runner
 from reap_swap.compat import serve as vllm_serve
 from reap_swap.host_memory import HostMemoryNeed, mem_available_bytes
 from reap_swap.logs import get_logger
@@ -181,6 +182,14 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
         check_device_load(shape, args, served.uva_refusal)  # the experts land in HBM first
         check_host_memory(shape)  # the engine's pinned host copies
         log.info("reap-swap: no UVA expert offload: %s", served.uva_refusal)
+        return
+    ignored = vllm_runner.offload_ignored_reason(
+        [shape.architecture], bool(getattr(args, "enable_return_routed_experts", False))
+    )
+    if ignored is not None and not vllm_serve.cpu_offload_chosen(args):
+        check_device_load(shape, args, ignored)  # Model Runner V2 (0.26.0): the experts land in HBM
+        check_host_memory(shape)  # the engine's pinned host copies
+        log.warning("reap-swap: no UVA expert offload: %s", ignored)
         return
     if not vllm_serve.cpu_offload_chosen(args):
         check_host_memory(shape)
