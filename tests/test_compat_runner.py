@@ -162,7 +162,7 @@ def test_offload_ignored_reason_is_none_where_v2_creates_the_offloader(monkeypat
     assert runner.offload_ignored_reason(["DeepseekV2ForCausalLM"]) is None
 
 
-def _launch(monkeypatch, device_total: int):
+def _launch(monkeypatch, device_total: int, pool_bytes: int = 0):
     calls = []
     vs = server.vllm_serve
     monkeypatch.setattr(vs, "platform_name", lambda: "cuda")
@@ -180,16 +180,31 @@ def _launch(monkeypatch, device_total: int):
             return None
 
     shape = read_model_shape(json.loads((DATA / "deepseek_v2_lite_config.json").read_text()))
-    server.gpu_engine_args(Settings(), argparse.Namespace(quantization=None), shape)
+    args = argparse.Namespace(quantization=None, gpu_memory_utilization=0.1)  # the families lane's
+    server.gpu_engine_args(Settings(), args, shape, pool_bytes)
     return calls, shape
 
 
 def test_the_launcher_adds_no_ignored_offload_on_v2_and_checks_hbm(vllm026):
-    calls, shape = _launch(vllm026, 141 * 2**30)  # one H200: V2-Lite's 26.8 GiB of experts fit
+    gib = 2**30
+    calls, shape = _launch(vllm026, 141 * gib, pool_bytes=29 * gib)  # run 13's V2-Lite: 26.8 + 29 fit
     assert shape.architecture == "DeepseekV2ForCausalLM"
     assert calls == ["triton", "host"]  # no --cpu-offload-gb (V2 would ignore it), host still checked
-    with pytest.raises(server.LaunchError, match="Model Runner V2.*experts alone take"):
-        _launch(vllm026, 24 * 2**30)  # 0.9 x 24 GiB < 26.8 GiB: refused before loading, not an OOM
+    with pytest.raises(server.LaunchError, match="Model Runner V2.*every expert.*HBM pool"):
+        _launch(vllm026, 48 * gib, pool_bytes=29 * gib)  # 26.8 + 29 > 48 GiB: refused, not an OOM
     vllm026.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # V1: the offload works and is used
-    calls, _ = _launch(vllm026, 141 * 2**30)
+    calls, _ = _launch(vllm026, 141 * gib)
     assert calls == ["triton", "host", "uva"]
+
+
+def test_hbm_first_load_refusal():
+    from reap_swap.quant_budget import hbm_first_load_refusal
+
+    gib = 2**30
+    assert hbm_first_load_refusal(27 * gib, 29 * gib, 1, 139 * gib, "x") is None
+    why = hbm_first_load_refusal(27 * gib, 29 * gib, 1, 48 * gib, "x")
+    assert (
+        why.startswith("x: while loading") and "27.0 GiB" in why and "56.0 GiB, over the device's 48.0" in why
+    )
+    assert hbm_first_load_refusal(27 * gib, 29 * gib, 2, 48 * gib, "x") is None  # 28 GiB per GPU
+    assert hbm_first_load_refusal(27 * gib, 29 * gib, 1, None, "x") is None
