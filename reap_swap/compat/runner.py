@@ -50,8 +50,8 @@ class StepStarts:
 
 
 def uses_v2(worker: Any) -> bool:
-    """Does this worker run Model Runner V2? `Worker.use_v2_model_runner` (gpu_worker.py:174 and
-    cpu_worker.py, 0.26.0; the same attribute in 0.32.0), else the config's property."""
+    """Does this worker run Model Runner V2? `Worker.use_v2_model_runner` (gpu_worker.py:174 in 0.26.0,
+    :237 in 0.32.0; the CPU worker inherits it), else the config's property."""
     flag = getattr(worker, "use_v2_model_runner", None)
     if flag is None:
         flag = getattr(getattr(worker, "vllm_config", None), "use_v2_model_runner", False)
