@@ -208,3 +208,17 @@ def test_hbm_first_load_refusal():
     )
     assert hbm_first_load_refusal(27 * gib, 29 * gib, 2, 48 * gib, "x") is None  # 28 GiB per GPU
     assert hbm_first_load_refusal(27 * gib, 29 * gib, 1, None, "x") is None
+
+
+def test_the_bench_refuses_stock_uva_where_the_runner_ignores_it(monkeypatch):
+    from reap_swap import bench_arms
+
+    spec = bench_arms.RunSpec(arm="stock-uva", label="stock-uva", budget_bytes=2**20, budget_dependent=True)
+    shape = NS(architecture="DeepseekV2ForCausalLM", layer_expert_bytes=2**20, moe_layers=[1, 2])
+    monkeypatch.setattr(runner, "offload_ignored_reason", lambda archs: f"{archs[0]} on Model Runner V2")
+    bench_arms._stock_uva(spec, ["python"], shape, 2**21, "cuda")
+    assert spec.skip_reason.startswith("stock-uva refused: DeepseekV2ForCausalLM on Model Runner V2")
+    monkeypatch.setattr(runner, "offload_ignored_reason", lambda archs: None)
+    spec = bench_arms.RunSpec(arm="stock-uva", label="stock-uva", budget_bytes=2**20, budget_dependent=True)
+    bench_arms._stock_uva(spec, ["python"], shape, 2**21, "cuda")
+    assert spec.skip_reason is None
