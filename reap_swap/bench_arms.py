@@ -116,6 +116,12 @@ def _stock_uva(spec: RunSpec, stock: list[str], shape, total_expert_bytes: int, 
     ]
     if plat != "cuda":
         spec.skip_reason = NO_CUDA.format(platform=plat, what="UVA offload ('stock-uva')")
+    else:  # vLLM 0.26.0's Model Runner V2 ignores --cpu-offload-gb (compat/runner.py)
+        from reap_swap.compat.runner import offload_ignored_reason
+
+        ignored = offload_ignored_reason([shape.architecture])
+        if ignored:
+            spec.skip_reason = f"stock-uva refused: {ignored}, so this arm would not hold the budget's VRAM"
     moved = uva_offloaded_bytes([shape.layer_expert_bytes] * len(shape.moe_layers), offload)
     spec.notes.append(
         f"asks to offload {offload / GIB:.4f} GiB of {total_expert_bytes / GIB:.4f} GiB "

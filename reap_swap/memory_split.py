@@ -95,12 +95,19 @@ def kv_bytes_for(layout: KvLayout, tokens_per_seq: int, num_seqs: int, block_siz
 
 def kv_refusal(
     *, kv_bytes: int, pool_bytes: int, total: int, free: int, utilization: float, source: str,
-    bytes_per_token: int | None, max_model_len: int,
+    bytes_per_token: int | None, max_model_len: int, leaving: int = 0,
 ) -> str | None:  # fmt: skip
     """At load: None when the KV target and the plan's pool fit under the cap, else the refusal
-    with the numbers and the --reap-kv-tokens that would fit (or why none does)."""
-    cap, in_use = int(total * utilization), int(total - free)
+    with the numbers and the --reap-kv-tokens that would fit (or why none does). `leaving`: HBM in
+    use now that the engine frees before vLLM sizes the KV cache (expert weights loaded into HBM
+    first, e.g. on Model Runner V2 of vLLM 0.26.0, which creates no weight offloader)."""
+    cap, in_use = int(total * utilization), int(total - free - max(int(leaving), 0))
     left = cap - in_use
+    moved = (
+        f", not counting {gib(leaving)} GiB of experts in HBM that the engine moves off"
+        if leaving > 0
+        else ""
+    )
     if kv_bytes + pool_bytes <= left:
         return None
     hint = "lower --max-model-len, the plan's budget, or raise --gpu-memory-utilization"
@@ -111,7 +118,7 @@ def kv_refusal(
     return (
         f"KV target ({source}) needs {gib(kv_bytes)} GiB and the plan's pool {gib(pool_bytes)} GiB, "
         f"but only {gib(left)} GiB is left under the cap of {gib(cap)} GiB (--gpu-memory-utilization "
-        f"{utilization} of {gib(total)} GiB, {gib(in_use)} GiB in use at load); {hint}"
+        f"{utilization} of {gib(total)} GiB, {gib(in_use)} GiB in use at load{moved}); {hint}"
     )
 
 

@@ -160,6 +160,29 @@ def device_load_refusal(
     )
 
 
+def hbm_first_load_refusal(
+    expert_bytes: int, pool_bytes: int, tensor_parallel: int, device_total: int | None, why: str
+) -> str | None:
+    """Model Runner V2 of vLLM 0.26.0 creates no weight offloader (compat/runner.py): every expert is in
+    HBM when the engine's first attach reserves the plan's pool, so each GPU's load peak is its share
+    of the experts plus of the pool (plus the dense weights, not counted here; run 13, DeepSeek-V2-Lite:
+    26.8 + 29.3 + ~2.5 = 58.6 GiB). `--gpu-memory-utilization` caps no load (the engine frees the
+    experts before vLLM sizes the KV cache), the device does: a refusal when the sum is over its
+    memory; None when it fits or the total is unknown."""
+    if not device_total:
+        return None
+    tp = max(1, int(tensor_parallel))
+    per_gpu = (int(expert_bytes) + max(int(pool_bytes), 0)) / tp
+    if per_gpu <= device_total:
+        return None
+    return (
+        f"{why}: while loading, each GPU holds its share of every expert ({expert_bytes / tp / 2**30:.1f} GiB, "
+        f"TP={tp}) and of the plan's HBM pool ({max(pool_bytes, 0) / tp / 2**30:.1f} GiB), "
+        f"{per_gpu / 2**30:.1f} GiB, over the device's {device_total / 2**30:.1f} GiB; raise "
+        "--tensor-parallel-size or lower the plan's budget"
+    )
+
+
 def pool_slots(swappable_budget_bytes: int, per_expert_bytes: int) -> int:
     """Slots of the engine's HBM pool: the number of experts the plan's budget holds (module doc)."""
     if per_expert_bytes < 1:

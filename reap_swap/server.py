@@ -25,12 +25,13 @@ import tempfile
 from pathlib import Path
 
 from reap_swap.budget_startup import BudgetRefused, arm_refusal_file, read_refusal
+from reap_swap.compat import runner as vllm_runner
 from reap_swap.compat import serve as vllm_serve
 from reap_swap.host_memory import HostMemoryNeed, mem_available_bytes
 from reap_swap.logs import get_logger
 from reap_swap.memory_split import inactive_note, launch_check
 from reap_swap.plugins import WORKER_EXTENSION_CLS, vllm_plugins_allowlist
-from reap_swap.quant_budget import device_load_refusal, served_quant
+from reap_swap.quant_budget import device_load_refusal, hbm_first_load_refusal, served_quant
 from reap_swap.settings import (
     ADDITIONAL_CONFIG_KEY,
     Resolved,
@@ -150,7 +151,7 @@ def install(args: argparse.Namespace, settings: Settings, plan) -> None:
     args.additional_config = extra
 
 
-def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None:
+def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_bytes: int = 0) -> None:
     """Launcher hook for the CUDA residency engine: adjust vLLM arguments before the engine starts.
 
     The engine re-homes vLLM's Triton expert weights, so `--moe-backend` defaults to triton. For a
@@ -181,6 +182,19 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape) -> None
         check_device_load(shape, args, served.uva_refusal)  # the experts land in HBM first
         check_host_memory(shape)  # the engine's pinned host copies
         log.info("reap-swap: no UVA expert offload: %s", served.uva_refusal)
+        return
+    ignored = vllm_runner.offload_ignored_reason(
+        [shape.architecture], bool(getattr(args, "enable_return_routed_experts", False))
+    )
+    if ignored is not None and not vllm_serve.cpu_offload_chosen(args):
+        tp = int(getattr(args, "tensor_parallel_size", None) or 1)  # the experts and the pool in HBM at once
+        why = hbm_first_load_refusal(
+            shape.total_expert_bytes, pool_bytes, tp, vllm_serve.device_total_bytes(), ignored
+        )
+        if why:
+            raise LaunchError(why)
+        check_host_memory(shape)  # the engine's pinned host copies
+        log.warning("reap-swap: no UVA expert offload: %s", ignored)
         return
     if not vllm_serve.cpu_offload_chosen(args):
         check_host_memory(shape)
@@ -272,7 +286,7 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
         plan.identity[:12],
     )
     install(args, settings, plan)
-    gpu_engine_args(settings, args, shape)
+    gpu_engine_args(settings, args, shape, plan.swappable_budget_bytes)
     check_budget(settings, plan)
     return args, cmd
 

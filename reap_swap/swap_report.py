@@ -113,6 +113,7 @@ def status_report(ctl: Any, statuses: list[wire.StatusReply]) -> dict:
                 "mode": s.residency_mode,
                 "budget": s.backend.get("budget"),
                 "engine": engine_summary(s.backend),
+                "runner": s.runner,  # vLLM's model runner (V1 / V2) and what it changes here
             }
             for s in statuses
         ],

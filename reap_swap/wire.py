@@ -131,6 +131,8 @@ class StatusReply(WorkerHeader, ResidentSummary):
     # pipeline parallelism: the plan layers this stage holds (`layers` lists only these); every
     # plan layer without PP
     stage_layers: list[int] = Field(default_factory=list)
+    # the worker's vLLM model runner (compat.runner.runner_status): "v1" | "v2", mask, notes
+    runner: dict[str, Any] = Field(default_factory=dict)
 
 
 # -- reap_read_stats / reap_reset_stats ----------------------------------------------------------

@@ -20,6 +20,7 @@ from reap_swap import routed_experts as _experts
 from reap_swap import runtime as worker_runtime
 from reap_swap.cache_accounting import CacheAccounting
 from reap_swap.compat import moe as vllm_moe
+from reap_swap.compat import runner as vllm_runner
 from reap_swap.counting import counters
 from reap_swap.logs import get_logger
 from reap_swap.moe_probe import MoeProbeExtension
@@ -121,6 +122,7 @@ def build_core(worker: Any, runtime: WorkerRuntime) -> WorkerCore:
             "router statistics for them are unavailable (counts stay 0)",
             uncountable,
         )
+    runner = runner_status(worker)
     backend = make_residency_backend(runtime, compat.platform_name(), other_stage)
     rank = int(getattr(worker, "rank", 0))
     cache = build_cache(runtime, layers, uncounted, backend)  # this stage's layers only
@@ -134,6 +136,7 @@ def build_core(worker: Any, runtime: WorkerRuntime) -> WorkerCore:
         uncounted=uncounted,
         cache=cache,
         other_stage=other_stage,
+        runner=runner,
     )
     if cache.caches:
         hook = vllm_moe.wrap_execute_model(worker, core.cache_before_step, core.cache_after_step)
@@ -146,6 +149,17 @@ def build_core(worker: Any, runtime: WorkerRuntime) -> WorkerCore:
         f", plan layers {sorted(core.stage)} on this pipeline stage" if other_stage else "",
     )
     return core
+
+
+def runner_status(worker: Any) -> dict:
+    """This worker's model runner (Model Runner V2 or V1) for /reap/status; what it changes for
+    reap-swap is logged once as an error (compat/runner.py)."""
+    status = vllm_runner.runner_status(worker)
+    for note in status["notes"]:
+        log.error("reap-swap: %s", note)
+    log.info("reap-swap: vLLM model runner %s (%s), padding mask from %s",
+             status["model_runner"], status["class"], status["padding_mask"])  # fmt: skip
+    return status
 
 
 class ReapWorkerExtension(MoeProbeExtension, WorkerRpc):

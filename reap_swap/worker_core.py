@@ -65,6 +65,7 @@ class WorkerCore:
         uncounted: Mapping[int, str] | None = None,
         cache: Any = None,
         other_stage: Iterable[int] = (),
+        runner: Mapping[str, Any] | None = None,
     ) -> None:
         self.plan = plan
         # pipeline parallelism: plan layers another stage holds (compat.other_stage_layers); this
@@ -79,6 +80,7 @@ class WorkerCore:
         self.cache = cache  # cache_accounting.CacheAccounting (accounting mode), or None
         self._step_snapshot: dict[int, Any] = {}
         self._last_full: ResidentSets | None = None  # the whole set last applied (PP: _changes)
+        self.runner = dict(runner or {})  # compat.runner.runner_status: which vLLM model runner
 
     def header(self) -> dict:
         return {"rank": self.rank, **self.ranks}
@@ -153,6 +155,7 @@ class WorkerCore:
             backend=self.backend.status(),
             cache=self.cache.status() if self.cache is not None else None,
             stage_layers=sorted(self.stage),
+            runner=self.runner,
         ).model_dump(exclude_none=True)
 
     def apply(self, request: Mapping[str, Any]) -> dict:

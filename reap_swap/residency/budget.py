@@ -23,6 +23,7 @@ from reap_swap import kv_target
 from reap_swap.budget_startup import record_refusal
 from reap_swap.compat import kv_spec
 from reap_swap.compat import memory as vllm_memory
+from reap_swap.compat import moe as vllm_moe
 from reap_swap.memory_split import (
     BudgetError,
     Growth,
@@ -44,20 +45,40 @@ class BudgetHook:
         self.budget = settings.budget_request()
         self.kv_tokens = settings.kv_tokens
 
-    def on_state(self, st: Any) -> None:
+    def on_state(self, st: Any, layer: Any = None, moe_layers: int = 1) -> None:
         """Tell vLLM the KV bytes of the KV target (kv_target.py); refuse, with the numbers, a
-        target that cannot fit beside the plan's pool; record the numbers on the engine state."""
+        target that cannot fit beside the plan's pool; record the numbers on the engine state.
+        `layer`: the MoE layer whose attach created the state; `moe_layers`: the layers hooked."""
         report = kv_target.decide(self.kv_tokens, self.budget)
         free, total = torch.cuda.mem_get_info(st.device)
+        leaving = experts_leaving_hbm(layer, moe_layers)
+        report["experts_in_hbm_at_load_bytes"] = leaving
         refusal = kv_refusal(
             kv_bytes=report["kv_bytes"], pool_bytes=st.budget_bytes, total=total, free=free,
             utilization=report["utilization"], source=report["kv_source"],
             max_model_len=report["max_model_len"], bytes_per_token=report["bytes_per_token"],
+            leaving=leaving,
         )  # fmt: skip
         if refusal:
             record_refusal(refusal)  # the launcher prints it as its one error line (budget_startup.py)
             raise BudgetError(refusal)
         st.budget_report = report
+
+
+def experts_leaving_hbm(layer: Any, moe_layers: int) -> int:
+    """HBM the MoE layers' expert weights hold at the first attach and the engine moves to its
+    host-backed ranges before vLLM sizes the KV cache: 0 where vLLM's UVA offloader put them in host
+    memory (V1), all of them on Model Runner V2 of vLLM 0.26.0 (no weight offloader:
+    compat/runner.py) and for the formats loaded into HBM first (quant_budget uva_refusal), where
+    every layer's w13/w2 stay in HBM until its own attach. This layer's bytes x the hooked layers
+    (the served families have one expert shape per model); a layer refused later keeps its experts
+    in HBM, which this does not foresee."""
+    nbytes = 0
+    for name in ("w13_weight", "w2_weight"):
+        t = getattr(layer, name, None)
+        if isinstance(t, torch.Tensor) and t.is_cuda and not vllm_moe.is_uva_offloaded(t):
+            nbytes += t.numel() * t.element_size()
+    return nbytes * max(int(moe_layers), 1)
 
 
 def probe(worker: Any, st: Any) -> Growth:

@@ -200,7 +200,7 @@ class CudaEngine:
             self.state = EngineState(device=device, plan=plan, budget_bytes=budget, granularity=granularity)
             self.state.copy_stream = torch.cuda.Stream(device=device)
             if getattr(self, "on_state", None) is not None:  # --reap-budget auto | GiB
-                self.on_state(self.state)
+                self.on_state(self.state, layer, len(self._quant_configs))  # hooked MoE layers
         return self.state
 
     def _bind(self, layer: torch.nn.Module, granularity: int) -> BoundLayer | str:

@@ -8,6 +8,10 @@ def test_startup_state_and_warmup_does_not_pollute_statistics(server, api):
     assert st["mode"] == "accounting"
     assert st["swap_count"] == 0 and st["open_request"] is None
     assert st["workers_consistent"] and len(st["workers"]) == 1
+    # the CPU build has no Triton, so vLLM runs its V1 model runner (compat/runner.py)
+    runner = st["workers"][0]["runner"]
+    assert runner["model_runner"] == "v1" and runner["notes"] == [], runner
+    assert runner["padding_mask"] == "slot_mapping" and runner["class"].endswith("ModelRunner"), runner
     # resident at startup = the plan's core; nothing counted since the plugin reset the
     # counters after vLLM's warm-up / profiling forward passes
     assert st["resident_experts"] == 16

