@@ -31,9 +31,10 @@ Why each step is what it is:
 - **A tail beside the core, when asked** (``--cache-tail``, issue 17). The device cache's pinned
   form (core+dlfu) serves the core in its own units and runs the cache on (pool - core) // layers
   slots per layer; at small budgets a 0.75 core leaves fewer tail slots than one token routes
-  (12.5 %, top-8: 4). With N > 0 each layer's core is capped at its even share of the budget's
-  slots minus N (super experts are still kept; a share <= N gives an empty core) and the core
-  slots the caps leave go to the specialists; ``scorerArtifacts.cacheTail`` records the caps.
+  (12.5 %, top-8: 4). With N > 0 every layer's slots (its core + that shared tail) leave N beside
+  its core: the core holds at most budget slots - layers x N experts (a budget below layers x N:
+  none), a layer at most its experts - N, in the greedy order (super experts are still kept);
+  the core slots given up go to the specialists; ``scorerArtifacts.cacheTail`` records the limits.
 - **Reproducible.** Every parameter and the SHA-256 of every input file go into
   ``scorerArtifacts``; all orderings have total tie-breaks, so the same inputs give the same bytes.
 """
@@ -61,9 +62,9 @@ from reap_swap.planner_allocation import (
     find_super_experts,
     force_reap_guarded,
     force_super_experts,
-    layer_shares,
     layer_work,
     split_budget,
+    tail_core_limit,
 )
 from reap_swap.planner_config import GIB, PlannerConfig, PlannerError, budget_bytes
 from reap_swap.planner_groups import (
@@ -167,13 +168,14 @@ def build_plan(
 def _tail_caps(
     inputs: PlannerInputs, shape: ModelShape, config: PlannerConfig, slots: Slots, notes: list[str]
 ) -> tuple[dict[int, int], Slots, dict[str, Any]]:
-    """--cache-tail: (per-layer core caps, the slots with the core lowered to what the caps allow,
-    the scorerArtifacts.cacheTail record so far). Super experts raise their layer's cap (they stay
-    resident; that layer's tail is then below N, and a note says so)."""
+    """--cache-tail: (per-layer core caps, the slots with the core lowered to what leaves the tail,
+    the scorerArtifacts.cacheTail record so far). Super experts stay resident above the limits (a
+    note says the tail is then short)."""
     tail = config.tail_slots(shape.top_k)
     total = slots.total_bytes // shape.expert_bytes
     layers = sorted(inputs.layers)
-    caps = core_caps(total, layers, tail, shape.num_experts)
+    caps = core_caps(layers, tail, shape.num_experts)
+    limit = tail_core_limit(total, len(layers), tail)
     if config.super_experts:
         supers = find_super_experts(
             inputs.layers, config.super_expert_quantile, config.super_expert_max_divisor
@@ -181,33 +183,38 @@ def _tail_caps(
         for i, experts in sorted(supers.items()):
             if len(experts) > caps[i]:
                 notes.append(
-                    f"cache tail: layer {i}'s {len(experts)} super experts stay in its core, over the cap "
-                    f"of {caps[i]}: that layer leaves fewer than {tail} slots beside its core"
+                    f"cache tail: layer {i}'s {len(experts)} super experts stay in its core, over its cap "
+                    f"of {caps[i]}: that layer's slots hold fewer than {tail} beside its core"
                 )
                 caps[i] = len(experts)
-    shares = layer_shares(total, layers)
+        n_super = sum(len(v) for v in supers.values())
+        if n_super > limit:
+            notes.append(
+                f"cache tail: the {n_super} super experts stay in the core, over the limit of {limit}: "
+                f"the pinned form's tail is below {tail} per layer"
+            )
+            limit = n_super
     record = {
         "setting": config.cache_tail,
         "tailSlotsPerLayer": tail,
         "topK": shape.top_k,
-        "rule": "per layer: core <= max(0, the layer's even share of the budget's slots - tailSlotsPerLayer)",
+        "rule": "core <= budgetSlots - layers x tailSlotsPerLayer (the pinned form's tail, (pool - core) // "
+        "layers, is then >= tailSlotsPerLayer); each layer's core <= its experts - tailSlotsPerLayer; "
+        "the greedy core order within those",
         "budgetSlots": total,
-        "layerShare": {f"layer_{i}": shares[i] for i in layers},
+        "coreLimit": limit,
         "coreCap": {f"layer_{i}": caps[i] for i in layers},
         "coreSlotsBeforeCap": slots.core,
     }
-    short = [i for i in layers if shares[i] < tail]
-    if short:
+    if total < len(layers) * tail:
         notes.append(
-            f"cache tail: the budget's share of layer(s) {', '.join(map(str, short))} "
-            f"({min(shares[i] for i in short)} slots) is below the tail of {tail}: their core is empty and "
-            "the cache tail there is the whole share"
+            f"cache tail: the budget's {total} slots are fewer than {len(layers)} layers x {tail}: the core "
+            f"is empty and the pinned form's tail is the whole budget, {total // max(len(layers), 1)} per layer"
         )
-    return (
-        caps,
-        cap_core(slots, min(slots.core, sum(caps.values())), shape.expert_bytes, len(layers), config),
-        record,
+    capped = cap_core(
+        slots, min(slots.core, limit, sum(caps.values())), shape.expert_bytes, len(layers), config
     )
+    return caps, capped, record
 
 
 def _finish_tail_record(
@@ -216,16 +223,13 @@ def _finish_tail_record(
     """The cacheTail record's outcome: the core kept, the tail the pinned form would get."""
     used = sum(len(w.core) for w in work.values())
     n = max(len(work), 1)
-    at_cap = [i for i, w in sorted(work.items()) if len(w.core) >= record["coreCap"][f"layer_{i}"]]
     record["coreSlots"] = used
-    record["layersAtCap"] = at_cap
     record["pinnedFormTailPerLayer"] = (slots.total_bytes // pe - used) // n
     before = record["coreSlotsBeforeCap"]
     notes.append(
         f"cache tail {record['tailSlotsPerLayer']} per layer (--cache-tail {record['setting']}, top_k "
         f"{record['topK']}): core {before} -> {used} experts"
-        + (f", {before - used} core slots to the specialists" if used < before else "")
-        + f"; {len(at_cap)} of {len(work)} layers at their cap"
+        + (f", {before - used} core slots to the specialists" if used < before else " (no cap bound)")
         + f"; the pinned cache form's tail: {record['pinnedFormTailPerLayer']} slots per layer"
     )
 

@@ -4,10 +4,11 @@ Super experts and REAP-guarded experts are forced into the core first; the rest 
 filled by value across all layers (or uniformly per layer, the baseline); specialist capacity
 goes per layer in whole slices by the routed mass the next slice would add.
 
-With ``cache_tail`` N (``reap-swap plan --cache-tail``, issue 17) every layer's core is capped at
-its even share of the budget's slots minus N (``core_caps``), so the device cache's pinned form
-(core+dlfu: pool - core over the layers) keeps at least N tail slots per layer; the core slots
-the caps leave unused go to the specialist budget (``cap_core``).
+With ``cache_tail`` N (``reap-swap plan --cache-tail``, issue 17) the core leaves every layer N
+slots beside it in the device cache's pinned form (core+dlfu: (pool - core) // layers tail slots
+per layer): at most budget slots - layers x N core experts in all (``tail_core_limit``), at most
+experts - N in a layer (``core_caps``), filled by the same greedy order, so the capped core is the
+greedy core's best prefix; the core slots it gives up go to the specialist budget (``cap_core``).
 """
 
 from __future__ import annotations
@@ -53,20 +54,17 @@ def _slice_size(specialist: int, n_layers: int, config: PlannerConfig) -> int:
     return config.slice_size or max(1, math.ceil(specialist / (n_layers * config.slices_per_request)))
 
 
-def layer_shares(total_slots: int, layers: Sequence[int]) -> dict[int, int]:
-    """The budget's slots over the layers, evenly, the remainder to the lowest layer indices (the
-    simulator's and accounting mode's rule, cache_policy.replay._spread)."""
-    base, extra = divmod(max(0, int(total_slots)), max(len(layers), 1))
-    return {layer: base + (1 if i < extra else 0) for i, layer in enumerate(sorted(layers))}
+def tail_core_limit(total_slots: int, n_layers: int, tail: int) -> int:
+    """The most core experts that leave ``tail`` slots per layer beside the core: the device cache's
+    pinned form lends (pool - core) // layers tail slots to every layer (memory_split.
+    pinned_tail_split), so that is >= tail exactly when core <= pool - layers x tail."""
+    return max(0, int(total_slots) - int(n_layers) * int(tail))
 
 
-def core_caps(total_slots: int, layers: Sequence[int], tail: int, num_experts: int) -> dict[int, int]:
-    """Per layer, the most core experts that leave ``tail`` of its even share of ``total_slots``
-    beside them (0 where the share is not above the tail: that layer's core is empty)."""
-    return {
-        layer: min(num_experts, max(0, share - tail))
-        for layer, share in layer_shares(total_slots, layers).items()
-    }
+def core_caps(layers: Sequence[int], tail: int, num_experts: int) -> dict[int, int]:
+    """Per layer, the most core experts that leave ``tail`` of its experts outside the core (a
+    layer's slots, core + tail, cannot exceed its experts: accounting's replay.layer_slots)."""
+    return {layer: max(0, int(num_experts) - int(tail)) for layer in sorted(layers)}
 
 
 def cap_core(slots: Slots, core: int, expert_bytes: int, n_layers: int, config: PlannerConfig) -> Slots:

@@ -40,9 +40,10 @@ class PlannerConfig(BaseModel):
     max_refreshes_per_request: int = Field(default=1, ge=0)
     cache_tail: int | Literal["auto"] = Field(
         default=0,
-        description="cap every layer's core so that the layer's even share of the budget leaves at least "
-        "this many slots beside it for the device cache's tail (core+dlfu); auto: 2 x the model's top_k; "
-        "0: no cap (today's plans, unchanged bytes)",
+        description="cap the core so that the device cache's pinned form (core+dlfu, (pool - core) // "
+        "layers tail slots per layer) keeps at least this many tail slots per layer: core <= budget slots "
+        "- layers x N, a layer's core <= its experts - N; auto: 2 x the model's top_k; 0: no cap "
+        "(today's plans, unchanged bytes)",
     )
     group_size: Literal["auto", "1", "2", "4", "8"] | None = Field(
         default=None,

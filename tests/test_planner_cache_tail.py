@@ -1,5 +1,6 @@
-"""reap-swap plan --cache-tail (issue 17): every layer's core capped so its even share of the budget
-leaves N slots for the device cache's tail; 0 is today's planner byte for byte."""
+"""reap-swap plan --cache-tail (issue 17): the core capped so the device cache's pinned form keeps N
+tail slots per layer (core <= budget slots - layers x N, a layer's core <= experts - N); 0 is today's
+planner byte for byte."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from reap_swap.model_shape import read_model_shape
 from reap_swap.observation_types import LayerStats, Observations
 from reap_swap.plan import load_plan, validate_plan_document
 from reap_swap.planner import PlannerConfig, PlannerError, build_plan, plan_bytes
-from reap_swap.planner_allocation import core_caps, layer_shares
+from reap_swap.planner_allocation import core_caps, tail_core_limit
 from reap_swap.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,30 +75,28 @@ def pinned_tail(doc) -> int:
     return per_layer
 
 
-def test_layer_shares_and_caps():
-    assert layer_shares(10, [0, 1, 2]) == {0: 4, 1: 3, 2: 3}
-    assert core_caps(10, [0, 1, 2], 3, 16) == {0: 1, 1: 0, 2: 0}
-    assert core_caps(64, [5, 7], 4, 16) == {5: 16, 7: 16}  # at most every expert of the layer
-    assert core_caps(4, [0, 1], 8, 16) == {0: 0, 1: 0}
+def test_limit_and_caps():
+    assert tail_core_limit(192, 12, 16) == 0 and tail_core_limit(384, 12, 16) == 192
+    assert tail_core_limit(10, 3, 4) == 0  # a budget below layers x tail: no core
+    assert core_caps([0, 1, 2], 4, 16) == {0: 12, 1: 12, 2: 12}
+    assert core_caps([5], 20, 16) == {5: 0}  # a layer with fewer experts than the tail: no core
 
 
-def test_cap_binds_per_layer_and_the_pinned_tail_is_n():
-    # 2 layers x 16 experts, top-2, 50 %: 16 slots, 8 per layer; a 0.75 core = 12 split greedily,
-    # the peaked layer 1 taking most of it
+def test_cap_leaves_the_tail_and_keeps_the_greedy_prefix():
+    # 2 layers x 16 experts, top-2, 50 %: 16 slots; a 0.75 core = 12 split greedily, the peaked
+    # layer 1 taking most of it; the pinned form's tail (16 - 12) // 2 = 2
     shape = shape_for(2, 16, 2)
     layers = zipf_layers(2, 16, [0.2, 2.5])
     old = plan(layers, shape, budget_ratio=0.5)
-    assert sum(cores(old).values()) == 12 and max(cores(old).values()) > 5
-    assert pinned_tail(old) == 2  # (16 - 12) // 2
+    assert sum(cores(old).values()) == 12 and pinned_tail(old) == 2
     doc = plan(layers, shape, budget_ratio=0.5, cache_tail=3)
-    assert all(n <= 8 - 3 for n in cores(doc).values())
-    assert sum(cores(doc).values()) == 10  # min(12, 5 + 5)
-    assert pinned_tail(doc) == 3
+    assert sum(cores(doc).values()) == 10 and pinned_tail(doc) == 3  # 16 - 2 x 3
+    # the capped core is the greedy core's best part: a subset, layer by layer
+    for k, v in doc["perLayer"].items():
+        assert set(v["coreExperts"]) <= set(old["perLayer"][k]["coreExperts"])
+    assert cores(doc)[1] != cores(doc)[0]  # still split by value across layers, not evenly
     rec = doc["scorerArtifacts"]["cacheTail"]
-    assert rec["coreCap"] == {"layer_0": 5, "layer_1": 5} and rec["layerShare"] == {
-        "layer_0": 8,
-        "layer_1": 8,
-    }
+    assert rec["coreLimit"] == 10 and rec["coreCap"] == {"layer_0": 13, "layer_1": 13}
     assert rec["coreSlotsBeforeCap"] == 12 and rec["coreSlots"] == 10 and rec["pinnedFormTailPerLayer"] == 3
     assert doc["scorerArtifacts"]["parameters"]["cache_tail"] == 3
     # the two freed core slots went to the specialists; the budget adds up
@@ -107,14 +106,21 @@ def test_cap_binds_per_layer_and_the_pinned_tail_is_n():
     assert b["core_budget_fraction"] == 0.625 and b["specialist_budget_fraction"] == 0.375
     assert doc["scorerArtifacts"]["slots"]["specialist"] == 6
     assert sum(v["specialistActiveExpertTarget"] for v in doc["perLayer"].values()) == 6
-    # the core kept is the greedy core's best within the caps: layer 1's top-5 by value
-    freq1 = layers[1].expert_frequency
-    top5 = sorted(np.argsort(-freq1, kind="stable")[:5].tolist())
-    assert doc["perLayer"]["layer_1"]["coreExperts"] == top5
     # fillOrder: every non-core expert once, none of the core
     fo = {tuple(x) for x in doc["fillOrder"]}
     assert len(fo) == len(doc["fillOrder"]) == 32 - 10
     assert not any((l, e) in fo for l in (0, 1) for e in doc["perLayer"][f"layer_{l}"]["coreExperts"])
+
+
+def test_cap_per_layer():
+    # 2 layers x 8 experts, everything resident (16 slots), tail 3: limit 10, at most 5 per layer,
+    # though the greedy order would give the flat layer 0 more (its experts each carry more of it)
+    shape = shape_for(2, 8, 2)
+    layers = zipf_layers(2, 8, [0.1, 3.0], seed=7)
+    free = plan(layers, shape, budget_ratio=1.0, core_fraction=0.625)
+    assert max(cores(free).values()) > 5
+    doc = plan(layers, shape, budget_ratio=1.0, core_fraction=0.625, cache_tail=3)
+    assert cores(doc) == {0: 5, 1: 5} and pinned_tail(doc) == 3
 
 
 def test_auto_is_twice_top_k():
@@ -123,7 +129,7 @@ def test_auto_is_twice_top_k():
     doc = plan(zipf_layers(2, 16, [0.2, 2.5]), shape, budget_ratio=0.5, cache_tail="auto")
     rec = doc["scorerArtifacts"]["cacheTail"]
     assert rec["setting"] == "auto" and rec["tailSlotsPerLayer"] == 4 and rec["topK"] == 2
-    assert cores(doc) == {0: 4, 1: 4} and pinned_tail(doc) == 4
+    assert sum(cores(doc).values()) == 8 and pinned_tail(doc) == 4
     assert doc["scorerArtifacts"]["parameters"]["cache_tail"] == "auto"
 
 
@@ -186,7 +192,7 @@ def test_budget_below_the_tail_gives_empty_cores_and_a_sane_plan():
     rec = doc["scorerArtifacts"]["cacheTail"]
     assert rec["pinnedFormTailPerLayer"] == 2 and rec["coreSlots"] == 0
     notes = doc["scorerArtifacts"]["notes"]
-    assert any("below the tail of 4" in n and "core is empty" in n for n in notes)
+    assert any("fewer than 4 layers x 4" in n and "the core is empty" in n for n in notes)
     # every layer's experts remain requestable in slices, and the pinned form still engages
     for v in doc["perLayer"].values():
         assert sorted(e for s in v["sliceCatalog"] for e in s["experts"]) == list(range(16))
@@ -197,7 +203,7 @@ def test_budget_below_the_tail_gives_empty_cores_and_a_sane_plan():
 def test_uniform_allocation_respects_the_caps_and_spends_the_budget():
     shape = shape_for(3, 16, 2)
     layers = zipf_layers(3, 16, [0.3, 1.0, 2.0], seed=3)
-    # 37.5 %: 18 slots, 6 per layer; tail 4 -> caps 2 each; uniform asked 13 (4-5 per layer)
+    # 37.5 %: 18 slots; tail 4 -> a core of 18 - 12 = 6, uniform: 2 per layer (asked: 13)
     doc = plan(layers, shape, budget_ratio=0.375, cache_tail=4, layer_allocation="uniform")
     assert cores(doc) == {0: 2, 1: 2, 2: 2}
     b = doc["budget"]
@@ -215,12 +221,16 @@ def test_super_experts_stay_over_the_cap_with_a_note():
         0: replace(layers[0], max_activations=np.ones(16)),
         1: replace(layers[1], max_activations=spikes),
     }
-    doc = plan(layers, shape, budget_ratio=0.25, cache_tail=4)  # 4 per layer: cap 0
+    doc = plan(layers, shape, budget_ratio=0.25, cache_tail=4)  # 8 slots - 2 x 4: limit 0
     assert doc["scorerArtifacts"]["superExperts"] == {"layer_1": [9]}
     assert doc["perLayer"]["layer_1"]["coreExperts"] == [9]
     assert cores(doc) == {0: 0, 1: 1}
-    assert doc["scorerArtifacts"]["cacheTail"]["coreCap"] == {"layer_0": 0, "layer_1": 1}
-    assert any("super experts stay in its core" in n for n in doc["scorerArtifacts"]["notes"])
+    assert doc["scorerArtifacts"]["cacheTail"]["coreLimit"] == 1
+    assert any("super experts stay in the core" in n for n in doc["scorerArtifacts"]["notes"])
+    # one over a layer's cap (experts - tail) too
+    small = plan(layers, shape, budget_ratio=1.0, core_fraction=0.25, cache_tail=16)  # caps 0
+    assert small["perLayer"]["layer_1"]["coreExperts"] == [9] and cores(small)[0] == 0
+    assert any("super experts stay in its core" in n for n in small["scorerArtifacts"]["notes"])
     # a budget whose whole core cannot hold them is still refused by name
     with pytest.raises(PlannerError, match="super experts"):
         build_plan(
@@ -237,8 +247,8 @@ def test_reap_guard_respects_the_cap():
     layers = {0: replace(layers[0], reap=salient), 1: replace(layers[1], reap=np.full(16, 0.1))}
     free = plan(layers, shape, budget_ratio=0.5, core_fraction=1.0)
     assert free["scorerArtifacts"]["reapGuarded"] == {"layer_0": [rare]}  # the guard fires uncapped
-    doc = plan(layers, shape, budget_ratio=0.5, core_fraction=1.0, cache_tail=6)  # 8 per layer: cap 2
-    assert cores(doc) == {0: 2, 1: 2}
+    doc = plan(layers, shape, budget_ratio=0.5, core_fraction=1.0, cache_tail=6)  # 16 - 12: limit 4
+    assert sum(cores(doc).values()) == 4 and pinned_tail(doc) == 6
     assert doc["scorerArtifacts"]["reapGuarded"] in ({}, {"layer_0": [rare]})
 
 
@@ -270,8 +280,9 @@ def test_every_layer_within_its_cap_and_the_budget_spent(n_layers, experts, top_
     doc = plan(layers, shape, budget_ratio=ratio, cache_tail=tail, layer_allocation=alloc)
     pe = shape.expert_bytes
     total = doc["budget"]["swappable_expert_budget_bytes"] // pe
-    caps = core_caps(total, list(range(n_layers)), tail, experts)
-    assert all(n <= caps[i] for i, n in cores(doc).items())
+    assert all(n <= max(0, experts - tail) for n in cores(doc).values())
+    if tail:
+        assert sum(cores(doc).values()) <= tail_core_limit(total, n_layers, tail)
     b = doc["budget"]
     assert b["core_budget_bytes"] + b["specialist_budget_bytes"] == b["swappable_expert_budget_bytes"]
     core = sum(cores(doc).values())

@@ -2,8 +2,7 @@
 
 The budget is a share of all expert bytes (--budget-ratio) or GiB (--budget-gib); --core-fraction
 of it goes to the always-resident core, split across layers by marginal hit gain, the rest to
-per-request specialist slices (--cache-tail caps each layer's core to leave the device cache a
-tail). The plan is validated against the model before it is written; the
+per-request specialist slices (--cache-tail caps the core to leave the device cache a tail). The plan is validated against the model before it is written; the
 same inputs and flags always give the same bytes (inputs are recorded by SHA-256 in
 scorerArtifacts). See reap_swap/planner.py for the method.
 """
@@ -80,10 +79,11 @@ def _method_arguments(parser: argparse.ArgumentParser) -> None:
         type=cache_tail_value,
         default=_default("cache_tail"),
         metavar="{0,auto,N}",
-        help="cap every layer's core at its even share of the budget's slots minus N, so the device "
-        "cache's pinned form (--reap-cache lfu, core+dlfu) keeps >= N tail slots per layer; auto: 2 x "
-        "the model's top_k; the freed core slots go to the specialists (default 0: no cap). At small "
-        "budgets this can empty the core: see README (--reap-cache) for the GPU caveat",
+        help="cap the core so the device cache's pinned form (--reap-cache lfu, core+dlfu: (pool - core) "
+        "// layers tail slots per layer) keeps >= N tail slots per layer: core <= budget slots - layers "
+        "x N, a layer's core <= its experts - N, in the greedy order; auto: 2 x the model's top_k; the "
+        "freed core slots go to the specialists (default 0: no cap). At small budgets this can empty "
+        "the core: see README (--reap-cache) for the GPU caveat",
     )
     parser.add_argument(
         "--signal",
