@@ -26,7 +26,9 @@ per_expert_bytes>B --policy core+dlfu`` replays the same cache. ``--reap-cache-s
 is ``dlfu-seeded`` (the device's seeded form) on ``replay.layer_slots(core + tail, ...,
 "core+tail")`` slots, the tail N (or auto: the plan budget minus the core, as split_seeded).
 ``lru``: the simulator's ``lru-seeded`` on the seeded slots; the device has no LRU (NO_DEVICE_LRU,
-in /reap/status ``cache.note`` and the log).
+in /reap/status ``cache.note`` and the log). core+dlfu with fewer than 2 x top_k tail slots per
+layer logs one WARNING and shows it as /reap/status ``cache.tail_note`` (memory_split.small_tail_note:
+the numbers and the remedy, ``reap-swap plan --cache-tail auto``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from reap_swap.cache_policy.mechanism import LayerCounts
 from reap_swap.cache_policy.replay import _policy, layer_slots
 from reap_swap.cache_policy.stepper import LayerCache
 from reap_swap.logs import get_logger
-from reap_swap.memory_split import pinned_tail_split
+from reap_swap.memory_split import pinned_tail_split, small_tail_note
 from reap_swap.quant_budget import pool_slots
 
 log = get_logger("reap_swap.cache")
@@ -92,14 +94,19 @@ def device_tail(plan, setting: int | str, pool_tail_slots=None) -> tuple[int, st
     pinned form (CacheConfig.split on the pool of the plan's budget, pinned = the plan core) by the
     rule they share (memory_split.pinned_tail_split)."""
     core = {l: p.core for l, p in plan.layers.items()}
-    pool = pool_slots(int(plan.swappable_budget_bytes), int(plan.per_expert_bytes))
-    source = f"pool of {pool} slots (the plan budget)"
-    if setting == "auto" and pool_tail_slots is not None and pool_tail_slots() is not None:
-        pool = int(pool_tail_slots()) + sum(len(c) for c in core.values())
-        source = "the pool's slots beyond the pinned set"
+    pool, source = device_pool(plan, setting, pool_tail_slots)
     per_layer, refusal = pinned_tail_split(pool, len(plan.layers), core, setting)
     how = "auto: beyond the plan core" if setting == "auto" else f"--reap-cache-slots {setting}"
     return per_layer, f"{how}, // {len(plan.layers)} layers, {source}", refusal
+
+
+def device_pool(plan, setting: int | str, pool_tail_slots=None) -> tuple[int, str]:
+    """(the pool's slots device_tail splits, where the number came from)."""
+    pool = pool_slots(int(plan.swappable_budget_bytes), int(plan.per_expert_bytes))
+    if setting == "auto" and pool_tail_slots is not None and pool_tail_slots() is not None:
+        core = sum(len(p.core) for p in plan.layers.values())
+        return int(pool_tail_slots()) + core, "the pool's slots beyond the pinned set"
+    return pool, f"pool of {pool} slots (the plan budget)"
 
 
 @dataclass
@@ -118,6 +125,7 @@ class CacheAccounting:
     reason: str | None = None  # why the cache is not engaged at all
     device_form: bool = False  # core+dlfu: swaps and evictions as the CUDA device counts them
     note: str | None = None  # why the policy is not the device's (lru), for /reap/status and the log
+    tail_note: str | None = None  # core+dlfu with a tail < 2 x top_k per layer (memory_split.small_tail_note)
 
     @classmethod
     def build(
@@ -136,11 +144,15 @@ class CacheAccounting:
         ``seed``: --reap-cache-seed (lfu: pinned runs the device's core+dlfu, seeded dlfu-seeded)."""
         name, note = accounting_policy(setting, seed)
         device_form = name == DEVICE_FORM
+        tail_note = None
         if device_form:  # the device's rule: N // layers (or auto) tail slots beside every layer's core
             per_layer, source, refusal = device_tail(plan, slots_setting, pool_tail_slots)
             if refusal:
                 return cls.disengaged(f"{refusal} (the CUDA device cache refuses it too; policy {name})")
             tail = per_layer * len(plan.layers)
+            pinned = sum(len(p.core) for p in plan.layers.values())
+            pool = device_pool(plan, slots_setting, pool_tail_slots)[0]
+            tail_note = small_tail_note(per_layer, top_k, pool, pinned, len(plan.layers))
         else:
             tail, source = tail_slots(plan, slots_setting, pool_tail_slots)
         core = {l: plan.layers[l].core for l in plan.layers}
@@ -163,11 +175,13 @@ class CacheAccounting:
             caches[l] = LayerCache(_policy(name, l, plan, None, LFU_DECAY), l, e, slots[l], device)
         record = deque(maxlen=record_steps) if record_steps else None
         acc = cls(name, caches, slots, tail, f"{source}; per layer {how}", top_k, refused, record)
-        acc.device_form, acc.note = device_form, note
+        acc.device_form, acc.note, acc.tail_note = device_form, note, tail_note
         for l, why in sorted(refused.items()):
             log.error("reap-swap cache: layer %d not engaged: %s", l, why)
         if note:
             log.warning("reap-swap cache: %s", note)
+        if tail_note:
+            log.warning("reap-swap cache: %s", tail_note)
         log.info(
             "reap-swap cache: policy %s, %d tail slots (%s), slots per layer %s",
             name,
@@ -244,6 +258,7 @@ class CacheAccounting:
             "policy": self.policy,
             "device_policy": self.policy if self.note is None else None,
             **({"note": self.note} if self.note else {}),
+            **({"tail_note": self.tail_note} if self.tail_note else {}),
             "lfu_decay": LFU_DECAY if "lfu" in self.policy else None,
             "tail_slots": self.tail,
             "tail_source": self.tail_source,

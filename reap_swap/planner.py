@@ -28,6 +28,13 @@ Why each step is what it is:
   (consecutive experts in value order), recorded as such in ``scorerArtifacts``.
 - **Specialist budget per layer** in whole slices, again greedily by the routed mass the next
   slice would add.
+- **A tail beside the core, when asked** (``--cache-tail``, issue 17). The device cache's pinned
+  form (core+dlfu) serves the core in its own units and runs the cache on (pool - core) // layers
+  slots per layer; at small budgets a 0.75 core leaves fewer tail slots than one token routes
+  (12.5 %, top-8: 4). With N > 0 every layer's slots (its core + that shared tail) leave N beside
+  its core: the core holds at most budget slots - layers x N experts (a budget below layers x N:
+  none), a layer at most its experts - N, in the greedy order (super experts are still kept);
+  the core slots given up go to the specialists; ``scorerArtifacts.cacheTail`` records the limits.
 - **Reproducible.** Every parameter and the SHA-256 of every input file go into
   ``scorerArtifacts``; all orderings have total tie-breaks, so the same inputs give the same bytes.
 """
@@ -49,11 +56,15 @@ from reap_swap.planner_allocation import (
     Slots,
     allocate_core,
     allocate_specialists,
+    cap_core,
+    core_caps,
     fill_order,
+    find_super_experts,
     force_reap_guarded,
     force_super_experts,
     layer_work,
     split_budget,
+    tail_core_limit,
 )
 from reap_swap.planner_config import GIB, PlannerConfig, PlannerError, budget_bytes
 from reap_swap.planner_groups import (
@@ -94,9 +105,17 @@ def build_plan(
         )
     work = layer_work(inputs.layers, config.signal)
     notes: list[str] = []
+    caps, tail_record = None, None
+    if config.cache_tail != 0:  # planner_config refuses it with group sizes: pricing is None here
+        caps, slots, tail_record = _tail_caps(inputs, shape, config, slots, notes)
     supers = force_super_experts(work, inputs.layers, config, slots, shape.expert_bytes, notes)
-    guarded = force_reap_guarded(work, inputs.layers, config, slots, notes)
-    group_fill = _fill_core(work, slots, config, pricing, notes)
+    guarded = force_reap_guarded(work, inputs.layers, config, slots, notes, caps)
+    group_fill = _fill_core(work, slots, config, pricing, notes, caps)
+    if caps is not None:  # what the caps left unused (uniform fill) goes to the specialists too
+        slots = cap_core(
+            slots, sum(len(w.core) for w in work.values()), shape.expert_bytes, len(work), config
+        )
+        _finish_tail_record(tail_record, work, slots, shape.expert_bytes, notes)
     if slots.specialist > 0:
         allocate_specialists(work, slots.specialist, slots.slice_size)
     have_coact = all(s.coactivation is not None for s in inputs.layers.values())
@@ -122,6 +141,8 @@ def build_plan(
         corpusTags=inputs.tag_names,
         notes=notes,
     )
+    if tail_record is not None:
+        artifacts["cacheTail"] = tail_record
     doc = {
         "mode": MODE,
         "model": model_name,
@@ -144,14 +165,88 @@ def build_plan(
     return doc
 
 
+def _tail_caps(
+    inputs: PlannerInputs, shape: ModelShape, config: PlannerConfig, slots: Slots, notes: list[str]
+) -> tuple[dict[int, int], Slots, dict[str, Any]]:
+    """--cache-tail: (per-layer core caps, the slots with the core lowered to what leaves the tail,
+    the scorerArtifacts.cacheTail record so far). Super experts stay resident above the limits (a
+    note says the tail is then short)."""
+    tail = config.tail_slots(shape.top_k)
+    total = slots.total_bytes // shape.expert_bytes
+    layers = sorted(inputs.layers)
+    caps = core_caps(layers, tail, shape.num_experts)
+    limit = tail_core_limit(total, len(layers), tail)
+    if config.super_experts:
+        supers = find_super_experts(
+            inputs.layers, config.super_expert_quantile, config.super_expert_max_divisor
+        )
+        for i, experts in sorted(supers.items()):
+            if len(experts) > caps[i]:
+                notes.append(
+                    f"cache tail: layer {i}'s {len(experts)} super experts stay in its core, over its cap "
+                    f"of {caps[i]}: that layer's slots hold fewer than {tail} beside its core"
+                )
+                caps[i] = len(experts)
+        n_super = sum(len(v) for v in supers.values())
+        if n_super > limit:
+            notes.append(
+                f"cache tail: the {n_super} super experts stay in the core, over the limit of {limit}: "
+                f"the pinned form's tail is below {tail} per layer"
+            )
+            limit = n_super
+    record = {
+        "setting": config.cache_tail,
+        "tailSlotsPerLayer": tail,
+        "topK": shape.top_k,
+        "rule": "core <= budgetSlots - layers x tailSlotsPerLayer (the pinned form's tail, (pool - core) // "
+        "layers, is then >= tailSlotsPerLayer); each layer's core <= its experts - tailSlotsPerLayer; "
+        "the greedy core order within those",
+        "budgetSlots": total,
+        "coreLimit": limit,
+        "coreCap": {f"layer_{i}": caps[i] for i in layers},
+        "coreSlotsBeforeCap": slots.core,
+    }
+    if total < len(layers) * tail:
+        notes.append(
+            f"cache tail: the budget's {total} slots are fewer than {len(layers)} layers x {tail}: the core "
+            f"is empty and the pinned form's tail is the whole budget, {total // max(len(layers), 1)} per layer"
+        )
+    capped = cap_core(
+        slots, min(slots.core, limit, sum(caps.values())), shape.expert_bytes, len(layers), config
+    )
+    return caps, capped, record
+
+
+def _finish_tail_record(
+    record: dict[str, Any], work: Mapping[int, LayerWork], slots: Slots, pe: int, notes: list[str]
+) -> None:
+    """The cacheTail record's outcome: the core kept, the tail the pinned form would get."""
+    used = sum(len(w.core) for w in work.values())
+    n = max(len(work), 1)
+    record["coreSlots"] = used
+    record["pinnedFormTailPerLayer"] = (slots.total_bytes // pe - used) // n
+    before = record["coreSlotsBeforeCap"]
+    notes.append(
+        f"cache tail {record['tailSlotsPerLayer']} per layer (--cache-tail {record['setting']}, top_k "
+        f"{record['topK']}): core {before} -> {used} experts"
+        + (f", {before - used} core slots to the specialists" if used < before else " (no cap bound)")
+        + f"; the pinned cache form's tail: {record['pinnedFormTailPerLayer']} slots per layer"
+    )
+
+
 def _fill_core(
-    work: dict[int, LayerWork], slots: Slots, config: PlannerConfig, pricing, notes: list[str]
+    work: dict[int, LayerWork],
+    slots: Slots,
+    config: PlannerConfig,
+    pricing,
+    notes: list[str],
+    caps: Mapping[int, int] | None = None,
 ) -> dict[int, list[int]]:
     """The core fill after the forced experts: per expert (today), or in whole groups of b
     (planner_groups); returns the experts added to complete forced experts' groups."""
     uniform = config.layer_allocation == "uniform"
     if pricing is None:
-        allocate_core(work, slots.core, uniform)
+        allocate_core(work, slots.core, uniform, caps)
         return {}
     b = pricing.group_size
     added = round_forced_to_groups(work, b)
@@ -205,6 +300,12 @@ def _layer_entry(
 
 
 def _budget_section(slots: Slots, pe: int, config: PlannerConfig) -> dict[str, Any]:
+    # the cache tail's caps lowered the core: the fractions as spent (parameters keep the request)
+    fraction = (
+        rounded(slots.core_bytes / slots.total_bytes)
+        if slots.core_capped and slots.total_bytes
+        else config.core_fraction
+    )
     return {
         "per_expert_bytes": pe,
         "requested_max_resident_ratio": config.budget_ratio,
@@ -215,8 +316,8 @@ def _budget_section(slots: Slots, pe: int, config: PlannerConfig) -> dict[str, A
         "core_budget_gib": rounded(slots.core_bytes / GIB),
         "specialist_budget_bytes": slots.specialist_bytes,
         "specialist_budget_gib": rounded(slots.specialist_bytes / GIB),
-        "core_budget_fraction": config.core_fraction,
-        "specialist_budget_fraction": rounded(1 - config.core_fraction),
+        "core_budget_fraction": fraction,
+        "specialist_budget_fraction": rounded(1 - fraction),
         "candidate_pool_multiplier": config.candidate_pool_multiplier,
         "max_refreshes_per_request": config.max_refreshes_per_request,
         "total_active_expert_capacity": slots.total_bytes // pe,

@@ -3,14 +3,20 @@
 Super experts and REAP-guarded experts are forced into the core first; the rest of the core is
 filled by value across all layers (or uniformly per layer, the baseline); specialist capacity
 goes per layer in whole slices by the routed mass the next slice would add.
+
+With ``cache_tail`` N (``reap-swap plan --cache-tail``, issue 17) the core leaves every layer N
+slots beside it in the device cache's pinned form (core+dlfu: (pool - core) // layers tail slots
+per layer): at most budget slots - layers x N core experts in all (``tail_core_limit``), at most
+experts - N in a layer (``core_caps``), filled by the same greedy order, so the capped core is the
+greedy core's best prefix; the core slots it gives up go to the specialist budget (``cap_core``).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -29,6 +35,7 @@ class Slots:
     core: int
     specialist: int
     slice_size: int
+    core_capped: bool = False  # the cache tail's caps lowered the core (cap_core): fractions as spent
 
 
 def split_budget(
@@ -39,8 +46,44 @@ def split_budget(
     specialist_bytes = total_bytes - core_bytes
     core = min(core_bytes // expert_bytes, n_layers * num_experts)
     specialist = specialist_bytes // expert_bytes
-    slice_size = config.slice_size or max(1, math.ceil(specialist / (n_layers * config.slices_per_request)))
+    slice_size = _slice_size(specialist, n_layers, config)
     return Slots(total_bytes, core_bytes, specialist_bytes, core, specialist, slice_size)
+
+
+def _slice_size(specialist: int, n_layers: int, config: PlannerConfig) -> int:
+    return config.slice_size or max(1, math.ceil(specialist / (n_layers * config.slices_per_request)))
+
+
+def tail_core_limit(total_slots: int, n_layers: int, tail: int) -> int:
+    """The most core experts that leave ``tail`` slots per layer beside the core: the device cache's
+    pinned form lends (pool - core) // layers tail slots to every layer (memory_split.
+    pinned_tail_split), so that is >= tail exactly when core <= pool - layers x tail."""
+    return max(0, int(total_slots) - int(n_layers) * int(tail))
+
+
+def core_caps(layers: Sequence[int], tail: int, num_experts: int) -> dict[int, int]:
+    """Per layer, the most core experts that leave ``tail`` of its experts outside the core (a
+    layer's slots, core + tail, cannot exceed its experts: accounting's replay.layer_slots)."""
+    return {layer: max(0, int(num_experts) - int(tail)) for layer in sorted(layers)}
+
+
+def cap_core(slots: Slots, core: int, expert_bytes: int, n_layers: int, config: PlannerConfig) -> Slots:
+    """``slots`` with at most ``core`` core experts; the bytes it frees go to the specialists (the
+    budget stays spent: core + specialist bytes = the total); unchanged when ``core`` is no lower."""
+    if core >= slots.core:
+        return slots
+    core_bytes = core * expert_bytes
+    specialist_bytes = slots.total_bytes - core_bytes
+    specialist = specialist_bytes // expert_bytes
+    return replace(
+        slots,
+        core_bytes=core_bytes,
+        specialist_bytes=specialist_bytes,
+        core=core,
+        specialist=specialist,
+        slice_size=_slice_size(specialist, n_layers, config),
+        core_capped=True,
+    )
 
 
 def find_super_experts(
@@ -131,8 +174,10 @@ def force_reap_guarded(
     config: PlannerConfig,
     slots: Slots,
     notes: list[str],
+    caps: Mapping[int, int] | None = None,
 ) -> list[tuple[float, int, int]]:
-    """Put REAP-guarded experts into the core, at most reap_guard_max_fraction of its slots."""
+    """Put REAP-guarded experts into the core, at most reap_guard_max_fraction of its slots (and,
+    with ``caps``, none into a layer whose core is at its cap)."""
     guarded: list[tuple[float, int, int]] = []
     if config.reap_guard and any(s.reap is not None for s in layers.values()):
         cap = min(
@@ -142,7 +187,7 @@ def force_reap_guarded(
         for impact, i, e in find_reap_guarded(layers, config.reap_guard_multiple):
             if len(guarded) >= cap:
                 break
-            if e in work[i].core:
+            if e in work[i].core or (caps is not None and len(work[i].core) >= caps[i]):
                 continue
             work[i].core.add(e)
             work[i].forced[e] = "reap_guard"
@@ -152,8 +197,12 @@ def force_reap_guarded(
     return guarded
 
 
-def allocate_core(work: dict[int, LayerWork], slots: int, uniform: bool) -> None:
-    """Fill the core up to `slots` experts in total. Forced experts are already in."""
+def allocate_core(
+    work: dict[int, LayerWork], slots: int, uniform: bool, caps: Mapping[int, int] | None = None
+) -> None:
+    """Fill the core up to `slots` experts in total. Forced experts are already in. ``caps``: layer
+    -> the most core experts it may hold (the cache tail's, core_caps); a layer at its cap is
+    skipped, so the greedy split goes on in the other layers."""
     used = sum(len(w.core) for w in work.values())
     left = slots - used
     if left <= 0:
@@ -163,6 +212,8 @@ def allocate_core(work: dict[int, LayerWork], slots: int, uniform: bool) -> None
         n = len(work)
         for k, w in enumerate(sorted(work.values(), key=lambda w: w.index)):
             want = slots // n + (1 if k < slots % n else 0)
+            if caps is not None:
+                want = min(want, max(caps[w.index], len(w.core)))
             for e in w.order:
                 if len(w.core) >= want or left <= 0:
                     break
@@ -176,8 +227,16 @@ def allocate_core(work: dict[int, LayerWork], slots: int, uniform: bool) -> None
             if e not in w.core:
                 items.append((-w.values[e], -w.secondary[e], rank, w.index, e))
     items.sort()
-    for *_, layer, e in items[:left]:
-        work[layer].core.add(e)
+    if caps is None:
+        for *_, layer, e in items[:left]:
+            work[layer].core.add(e)
+        return
+    for *_, layer, e in items:
+        if left <= 0:
+            break
+        if len(work[layer].core) < caps[layer]:
+            work[layer].core.add(e)
+            left -= 1
 
 
 def fill_order(work: dict[int, LayerWork]) -> list[list[int]]:

@@ -70,11 +70,12 @@ def build_cache(runtime: WorkerRuntime, layers: dict, uncounted: dict, backend) 
     settings, plan = runtime.settings, runtime.plan
     if settings.cache == "off":
         return CacheAccounting.disengaged("--reap-cache off")
+    top_k = max((int(getattr(m, "top_k", 1)) for m in layers.values()), default=1)
     cfg = getattr(runtime.engine, "cache", None) if backend.residency_mode == "cuda" else None
     if cfg is not None:  # the CUDA device cache (issue 17): counters read from the device
         from reap_swap.residency.device_cache_serving import DeviceCacheView
 
-        return DeviceCacheView(cfg)
+        return DeviceCacheView(cfg, top_k)
     if backend.residency_mode == "cuda" and getattr(runtime, "cache_reason", None):
         return CacheAccounting.disengaged(runtime.cache_reason)
     if backend.residency_mode != "accounting":
@@ -85,7 +86,6 @@ def build_cache(runtime: WorkerRuntime, layers: dict, uncounted: dict, backend) 
     counted = {l: int(getattr(m, counters.COUNTS).shape[0]) for l, m in layers.items() if m.reap_countable}
     why = dict(uncounted)
     why.update({l: "monolithic MoE kernel" for l, m in layers.items() if not m.reap_countable})
-    top_k = max((int(getattr(m, "top_k", 1)) for m in layers.values()), default=1)
     pool = getattr(runtime.engine, "pool_tail_slots", None)  # --reap-budget auto's interface, if present
     return CacheAccounting.build(
         plan,

@@ -2,7 +2,7 @@
 
 The budget is a share of all expert bytes (--budget-ratio) or GiB (--budget-gib); --core-fraction
 of it goes to the always-resident core, split across layers by marginal hit gain, the rest to
-per-request specialist slices. The plan is validated against the model before it is written; the
+per-request specialist slices (--cache-tail caps the core to leave the device cache a tail). The plan is validated against the model before it is written; the
 same inputs and flags always give the same bytes (inputs are recorded by SHA-256 in
 scorerArtifacts). See reap_swap/planner.py for the method.
 """
@@ -53,6 +53,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, metavar="plan.json")
 
 
+def cache_tail_value(text: str) -> int | str:
+    """--cache-tail: auto or a slot count >= 0."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto, 0 or a positive slot count") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: give auto, 0 or a positive slot count")
+    return value
+
+
 def _method_arguments(parser: argparse.ArgumentParser) -> None:
     """The planner's method knobs (core split, signal, slices, guards, refreshes)."""
     parser.add_argument(
@@ -60,6 +73,17 @@ def _method_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=_default("core_fraction"),
         help="share of the budget for the core",
+    )
+    parser.add_argument(
+        "--cache-tail",
+        type=cache_tail_value,
+        default=_default("cache_tail"),
+        metavar="{0,auto,N}",
+        help="cap the core so the device cache's pinned form (--reap-cache lfu, core+dlfu: (pool - core) "
+        "// layers tail slots per layer) keeps >= N tail slots per layer: core <= budget slots - layers "
+        "x N, a layer's core <= its experts - N, in the greedy order; auto: 2 x the model's top_k; the "
+        "freed core slots go to the specialists (default 0: no cap). At small budgets this can empty "
+        "the core: see README (--reap-cache) for the GPU caveat",
     )
     parser.add_argument(
         "--signal",

@@ -41,6 +41,8 @@ class CacheConfig:
     lent_slots: dict[int, int] = field(default_factory=dict)  # layer -> slots lent to it
     seed_refusal: str | None = None  # --reap-cache-seed seeded asked but refused on CUDA (pinned served)
     slots_setting: int | str | None = None  # --reap-cache-slots as given (split's rule: pinned_tail_split)
+    pool_slots: int | None = None  # the pool split() divided (pinned form; for /reap/status's tail_note)
+    pinned_slots: int = 0  # the plan core split() left to the swap table (pinned form)
 
     def slots_of(self, index: int) -> int:
         if self.layer_slots is not None:
@@ -71,6 +73,8 @@ class CacheConfig:
             setting = self.slots_per_layer * num_layers
         self.slots_per_layer, refusal = pinned_tail_split(pool_slots, num_layers, pinned or {}, setting)
         self.refusal = self.refusal or refusal
+        self.pool_slots = pool_slots  # recorded only (memory_split.small_tail_note); the split is as before
+        self.pinned_slots = sum(len(set(v)) for v in (pinned or {}).values())
         want = self.slots_per_layer * num_layers
         return pool_slots if self.refusal else pool_slots - want
 

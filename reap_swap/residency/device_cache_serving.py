@@ -21,6 +21,10 @@ stock in the same run) and says why in the log and in /reap/status (``cache.seed
 settings.cache_seed_unverified) serves it anyway: for the next GPU verification only.
 CPU accounting mode (state only, no bytes) keeps running ``dlfu-seeded`` (cache_accounting.py).
 
+The pinned form with fewer than 2 x top_k tail slots per layer logs one WARNING and shows
+``tail_note`` in /reap/status (memory_split.small_tail_note, as accounting mode; the engine's split
+is unchanged, only its pool and pinned counts are recorded for the note).
+
 Counters are read between steps (the status RPC on the engine-core thread: one ``.tolist()`` per
 layer there, nothing on the step path; the per-step stream of accounting mode is not used).
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from reap_swap.logs import get_logger
+from reap_swap.memory_split import small_tail_note
 
 from .device_cache_api import DeviceCaches
 from .device_cache_engine import CacheConfig
@@ -98,8 +103,28 @@ class DeviceCacheView:
     caches: dict = {}  # noqa: RUF012 - read-only marker for WorkerCore.cache_before_step
     record = None
 
-    def __init__(self, cfg: CacheConfig) -> None:
+    def __init__(self, cfg: CacheConfig, top_k: int = 0) -> None:
         self.cfg = cfg
+        self.top_k = top_k  # the model's (worker.build_cache); 0: unknown, no tail_note
+        self._tail_note: str | None = None
+        self._tail_checked = False
+        self.tail_note()  # the pool is split at the first layer's load, before the worker builds this
+
+    def tail_note(self) -> str | None:
+        """The pinned form's tail below 2 x top_k per layer (memory_split.small_tail_note), logged
+        once as a WARNING when first known; None for seeded, a refused cache or an unsplit pool."""
+        cfg = self.cfg
+        if self._tail_checked or getattr(cfg, "pool_slots", None) is None:
+            return self._tail_note
+        self._tail_checked = True
+        if not cfg.seed_core and cfg.refusal is None:
+            layers = len(cfg.caches.status()["layers"]) or len(cfg.lent_slots)
+            self._tail_note = small_tail_note(
+                cfg.slots_per_layer, self.top_k, cfg.pool_slots, cfg.pinned_slots, layers
+            )
+            if self._tail_note:
+                log.warning("reap-swap cache: %s", self._tail_note)
+        return self._tail_note
 
     def step(self, rows, request_start: bool) -> None:  # the device counts inside the forward
         return None
@@ -158,6 +183,7 @@ class DeviceCacheView:
             "totals": self.totals(),
             "layers": layers,
             **({"reason": reason} if reason else {}),
+            **({"tail_note": note} if (note := self.tail_note()) else {}),
             "seed": _seed_status(self.cfg),
             **({"shadow": {str(k): v for k, v in dev["shadow"].items()}} if "shadow" in dev else {}),
         }

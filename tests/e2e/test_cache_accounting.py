@@ -27,7 +27,9 @@ import numpy as np
 import pytest
 
 from reap_swap.cache_policy.replay import simulate
+from reap_swap.memory_split import small_tail_note
 from reap_swap.plan import load_plan
+from reap_swap.quant_budget import pool_slots
 from reap_swap.trace import from_requests, steps_of_sequence
 
 from .conftest import MODEL_NAME
@@ -97,6 +99,12 @@ def test_cache_accounting_equals_simulate(cache_api, recount, tiny_moe):
     policy = cache_api.reap_policy
     assert before["engaged"] and before["policy"] == before["device_policy"] == policy, before
     assert before["steps"] == 0, "the cache saw steps before the first request (warm-up is not a step)"
+    if policy == "core+dlfu":  # 2 tail slots per layer < 2 x top_k = 4: the small-tail note (cachetail)
+        pool = pool_slots(plan.swappable_budget_bytes, plan.per_expert_bytes)
+        pinned = sum(len(p.core) for p in plan.layers.values())
+        assert before["tail_note"] == small_tail_note(2, 2, pool, pinned, 4), before
+    else:  # the seeded form has no separate tail: no note
+        assert "tail_note" not in before, before
     cache_api.get("/reap/cache/trace", params={"reset": "true"})
     requests = []
     for n in range(REQUESTS):
