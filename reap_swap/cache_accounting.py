@@ -29,6 +29,13 @@ is ``dlfu-seeded`` (the device's seeded form) on ``replay.layer_slots(core + tai
 in /reap/status ``cache.note`` and the log). core+dlfu with fewer than 2 x top_k tail slots per
 layer logs one WARNING and shows it as /reap/status ``cache.tail_note`` (memory_split.small_tail_note:
 the numbers and the remedy, ``reap-swap plan --cache-tail auto``).
+
+Swap capacity (``check_swap``, before WorkerCore lets the backend apply): the CUDA server's with
+the same flags (``swap_capacity``). With ``--reap-cache-device on`` the pinned form's swap table is
+K = the pool less the lent tail (memory_split.swap_slots_after_lending, CacheConfig.split's rule):
+a wider resident set is refused with CUDA's PoolCapacityError numbers; the seeded device (with
+--reap-unverified-seeded-cache) refuses a layer's set wider than its slots (SeededCapacityError).
+With the device off (CUDA's default) or lru the CUDA server lends nothing: the whole pool.
 """
 
 from __future__ import annotations
@@ -44,8 +51,9 @@ from reap_swap.cache_policy.mechanism import LayerCounts
 from reap_swap.cache_policy.replay import _policy, layer_slots
 from reap_swap.cache_policy.stepper import LayerCache
 from reap_swap.logs import get_logger
-from reap_swap.memory_split import pinned_tail_split, small_tail_note
+from reap_swap.memory_split import pinned_tail_split, small_tail_note, swap_slots_after_lending
 from reap_swap.quant_budget import pool_slots
+from reap_swap.residency.slot_table import PoolCapacityError, SeededCapacityError
 
 log = get_logger("reap_swap.cache")
 
@@ -89,15 +97,60 @@ def tail_slots(plan, setting: int | str, pool_tail_slots: Callable[[], int | Non
     return max(0, budget - core), f"plan budget ({budget} experts) minus the plan core ({core})"
 
 
-def device_tail(plan, setting: int | str, pool_tail_slots=None) -> tuple[int, str, str | None]:
-    """(tail slots per layer, where from, why the device would not engage): the CUDA device's
-    pinned form (CacheConfig.split on the pool of the plan's budget, pinned = the plan core) by the
-    rule they share (memory_split.pinned_tail_split)."""
+def device_tail(plan, setting: int | str, pool_tail_slots=None) -> tuple[int, str, str | None, int, int]:
+    """(tail slots per layer, where from, why the device would not engage, K the slots the swap
+    table keeps, the pool): the CUDA device's pinned form (CacheConfig.split on the pool of the
+    plan's budget, pinned = the plan core) by the rules they share (memory_split.pinned_tail_split,
+    swap_slots_after_lending)."""
     core = {l: p.core for l, p in plan.layers.items()}
     pool, source = device_pool(plan, setting, pool_tail_slots)
     per_layer, refusal = pinned_tail_split(pool, len(plan.layers), core, setting)
+    kept = swap_slots_after_lending(pool, len(plan.layers), per_layer, refusal)
     how = "auto: beyond the plan core" if setting == "auto" else f"--reap-cache-slots {setting}"
-    return per_layer, f"{how}, // {len(plan.layers)} layers, {source}", refusal
+    return per_layer, f"{how}, // {len(plan.layers)} layers, {source}", refusal, kept, pool
+
+
+def swap_capacity(
+    plan, name: str, setting, pool_tail_slots, cache_device: str, seed_unverified: bool
+) -> tuple[int | None, bool, str]:
+    """(K or None for the whole pool, per-layer C_l check, how): the swap capacity of the CUDA
+    server started with the same flags, which accounting's check_swap enforces.
+
+    --reap-cache-device off (CUDA's default) or lru (refused by name there): the CUDA server lends
+    nothing, its swap table is the whole pool (the plan budget, checked by the API process).
+    lfu, seed pinned, device on: K = the pool less the lent tail (CacheConfig.split's rule).
+    lfu, seed seeded, device on: with --reap-unverified-seeded-cache each layer's C_l (the seeded
+    device pins a swap inside its cache slots); without it CUDA serves the pinned form instead
+    (device_cache_serving.seeded_refusal), so K by the pinned rule."""
+    if cache_device != "on":
+        return (
+            None,
+            False,
+            (
+                "--reap-cache-device off: the CUDA server lends no tail (its default), so a swap may fill "
+                "the whole pool there and here; the cache counts model a tail the device would not lend"
+            ),
+        )
+    if name not in (DEVICE_FORM, "dlfu-seeded"):
+        return None, False, f"{name}: the CUDA device has no such cache and lends nothing: the whole pool"
+    if name == "dlfu-seeded" and seed_unverified:
+        return None, True, "--reap-cache-seed seeded on the device: each layer's set within its cache slots"
+    per_layer, _source, refusal, kept, pool = device_tail(plan, setting, pool_tail_slots)
+    if refusal:
+        return (
+            None,
+            False,
+            f"the CUDA device cache would be refused ({refusal}): nothing lent, the whole pool",
+        )
+    served = "" if name == DEVICE_FORM else " (CUDA serves the pinned form for --reap-cache-seed seeded)"
+    return (
+        kept,
+        False,
+        (
+            f"the pool of {pool} slots less {len(plan.layers)} layers x {per_layer} lent to the cache tail, "
+            f"as the CUDA device splits it{served}"
+        ),
+    )
 
 
 def device_pool(plan, setting: int | str, pool_tail_slots=None) -> tuple[int, str]:
@@ -126,6 +179,9 @@ class CacheAccounting:
     device_form: bool = False  # core+dlfu: swaps and evictions as the CUDA device counts them
     note: str | None = None  # why the policy is not the device's (lru), for /reap/status and the log
     tail_note: str | None = None  # core+dlfu with a tail < 2 x top_k per layer (memory_split.small_tail_note)
+    swap_slots: int | None = None  # K, what the CUDA device's swap table keeps (check_swap); None: the pool
+    seeded_swaps: bool = False  # the seeded device: a swap's set must fit each layer's C_l (check_swap)
+    swap_source: str = ""  # how the swap capacity was counted (the refusal's detail, /reap/status)
 
     @classmethod
     def build(
@@ -139,14 +195,18 @@ class CacheAccounting:
         record_steps: int = 0,
         pool_tail_slots=None,
         seed: str = "pinned",
+        cache_device: str = "off",
+        seed_unverified: bool = False,
     ) -> CacheAccounting:
         """``layers``: counted plan layer -> its number of experts; ``uncounted``: layer -> why not;
-        ``seed``: --reap-cache-seed (lfu: pinned runs the device's core+dlfu, seeded dlfu-seeded)."""
+        ``seed``: --reap-cache-seed (lfu: pinned runs the device's core+dlfu, seeded dlfu-seeded);
+        ``cache_device`` / ``seed_unverified``: --reap-cache-device, --reap-unverified-seeded-cache,
+        which decide the swap capacity the CUDA server would have (swap_capacity)."""
         name, note = accounting_policy(setting, seed)
         device_form = name == DEVICE_FORM
         tail_note = None
         if device_form:  # the device's rule: N // layers (or auto) tail slots beside every layer's core
-            per_layer, source, refusal = device_tail(plan, slots_setting, pool_tail_slots)
+            per_layer, source, refusal, _kept, _pool = device_tail(plan, slots_setting, pool_tail_slots)
             if refusal:
                 return cls.disengaged(f"{refusal} (the CUDA device cache refuses it too; policy {name})")
             tail = per_layer * len(plan.layers)
@@ -176,6 +236,9 @@ class CacheAccounting:
         record = deque(maxlen=record_steps) if record_steps else None
         acc = cls(name, caches, slots, tail, f"{source}; per layer {how}", top_k, refused, record)
         acc.device_form, acc.note, acc.tail_note = device_form, note, tail_note
+        acc.swap_slots, acc.seeded_swaps, acc.swap_source = swap_capacity(
+            plan, name, slots_setting, pool_tail_slots, cache_device, seed_unverified
+        )
         for l, why in sorted(refused.items()):
             log.error("reap-swap cache: layer %d not engaged: %s", l, why)
         if note:
@@ -210,6 +273,24 @@ class CacheAccounting:
                     "layers": {str(l): np.asarray(r).astype(int).tolist() for l, r in rows.items()},
                 }
             )
+
+    def check_swap(self, resident: Mapping[int, frozenset[int]]) -> None:
+        """Refuse, before anything changes, a swap the CUDA server with the same flags refuses for
+        capacity (swap_capacity; WorkerCore calls it before the backend applies, dry runs included).
+        Pinned form: the whole resident set (every layer of ``resident``, core included) must fit
+        K, the pool less the lent tail, as CUDA's SlotTable.plan raises (PoolCapacityError, the
+        same numbers; "the swap table" for "the HBM pool"). Seeded device: a layer's set must fit
+        its C_l cache slots, as SeededPins.plan raises (SeededCapacityError, the same text)."""
+        if self.reason is not None:
+            return
+        if self.swap_slots is not None:
+            needed = sum(len(v) for v in resident.values())
+            if needed > self.swap_slots:
+                raise PoolCapacityError(needed, self.swap_slots, "the swap table", self.swap_source)
+        elif self.seeded_swaps:
+            for l in sorted(resident):
+                if l in self.caches and len(resident[l]) > self.slots[l]:
+                    raise SeededCapacityError(l, len(resident[l]), self.slots[l])
 
     def pin(self, resident: Mapping[int, frozenset[int]]) -> None:
         """A per-request swap was applied: its set is pinned, the tail yields to it."""
@@ -262,6 +343,9 @@ class CacheAccounting:
             "lfu_decay": LFU_DECAY if "lfu" in self.policy else None,
             "tail_slots": self.tail,
             "tail_source": self.tail_source,
+            "swap_slots": self.swap_slots,  # None: the whole pool (or, seeded_swaps, each layer's slots)
+            "seeded_swaps": self.seeded_swaps,
+            "swap_source": self.swap_source,
             "steps": self.steps,
             "recording": self.record.maxlen if self.record is not None else 0,
             "totals": self.totals(),

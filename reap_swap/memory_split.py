@@ -298,7 +298,9 @@ def pinned_tail_split(
     """(cache tail slots per layer, why the cache cannot engage or None): the device cache's pinned
     form (``core+dlfu``, device_cache_engine.CacheConfig.split) and accounting mode's same policy
     (cache_accounting) share this rule. ``setting``: --reap-cache-slots, ``auto`` (the pool's slots
-    beyond the pinned set, evenly per layer) or N (N // layers each); remainders are not lent."""
+    beyond the pinned set, evenly per layer) or N (N // layers each); remainders are not lent. Refused:
+    fewer than one slot per layer, more than the pool, or a lending that leaves the swap table
+    (swap_slots_after_lending) fewer slots than the pinned set (CUDA pins it there at load)."""
     layers = max(int(num_layers), 1)
     if setting == "auto":
         beyond = slots_beyond_pinned(pool_slots, pinned)
@@ -317,6 +319,13 @@ def pinned_tail_split(
     if per_layer * num_layers > pool_slots:
         return per_layer, (
             f"{num_layers} layers x {per_layer} cache slots = {per_layer * num_layers} > the pool's {pool_slots}"
+        )
+    held = sum(len(set(v)) for v in pinned.values())
+    if held + per_layer * num_layers > pool_slots:  # the swap table could not hold the pinned set
+        return per_layer, (
+            f"{num_layers} layers x {per_layer} cache slots = {per_layer * num_layers} leave "
+            f"{pool_slots - per_layer * num_layers} of the pool's {pool_slots} for swaps, fewer than the "
+            f"pinned set's {held}"
         )
     return per_layer, None
 
@@ -344,6 +353,13 @@ def small_tail_note(
         "--budget-ratio/--budget-gib; a larger --reap-budget where it may grow the pool, not with "
         "--reap-cache-device on)"
     )
+
+
+def swap_slots_after_lending(pool_slots: int, num_layers: int, per_layer: int, refusal: str | None) -> int:
+    """K, the pool slots the swap table keeps in the pinned form: the pool less the lent tail
+    (layers x per_layer), or the whole pool when the cache is refused (nothing lent). CacheConfig.split
+    returns it on CUDA; accounting mode refuses a swap wider than it, as the CUDA table does."""
+    return int(pool_slots) if refusal else int(pool_slots) - int(per_layer) * int(num_layers)
 
 
 def launch_check(budget: str | float, plan_budget_bytes: int, accounting_reason: str | None) -> str | None:

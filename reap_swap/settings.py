@@ -191,7 +191,8 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         "--reap-cache-device",
         {
             "choices": ["on", "off"],
-            "help": "CUDA: run --reap-cache lfu on the device slot tail (default off)",
+            "help": "CUDA: run --reap-cache lfu on the device slot tail (default off); swaps then fit only "
+            "the pool less the lent tail (accounting residency holds swaps to the same K)",
         },
     ),
     "cache_seed": (

@@ -97,6 +97,8 @@ def build_cache(runtime: WorkerRuntime, layers: dict, uncounted: dict, backend) 
         record_steps=settings.cache_record_steps,
         pool_tail_slots=pool,
         seed=getattr(settings, "cache_seed", "pinned"),
+        cache_device=getattr(settings, "cache_device", "off"),
+        seed_unverified=bool(getattr(settings, "cache_seed_unverified", False)),
     )
 
 

@@ -168,6 +168,9 @@ class WorkerCore:
             take = req.read_stats and not req.dry_run
             stats = self.read_counters(reset=False) if take else {}
             changed = self._changes(full, resident)
+            check = getattr(self.cache, "check_swap", None)  # accounting: the device's swap capacity
+            if check is not None:  # raises PoolCapacityError before anything changes, as CUDA's apply
+                check(resident)
             result = self.backend.apply(resident, dry_run=req.dry_run)
             if not req.dry_run:
                 self._last_full = full

@@ -4,7 +4,9 @@ and ``probe+lfu`` next to probe, the plain-client caches, dlearn-seeded and Bela
 shuffled and calibration traces, and the skewed kit model's 3-layer held-out, shuffled and
 calibration traces. dlearn-seeded's weights always come from the other split's trace.
 References (not registered): ``probe(0.25)+dlfu`` / ``probe(0.5)+dlfu``, the client's probe budget
-cut to the core plus a quarter / half of the tail (``smaller_probe``).
+cut to the core plus a quarter / half of the tail (``smaller_probe``). ``probe+core+dlfu`` (the
+device's pinned form with the probe's swaps, research.md "accdev") pins each set beside the layer's
+N = slots - core tail, so it holds |set| + N slots per layer, more than the budget (``NOTE``).
 
     PYTHONPATH=$PWD .venv/bin/python scripts/sim_probecache.py     # CPU, a few minutes
 
@@ -39,10 +41,18 @@ POLICIES = [
     "dlearn-seeded",
     "probe+lfu",
     "probe+dlfu",
+    "probe+core+dlfu",
     "belady",
 ]
 SHARES = (0.25, 0.5)  # references: the probe's share of the tail (smaller_probe)
 REFERENCES = [f"probe({x:g})+dlfu" for x in SHARES]
+NOTE = (
+    "probe+core+dlfu is not a servable configuration at these budgets: the device's pinned form keeps "
+    "its N = slots - core tail per layer and pins each swap's set beside it (|set| + N slots), so it "
+    "holds more than the budget's slots (next table); the CUDA device's swap table at that N is "
+    "the core alone (K = pool - layers x N), and it refuses every swap that adds an expert "
+    '(research.md "acctail").'
+)
 METRICS = {
     "expert hit %": "expert_hit_rate",
     "selection hit %": "selection_hit_rate",
@@ -89,6 +99,29 @@ def smaller_probe(trace, plan, row: dict, share: float) -> dict:
     return {**row, "policy": name, "totals": total.to_dict(trace.per_expert_bytes), "layers": per_layer}
 
 
+def held_slots(trace, plan, row: dict) -> dict:
+    """``probe+core+dlfu``'s slots per request (every layer's min(E, |set| + N), N = slots - core)
+    against the budget's slots, and the requests whose swap adds experts to the core (all refused
+    by the CUDA device at that N: its swap table keeps the core alone)."""
+    slots = {int(k): v for k, v in row["slots"].items()}
+    core = {l: plan.layers[l].core for l in trace.layers}
+    counts = {l: trace.step_counts(l) for l in trace.layers}
+    sets = _probe_sets(plan, trace, counts, row["budget_bytes"], slots)
+    e, n_core = trace.num_experts, sum(len(c) for c in core.values())
+    held, beyond = [], 0
+    for t in sorted(next(iter(sets.values()))):
+        held.append(sum(min(e, len(sets[l][t]) + slots[l] - len(core[l])) for l in trace.layers))
+        beyond += sum(len(sets[l][t]) for l in trace.layers) > n_core
+    return {
+        "budget_slots": sum(slots.values()),
+        "core": n_core,
+        "mean_held": sum(held) / len(held),
+        "max_held": max(held),
+        "requests": len(held),
+        "swaps_beyond_core": beyond,
+    }
+
+
 def run() -> dict:
     reports = {}
     for name, (trace, prior, plans) in traces().items():
@@ -98,6 +131,8 @@ def run() -> dict:
             got = simulate(trace, plan, [budget], POLICIES, prior_trace=prior)["rows"]
             ref = next(r for r in got if r["policy"] == "probe+dlfu")
             rows += got + [smaller_probe(trace, plan, ref, share) for share in SHARES]
+            dev = next(r for r in got if r["policy"] == "probe+core+dlfu")
+            dev["held_slots"] = held_slots(trace, plan, dev)
         reports[name] = {
             "rows": rows,
             "plans": {b: str(p.relative_to(ROOT)) for b, p in plans.items()},
@@ -144,6 +179,23 @@ def summary(reports: dict) -> str:
     return "\n".join(lines)
 
 
+def held(reports: dict) -> str:
+    lines = [
+        "| trace | budget | budget slots | core | probe+core+dlfu holds (mean / max) | × budget | swaps adding experts |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, r in reports.items():
+        for row in r["rows"]:
+            h = row.get("held_slots")
+            if h:
+                lines.append(
+                    f"| {n} | {row['budget']} | {h['budget_slots']} | {h['core']} | {h['mean_held']:.1f} / "
+                    f"{h['max_held']} | {h['mean_held'] / h['budget_slots']:.2f} | "
+                    f"{h['swaps_beyond_core']} / {h['requests']} |"
+                )
+    return "\n".join(lines)
+
+
 def moved(reports: dict) -> str:
     lines = [
         "| trace | budget | policy | MiB moved | prefetched | admitted | bypassed |",
@@ -151,7 +203,13 @@ def moved(reports: dict) -> str:
     ]
     for n, r in reports.items():
         for row in r["rows"]:
-            if row["status"] == "ok" and row["policy"] in ("probe", "dlfu-seeded", "probe+dlfu", *REFERENCES):
+            if row["status"] == "ok" and row["policy"] in (
+                "probe",
+                "dlfu-seeded",
+                "probe+dlfu",
+                "probe+core+dlfu",
+                *REFERENCES,
+            ):
                 t = row["totals"]
                 lines.append(
                     f"| {n} | {row['budget']} | {row['policy']} | {t['bytes_moved'] / 2**20:.1f} | "
@@ -162,7 +220,8 @@ def moved(reports: dict) -> str:
 
 def main() -> int:
     reports = run()
-    lines = ["## expert hit % / selection hit %", "", summary(reports), ""]
+    lines = ["## expert hit % / selection hit %", "", summary(reports), "", NOTE, ""]
+    lines += ["## probe+core+dlfu: slots held against the budget", "", held(reports), ""]
     for title, metric in METRICS.items():
         lines += [
             f"## {title} (* calibration: dlearn's weights from held-out)",

@@ -4,6 +4,7 @@ rule (CacheConfig.split after cache_config_for, the code CUDA runs), and the pin
 ``core+dlfu`` stepped by accounting (LayerCache with ``device_tail``) equal to the device's state
 machine (residency.device_cache.DeviceCache on CPU tensors) step by step, swaps included."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -110,7 +111,18 @@ def torch_step(d, ids):
     d.step(step_counts(ids, d.num_experts))
 
 
-def drive(plan, tail, steps, seed, top_k=2, step_fn=torch_step, device="cpu", make_pin=None, wide=24):
+def drive(
+    plan,
+    tail,
+    steps,
+    seed,
+    top_k=2,
+    step_fn=torch_step,
+    device="cpu",
+    make_pin=None,
+    wide=24,
+    cache_device="off",
+):
     """Random skewed routing (every 7th step up to ``wide`` tokens: wider than the slots) and a
     swap every 40 steps (a random set per layer, every other one the core back): accounting's
     core+dlfu (``make_pin(acc)``: how a swap reaches it, default acc.pin) and one device cache
@@ -119,7 +131,9 @@ def drive(plan, tail, steps, seed, top_k=2, step_fn=torch_step, device="cpu", ma
     rng = np.random.default_rng(seed)
     layers = {l: p.num_experts for l, p in plan.layers.items()}
     e = max(layers.values())
-    acc = CacheAccounting.build(plan, "lfu", tail * len(layers), layers, {}, top_k=top_k)
+    acc = CacheAccounting.build(
+        plan, "lfu", tail * len(layers), layers, {}, top_k=top_k, cache_device=cache_device
+    )
     assert acc.policy == "core+dlfu" and all(c.device_tail == tail for c in acc.caches.values())
     devs = {l: _device(plan, l, tail, device) for l in plan.layers}
     pin = make_pin(acc) if make_pin else acc.pin
@@ -153,8 +167,13 @@ def drive(plan, tail, steps, seed, top_k=2, step_fn=torch_step, device="cpu", ma
 
 @pytest.mark.parametrize("tail", [1, 2, 5, 8])  # 8: core + tail = E on layer 0
 def test_device_form_equals_the_device_step_by_step_with_swaps(plan, tail):
-    """The swaps go through WorkerCore.apply (which pins a changing set), as on a server."""
+    """The swaps go through WorkerCore.apply (which pins a changing set), as on a server, with
+    --reap-cache-device on: the pool is the whole model's 64 experts (the mini plan's 32 could not
+    lend tails 5 and 8 beside its 24-expert core, nor hold the random sets of up to 32 next to
+    them: the swap table keeps 64 - 4 x tail >= 32, every swap fits)."""
     from reap_swap import wire
+
+    plan = dataclasses.replace(plan, swappable_budget_bytes=64 * plan.per_expert_bytes)
 
     def make_pin(acc):
         core = WorkerCore(plan, {}, AccountingResidency(plan.core_sets(), 1, "t"), 0, {}, cache=acc)
@@ -165,7 +184,8 @@ def test_device_form_equals_the_device_step_by_step_with_swaps(plan, tail):
 
         return pin
 
-    drive(plan, tail, 240, seed=tail, make_pin=make_pin)
+    acc = drive(plan, tail, 240, seed=tail, make_pin=make_pin, cache_device="on")
+    assert acc.swap_slots == 64 - 4 * tail
 
 
 def test_accounting_equals_simulate_core_dlfu_on_the_trace(plan):

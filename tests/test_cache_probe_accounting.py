@@ -2,6 +2,8 @@
 accounting mode (WorkerCore.apply pinning each swap, CacheAccounting stepping the counter stream)
 on the same trace and the same per-request sets, count for count."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -50,8 +52,13 @@ def server_replay(plan, trace, tail, sets, name):
     cache. ``sets``: request's first step -> {layer: set}. Returns the CacheAccounting."""
     layers = {l: trace.num_experts for l in trace.layers}
     if name == "probe+core+dlfu":  # the default --reap-cache lfu: the device's pinned form, as served
-        acc = CacheAccounting.build(plan, "lfu", tail, layers, {}, top_k=trace.top_k)
-        assert acc.policy == "core+dlfu" and acc.device_form
+        # the mini plan's pool (32) cannot lend 12 beside its 24-expert core (CUDA would refuse the
+        # cache): the simulator's probe+core+dlfu holds |set| + N per layer, beyond the budget; here
+        # a pool of the whole model (64) with --reap-cache-device on keeps 52 for swaps, enough for
+        # every probe set (at most core + 12 = 36)
+        big = dataclasses.replace(plan, swappable_budget_bytes=64 * plan.per_expert_bytes)
+        acc = CacheAccounting.build(big, "lfu", tail, layers, {}, top_k=trace.top_k, cache_device="on")
+        assert acc.policy == "core+dlfu" and acc.device_form and acc.swap_slots == 52
     else:  # the seeded slots (core + tail spread) with TAILS[name] as the tail policy
         acc = CacheAccounting.build(plan, "lfu", tail, layers, {}, top_k=trace.top_k, seed="seeded")
         acc.caches = {

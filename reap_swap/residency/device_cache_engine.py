@@ -22,7 +22,7 @@ from typing import Any
 
 from reap_swap.cache_policy.replay import layer_slots
 from reap_swap.compat import moe_cache
-from reap_swap.memory_split import pinned_tail_split
+from reap_swap.memory_split import pinned_tail_split, swap_slots_after_lending
 
 from .device_cache_api import DeviceCaches
 from .device_cache_range import rehome_with_slots
@@ -75,8 +75,7 @@ class CacheConfig:
         self.refusal = self.refusal or refusal
         self.pool_slots = pool_slots  # recorded only (memory_split.small_tail_note); the split is as before
         self.pinned_slots = sum(len(set(v)) for v in (pinned or {}).values())
-        want = self.slots_per_layer * num_layers
-        return pool_slots if self.refusal else pool_slots - want
+        return swap_slots_after_lending(pool_slots, num_layers, self.slots_per_layer, self.refusal)
 
 
 def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, unit_bytes: int):

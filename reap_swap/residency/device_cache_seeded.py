@@ -21,8 +21,9 @@ only the pool's remainder. A per-request swap's set P of a cached layer is there
 - A set wider than C is refused by name before anything moves (SeededCapacityError, a
   PoolCapacityError; the worker's apply error, so the HTTP answer is 500 worker_failed naming the
   layer, with the previous set re-applied -- a no-op: only the workers know C). Accounting mode
-  instead grows that layer's capacity to |P| (LayerCache.pin); research.md "seedserve" lists
-  every difference.
+  refuses the same set with the same error when run with --reap-cache-device on and
+  --reap-unverified-seeded-cache (cache_accounting.check_swap, branch acctail); otherwise it grows
+  that layer's capacity to |P| (LayerCache.pin); research.md "seedserve" lists every difference.
 
 Between steps only (the worker RPC; cuda_backend.apply quiesces first). Pure torch on the units
 view: runs on CPU tensors with a fake range (tests/test_device_cache_seeded.py) and on CUDA.
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from .device_cache import DeviceCache, LayerStep
-from .slot_table import PoolCapacityError
+from .slot_table import PoolCapacityError, SeededCapacityError
 
 
 @dataclass(frozen=True)
@@ -100,19 +101,6 @@ def apply_pin(
         rng.map_device(e, handle(s), defer_access=True)
     rng.flush_access()
     return len(pin.copies) * int(units[0].numel() * units.element_size())
-
-
-class SeededCapacityError(PoolCapacityError):
-    """A swap set wider than a seeded layer's cache slots (the message names the layer)."""
-
-    def __init__(self, layer: int, needed: int, capacity: int) -> None:
-        super().__init__(needed, capacity)
-        self.layer = layer
-        self.args = (
-            f"layer {layer}: a swap set of {needed} experts is wider than the layer's {capacity} "
-            "cache slots (--reap-cache-seed seeded pins a swap inside them; overflow "
-            f"{needed - capacity} experts)",
-        )
 
 
 class SeededPins:

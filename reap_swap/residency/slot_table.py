@@ -14,15 +14,31 @@ from dataclasses import dataclass, field
 
 
 class PoolCapacityError(ValueError):
-    """The requested resident set needs more HBM slots than the pool has."""
+    """The requested resident set needs more HBM slots than the pool has. ``pool`` and ``detail``:
+    accounting mode's wording of the same refusal (cache_accounting.CacheAccounting.check_swap:
+    "the swap table", how its slots were counted); CUDA's text is the default."""
 
-    def __init__(self, needed: int, capacity: int) -> None:
+    def __init__(self, needed: int, capacity: int, pool: str = "the HBM pool", detail: str = "") -> None:
         self.needed = needed
         self.capacity = capacity
         self.overflow = needed - capacity
         super().__init__(
-            f"resident set needs {needed} expert slots but the HBM pool has {capacity} "
-            f"(overflow {self.overflow} experts)"
+            f"resident set needs {needed} expert slots but {pool} has {capacity} "
+            f"(overflow {self.overflow} experts{'; ' + detail if detail else ''})"
+        )
+
+
+class SeededCapacityError(PoolCapacityError):
+    """A swap set wider than a seeded layer's cache slots (the message names the layer): the CUDA
+    seeded cache's refusal (device_cache_seeded.SeededPins.plan) and accounting mode's same one."""
+
+    def __init__(self, layer: int, needed: int, capacity: int) -> None:
+        super().__init__(needed, capacity)
+        self.layer = layer
+        self.args = (
+            f"layer {layer}: a swap set of {needed} experts is wider than the layer's {capacity} "
+            "cache slots (--reap-cache-seed seeded pins a swap inside them; overflow "
+            f"{needed - capacity} experts)",
         )
 
 

@@ -16,6 +16,13 @@ on ``--reap-cache-slots N`` // layers tail slots per layer, the device's rule: T
 layers lends 2 each, the remainder 2 is not lent, so the simulator's budget is core + 8), and with
 ``--reap-cache-seed seeded`` ``dlfu-seeded`` on core + TAIL slots spread over the layers.
 
+Swap capacity (acctail): the servers run with ``--reap-cache-device on``, so accounting holds swaps
+to the CUDA server's swap table with the same flags, K = the pool (62) less 4 layers x 2 lent = 54:
+after the equality checks, a swap of all 62 plan experts is refused (500 worker_failed naming
+CUDA's numbers, rolled back, resident set and cache unchanged) and one of exactly 54 is applied.
+(The seeded server without --reap-unverified-seeded-cache: CUDA would serve the pinned form, the
+same K.)
+
 Step semantics pinned: requests one at a time, prefix caching off (no prompt token skipped),
 prompts far below the batched-token budget (one prefill step, no chunking), ``ignore_eos`` and a
 fixed ``max_tokens`` (the request ends when the scheduler knows it will, no extra step).
@@ -48,7 +55,10 @@ ARGS = [
     "--no-enable-prefix-caching",
     "--reap-residency",
     "accounting",  # the CPU build is accounting anyway; on CUDA it runs the policy as state only
+    "--reap-cache-device",
+    "on",  # accounting holds swaps to the swap table CUDA keeps when it lends the tail (acctail)
 ]
+SWAP_SLOTS = 62 - 4 * (TAIL // 4)  # the tiny plan's pool less the lent tail
 
 
 # (server name, extra flags, the simulator policy the server must equal, tail slots the simulator
@@ -165,3 +175,31 @@ def test_cache_accounting_equals_simulate(cache_api, recount, tiny_moe):
     metrics = cache_api.get("/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("reap_cache_misses_total"))
     assert float(line.split()[-1]) == tot["selection_misses"]
+
+    refused_for_capacity(cache_api, plan)
+
+
+def refused_for_capacity(api, plan):
+    """A swap wider than the swap table K: refused as CUDA refuses it, nothing changes; K fits."""
+    before, cache = status(api), status(api)["cache"]
+    assert cache["swap_slots"] == SWAP_SLOTS, cache
+    every = {f"layer_{l}": [s.slice_id for s in p.slices] for l, p in plan.layers.items()}
+    r = api.post("/swap_active_set", json={"request_id": "too-wide", "active_set": every})
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "worker_failed" and err["field"] is None and err["rolled_back"] is True, err
+    assert (
+        f"PoolCapacityError: resident set needs 62 expert slots but the swap table has {SWAP_SLOTS} "
+        f"(overflow {62 - SWAP_SLOTS} experts; the pool of 62 slots less 4 layers x 2 lent"
+    ) in err["message"], err
+    after = status(api)
+    assert after["signature"] == before["signature"] == err["signature"]
+    keys = ("resident", "pinned", "tail_slots", "counts")
+    assert {l: {k: v[k] for k in keys} for l, v in after["cache"]["layers"].items()} == {
+        l: {k: v[k] for k in keys} for l, v in cache["layers"].items()
+    }
+    # 16 core + every slice of layers 0-2 (36) + layer 3's 2-expert slice = 54 = K: applied
+    fit = dict(every, layer_3=[s.slice_id for s in plan.layers[3].slices if len(s.experts) == 2])
+    r = api.post("/swap_active_set", json={"request_id": "exactly-k", "active_set": fit})
+    assert r.status_code == 200, r.text
+    assert r.json()["validation"]["resident_experts"] == SWAP_SLOTS
