@@ -14,6 +14,8 @@ from pydantic import BaseModel, Field
 
 from reap_swap.bench_config import BUDGET_ARMS, CACHE_ARMS, NO_CUDA, BenchConfig, BenchError, has_flag
 from reap_swap.bench_report import GIB, uva_offloaded_bytes
+from reap_swap.memory_split import swap_cache_split
+from reap_swap.quant_budget import pool_slots
 
 
 def derived_plan(plan_path: Path, budget_bytes: int, outdir: Path, shape) -> Path:
@@ -54,6 +56,13 @@ class RunSpec(BaseModel):
     plan_path: Path | None = None
     skip_reason: str | None = None
     notes: list[str] = Field(default_factory=list)
+    swap_budget_bytes: int | None = None  # plan-swap+cache: the client's selection budget (K slots)
+
+    @property
+    def client_budget_bytes(self) -> int | None:
+        """What the swapping client selects within: the swap table's K where the cache takes a tail
+        (plan-swap+cache), else the arm's budget (None: the plan's)."""
+        return self.swap_budget_bytes if self.swap_budget_bytes is not None else self.budget_bytes
 
 
 def plan_runs(
@@ -129,6 +138,28 @@ def _stock_uva(spec: RunSpec, stock: list[str], shape, total_expert_bytes: int, 
     )
 
 
+def _split_for_swaps(spec: RunSpec, plan, shape) -> None:
+    """plan-swap+cache: an explicit tail (memory_split.swap_cache_split) and the client's selection
+    budget cut to the swap table K that leaves, so the per-request swaps fit (with the default
+    ``--reap-cache-slots auto`` the tail takes everything beyond the core and the device refuses
+    every swap that adds an expert: research.md "acctail")."""
+    per_expert = int(plan.per_expert_bytes)
+    budget = spec.budget_bytes if spec.budget_bytes is not None else int(plan.swappable_budget_bytes)
+    pool = pool_slots(budget, per_expert)
+    layers = len(plan.layers)
+    core = int(plan.core_bytes()) // per_expert
+    per_layer, kept, why = swap_cache_split(pool, core, layers, int(shape.top_k))
+    if why:
+        spec.skip_reason = f"plan-swap+cache: {why}"
+        return
+    spec.argv += ["--reap-cache-slots", str(per_layer * layers)]
+    spec.swap_budget_bytes = kept * per_expert
+    spec.notes.append(
+        f"--reap-cache-slots {per_layer * layers}: a tail of {per_layer} per layer; the client selects "
+        f"within the swap table's {kept} of {pool} slots ({kept * per_expert / GIB:.3f} GiB)"
+    )
+
+
 def _reap_arm(spec: RunSpec, reap: list[str], cfg: BenchConfig, plan, shape, plat: str) -> None:
     """A reap arm: the plan (or its copy at this budget); refused when the budget lacks the core.
 
@@ -148,5 +179,7 @@ def _reap_arm(spec: RunSpec, reap: list[str], cfg: BenchConfig, plan, shape, pla
     if CACHE_ARMS[spec.arm] != "off" and plat == "cuda" and cfg.cache_device == "on":
         spec.argv += ["--reap-cache-device", "on"]
         spec.notes.append("--reap-cache-device on: the device cache (CUDA)")
+    if spec.arm == "plan-swap+cache":
+        _split_for_swaps(spec, plan, shape)
     if spec.arm == "plan-static":
         spec.budget_bytes = None

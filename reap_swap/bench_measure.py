@@ -110,7 +110,7 @@ class ArmRunner:
                     p["messages"],
                     strategy=self.strategy,
                     request_id=rid,
-                    budget_bytes=self.spec.budget_bytes,
+                    budget_bytes=self.spec.client_budget_bytes,
                     refresh_every=refresh,
                     max_tokens=self.cfg.max_tokens,
                     temperature=0.0,
@@ -163,7 +163,7 @@ class ArmRunner:
         selection, _probe = self.client.select(
             messages,
             strategy=self.strategy,
-            budget_bytes=self.spec.budget_bytes,
+            budget_bytes=self.spec.client_budget_bytes,
             request_id=rid,
             model=self.model,
             max_tokens=self.cfg.decode_tokens,

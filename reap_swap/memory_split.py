@@ -383,3 +383,26 @@ def inactive_note(budget: str | float, accounting_reason: str | None) -> str | N
         "fill order. The KV half applies: vLLM's KV cache is sized to the KV target (--reap-kv-tokens, "
         "else max-model-len x max-num-seqs) unless --kv-cache-memory-bytes is given"
     )
+
+
+def swap_cache_split(
+    pool_slots: int, core_slots: int, num_layers: int, top_k: int
+) -> tuple[int, int, str | None]:
+    """(tail slots per layer, K the swap table keeps, why not) for the cache *and* per-request swaps
+    in the pinned form (the bench's ``plan-swap+cache``). With ``--reap-cache-slots auto`` the tail
+    takes every slot beyond the core, so K = the core and no swap beyond it fits (research.md
+    "acctail"); this split leaves the swaps half of what lies beyond the core, with the tail at most
+    2 x top_k per layer (SMALL_TAIL_TOP_K, research.md "cachetail")."""
+    layers = max(int(num_layers), 1)
+    beyond = (int(pool_slots) - int(core_slots)) // layers
+    per_layer = min(SMALL_TAIL_TOP_K * int(top_k), beyond // 2)
+    if per_layer < 1:
+        return (
+            0,
+            int(pool_slots),
+            (
+                f"the pool's {pool_slots} slots leave {beyond} per layer beyond the plan core ({core_slots} "
+                f"experts, {num_layers} layers): too few to split between a cache tail and per-request swaps"
+            ),
+        )
+    return per_layer, int(pool_slots) - per_layer * layers, None

@@ -19,22 +19,57 @@ from reap_swap.trace_served import trace_from_served
 
 
 def _reap_argv(tmp_path, arm, plat, cache_device="on"):
+    return _reap_spec(tmp_path, arm, plat, cache_device).argv
+
+
+def _reap_spec(tmp_path, arm, plat, cache_device="on", budget=100, core=10, layers=2, top_k=2):
     cfg = bench_config.BenchConfig(
         model="m", plan=tmp_path / "p.json", prompts=tmp_path / "q", out=tmp_path, cache_device=cache_device
     )
-    plan = SimpleNamespace(core_bytes=lambda: 10, swappable_budget_bytes=100)
+    plan = SimpleNamespace(
+        core_bytes=lambda: core,
+        swappable_budget_bytes=budget,
+        per_expert_bytes=1,
+        layers=dict.fromkeys(range(layers)),
+    )
     spec = bench_arms.RunSpec(arm=arm, label=arm, budget_bytes=None, budget_dependent=False)
-    bench_arms._reap_arm(spec, ["py", "-m", "reap_swap.server", "m"], cfg, plan, None, plat)
-    return spec.argv
+    bench_arms._reap_arm(
+        spec, ["py", "-m", "reap_swap.server", "m"], cfg, plan, SimpleNamespace(top_k=top_k), plat
+    )
+    return spec
 
 
 @pytest.mark.parametrize("arm", ["plan-cache", "plan-swap+cache"])
 def test_cache_arms_engage_the_device_cache_on_cuda(tmp_path, arm):
     argv = _reap_argv(tmp_path, arm, "cuda")
-    assert argv[-4:] == ["--reap-cache", "lfu", "--reap-cache-device", "on"]
+    at = argv.index("--reap-cache")
+    assert argv[at : at + 4] == ["--reap-cache", "lfu", "--reap-cache-device", "on"]
     # the CPU build runs the cache in accounting mode: no device flag
     assert "--reap-cache-device" not in _reap_argv(tmp_path, arm, "cpu")
     assert "--reap-cache-device" not in _reap_argv(tmp_path, arm, "cuda", cache_device="off")
+
+
+def test_plan_swap_cache_leaves_the_swaps_room_beside_the_tail(tmp_path):
+    """plan-swap+cache: with the default --reap-cache-slots auto the tail takes every slot beyond
+    the core and the device refuses every swap that adds an expert (research.md "acctail"), so the
+    arm gives an explicit tail (min(2 x top_k, half of what lies beyond the core) per layer) and the
+    client selects within the swap table K that leaves."""
+    from reap_swap.memory_split import swap_cache_split
+
+    spec = _reap_spec(tmp_path, "plan-swap+cache", "cuda")  # pool 100, core 10, 2 layers: 45 beyond each
+    assert spec.argv[-2:] == ["--reap-cache-slots", "8"] and spec.swap_budget_bytes == 92
+    assert spec.client_budget_bytes == 92 and spec.budget_bytes is None and spec.skip_reason is None
+    assert (
+        _reap_spec(tmp_path, "plan-swap+cache", "cpu").swap_budget_bytes == 92
+    )  # accounting: the same split
+    plain = _reap_spec(tmp_path, "plan-cache", "cuda")  # the plain client never swaps: auto, the whole tail
+    assert "--reap-cache-slots" not in plain.argv and plain.client_budget_bytes is None
+    # a thin margin beyond the core: half of it for the tail; none left: the arm is skipped, saying why
+    assert swap_cache_split(30, 10, 2, 8) == (5, 20, None)
+    assert swap_cache_split(64 * 12, 368, 12, 8) == (16, 576, None)  # run 12's skewed model at 50 %
+    thin = _reap_spec(tmp_path, "plan-swap+cache", "cuda", budget=12, core=10)
+    assert "too few to split" in thin.skip_reason and thin.swap_budget_bytes is None
+    assert swap_cache_split(12, 10, 2, 8)[2] is not None
 
 
 @pytest.mark.parametrize("arm", ["plan-static", "plan-swap"])
