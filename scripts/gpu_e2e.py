@@ -17,6 +17,10 @@ Arms (each: start a server, measure, stop; results merged into OUT/gpu_e2e.json)
                   (--reap-cache lfu --reap-cache-device on): greedy text, decode, cache counters
                   (/reap/status) and router misses of a plain client (no swap calls), issue 17
   reap-plan25     the same plan and pool with --reap-cache off: the plain client's static core
+  reap-cache-nocore  reap-cache on a plan with an EMPTY core (pool 50 %): the pinned form with nothing
+                  pinned, every own unit host-backed and E + N = 192 units -- the layout of the seeded
+                  serve that differed from stock in run 12, without seeding; and what
+                  `reap-swap plan --cache-tail auto` serves at small budgets (research.md "cachetail")
   reap-cache-seeded  the same plan and pool with --reap-cache-seed seeded (dlfu-seeded: every layer's
                   core + tail share is cache slots seeded with the core, evictable): the plain client,
                   then swaps pinned inside the slots (core + q/2, core + q per layer: the whole share),
@@ -489,11 +493,12 @@ def arm_routed(reap, out, shape, res):
 
 
 @contextmanager
-def plain_client_served(name, reap, out, r, cache_flags, d1=(256, 3), d8=(128, 2)):
-    """A server on the plan core 25 % / pool 50 % with `cache_flags`, its plain-client phase (no
-    swap calls) measured into r["plain"]; yields the server for what an arm does next."""
+def plain_client_served(name, reap, out, r, cache_flags, d1=(256, 3), d8=(128, 2), core_fraction=0.25):
+    """A server on the plan core 25 % (or `core_fraction`) / pool 50 % with `cache_flags`, its
+    plain-client phase (no swap calls) measured into r["plain"]; yields the server for what an arm
+    does next."""
     plan_path = out / f"plan-{name}.json"
-    make_plan(Path(reap[3]), 0.25, 8, plan_path, budget_fraction=0.5)
+    make_plan(Path(reap[3]), core_fraction, 8, plan_path, budget_fraction=0.5)
     argv = reap + ["--reap-plan", str(plan_path), *cache_flags]
     with Server(name, argv, out, env=DEV, port=serving.free_port()) as srv:
         r["startup_s"], r["argv"] = srv.startup_s, srv.command
@@ -504,10 +509,10 @@ def plain_client_served(name, reap, out, r, cache_flags, d1=(256, 3), d8=(128, 2
         yield srv
 
 
-def arm_plain_client(name, reap, out, shape, res, cache_flags, d1=(256, 3), d8=(128, 2)):
+def arm_plain_client(name, reap, out, shape, res, cache_flags, d1=(256, 3), d8=(128, 2), core_fraction=0.25):
     """A plain OpenAI client on the plan core 25 % / pool 50 % (no swap calls): what the cache adds."""
     r = res.setdefault(name, {})
-    with plain_client_served(name, reap, out, r, cache_flags, d1, d8) as srv:
+    with plain_client_served(name, reap, out, r, cache_flags, d1, d8, core_fraction) as srv:
         r["status_end"] = st = status(srv)
         log(name, "cache", json.dumps(st.get("cache"))[:1500])
 
@@ -643,6 +648,10 @@ def main():
                 flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
                 flags += ["--reap-cache-shadow", args.cache_shadow] if args.cache_shadow != "off" else []
                 arm_plain_client(arm, reap, out, shape, results, flags)
+            elif arm == "reap-cache-nocore":  # the pinned form with nothing pinned (cachetail, seedfix)
+                flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
+                flags += ["--reap-cache-shadow", args.cache_shadow] if args.cache_shadow != "off" else []
+                arm_plain_client(arm, reap, out, shape, results, flags, core_fraction=0.0)
             elif arm == "reap-cache-seeded":
                 flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
                 flags += ["--reap-cache-shadow", args.cache_shadow] if args.cache_shadow != "off" else []

@@ -42,3 +42,40 @@ def test_the_seeded_arm_serves_seeded_and_sends_its_swaps(monkeypatch, tmp_path)
     assert (
         r["plain"] == {"rid": "plain", "moe_probe": None} and r["s-full"]["cache"]["policy"] == "dlfu-seeded"
     )
+
+
+def test_the_nocore_arm_serves_the_pinned_cache_on_an_empty_core(monkeypatch, tmp_path):
+    """reap-cache-nocore: the pinned device cache (core+dlfu) on a plan whose core is empty, pool
+    50 %: nothing pinned, every own unit host-backed (the seeded serve's layout, unseeded, and what
+    `plan --cache-tail auto` serves at small budgets); the plain client only, no swaps."""
+    import sys
+
+    e2e = load_script("gpu_e2e")
+    calls = []
+
+    @contextmanager
+    def server(name, argv, out, env=None, port=None):
+        calls.append(("serve", name, argv))
+        yield type("S", (), {"startup_s": 1.0, "command": argv, "url": "http://x"})()
+
+    monkeypatch.setattr(e2e, "Server", server)
+    monkeypatch.setattr(e2e, "make_plan", lambda *a, **k: calls.append(("plan", a[1], k)))
+    monkeypatch.setattr(e2e, "model_shape", lambda model: {"experts": 16, "moe_layers": [1, 3]})
+    monkeypatch.setattr(e2e, "status", lambda srv: {"cache": {"policy": "core+dlfu"}})
+    monkeypatch.setattr(e2e, "open_request", lambda srv, rid: None)
+    monkeypatch.setattr(e2e, "measure", lambda srv, rid, d1=None, d8=None: {"rid": rid})
+    monkeypatch.setattr(e2e, "moe_probe", lambda srv, label: None)
+    monkeypatch.setattr(e2e, "swap", lambda *a: calls.append(("swap",)) or {})
+    argv = ["gpu_e2e.py", "--model", str(tmp_path), "--out", str(tmp_path), "--arms", "reap-cache-nocore"]
+    monkeypatch.setattr(sys, "argv", argv)
+    e2e.main()
+    plans = [c for c in calls if c[0] == "plan"]
+    assert plans == [("plan", 0.0, {"budget_fraction": 0.5})]
+    (served,) = [c[2] for c in calls if c[0] == "serve"]
+    assert served[served.index("--reap-cache") + 1] == "lfu" and "--reap-cache-seed" not in served
+    assert served[served.index("--reap-cache-device") + 1] == "on"
+    assert not [c for c in calls if c[0] == "swap"]
+    import json
+
+    r = json.loads((tmp_path / "gpu_e2e.json").read_text())["reap-cache-nocore"]
+    assert "error" not in r and r["plain"]["rid"] == "plain"
