@@ -187,3 +187,16 @@ def test_contiguous_runs():
     assert contiguous_runs({7, 1, 2, 3}) == [(1, 3), (7, 1)]
     assert contiguous_runs(set()) == []
     assert contiguous_runs([5]) == [(5, 1)]
+
+
+def test_a_table_beside_lent_cache_tails_says_so_when_it_refuses():
+    """With the pinned device cache the table keeps K = pool - lent slots: its refusal names the
+    swap table, the whole pool, the lent slots and the remedy (before, "the HBM pool has K")."""
+    with pytest.raises(PoolCapacityError) as err:
+        SlotTable(4, lent=12).plan({0: {0, 1, 2, 3, 4}})
+    assert err.value.capacity == 4 and err.value.overflow == 1
+    text = str(err.value)
+    assert "the swap table (the HBM pool of 16 slots less 12 lent to the cache tails) has 4" in text
+    assert "--reap-cache-slots" in text
+    with pytest.raises(PoolCapacityError, match="the HBM pool has 4 "):
+        SlotTable(4).plan({0: {0, 1, 2, 3, 4}})  # nothing lent: CUDA's text as before

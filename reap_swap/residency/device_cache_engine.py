@@ -93,6 +93,7 @@ def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, uni
         cfg.caches.refuse(index, reason or layer_reason)
         if layer_reason and cfg.layer_slots is not None and not cfg.lent_slots:
             st.table.grow(n)  # seeded, nothing lent yet: [K, K + n) back to the swap table (its core)
+            st.table.lent = max(0, st.table.lent - n)
         return None
     handles = [st.pool.slot_handle(s) for s in range(first, first + n)]
     rng, range_bytes, (v13, v2), ext = rehome_with_slots(w13, w2, unit_bytes, n, st.device, handles)

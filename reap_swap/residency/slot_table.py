@@ -67,6 +67,9 @@ class SlotTable:
     num_slots: int
     _where: dict[tuple[int, int], int] = field(default_factory=dict)
     _free: list[int] = field(default_factory=list)
+    lent: int = (
+        0  # pool slots lent to the device cache tails beside this table (issue 17), for the refusal's text
+    )
 
     def __post_init__(self) -> None:
         if self.num_slots < 0:
@@ -101,6 +104,14 @@ class SlotTable:
         """Plan the move to `target` (layers absent from `target` keep nothing resident)."""
         wanted = {(int(layer), int(e)) for layer, experts in target.items() for e in experts}
         if len(wanted) > self.num_slots:
+            if self.lent:  # the pinned device cache took the rest of the pool: say so, with the remedy
+                raise PoolCapacityError(
+                    len(wanted),
+                    self.num_slots,
+                    f"the swap table (the HBM pool of {self.num_slots + self.lent} slots less {self.lent} "
+                    "lent to the cache tails)",
+                    "a smaller --reap-cache-slots N leaves more room for swaps",
+                )
             raise PoolCapacityError(len(wanted), self.num_slots)
         current = set(self._where)
         evict = tuple(SlotStep(layer, e, self._where[(layer, e)]) for layer, e in sorted(current - wanted))
