@@ -7,6 +7,9 @@ References (not registered): ``probe(0.25)+dlfu`` / ``probe(0.5)+dlfu``, the cli
 cut to the core plus a quarter / half of the tail (``smaller_probe``). ``probe+core+dlfu`` (the
 device's pinned form with the probe's swaps, research.md "accdev") pins each set beside the layer's
 N = slots - core tail, so it holds |set| + N slots per layer, more than the budget (``NOTE``).
+``probe+core+dlfu-split`` is its servable form, the bench's ``plan-swap+cache`` arm (research.md
+"probesplit"): the tail memory_split.swap_cache_split gives per layer (``--reap-cache-slots L x n``),
+the client's sets selected within the swap table K = pool - L x n; the first table is its prediction.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/sim_probecache.py     # CPU, a few minutes
 
@@ -20,9 +23,9 @@ from pathlib import Path
 
 import orjson
 
-from reap_swap.cache_policy.hybrid import SwapPinned, swap_points
+from reap_swap.cache_policy.hybrid import SPLIT, SwapPinned, swap_points
 from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
-from reap_swap.cache_policy.replay import _policy, _probe_sets, simulate
+from reap_swap.cache_policy.replay import _policy, _probe_sets, servable_split, simulate, split_probe_sets
 from reap_swap.plan import load_plan
 from reap_swap.trace import load_trace
 
@@ -42,6 +45,7 @@ POLICIES = [
     "probe+lfu",
     "probe+dlfu",
     "probe+core+dlfu",
+    SPLIT,
     "belady",
 ]
 SHARES = (0.25, 0.5)  # references: the probe's share of the tail (smaller_probe)
@@ -51,8 +55,11 @@ NOTE = (
     "its N = slots - core tail per layer and pins each swap's set beside it (|set| + N slots), so it "
     "holds more than the budget's slots (next table); the CUDA device's swap table at that N is "
     "the core alone (K = pool - layers x N), and it refuses every swap that adds an expert "
-    '(research.md "acctail").'
+    '(research.md "acctail"). probe+core+dlfu-split is the servable form the bench\'s plan-swap+cache '
+    "arm runs: n = min(2 x top_k, (pool - core) // layers // 2) tail slots per layer, the client "
+    "selecting within K = pool - layers x n; where n < 1 the bench skips the arm (— here)."
 )
+PREDICTION = ["core+dlfu", "probe", "probe+core+dlfu", SPLIT]  # plan-cache, plan-swap, unservable, servable
 METRICS = {
     "expert hit %": "expert_hit_rate",
     "selection hit %": "selection_hit_rate",
@@ -100,20 +107,27 @@ def smaller_probe(trace, plan, row: dict, share: float) -> dict:
 
 
 def held_slots(trace, plan, row: dict) -> dict:
-    """``probe+core+dlfu``'s slots per request (every layer's min(E, |set| + N), N = slots - core)
-    against the budget's slots, and the requests whose swap adds experts to the core (all refused
-    by the CUDA device at that N: its swap table keeps the core alone)."""
+    """``probe+core+dlfu``'s (or the split's) slots per request (every layer's min(E, |set| + N),
+    N = slots - core) against the budget's slots, and the requests whose swap adds experts to the
+    core (for probe+core+dlfu all refused by the CUDA device at that N: its swap table keeps the
+    core alone; for the split within its K)."""
     slots = {int(k): v for k, v in row["slots"].items()}
     core = {l: plan.layers[l].core for l in trace.layers}
     counts = {l: trace.step_counts(l) for l in trace.layers}
-    sets = _probe_sets(plan, trace, counts, row["budget_bytes"], slots)
+    if row["policy"] == SPLIT:
+        layout = servable_split(plan, trace, row["budget_bytes"])[0]
+        sets, budget_slots = split_probe_sets(plan, trace, counts, layout), layout.pool
+    else:
+        sets = _probe_sets(plan, trace, counts, row["budget_bytes"], slots)
+        budget_slots = sum(slots.values())
     e, n_core = trace.num_experts, sum(len(c) for c in core.values())
     held, beyond = [], 0
     for t in sorted(next(iter(sets.values()))):
         held.append(sum(min(e, len(sets[l][t]) + slots[l] - len(core[l])) for l in trace.layers))
         beyond += sum(len(sets[l][t]) for l in trace.layers) > n_core
     return {
-        "budget_slots": sum(slots.values()),
+        "policy": row["policy"],
+        "budget_slots": budget_slots,
         "core": n_core,
         "mean_held": sum(held) / len(held),
         "max_held": max(held),
@@ -131,13 +145,16 @@ def run() -> dict:
             got = simulate(trace, plan, [budget], POLICIES, prior_trace=prior)["rows"]
             ref = next(r for r in got if r["policy"] == "probe+dlfu")
             rows += got + [smaller_probe(trace, plan, ref, share) for share in SHARES]
-            dev = next(r for r in got if r["policy"] == "probe+core+dlfu")
-            dev["held_slots"] = held_slots(trace, plan, dev)
+            for device in ("probe+core+dlfu", SPLIT):
+                dev = next(r for r in got if r["policy"] == device)
+                if dev["status"] == "ok":
+                    dev["held_slots"] = held_slots(trace, plan, dev)
         reports[name] = {
             "rows": rows,
             "plans": {b: str(p.relative_to(ROOT)) for b, p in plans.items()},
             "requests": trace.num_requests,
             "steps": trace.num_steps,
+            "per_expert_bytes": trace.per_expert_bytes,
         }
         print(f"{name}: done", file=sys.stderr)
     return reports
@@ -179,17 +196,42 @@ def summary(reports: dict) -> str:
     return "\n".join(lines)
 
 
+def prediction(reports: dict) -> str:
+    """The bench's plan-swap+cache (the split) beside plan-cache, plan-swap and the unservable
+    probe+core+dlfu: expert hit % / selection hit %, and the split's tail n and swap table K."""
+    lines = [
+        "| trace | budget | pool | split n / layer | K | " + " | ".join(PREDICTION) + " |",
+        "|---|---|---|---|---|" + "---|" * len(PREDICTION),
+    ]
+    for n, r in reports.items():
+        for b in r["plans"]:
+            rows = {x["policy"]: x for x in r["rows"] if x["budget"] == b}
+            split = rows[SPLIT].get("split")
+            pool = rows[SPLIT]["budget_bytes"] // r["per_expert_bytes"]
+            head = f"{split['tail_per_layer']} | {split['swap_slots']}" if split else "— (skipped) | —"
+            cells = [
+                "—"
+                if rows[p]["status"] != "ok"
+                else f"{100 * rows[p]['totals']['expert_hit_rate']:.1f} / "
+                f"{100 * rows[p]['totals']['selection_hit_rate']:.1f}"
+                for p in PREDICTION
+            ]
+            lines.append(f"| {n} | {100 * float(b):g} % | {pool} | {head} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def held(reports: dict) -> str:
     lines = [
-        "| trace | budget | budget slots | core | probe+core+dlfu holds (mean / max) | × budget | swaps adding experts |",
-        "|---|---|---|---|---|---|---|",
+        "| trace | budget | policy | budget slots | core | holds (mean / max) | × budget | swaps adding experts (CUDA: refused / the split: within K) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n, r in reports.items():
         for row in r["rows"]:
             h = row.get("held_slots")
             if h:
                 lines.append(
-                    f"| {n} | {row['budget']} | {h['budget_slots']} | {h['core']} | {h['mean_held']:.1f} / "
+                    f"| {n} | {row['budget']} | {h['policy']} | {h['budget_slots']} | {h['core']} | "
+                    f"{h['mean_held']:.1f} / "
                     f"{h['max_held']} | {h['mean_held'] / h['budget_slots']:.2f} | "
                     f"{h['swaps_beyond_core']} / {h['requests']} |"
                 )
@@ -208,6 +250,7 @@ def moved(reports: dict) -> str:
                 "dlfu-seeded",
                 "probe+dlfu",
                 "probe+core+dlfu",
+                SPLIT,
                 *REFERENCES,
             ):
                 t = row["totals"]
@@ -220,8 +263,20 @@ def moved(reports: dict) -> str:
 
 def main() -> int:
     reports = run()
-    lines = ["## expert hit % / selection hit %", "", summary(reports), "", NOTE, ""]
-    lines += ["## probe+core+dlfu: slots held against the budget", "", held(reports), ""]
+    lines = [
+        "## plan-swap+cache (the servable split) beside plan-cache, plan-swap and probe+core+dlfu:"
+        " expert hit % / selection hit %",
+        "",
+        prediction(reports),
+        "",
+        "## expert hit % / selection hit %",
+        "",
+        summary(reports),
+        "",
+        NOTE,
+        "",
+    ]
+    lines += ["## probe+core+dlfu and the split: slots held against the budget", "", held(reports), ""]
     for title, metric in METRICS.items():
         lines += [
             f"## {title} (* calibration: dlearn's weights from held-out)",

@@ -1,6 +1,7 @@
-"""All three (plan-swap+cache): the simulator's ``probe+lfu`` / ``probe+dlfu`` equal the server's
-accounting mode (WorkerCore.apply pinning each swap, CacheAccounting stepping the counter stream)
-on the same trace and the same per-request sets, count for count."""
+"""All three (plan-swap+cache): the simulator's ``probe+lfu`` / ``probe+dlfu`` / ``probe+core+dlfu``
+and the servable split ``probe+core+dlfu-split`` equal the server's accounting mode
+(WorkerCore.apply pinning each swap, CacheAccounting stepping the counter stream) on the same trace
+and the same per-request sets, count for count; the split never holds more than the budget's slots."""
 
 import dataclasses
 
@@ -9,9 +10,9 @@ import pytest
 
 from reap_swap import wire
 from reap_swap.cache_accounting import CacheAccounting
-from reap_swap.cache_policy.hybrid import TAILS, SwapPinned, swap_points
+from reap_swap.cache_policy.hybrid import SPLIT, TAILS, SwapPinned, swap_points
 from reap_swap.cache_policy.mechanism import LayerSteps, replay_layer
-from reap_swap.cache_policy.replay import _policy, _probe_sets, simulate
+from reap_swap.cache_policy.replay import _policy, _probe_sets, servable_split, simulate, split_probe_sets
 from reap_swap.cache_policy.stepper import LayerCache
 from reap_swap.plan import load_plan
 from reap_swap.residency.accounting import AccountingResidency
@@ -65,6 +66,12 @@ def server_replay(plan, trace, tail, sets, name):
             l: LayerCache(_policy(TAILS[name], l, plan, None, 0.8), l, e, acc.slots[l])
             for l, e in layers.items()
         }
+    return drive(plan, trace, acc, sets)
+
+
+def drive(plan, trace, acc, sets):
+    """WorkerCore.apply for each request's swap (refusing the test on an error reply, e.g. a swap
+    over the swap table K), then every step's counter rows into ``acc``."""
     core = WorkerCore(plan, {}, AccountingResidency(plan.core_sets(), 1, "test"), 0, {}, cache=acc)
     counts = {l: trace.step_counts(l) for l in trace.layers}
     starts = {int(s) for s in trace.request_first_steps()}
@@ -136,3 +143,112 @@ def test_pins_follow_the_worker_rule():
         assert pinned_after[3] == a[l] and pinned_after[9] == core[l]
     # layer 1's set never changes, yet the worker pins it at step 3 (the swap changed layer 0)
     assert swap_points({0: {0: core[0], 3: a[0]}, 1: {0: core[1], 3: core[1]}}, core) == [3]
+
+
+def _with_pool(plan, pool):
+    return dataclasses.replace(plan, swappable_budget_bytes=pool * plan.per_expert_bytes)
+
+
+@pytest.mark.parametrize("pool", [32, 40])  # the mini plan's own budget (n = 1, K = 28); n = 2, K = 32
+def test_split_equals_server_accounting(plan, sub, pool):
+    """The servable split through accounting mode as the bench serves it: --reap-cache lfu (pinned
+    form), --reap-cache-device on, --reap-cache-slots L x n, the client's sets selected within K.
+    Every swap passes check_swap (the CUDA swap table's capacity rule) and the counts equal the
+    simulator's row."""
+    plan = _with_pool(plan, pool)
+    layout, why = servable_split(plan, sub, pool * sub.per_expert_bytes)
+    assert why is None and layout.pool == pool
+    n, layers = layout.tail_per_layer, len(sub.layers)
+    assert (n, layout.swap_slots) == {32: (1, 28), 40: (2, 32)}[pool]
+    row = simulate(sub, plan, [f"{pool * sub.per_expert_bytes}B"], [SPLIT])["rows"][0]
+    assert row["status"] == "ok", row
+    assert row["split"]["reap_cache_slots"] == n * layers and row["split"]["swap_slots"] == layout.swap_slots
+    acc = CacheAccounting.build(
+        plan,
+        "lfu",
+        n * layers,
+        {l: sub.num_experts for l in sub.layers},
+        {},
+        top_k=sub.top_k,
+        cache_device="on",
+    )
+    assert acc.policy == "core+dlfu" and acc.device_form and acc.swap_slots == layout.swap_slots
+    assert acc.slots == layout.slots == {int(k): v for k, v in row["slots"].items()}
+    counts = {l: sub.step_counts(l) for l in sub.layers}
+    probe = split_probe_sets(plan, sub, counts, layout)
+    sets = {t: {l: probe[l][t] for l in sub.layers} for t in probe[sub.layers[0]]}
+    assert any(sum(map(len, s.values())) > layout.core for s in sets.values())  # swaps add experts
+    drive(plan, sub, acc, sets)  # no swap refused: each set fits K
+    for l in sub.layers:
+        want = row["layers"][str(l)]
+        got = acc.caches[l].counts.to_dict(sub.per_expert_bytes)
+        assert got | {"steps": want["steps"]} == want, l
+    tot = row["totals"]
+    assert tot["prefetched"] > 0 and tot["admitted"] > 0
+    assert acc.totals()["promotions"] == tot["admitted"]
+
+
+class _Held:
+    """A policy wrapper recording the layer's resident count after each prefetch and each step."""
+
+    def __init__(self, policy, log):
+        self.policy, self.log = policy, log
+
+    def __getattr__(self, name):  # prefetches, resizes, capacity, name: the wrapped policy's
+        return getattr(self.policy, name)
+
+    def start(self, steps, capacity):
+        out = self.policy.start(steps, capacity)
+        self.log.append(("start", -1, len(out)))
+        return out
+
+    def prefetch(self, t, resident):
+        out = self.policy.prefetch(t, resident)
+        self.log.append(("prefetch", t, len(frozenset(out))))
+        return out
+
+    def choose(self, t, resident, needed, counts):
+        out = self.policy.choose(t, resident, needed, counts)
+        self.log.append(("choose", t, len(frozenset(out))))
+        return out
+
+
+@pytest.mark.parametrize("pool", [32, 40])
+def test_split_never_holds_more_than_the_budget(plan, pool):
+    """On the whole mini held-out trace: at every step (after each swap, after each admission) the
+    layers together hold at most the pool's slots; each request's sets fit K. probe+core+dlfu on
+    the same budget does exceed it (acctail), so the check is not vacuous."""
+    trace, plan = load_trace(TRACE), _with_pool(plan, pool)
+    layout, _ = servable_split(plan, trace, pool * trace.per_expert_bytes)
+    counts = {l: trace.step_counts(l) for l in trace.layers}
+    sets = split_probe_sets(plan, trace, counts, layout)
+    assert all(sum(len(sets[l][t]) for l in trace.layers) <= layout.swap_slots for t in sets[0])
+    core = {l: plan.layers[l].core for l in trace.layers}
+    points = swap_points(sets, core)
+    starts = trace.request_first_steps()
+    held, row = {}, simulate(trace, plan, [f"{pool * trace.per_expert_bytes}B"], [SPLIT])["rows"][0]
+    for l in trace.layers:
+        log = []
+        policy = _Held(_policy(SPLIT, l, plan, {l: {t: sets[l][t] for t in points}}, 0.8), log)
+        c = replay_layer(policy, LayerSteps.from_counts(l, counts[l], starts), layout.slots[l])
+        assert c.to_dict(trace.per_expert_bytes) == row["layers"][str(l)]  # the simulator's replay
+        held[l] = log
+    events = [e[:2] for e in held[0]]
+    assert all([e[:2] for e in log] == events for log in held.values())  # the layers in lockstep
+    totals = [sum(held[l][i][2] for l in trace.layers) for i in range(len(events))]
+    assert max(totals) <= layout.pool
+    assert max(totals) > layout.core  # the tail and the swaps did hold beyond the core
+    unsplit = simulate(trace, plan, [f"{pool * trace.per_expert_bytes}B"], ["probe+core+dlfu"])["rows"][0]
+    slots = {int(k): v for k, v in unsplit["slots"].items()}
+    full = _probe_sets(plan, trace, counts, pool * trace.per_expert_bytes, slots)
+    over = max(
+        sum(min(trace.num_experts, len(full[l][t]) + slots[l] - len(core[l])) for l in trace.layers)
+        for t in full[0]
+    )
+    assert over > layout.pool
+
+
+def test_split_refused_where_the_bench_skips_the_arm(plan, sub):
+    """Too few slots beyond the core to split (the bench skips plan-swap+cache): refused, named."""
+    rows = simulate(sub, _with_pool(plan, 28), [f"{28 * sub.per_expert_bytes}B"], [SPLIT])["rows"]
+    assert rows[0]["status"] == "refused" and "the bench skips the arm" in rows[0]["reason"]

@@ -31,6 +31,9 @@ admission control; ``dlfu-markov-seeded``: plus a transition prior from a calibr
 ``lfu-seeded`` / ``dlfu-seeded`` in the slots left over, as accounting mode with --reap-cache-seed
 seeded; hybrid.py), ``probe+core+dlfu`` (the device's pinned form with swaps: the set pinned beside
 a fixed N-slot ``core+dlfu`` tail, as the default accounting mode and DeviceCache.set_pinned)
+``probe+core+dlfu-split`` (its servable form, the bench's ``plan-swap+cache``: the tail
+memory_split.swap_cache_split gives, the sets selected within the swap table K it leaves;
+replay.servable_split)
 and ``belady``: the offline optimum of distinct misses under the same
 rules (belady.py says why, and what it does not bound).
 """

@@ -31,6 +31,10 @@ from reap_swap.cache_policy.online import _Ranked
 
 # policy -> the tail's policy; ``probe+core+dlfu`` is the device's pinned form (DevicePinned below)
 TAILS = {"probe+lfu": "lfu-seeded", "probe+dlfu": "dlfu-seeded", "probe+core+dlfu": "core+dlfu"}
+# the servable form of ``probe+core+dlfu``, the bench's ``plan-swap+cache`` (replay.servable_split):
+# DevicePinned with the tail memory_split.swap_cache_split gives per layer, the client's sets
+# selected within the swap table K that tail leaves, so |sets| + layers x tail <= the budget's slots
+SPLIT = "probe+core+dlfu-split"
 
 
 def device_pin(

@@ -9,11 +9,12 @@ from functools import cached_property
 
 from reap_swap.cache_policy.belady import Belady
 from reap_swap.cache_policy.device import DLFU
-from reap_swap.cache_policy.hybrid import TAILS, DevicePinned, SwapPinned, swap_points
+from reap_swap.cache_policy.hybrid import SPLIT, TAILS, DevicePinned, SwapPinned, swap_points
 from reap_swap.cache_policy.learned import DLearn, fit_layer
 from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
 from reap_swap.cache_policy.online import LFRU, LFU, LRU, PerRequest, Static
 from reap_swap.cache_policy.prior import MARKOV_WEIGHT, DLFUAdmit, DLFUMarkov, transition_table
+from reap_swap.memory_split import swap_cache_split
 from reap_swap.plan import Plan
 from reap_swap.selection import SelectionError, select_probe
 from reap_swap.trace import Trace
@@ -39,6 +40,7 @@ POLICIES = (
     "probe+lfu",
     "probe+dlfu",
     "probe+core+dlfu",
+    SPLIT,
     "belady",
 )
 PROBE_POLICIES = frozenset({"probe", *TAILS})  # need the client's per-request probe sets
@@ -53,6 +55,55 @@ _UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
 class SimulationError(ValueError):
     """Inputs that cannot be simulated together (the message names the argument)."""
+
+
+@dataclass(frozen=True)
+class SplitLayout:
+    """The bench's ``plan-swap+cache`` (bench_arms._split_for_swaps) on a budget: the pool's slots,
+    ``--reap-cache-slots tail_per_layer x layers`` and the swap table K that leaves, the client's
+    selection budget. Each layer starts with its core + the tail (``slots``)."""
+
+    pool: int
+    core: int
+    tail_per_layer: int
+    swap_slots: int  # K = pool - layers x tail_per_layer
+    slots: dict[int, int]
+
+    def to_dict(self) -> dict:
+        return {
+            "pool": self.pool,
+            "core": self.core,
+            "tail_per_layer": self.tail_per_layer,
+            "reap_cache_slots": self.tail_per_layer * len(self.slots),
+            "swap_slots": self.swap_slots,
+        }
+
+
+def servable_split(plan: Plan, trace: Trace, budget_bytes: int) -> tuple[SplitLayout | None, str | None]:
+    """(the layout, None) or (None, why not): memory_split.swap_cache_split on the budget's pool,
+    the plan core and the model's top_k, as the bench computes it for ``plan-swap+cache``. The bench
+    splits over every plan layer: a trace that leaves plan layers out is refused, not guessed."""
+    if set(plan.layers) != set(trace.layers):
+        return None, (
+            f"{SPLIT}: the plan has layers {sorted(plan.layers)}, the trace {list(trace.layers)}; the "
+            "bench splits the pool over every plan layer"
+        )
+    pool = budget_bytes // trace.per_expert_bytes
+    core = {l: plan.layers[l].core for l in trace.layers}
+    n_core = sum(len(c) for c in core.values())
+    per_layer, kept, why = swap_cache_split(pool, n_core, len(trace.layers), trace.top_k)
+    if why:
+        return None, f"plan-swap+cache (the bench skips the arm): {why}"
+    slots = {l: min(trace.num_experts, len(core[l]) + per_layer) for l in trace.layers}
+    return SplitLayout(pool, n_core, per_layer, kept, slots), None
+
+
+def split_probe_sets(plan: Plan, trace: Trace, counts: Mapping[int, object], layout: SplitLayout):
+    """The client's per-request sets under ``plan-swap+cache``: ``probe`` selected within the swap
+    table (budget_bytes = K x per_expert_bytes, RunSpec.swap_budget_bytes), no per-layer cut (the
+    client has none; the swap table is shared by the layers). Raises SelectionError."""
+    every = {l: trace.num_experts for l in trace.layers}
+    return _probe_sets(plan, trace, counts, layout.swap_slots * trace.per_expert_bytes, every)
 
 
 @dataclass(frozen=True)
@@ -187,6 +238,8 @@ def _policy(name, l, plan, probe_sets, lfu_decay, tables=None):
         return Static(core)
     if name == "probe":
         return PerRequest(core, probe_sets[l])
+    if name == SPLIT:  # the device's pinned form, the tail n = the layer's slots - core (split)
+        return DevicePinned(name, _factory("core+dlfu", core, lfu_decay)(), probe_sets[l])
     if name in TAILS:  # probe_sets here: only the request starts where the worker pins
         wrap = DevicePinned if TAILS[name].startswith("core+") else SwapPinned
         return wrap(name, _factory(TAILS[name], core, lfu_decay)(), probe_sets[l])
@@ -197,7 +250,7 @@ def _policy(name, l, plan, probe_sets, lfu_decay, tables=None):
 
 def _run_policy(name, trace, plan, steps, slots, probe_sets, lfu_decay, tables) -> dict:
     per_layer, total = {}, LayerCounts()
-    if name in TAILS:
+    if name in TAILS or name == SPLIT:
         points = swap_points(probe_sets, {l: plan.layers[l].core for l in trace.layers})
         probe_sets = {l: {t: probe_sets[l][t] for t in points} for l in trace.layers}
     for l in trace.layers:
@@ -253,6 +306,17 @@ def simulate(
                 except SelectionError as exc:
                     probe_error = f"selection refused: {exc}"
             reason = reason or (probe_error if name in PROBE_POLICIES else None)
+            run_slots, run_sets = slots, probe_sets
+            if name == SPLIT and reason is None:
+                layout, reason = servable_split(plan, trace, budget.bytes)
+                if layout is not None:
+                    row["split"] = layout.to_dict()
+                    row["slots"] = {str(l): s for l, s in layout.slots.items()}
+                    run_slots = layout.slots
+                    try:
+                        run_sets = split_probe_sets(plan, trace, counts, layout)
+                    except SelectionError as exc:
+                        reason = f"selection refused: {exc}"
             if reason:
                 rows.append({**row, "status": "refused", "reason": reason})
                 continue
@@ -260,7 +324,7 @@ def simulate(
                 {
                     **row,
                     "status": "ok",
-                    **_run_policy(name, trace, plan, steps, slots, probe_sets, lfu_decay, tables),
+                    **_run_policy(name, trace, plan, steps, run_slots, run_sets, lfu_decay, tables),
                 }
             )
     prior = None if prior_trace is None else {**trace_summary(prior_trace), "markov_weight": markov_weight}

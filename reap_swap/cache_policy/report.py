@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from reap_swap.cache_policy.hybrid import TAILS
+from reap_swap.cache_policy.hybrid import SPLIT, TAILS
 from reap_swap.cache_policy.replay import POLICIES
 
 MIB = 1 << 20
 # Candidates for the server's --reap-cache default: device caches a plain client gets.
 # The cache under a client's per-request swaps (hybrid.py): not a plain client's, so neither a
 # candidate nor a competitor of the rule (``probe`` stays a competitor, as when the rule was set).
-CLIENT_SWAP_POLICIES = frozenset(TAILS)
-DEVICE_POLICIES = tuple(p for p in POLICIES if p not in ("static", "probe", "belady", *TAILS))
+CLIENT_SWAP_POLICIES = frozenset({*TAILS, SPLIT})
+DEVICE_POLICIES = tuple(p for p in POLICIES if p not in ("static", "probe", "belady", *CLIENT_SWAP_POLICIES))
 
 
 def _pct(x: float | None) -> str:

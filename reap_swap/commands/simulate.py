@@ -7,7 +7,7 @@ usage: reap-swap simulate --trace T.npz [--plan P.json] --budget 0.125 0.25 0.5 
 A budget is a fraction of all expert bytes (0.25) or a size (1.5GiB); each layer gets a fixed
 number of slots from it (--layer-slots; the mechanism and every policy are described in
 reap_swap/cache_policy/__init__.py). Policies that use the plan's core (static, probe, *-seeded,
-core+*, probe+lfu / probe+dlfu / probe+core+dlfu: the client's probe set pinned per request, the
+core+*, probe+lfu / probe+dlfu / probe+core+dlfu(-split): the client's probe set pinned per request, the
 cache in the slots left over, as the server's accounting mode) need --plan and are refused, with the reason, where the core does not fit the slots.
 Prints the markdown table (and with --per-layer the expert hit rate per layer); --json writes
 every count per policy, budget and layer; --plot a PNG of hit rate against budget.
