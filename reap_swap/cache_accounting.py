@@ -206,12 +206,11 @@ class CacheAccounting:
         device_form = name == DEVICE_FORM
         tail_note = None
         if device_form:  # the device's rule: N // layers (or auto) tail slots beside every layer's core
-            per_layer, source, refusal, _kept, _pool = device_tail(plan, slots_setting, pool_tail_slots)
+            per_layer, source, refusal, _kept, pool = device_tail(plan, slots_setting, pool_tail_slots)
             if refusal:
                 return cls.disengaged(f"{refusal} (the CUDA device cache refuses it too; policy {name})")
             tail = per_layer * len(plan.layers)
             pinned = sum(len(p.core) for p in plan.layers.values())
-            pool = device_pool(plan, slots_setting, pool_tail_slots)[0]
             tail_note = small_tail_note(per_layer, top_k, pool, pinned, len(plan.layers))
         else:
             tail, source = tail_slots(plan, slots_setting, pool_tail_slots)

@@ -174,6 +174,14 @@ def table(reports: dict, metric: str) -> str:
     return "\n".join(lines)
 
 
+def _hits(row: dict) -> str:
+    """A table cell: expert hit % / selection hit %, or a dash for a refused row."""
+    if row["status"] != "ok":
+        return "—"
+    t = row["totals"]
+    return f"{100 * t['expert_hit_rate']:.1f} / {100 * t['selection_hit_rate']:.1f}"
+
+
 def summary(reports: dict) -> str:
     """One row per trace and budget, one column per policy: expert hit % / selection hit %."""
     shown = POLICIES + REFERENCES
@@ -185,13 +193,7 @@ def summary(reports: dict) -> str:
         for b in r["plans"]:
             rows = {x["policy"]: x for x in r["rows"] if x["budget"] == b}
             slots = "/".join(str(v) for v in rows["belady"]["slots"].values())
-            cells = [
-                "—"
-                if rows[p]["status"] != "ok"
-                else f"{100 * rows[p]['totals']['expert_hit_rate']:.1f} / "
-                f"{100 * rows[p]['totals']['selection_hit_rate']:.1f}"
-                for p in shown
-            ]
+            cells = [_hits(rows[p]) for p in shown]
             lines.append(f"| {n} | {100 * float(b):g} % | {slots} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -209,13 +211,7 @@ def prediction(reports: dict) -> str:
             split = rows[SPLIT].get("split")
             pool = rows[SPLIT]["budget_bytes"] // r["per_expert_bytes"]
             head = f"{split['tail_per_layer']} | {split['swap_slots']}" if split else "— (skipped) | —"
-            cells = [
-                "—"
-                if rows[p]["status"] != "ok"
-                else f"{100 * rows[p]['totals']['expert_hit_rate']:.1f} / "
-                f"{100 * rows[p]['totals']['selection_hit_rate']:.1f}"
-                for p in PREDICTION
-            ]
+            cells = [_hits(rows[p]) for p in PREDICTION]
             lines.append(f"| {n} | {100 * float(b):g} % | {pool} | {head} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -30,6 +30,7 @@ pytest.importorskip("torch")
 
 from reap_swap.residency.device_cache_api import DeviceCaches  # noqa: E402
 from reap_swap.residency.device_cache_serving import cache_config_for  # noqa: E402
+from tests import test_cache_device_form as device_form  # noqa: E402
 
 MINI = "plans/reap-mini-moe.plan.json"
 
@@ -58,19 +59,8 @@ def cuda_swap_slots(plan, s) -> int:
     return cfg.split(pool, len(plan.layers), {l: p.core for l, p in plan.layers.items()})
 
 
-def fake_plan(budget_slots, cores, experts=16):
-    layers = {l: SimpleNamespace(core=frozenset(range(n)), num_experts=experts) for l, n in cores.items()}
-    return SimpleNamespace(layers=layers, swappable_budget_bytes=budget_slots * 100 + 7, per_expert_bytes=100)
-
-
-CASES = [
-    (62, {0: 4, 1: 4, 2: 4, 3: 4}),  # tests/e2e's tiny MoE plan
-    (32, {0: 8, 1: 7, 2: 5, 3: 4}),  # the mini MoE plan
-    (24, {0: 8, 1: 7, 2: 5, 3: 4}),  # every pooled slot pinned
-    (27, {0: 8, 1: 7, 2: 5, 3: 4}),  # 3 beyond the core over 4 layers
-    (40, {0: 14, 1: 2, 2: 9}),  # core + tail above E on layer 0
-    (64, {0: 8, 1: 7, 2: 5, 3: 4}),  # the mini model's every expert
-]
+fake_plan = device_form._fake_plan
+CASES = [*device_form.CASES, (64, {0: 8, 1: 7, 2: 5, 3: 4})]  # + the mini model's every expert
 
 
 @pytest.mark.parametrize("budget, cores", CASES)

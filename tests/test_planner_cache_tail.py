@@ -24,22 +24,9 @@ from reap_swap.plan import load_plan, validate_plan_document
 from reap_swap.planner import PlannerConfig, PlannerError, build_plan, plan_bytes
 from reap_swap.planner_allocation import core_caps, tail_core_limit
 from reap_swap.trace import load_trace
+from tests.test_planner import shape_for
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def shape_for(layers: int, experts: int, top_k: int):
-    return read_model_shape(
-        {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "num_experts": experts,
-            "num_hidden_layers": layers,
-            "hidden_size": 64,
-            "num_experts_per_tok": top_k,
-            "moe_intermediate_size": 32,
-            "torch_dtype": "bfloat16",
-        }
-    )
 
 
 def zipf_layers(n_layers: int, experts: int, peaks: list[float], seed: int = 0) -> dict[int, LayerStats]:

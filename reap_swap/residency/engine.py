@@ -362,9 +362,8 @@ def _ensure_pool(st: EngineState, unit_bytes: int, cache: Any | None = None) -> 
     st.pool = vmm.DeviceSlotPool.create(num_slots, unit_bytes, st.device)
     core = {l: p.core for l, p in st.plan.layers.items()} if st.plan is not None else {}
     kept = cache.split(num_slots, len(st.plan.layers), core) if cache and st.plan is not None else num_slots
-    st.table = SlotTable(
-        kept, lent=num_slots - kept
-    )  # slots [kept, num_slots) are lent to device caches (issue 17)
+    # slots [kept, num_slots) are lent to device caches (issue 17)
+    st.table = SlotTable(kept, lent=num_slots - kept)
     logger.info(
         "reap-swap: reserved HBM pool of %d expert slots (%.2f GiB, unit %.2f MiB) in %.2fs",
         num_slots,

@@ -67,9 +67,8 @@ class SlotTable:
     num_slots: int
     _where: dict[tuple[int, int], int] = field(default_factory=dict)
     _free: list[int] = field(default_factory=list)
-    lent: int = (
-        0  # pool slots lent to the device cache tails beside this table (issue 17), for the refusal's text
-    )
+    # pool slots lent to the device cache tails beside this table (issue 17), for the refusal's text
+    lent: int = 0
 
     def __post_init__(self) -> None:
         if self.num_slots < 0:
