@@ -93,6 +93,18 @@ def kv_bytes_for(layout: KvLayout, tokens_per_seq: int, num_seqs: int, block_siz
     return int(num_seqs) * blocks * block * layout.bytes_per_token
 
 
+def experts_in_hbm_at_attach(layer_bytes: int, moe_layers: int, offloader_active: bool) -> int:
+    """Expert bytes in HBM at the first MoE layer's post-load attach, which the engine moves off
+    before vLLM sizes the KV cache (kv_refusal's `leaving`). `layer_bytes`: that layer's w13/w2 on
+    the device. With vLLM's weight offloader set (V1, `--cpu-offload-gb`) only that layer is there:
+    vLLM moved it in to process its weights, the others wait in pinned host memory (run 14 on the
+    H200: counting every layer made "in use at load" -10.96 GiB on the 12-layer mk_model). Without
+    one (Model Runner V2 of vLLM 0.26.0, formats loaded into HBM first) every hooked layer is there
+    (the served families have one expert shape per model); a layer refused later keeps its experts
+    in HBM, which this does not foresee."""
+    return int(layer_bytes) * (1 if offloader_active else max(int(moe_layers), 1))
+
+
 def kv_refusal(
     *, kv_bytes: int, pool_bytes: int, total: int, free: int, utilization: float, source: str,
     bytes_per_token: int | None, max_model_len: int, leaving: int = 0,

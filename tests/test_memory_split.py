@@ -341,3 +341,36 @@ def test_experts_leaving_hbm_is_zero_off_the_device():
 
     assert experts_leaving_hbm(Layer(), 26) == 0  # host tensors (the UVA offloader's, or CPU)
     assert experts_leaving_hbm(None, 26) == 0
+
+
+def test_experts_in_hbm_at_attach_counts_one_layer_under_the_offloader():
+    """Run 14 (H200, vLLM 0.26.0, V1 with --cpu-offload-gb): only the attaching layer was in HBM, and
+    counting all 12 made the refusal say "-10.96 GiB in use at load" with a --reap-kv-tokens hint
+    13.5 GiB too generous. Without an offloader (Model Runner V2) every hooked layer is in HBM."""
+    from reap_swap.memory_split import experts_in_hbm_at_attach
+
+    layer = 9 * 2**20 * 128
+    assert experts_in_hbm_at_attach(layer, 12, offloader_active=True) == layer
+    assert experts_in_hbm_at_attach(layer, 26, offloader_active=False) == 26 * layer
+    assert experts_in_hbm_at_attach(layer, 0, offloader_active=False) == layer
+    assert experts_in_hbm_at_attach(0, 26, offloader_active=False) == 0
+
+
+def test_weight_offloader_active_reads_vllms_offloader():
+    pytest.importorskip("vllm")
+    from vllm.model_executor.offloader import base
+
+    from reap_swap.compat.runner import weight_offloader_active
+
+    class Offloader(base.BaseOffloader):  # any offloader but the no-op one
+        def wrap_modules(self, modules_generator):
+            return list(modules_generator)
+
+    before = base.get_offloader()
+    try:
+        base.set_offloader(None)
+        assert weight_offloader_active() is False
+        base.set_offloader(Offloader())
+        assert weight_offloader_active() is True
+    finally:
+        base.set_offloader(before)

