@@ -33,7 +33,8 @@ the numbers and the remedy, ``reap-swap plan --cache-tail auto``).
 Swap capacity (``check_swap``, before WorkerCore lets the backend apply): the CUDA server's with
 the same flags (``swap_capacity``). With ``--reap-cache-device on`` the pinned form's swap table is
 K = the pool less the lent tail (memory_split.swap_slots_after_lending, CacheConfig.split's rule):
-a wider resident set is refused with CUDA's PoolCapacityError numbers; the seeded device (with
+a wider resident set is refused with CUDA's PoolCapacityError and its very sentence
+(memory_split.swap_table_refusal: K, the pool, layers x N lent, the remedy); the seeded device (with
 --reap-unverified-seeded-cache) refuses a layer's set wider than its slots (SeededCapacityError).
 With the device off (CUDA's default) or lru the CUDA server lends nothing: the whole pool.
 """
@@ -51,7 +52,12 @@ from reap_swap.cache_policy.mechanism import LayerCounts
 from reap_swap.cache_policy.replay import _policy, layer_slots
 from reap_swap.cache_policy.stepper import LayerCache
 from reap_swap.logs import get_logger
-from reap_swap.memory_split import pinned_tail_split, small_tail_note, swap_slots_after_lending
+from reap_swap.memory_split import (
+    pinned_tail_split,
+    small_tail_note,
+    swap_slots_after_lending,
+    swap_table_refusal,
+)
 from reap_swap.quant_budget import pool_slots
 from reap_swap.residency.slot_table import PoolCapacityError, SeededCapacityError
 
@@ -112,9 +118,10 @@ def device_tail(plan, setting: int | str, pool_tail_slots=None) -> tuple[int, st
 
 def swap_capacity(
     plan, name: str, setting, pool_tail_slots, cache_device: str, seed_unverified: bool
-) -> tuple[int | None, bool, str]:
-    """(K or None for the whole pool, per-layer C_l check, how): the swap capacity of the CUDA
-    server started with the same flags, which accounting's check_swap enforces.
+) -> tuple[int | None, bool, str, tuple[int, int] | None]:
+    """(K or None for the whole pool, per-layer C_l check, how, the lending (layers, N per layer)
+    beside K for the refusal's sentence): the swap capacity of the CUDA server started with the
+    same flags, which accounting's check_swap enforces.
 
     --reap-cache-device off (CUDA's default) or lru (refused by name there): the CUDA server lends
     nothing, its swap table is the whole pool (the plan budget, checked by the API process).
@@ -130,17 +137,21 @@ def swap_capacity(
                 "--reap-cache-device off: the CUDA server lends no tail (its default), so a swap may fill "
                 "the whole pool there and here; the cache counts model a tail the device would not lend"
             ),
+            None,
         )
     if name not in (DEVICE_FORM, "dlfu-seeded"):
-        return None, False, f"{name}: the CUDA device has no such cache and lends nothing: the whole pool"
+        whole = f"{name}: the CUDA device has no such cache and lends nothing: the whole pool"
+        return None, False, whole, None
     if name == "dlfu-seeded" and seed_unverified:
-        return None, True, "--reap-cache-seed seeded on the device: each layer's set within its cache slots"
+        seeded = "--reap-cache-seed seeded on the device: each layer's set within its cache slots"
+        return None, True, seeded, None
     per_layer, _source, refusal, kept, pool = device_tail(plan, setting, pool_tail_slots)
     if refusal:
         return (
             None,
             False,
             f"the CUDA device cache would be refused ({refusal}): nothing lent, the whole pool",
+            None,
         )
     served = "" if name == DEVICE_FORM else " (CUDA serves the pinned form for --reap-cache-seed seeded)"
     return (
@@ -150,6 +161,7 @@ def swap_capacity(
             f"the pool of {pool} slots less {len(plan.layers)} layers x {per_layer} lent to the cache tail, "
             f"as the CUDA device splits it{served}"
         ),
+        (len(plan.layers), per_layer),
     )
 
 
@@ -181,7 +193,8 @@ class CacheAccounting:
     tail_note: str | None = None  # core+dlfu with a tail < 2 x top_k per layer (memory_split.small_tail_note)
     swap_slots: int | None = None  # K, what the CUDA device's swap table keeps (check_swap); None: the pool
     seeded_swaps: bool = False  # the seeded device: a swap's set must fit each layer's C_l (check_swap)
-    swap_source: str = ""  # how the swap capacity was counted (the refusal's detail, /reap/status)
+    swap_source: str = ""  # how the swap capacity was counted (/reap/status)
+    swap_lent: tuple[int, int] | None = None  # beside K: (layers, N per layer) lent, for the refusal
 
     @classmethod
     def build(
@@ -235,7 +248,7 @@ class CacheAccounting:
         record = deque(maxlen=record_steps) if record_steps else None
         acc = cls(name, caches, slots, tail, f"{source}; per layer {how}", top_k, refused, record)
         acc.device_form, acc.note, acc.tail_note = device_form, note, tail_note
-        acc.swap_slots, acc.seeded_swaps, acc.swap_source = swap_capacity(
+        acc.swap_slots, acc.seeded_swaps, acc.swap_source, acc.swap_lent = swap_capacity(
             plan, name, slots_setting, pool_tail_slots, cache_device, seed_unverified
         )
         for l, why in sorted(refused.items()):
@@ -278,14 +291,16 @@ class CacheAccounting:
         capacity (swap_capacity; WorkerCore calls it before the backend applies, dry runs included).
         Pinned form: the whole resident set (every layer of ``resident``, core included) must fit
         K, the pool less the lent tail, as CUDA's SlotTable.plan raises (PoolCapacityError, the
-        same numbers; "the swap table" for "the HBM pool"). Seeded device: a layer's set must fit
+        same sentence: memory_split.swap_table_refusal). Seeded device: a layer's set must fit
         its C_l cache slots, as SeededPins.plan raises (SeededCapacityError, the same text)."""
         if self.reason is not None:
             return
         if self.swap_slots is not None:
             needed = sum(len(v) for v in resident.values())
             if needed > self.swap_slots:
-                raise PoolCapacityError(needed, self.swap_slots, "the swap table", self.swap_source)
+                layers, per_layer = self.swap_lent or (0, 0)
+                why = swap_table_refusal(needed, self.swap_slots, layers * per_layer, layers, per_layer)
+                raise PoolCapacityError(needed, self.swap_slots, why)
         elif self.seeded_swaps:
             for l in sorted(resident):
                 if l in self.caches and len(resident[l]) > self.slots[l]:

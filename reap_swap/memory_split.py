@@ -374,6 +374,24 @@ def swap_slots_after_lending(pool_slots: int, num_layers: int, per_layer: int, r
     return int(pool_slots) if refusal else int(pool_slots) - int(per_layer) * int(num_layers)
 
 
+def swap_table_refusal(
+    needed: int, swap_slots: int, lent: int, layers: int, per_layer: int | None = None
+) -> str:
+    """The refusal of a resident set wider than the swap table beside lent cache tails: one sentence
+    for CUDA's SlotTable.plan and accounting mode's check_swap (both raise PoolCapacityError with
+    it). ``swap_slots``: K; ``lent``: the pool slots lent to the cache tails (the pool is K + lent);
+    ``layers`` / ``per_layer``: the lending, ``layers x per_layer = lent`` in the pinned form
+    (swap_slots_after_lending); ``per_layer`` None where the layers lend different counts (the
+    seeded device's C_l)."""
+    split = f"{layers} layers x {per_layer} = {lent}" if layers and per_layer is not None else f"{lent}"
+    over = f" of {layers} layers" if layers and per_layer is None else ""
+    return (
+        f"resident set needs {needed} expert slots but the swap table has {swap_slots} (overflow "
+        f"{needed - swap_slots} experts): the HBM pool of {swap_slots + lent} slots less {split} lent "
+        f"to the cache tails{over}; a smaller --reap-cache-slots N leaves more room for swaps"
+    )
+
+
 def launch_check(budget: str | float, plan_budget_bytes: int, accounting_reason: str | None) -> str | None:
     """At launch: None, or the sentence refusing the budget (a GiB cap below the plan's pool).
     On accounting residency (the CPU build) budget auto/GiB is inactive: `inactive_note` says so."""

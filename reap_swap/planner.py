@@ -59,11 +59,11 @@ from reap_swap.planner_allocation import (
     cap_core,
     core_caps,
     fill_order,
-    find_super_experts,
     force_reap_guarded,
     force_super_experts,
     layer_work,
     split_budget,
+    super_experts,
     tail_core_limit,
 )
 from reap_swap.planner_config import GIB, PlannerConfig, PlannerError, budget_bytes
@@ -106,9 +106,10 @@ def build_plan(
     work = layer_work(inputs.layers, config.signal)
     notes: list[str] = []
     caps, tail_record = None, None
+    supers = super_experts(inputs.layers, config)  # found once: the tail's caps and the core use them
     if config.cache_tail != 0:  # planner_config refuses it with group sizes: pricing is None here
-        caps, slots, tail_record = _tail_caps(inputs, shape, config, slots, notes)
-    supers = force_super_experts(work, inputs.layers, config, slots, shape.expert_bytes, notes)
+        caps, slots, tail_record = _tail_caps(inputs, shape, config, slots, notes, supers)
+    force_super_experts(work, supers, inputs.layers, slots, shape.expert_bytes, notes)
     guarded = force_reap_guarded(work, inputs.layers, config, slots, notes, caps)
     group_fill = _fill_core(work, slots, config, pricing, notes, caps)
     if caps is not None:  # what the caps left unused (uniform fill) goes to the specialists too
@@ -166,34 +167,35 @@ def build_plan(
 
 
 def _tail_caps(
-    inputs: PlannerInputs, shape: ModelShape, config: PlannerConfig, slots: Slots, notes: list[str]
+    inputs: PlannerInputs,
+    shape: ModelShape,
+    config: PlannerConfig,
+    slots: Slots,
+    notes: list[str],
+    supers: Mapping[int, list[int]],
 ) -> tuple[dict[int, int], Slots, dict[str, Any]]:
     """--cache-tail: (per-layer core caps, the slots with the core lowered to what leaves the tail,
-    the scorerArtifacts.cacheTail record so far). Super experts stay resident above the limits (a
-    note says the tail is then short)."""
+    the scorerArtifacts.cacheTail record so far). ``supers``: build_plan's super experts, which stay
+    resident above the limits (a note says the tail is then short)."""
     tail = config.tail_slots(shape.top_k)
     total = slots.total_bytes // shape.expert_bytes
     layers = sorted(inputs.layers)
     caps = core_caps(layers, tail, shape.num_experts)
     limit = tail_core_limit(total, len(layers), tail)
-    if config.super_experts:
-        supers = find_super_experts(
-            inputs.layers, config.super_expert_quantile, config.super_expert_max_divisor
-        )
-        for i, experts in sorted(supers.items()):
-            if len(experts) > caps[i]:
-                notes.append(
-                    f"cache tail: layer {i}'s {len(experts)} super experts stay in its core, over its cap "
-                    f"of {caps[i]}: that layer's slots hold fewer than {tail} beside its core"
-                )
-                caps[i] = len(experts)
-        n_super = sum(len(v) for v in supers.values())
-        if n_super > limit:
+    for i, experts in sorted(supers.items()):  # none with --no-super-experts
+        if len(experts) > caps[i]:
             notes.append(
-                f"cache tail: the {n_super} super experts stay in the core, over the limit of {limit}: "
-                f"the pinned form's tail is below {tail} per layer"
+                f"cache tail: layer {i}'s {len(experts)} super experts stay in its core, over its cap "
+                f"of {caps[i]}: that layer's slots hold fewer than {tail} beside its core"
             )
-            limit = n_super
+            caps[i] = len(experts)
+    n_super = sum(len(v) for v in supers.values())
+    if n_super > limit:  # limit >= 0 (tail_core_limit): no note without super experts
+        notes.append(
+            f"cache tail: the {n_super} super experts stay in the core, over the limit of {limit}: "
+            f"the pinned form's tail is below {tail} per layer"
+        )
+        limit = n_super
     record = {
         "setting": config.cache_tail,
         "tailSlotsPerLayer": tail,

@@ -141,31 +141,35 @@ def layer_work(layers: Mapping[int, LayerStats], signal: str) -> dict[int, Layer
     return work
 
 
+def super_experts(layers: Mapping[int, LayerStats], config: PlannerConfig) -> dict[int, list[int]]:
+    """The super experts per layer under ``config`` (none with --no-super-experts); build_plan finds
+    them once, for the cache tail's caps (planner._tail_caps) and the core (force_super_experts)."""
+    if not config.super_experts:
+        return {}
+    return find_super_experts(layers, config.super_expert_quantile, config.super_expert_max_divisor)
+
+
 def force_super_experts(
     work: dict[int, LayerWork],
+    supers: Mapping[int, list[int]],
     layers: Mapping[int, LayerStats],
-    config: PlannerConfig,
     slots: Slots,
     expert_bytes: int,
     notes: list[str],
-) -> dict[int, list[int]]:
-    """Put the super experts into the core (refused when they do not fit it); returns them per layer."""
-    supers: dict[int, list[int]] = {}
-    if config.super_experts:
-        supers = find_super_experts(layers, config.super_expert_quantile, config.super_expert_max_divisor)
-        n_super = sum(len(v) for v in supers.values())
-        if n_super > slots.core:
-            raise PlannerError(
-                f"{n_super} super experts need {n_super * expert_bytes:,} bytes, over the core budget "
-                f"of {slots.core * expert_bytes:,} bytes; raise the budget or pass --no-super-experts"
-            )
-        for i, experts in supers.items():
-            for e in experts:
-                work[i].core.add(e)
-                work[i].forced[e] = "super"
+) -> None:
+    """Put the super experts (``super_experts``) into the core; refused when they do not fit it."""
+    n_super = sum(len(v) for v in supers.values())
+    if n_super > slots.core:
+        raise PlannerError(
+            f"{n_super} super experts need {n_super * expert_bytes:,} bytes, over the core budget "
+            f"of {slots.core * expert_bytes:,} bytes; raise the budget or pass --no-super-experts"
+        )
+    for i, experts in supers.items():
+        for e in experts:
+            work[i].core.add(e)
+            work[i].forced[e] = "super"
     if not any(s.max_activations is not None for s in layers.values()):
         notes.append("no max_activations in the inputs: super experts not detected")
-    return supers
 
 
 def force_reap_guarded(

@@ -1,7 +1,7 @@
 """Accounting mode's swap capacity is the CUDA server's (issue 17, branch acctail): with the device's
 pinned form lent a tail (--reap-cache lfu, --reap-cache-device on), the swap table keeps
 K = pool - layers x N and a swap wider than K is refused before anything changes, with CUDA's
-numbers (PoolCapacityError); the seeded device refuses a layer's set wider than its C_l slots
+numbers and sentence (PoolCapacityError, memory_split.swap_table_refusal); the seeded device refuses a layer's set wider than its C_l slots
 (SeededCapacityError, the same text); with the device cache off (CUDA's default) or lru the CUDA
 server lends nothing and the whole pool stays the capacity. CPU only: the CUDA side is the pure
 code CUDA runs (cache_config_for, CacheConfig.split, SlotTable.plan), no GPU."""
@@ -21,7 +21,7 @@ from reap_swap.cache_accounting import CacheAccounting
 from reap_swap.controller import SwapController
 from reap_swap.plan import load_plan
 from reap_swap.residency.accounting import AccountingResidency
-from reap_swap.residency.device_cache_engine import CacheConfig
+from reap_swap.residency.device_cache_engine import CacheConfig, swap_table
 from reap_swap.residency.slot_table import PoolCapacityError, SlotTable
 from reap_swap.routes import api_key_digests, endpoint_plugin
 from reap_swap.worker_core import WorkerCore
@@ -49,14 +49,18 @@ def accounting(plan, s, layers=None):
     )  # fmt: skip
 
 
-def cuda_swap_slots(plan, s) -> int:
-    """K as the CUDA engine gets it: cache_config_for(settings) then CacheConfig.split on the pool of
-    the plan budget (engine._ensure_pool), or the whole pool when no cache is configured."""
+def cuda_table(plan, s) -> SlotTable:
+    """The swap table as the CUDA engine builds it: cache_config_for(settings) then swap_table
+    (CacheConfig.split) on the pool of the plan budget (engine._ensure_pool), or the whole pool when
+    no cache is configured."""
     pool = int(plan.swappable_budget_bytes) // int(plan.per_expert_bytes)
     cfg, _why = cache_config_for(s, plan)
-    if cfg is None:
-        return pool
-    return cfg.split(pool, len(plan.layers), {l: p.core for l, p in plan.layers.items()})
+    return swap_table(cfg, pool, plan)
+
+
+def cuda_swap_slots(plan, s) -> int:
+    """K as the CUDA engine gets it (cuda_table)."""
+    return cuda_table(plan, s).num_slots
 
 
 fake_plan = device_form._fake_plan
@@ -111,7 +115,8 @@ def _with(plan, extra: int) -> dict:
 @pytest.mark.parametrize("slots, k", [(4, 28), ("auto", 24), (8, 24)])
 def test_boundary_through_worker_core(slots, k):
     """The mini plan (pool 32, core 24, 4 layers): a swap of exactly K fits, K + 1 is refused with
-    CUDA's numbers, before anything changes (backend, cache, counters), dry runs too."""
+    CUDA's numbers and its very sentence (the pool, layers x N lent, the remedy), before anything
+    changes (backend, cache, counters), dry runs too."""
     from reap_fakes import counting_layer
 
     from reap_swap.counting import counters
@@ -127,12 +132,15 @@ def test_boundary_through_worker_core(slots, k):
     before = (core.backend.resident(), acc.status(), core.read_counters(reset=False))
     for dry in (False, True):
         reply = core.apply({"resident": wire.encode_resident_sets(wide), "dry_run": dry, "read_stats": True})
-        cuda = SlotTable(k)  # the CUDA table of K slots, planning the same target
+        cuda = cuda_table(plan, settings(slots))  # the CUDA table of K slots, planning the same target
         with pytest.raises(PoolCapacityError) as exc:
             cuda.plan(wide)
-        want = str(exc.value).replace("the HBM pool", "the swap table").removesuffix(")")
-        assert reply["error"].startswith(
-            f"rank 0: PoolCapacityError: {want}; the pool of 32 slots less 4 layers x"
+        assert reply["error"] == f"rank 0: PoolCapacityError: {exc.value}"
+        n = (32 - k) // 4
+        assert str(exc.value) == (
+            f"resident set needs {k + 1} expert slots but the swap table has {k} (overflow 1 experts): "
+            f"the HBM pool of 32 slots less 4 layers x {n} = {32 - k} lent to the cache tails; "
+            "a smaller --reap-cache-slots N leaves more room for swaps"
         )
         assert (exc.value.needed, exc.value.capacity) == (k + 1, k)
         assert (core.backend.resident(), acc.status(), core.read_counters(reset=False)) == before
@@ -210,9 +218,10 @@ def test_refused_swap_is_500_worker_failed_and_state_kept():
         err = r.json()["error"]
         assert err["type"] == "worker_failed" and err["rolled_back"] is True and err["field"] is None
         assert (
-            "PoolCapacityError: resident set needs 62 expert slots but the swap table has 54"
-            in err["message"]
-        )
+            "PoolCapacityError: resident set needs 62 expert slots but the swap table has 54 (overflow 8 "
+            "experts): the HBM pool of 62 slots less 4 layers x 2 = 8 lent to the cache tails; a smaller "
+            "--reap-cache-slots N leaves more room for swaps"
+        ) in err["message"]
         after = c.get("/reap/status").json()
         assert after["signature"] == before["signature"] == err["signature"]
         assert engine.workers[0].core.cache.status() == cache_before

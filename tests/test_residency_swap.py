@@ -191,12 +191,18 @@ def test_contiguous_runs():
 
 def test_a_table_beside_lent_cache_tails_says_so_when_it_refuses():
     """With the pinned device cache the table keeps K = pool - lent slots: its refusal names the
-    swap table, the whole pool, the lent slots and the remedy (before, "the HBM pool has K")."""
+    swap table, the whole pool, the lent slots (layers x N) and the remedy, in the sentence
+    accounting mode's check_swap raises too (memory_split.swap_table_refusal)."""
     with pytest.raises(PoolCapacityError) as err:
-        SlotTable(4, lent=12).plan({0: {0, 1, 2, 3, 4}})
+        SlotTable(4, lent=12, lent_layers=4, lent_per_layer=3).plan({0: {0, 1, 2, 3, 4}})
     assert err.value.capacity == 4 and err.value.overflow == 1
-    text = str(err.value)
-    assert "the swap table (the HBM pool of 16 slots less 12 lent to the cache tails) has 4" in text
-    assert "--reap-cache-slots" in text
+    assert str(err.value) == (
+        "resident set needs 5 expert slots but the swap table has 4 (overflow 1 experts): the HBM pool "
+        "of 16 slots less 4 layers x 3 = 12 lent to the cache tails; a smaller --reap-cache-slots N "
+        "leaves more room for swaps"
+    )
+    with pytest.raises(PoolCapacityError) as err:  # seeded: the layers lend different counts C_l
+        SlotTable(4, lent=12, lent_layers=3).plan({0: {0, 1, 2, 3, 4}})
+    assert "the HBM pool of 16 slots less 12 lent to the cache tails of 3 layers; a smaller" in str(err.value)
     with pytest.raises(PoolCapacityError, match="the HBM pool has 4 "):
         SlotTable(4).plan({0: {0, 1, 2, 3, 4}})  # nothing lent: CUDA's text as before

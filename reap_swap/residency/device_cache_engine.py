@@ -26,6 +26,7 @@ from reap_swap.memory_split import pinned_tail_split, swap_slots_after_lending
 
 from .device_cache_api import DeviceCaches
 from .device_cache_range import rehome_with_slots
+from .slot_table import SlotTable
 
 
 @dataclass
@@ -78,6 +79,21 @@ class CacheConfig:
         return swap_slots_after_lending(pool_slots, num_layers, self.slots_per_layer, self.refusal)
 
 
+def swap_table(cache: CacheConfig | None, num_slots: int, plan: Any) -> SlotTable:
+    """The swap SlotTable on a pool of ``num_slots`` (engine._ensure_pool): the whole pool without a
+    cache or a plan, else K = CacheConfig.split's, beside the slots [K, num_slots) lent to the cache
+    tails, with the lending its refusal names (memory_split.swap_table_refusal): the plan's layers,
+    N each in the pinned form, C_l each seeded (per layer None there: the counts differ)."""
+    if cache is None or plan is None:
+        return SlotTable(num_slots)
+    kept = cache.split(num_slots, len(plan.layers), {l: p.core for l, p in plan.layers.items()})
+    lent = num_slots - kept
+    if not lent:
+        return SlotTable(kept)
+    per_layer = None if cache.layer_slots is not None else cache.slots_per_layer
+    return SlotTable(kept, lent=lent, lent_layers=len(plan.layers), lent_per_layer=per_layer)
+
+
 def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, unit_bytes: int):
     """(rng, range_bytes, w13 view, w2 view, ext views or None): with slot units when the cache can
     engage on this layer, else None for the caller to use engine.rehome (and a refusal recorded)."""
@@ -94,6 +110,7 @@ def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, uni
         if layer_reason and cfg.layer_slots is not None and not cfg.lent_slots:
             st.table.grow(n)  # seeded, nothing lent yet: [K, K + n) back to the swap table (its core)
             st.table.lent = max(0, st.table.lent - n)
+            st.table.lent_layers = max(0, st.table.lent_layers - 1)
         return None
     handles = [st.pool.slot_handle(s) for s in range(first, first + n)]
     rng, range_bytes, (v13, v2), ext = rehome_with_slots(w13, w2, unit_bytes, n, st.device, handles)

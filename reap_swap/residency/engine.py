@@ -360,10 +360,8 @@ def _ensure_pool(st: EngineState, unit_bytes: int, cache: Any | None = None) -> 
     num_slots = pool_slots(st.budget_bytes, max(per_expert, 1))  # the plan's experts (quant_budget)
     t0 = time.perf_counter()
     st.pool = vmm.DeviceSlotPool.create(num_slots, unit_bytes, st.device)
-    core = {l: p.core for l, p in st.plan.layers.items()} if st.plan is not None else {}
-    kept = cache.split(num_slots, len(st.plan.layers), core) if cache and st.plan is not None else num_slots
-    # slots [kept, num_slots) are lent to device caches (issue 17)
-    st.table = SlotTable(kept, lent=num_slots - kept)
+    # slots [K, num_slots) are lent to device caches (issue 17); the table's refusal names them
+    st.table = device_cache_engine.swap_table(cache, num_slots, st.plan)
     logger.info(
         "reap-swap: reserved HBM pool of %d expert slots (%.2f GiB, unit %.2f MiB) in %.2fs",
         num_slots,

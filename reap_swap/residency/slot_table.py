@@ -12,19 +12,23 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from reap_swap.memory_split import swap_table_refusal
+
 
 class PoolCapacityError(ValueError):
-    """The requested resident set needs more HBM slots than the pool has. ``pool`` and ``detail``:
-    accounting mode's wording of the same refusal (cache_accounting.CacheAccounting.check_swap:
-    "the swap table", how its slots were counted); CUDA's text is the default."""
+    """The requested resident set needs more HBM slots than the pool has. ``message``: the refusal
+    beside lent cache tails (memory_split.swap_table_refusal, the same sentence from CUDA's
+    SlotTable.plan and accounting mode's CacheAccounting.check_swap); the whole pool's text is the
+    default."""
 
-    def __init__(self, needed: int, capacity: int, pool: str = "the HBM pool", detail: str = "") -> None:
+    def __init__(self, needed: int, capacity: int, message: str | None = None) -> None:
         self.needed = needed
         self.capacity = capacity
         self.overflow = needed - capacity
         super().__init__(
-            f"resident set needs {needed} expert slots but {pool} has {capacity} "
-            f"(overflow {self.overflow} experts{'; ' + detail if detail else ''})"
+            message
+            or f"resident set needs {needed} expert slots but the HBM pool has {capacity} "
+            f"(overflow {self.overflow} experts)"
         )
 
 
@@ -33,13 +37,14 @@ class SeededCapacityError(PoolCapacityError):
     seeded cache's refusal (device_cache_seeded.SeededPins.plan) and accounting mode's same one."""
 
     def __init__(self, layer: int, needed: int, capacity: int) -> None:
-        super().__init__(needed, capacity)
-        self.layer = layer
-        self.args = (
+        super().__init__(
+            needed,
+            capacity,
             f"layer {layer}: a swap set of {needed} experts is wider than the layer's {capacity} "
             "cache slots (--reap-cache-seed seeded pins a swap inside them; overflow "
             f"{needed - capacity} experts)",
         )
+        self.layer = layer
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,11 @@ class SlotTable:
     _where: dict[tuple[int, int], int] = field(default_factory=dict)
     _free: list[int] = field(default_factory=list)
     # pool slots lent to the device cache tails beside this table (issue 17), for the refusal's text
+    # (memory_split.swap_table_refusal): over lent_layers layers, lent_per_layer each in the pinned
+    # form (lent = layers x N); None where the layers' counts differ (the seeded C_l)
     lent: int = 0
+    lent_layers: int = 0
+    lent_per_layer: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_slots < 0:
@@ -104,13 +113,10 @@ class SlotTable:
         wanted = {(int(layer), int(e)) for layer, experts in target.items() for e in experts}
         if len(wanted) > self.num_slots:
             if self.lent:  # the pinned device cache took the rest of the pool: say so, with the remedy
-                raise PoolCapacityError(
-                    len(wanted),
-                    self.num_slots,
-                    f"the swap table (the HBM pool of {self.num_slots + self.lent} slots less {self.lent} "
-                    "lent to the cache tails)",
-                    "a smaller --reap-cache-slots N leaves more room for swaps",
+                why = swap_table_refusal(
+                    len(wanted), self.num_slots, self.lent, self.lent_layers, self.lent_per_layer
                 )
+                raise PoolCapacityError(len(wanted), self.num_slots, why)
             raise PoolCapacityError(len(wanted), self.num_slots)
         current = set(self._where)
         evict = tuple(SlotStep(layer, e, self._where[(layer, e)]) for layer, e in sorted(current - wanted))
