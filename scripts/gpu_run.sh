@@ -16,14 +16,14 @@
 #   qwen      full-size Qwen3.5-35B-A3B, field plan, reap-swap and stock side by side (QWEN_CAP s each)
 #   families  the whole families lane (gpu_families.sh, FAM_DEADLINE)
 #   v2lite    full-size DeepSeek-V2-Lite, reap-swap and stock side by side, eager
-#   v3layer   the DeepSeek-V3 / Kimi-K2 layer shape at depth 2 (reap-swap only, eager)
+#   v3layer   the DeepSeek-V3 / Kimi-K2 layer shape at depth 2, reap-swap and stock side by side, eager (HBM ~73 GiB)
 #   fp8bench  issue 16's FP8 bench (scripts/gpu_fp8_bench.sh run, ~8 min, FP8_CAP)
 #   count     exact router counts on full-size Qwen3.5 (gpu_families.py --arms count, ~8 min)
 #   mlacount  exact router counts on full-size DeepSeek-V2-Lite (all attention MLA) under CUDA graphs
 #             (--arms count WITHOUT --eager: padded piecewise prefills, padded concurrent decodes; ~6 min)
 #   gptossfull GPT-OSS-20B bf16 at full depth (24 x 32 experts, biases), reap-swap and stock side by side,
 #             eager, 0/25/50/100 %/0 vs stock (gpu_families.sh gptoss_full; ~6 min, GPTOSS_CAP=420 s;
-#             HBM ~83 GiB, host ~46 GiB: may run beside v3layer or mlacount, not beside mixfull/v2lite)
+#             HBM ~83 GiB, host ~46 GiB: may run beside mlacount, not beside v3layer (now with its stock arm), mixfull or v2lite)
 #   mixfull   Mixtral-8x7B at full depth (32 x 8 x 336 MiB = 84 GiB): stock, THEN reap-swap (both need
 #             ~89 GiB HBM; reap's host ~93 GiB), eager, 4 prompts (gpu_families.sh mixtral_full;
 #             ~12 min, MIX_CAP=780 s; MIX_LAYERS for a shallower depth): alone
