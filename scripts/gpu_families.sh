@@ -140,11 +140,22 @@ hbm_free_wait() {  # GIB SECONDS: until nvidia-smi reports GIB free (no nvidia-s
   step hbm "only ${free:-?} MiB free after $2 s (wanted $1 GiB)"
 }
 
+# GPTOSS_REPEATS: timed decode runs per point (default 1). GPTOSS_SERIAL=1: stock alone, then reap
+# alone (as Mixtral), so neither arm's decode is timed beside the other's start-up (run 13's eager
+# 34.1 vs 24.2 tok/s pair was one run each, stock beside reap's load: research.md "eager decode gap").
 gptoss_full() {
   local g=(--config tests/data/gpt_oss_20b_bf16_config.json --kv-gib 0.5 --host-guard-gib 5
-           --prompts "${GPTOSS_PROMPTS:-8}" --decode-tokens "${GPTOSS_DECODE:-64}")
+           --prompts "${GPTOSS_PROMPTS:-8}" --decode-tokens "${GPTOSS_DECODE:-64}"
+           --decode-repeats "${GPTOSS_REPEATS:-1}")
   [ "${GPTOSS_GRAPHS:-0}" = 1 ] || g+=(--eager)
-  pair gpt_oss_20b "$(left)" "${g[@]}"
+  if [ "${GPTOSS_SERIAL:-0}" = 1 ]; then
+    prep gpt_oss_20b "${g[@]}"
+    arm gpt_oss_20b stock "$(min "${GPTOSS_STOCK_CAP:-200}" "$(left)")" "${g[@]}"
+    arm gpt_oss_20b reap "$(left)" "${g[@]}"
+    $PY scripts/gpu_families.py --name gpt_oss_20b --out "$S" --arms merge > /dev/null 2>&1
+  else
+    pair gpt_oss_20b "$(left)" "${g[@]}"
+  fi
 }
 
 mixtral_full() {

@@ -97,3 +97,11 @@ def test_count_options_parse(gf):
     assert (a.count_lengths, a.count_max_tokens, a.count_only) == ((15, 16, 17), (1,), False)
     b = gf.parse(["--name", "q", "--config", "x.json", "--out", "/tmp/o"])
     assert b.count_lengths == () and b.count_max_tokens == (1, 4)
+
+
+def test_decode_repeats_default_to_one_run_and_parse(gf):
+    base = ["--name", "q", "--config", "x.json", "--out", "/tmp/o"]
+    assert gf.parse(base).decode == (64, 1)
+    assert gf.parse(base + ["--decode-repeats", "5", "--decode-tokens", "32"]).decode == (32, 5)
+    with pytest.raises(SystemExit):
+        gf.parse(base + ["--decode-repeats", "0"])
