@@ -288,8 +288,9 @@ def write_case(a: argparse.Namespace, name: str, res: dict) -> None:
     path.write_text(json.dumps(res, indent=1))
 
 
-def spawn(a: argparse.Namespace, name: str) -> dict:
-    """Run one case in a child process with a hard timeout; its JSON (or the timeout) back."""
+def child_argv(a: argparse.Namespace, name: str) -> list[str]:
+    """The per-case child's command line: every option of the parent's, so a flag cannot be lost on
+    the way to the servers (run 15: --reap-unverified-int4-groups was, and the INT4 servers refused)."""
     argv = [sys.executable, __file__, "--one-case", name, "--out", str(a.out), "--layers", str(a.layers)]
     argv += ["--gpu-memory-utilization", str(a.gpu_memory_utilization), "--case-timeout", str(a.case_timeout)]
     argv += [
@@ -304,6 +305,13 @@ def spawn(a: argparse.Namespace, name: str) -> dict:
     ]
     argv += (["--tiny"] if a.tiny else []) + (["--serial-arms"] if a.serial_arms else [])
     argv += ["--reap-group-size", a.reap_group_size] if a.reap_group_size else []
+    argv += ["--reap-unverified-int4-groups"] if a.reap_unverified_int4_groups else []
+    return argv
+
+
+def spawn(a: argparse.Namespace, name: str) -> dict:
+    """Run one case in a child process with a hard timeout; its JSON (or the timeout) back."""
+    argv = child_argv(a, name)
     t0 = time.time()
     with open(a.out / f"{name}.case.log", "w") as logf:
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)

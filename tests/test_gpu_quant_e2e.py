@@ -212,3 +212,29 @@ def test_decode_against_the_bound_per_phase():
     md = qe.markdown({"wall_s": 1, "cases": {"c": res}})
     assert "decode (1 stream) against" in md and "25: 0.250 / 160.0 / 1.280" in md
     assert "decode (1 stream)" not in qe.markdown({"wall_s": 1, "cases": {"c": _fake(True)}})
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--reap-group-size", "auto", "--reap-unverified-int4-groups", "--stock-twice", "all"],
+        ["--layers", "12", "--decode-tokens", "64", "--serial-arms", "--tiny", "--eager-pair", "none"],
+    ],
+)
+def test_child_gets_every_option_of_the_parent(tmp_path, argv):
+    """Run 15's int4 phase passed --reap-unverified-int4-groups to the driver, but the per-case child
+    never got it, so every INT4 server refused: the child's options must equal the parent's."""
+    parent = qe.parse_args(["--out", str(tmp_path), "--jobs", "1", *argv])
+    child_argv = qe.child_argv(parent, "awq")
+    assert child_argv[1] == qe.__file__
+    child = qe.parse_args(child_argv[2:])
+    assert child.one_case == "awq"
+    skip = {"one_case", "jobs", "cases", "ckpt_jobs", "dry_run"}  # the parent's alone
+    for key, value in vars(parent).items():
+        if key not in skip:
+            assert getattr(child, key) == value, key
+    # and the reap server's command line carries the opt-in when the child builds it
+    info = {"binds": False, "dtype": "float16"}
+    reap = qe.commands("awq", tmp_path, info, child)["reap"]
+    assert ("--reap-unverified-int4-groups" in reap) == ("--reap-unverified-int4-groups" in argv)
