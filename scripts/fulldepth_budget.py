@@ -35,13 +35,14 @@ MISS_GBPS = 33.0  # run 9 Mixtral depth 2: (1/20.5 - 1/163.4) s per 2 layers x 6
 # Dense (non-expert) weights, GiB: public total parameter counts x 2 bytes minus the routed experts
 # (Mixtral-8x7B 46.7 B, gpt-oss-20b 20.9 B, DeepSeek-V2-Lite 15.7 B); Qwen3.5 measured (run 8:
 # "Model loading took 4.69 GiB"); DeepSeek-V3 depth 2 summed by hand (embedding + LM head 3.45,
-# MLA 2 x 0.35, dense MLP 0.74, shared expert 0.08).
+# MLA 2 x 0.35, dense MLP 0.74, shared expert 0.08); Kimi-K2 depth 3 likewise (embedding + LM head
+# 2 x 163840 x 7168 x 2 B = 4.38, MLA with 64 heads 3 x 0.19, dense MLP 0.74, 2 shared experts 0.16).
 DENSE_GIB = {"mixtral_8x7b": 2.98, "gpt_oss_20b": 3.33, "deepseek_v2_lite": 2.43, "deepseek_v3_d2": 4.97,
-             "qwen35": 4.69}  # fmt: skip
+             "qwen35": 4.69, "kimi_k2_d3": 5.85}  # fmt: skip
 CONFIGS = {
     "mixtral_8x7b": "mixtral_8x7b_config.json", "gpt_oss_20b": "gpt_oss_20b_bf16_config.json",
     "deepseek_v2_lite": "deepseek_v2_lite_config.json", "deepseek_v3_d2": "deepseek_v3_bf16_depth2_config.json",
-    "qwen35": "qwen3_5_moe_35b_a3b_config.json",
+    "qwen35": "qwen3_5_moe_35b_a3b_config.json", "kimi_k2_d3": "kimi_k2_bf16_depth3_config.json",
 }  # fmt: skip
 
 
@@ -75,6 +76,23 @@ def reap_memory(f: Family, pool_share: float = 1.0, kv_gib: float = 0.5) -> tupl
     return pool + f.dense_gib + kv_gib + OVERHEAD_HBM_GIB, f.expert_gib + layer + HOST_BASE_GIB
 
 
+def pow2_ceil(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def pinned_host_gib(f: Family) -> float:
+    """Host in use by a reap-swap server at its first re-home, counting what PyTorch's caching host
+    allocator really pins: vLLM's UVA offload pins each layer's w13 [E, 2I, H] and w2 [E, H, I] with
+    `pin_memory()`, and CachingHostAllocator rounds every block up to a power of two (PowerOf2Ceil,
+    unless a newer torch's pinned_max_round_threshold_mb says otherwise); all layers are pinned before
+    the engine re-homes the first one into its own 31.5 GiB (exact) range. Reproduces run 13's
+    Mixtral-8x7B (2 + 1 GiB for 1.75 + 0.875 GiB: 96 GiB pinned for 84; 102.1 vs 102.05 GiB in use
+    above the host's idle) and run 8's Qwen3.5 (powers of two already: 65.0 vs 65.4)."""
+    layer = f.experts * f.expert_bytes
+    pinned = f.moe_layers * (pow2_ceil(layer * 2 // 3) + pow2_ceil(layer // 3))
+    return (pinned + layer) / GIB + HOST_BASE_GIB
+
+
 def stock_memory(f: Family, kv_gib: float = 0.5) -> tuple[float, float]:
     return f.expert_gib + f.dense_gib + kv_gib + OVERHEAD_HBM_GIB, STOCK_HOST_GIB
 
@@ -105,16 +123,16 @@ def points_s(f: Family, prompts: int, greedy: int, decode: int, shares=(0, 0.25,
 
 
 def rows() -> list[str]:
-    out = ["| family | experts GiB | reap HBM / host GiB | stock HBM / host | pair fits | reap start s | points s |",
-           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = ["| family | experts GiB | reap HBM / host GiB | reap host, pinned rounding | stock HBM / host | pair fits | "
+           "reap start s | points s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     knobs = {"mixtral_8x7b": (4, 16, 16), "gpt_oss_20b": (8, 16, 64), "deepseek_v2_lite": (8, 16, 64),
-             "deepseek_v3_d2": (8, 16, 64)}  # fmt: skip
+             "deepseek_v3_d2": (8, 16, 64), "kimi_k2_d3": (4, 16, 32)}  # fmt: skip
     for name, (p, g, d) in knobs.items():
         f = family(name)
         r, s = reap_memory(f), stock_memory(f)
         pair = fits([r, s])
         out.append(
-            f"| {name} | {f.expert_gib:.1f} | {r[0]:.1f} / {r[1]:.1f} | {s[0]:.1f} / {s[1]:.1f} | "
+            f"| {name} | {f.expert_gib:.1f} | {r[0]:.1f} / {r[1]:.1f} | {pinned_host_gib(f):.1f} | {s[0]:.1f} / {s[1]:.1f} | "
             f"{'yes' if pair['ok'] else 'no'} ({pair['hbm']:.0f} HBM, {pair['host']:.0f} host) | "
             f"{startup_s(f, True):.0f} | {points_s(f, p, g, d):.0f} |"
         )
