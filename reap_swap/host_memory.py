@@ -10,11 +10,17 @@ Quantized checkpoints (issue 16): the expert bytes are as the checkpoint stores 
 (`ModelShape.expert_bytes`: FP8 one byte per weight); the launcher does not offload (so does not
 check) formats the engine refuses (quant_budget.py). Online `--quantization fp8` of a bf16
 checkpoint is checked at its bf16 bytes, an upper bound (vLLM loads bf16 and quantizes after).
-Pure: the caller reads /proc/meminfo.
+PyTorch's caching host allocator rounds every `pin_memory()` up to a power of two (torch 2.11 on the
+H200: 600 MiB took 1024, 2600 MiB took 4096; research-notes/pinned-round), and vLLM's UVA offload
+pins each layer's w13 and w2 that way, so on that path the pinned bytes are the rounded ones (run 13's
+Mixtral-8x7B: 1.75 + 0.875 GiB a layer pinned as 2 + 1, 96 GiB for 84). Newer torch skips the rounding
+above `pinned_max_round_threshold_mb` (torch 2.11 rejects the key and fails at CUDA init).
+Pure: the caller reads /proc/meminfo and the allocator settings.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -31,6 +37,33 @@ def mem_available_bytes(meminfo: str) -> int | None:
     return None
 
 
+def pow2_ceil(n: int) -> int:
+    """The block PyTorch's caching host allocator pins for an n-byte request (c10::llvm::PowerOf2Ceil)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def round_threshold_bytes(alloc_conf: str | None) -> int | None:
+    """Above this size pinned blocks are not rounded (`pinned_max_round_threshold_mb` or the smaller
+    `pinned_max_cached_size_mb` in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF); None: always rounded."""
+    found = [
+        int(m) for m in re.findall(r"pinned_max_(?:round_threshold|cached_size)_mb:(\d+)", alloc_conf or "")
+    ]
+    return min(found) * 2**20 if found else None
+
+
+def uva_pinned_bytes(layer_bytes: int, moe_layers: int, tp: int = 1, threshold: int | None = None) -> int:
+    """What vLLM's UVA offload pins for the experts: per MoE layer and TP rank, w13 (gate + up, 2/3 of a
+    layer's expert bytes) and w2 (down, 1/3) as two `pin_memory()` blocks, each rounded up to a power
+    of two unless above `threshold`."""
+
+    def block(n: int) -> int:
+        return n if threshold is not None and n > threshold else pow2_ceil(n)
+
+    shard = layer_bytes // max(tp, 1)
+    w13 = shard * 2 // 3
+    return moe_layers * max(tp, 1) * (block(w13) + block(shard - w13))
+
+
 @dataclass(frozen=True)
 class HostMemoryNeed:
     """What loading the model's experts into pinned host memory needs, against what is free."""
@@ -38,10 +71,16 @@ class HostMemoryNeed:
     expert_bytes: int  # every routed expert of every MoE layer (all TP ranks together)
     layer_bytes: int  # one layer's experts: the engine's copy of a layer before vLLM's is returned
     available_bytes: int  # MemAvailable before loading
+    # what the experts take pinned: vLLM's UVA copies are rounded (uva_pinned_bytes); None = exact
+    pinned_bytes: int | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        return self.expert_bytes if self.pinned_bytes is None else max(self.pinned_bytes, self.expert_bytes)
 
     @property
     def needed_bytes(self) -> int:
-        return self.expert_bytes + self.layer_bytes + PROCESS_MARGIN_BYTES
+        return self.held_bytes + self.layer_bytes + PROCESS_MARGIN_BYTES
 
     def refusal(self) -> str | None:
         """None when the host can hold it, else a sentence with the numbers."""
@@ -49,9 +88,17 @@ class HostMemoryNeed:
             return None
         return (
             f"this host cannot hold the model's experts in pinned memory: they need "
-            f"{self.expert_bytes / GIB:.1f} GiB + {self.layer_bytes / GIB:.1f} GiB (one layer being "
+            f"{self.held_bytes / GIB:.1f} GiB{self._rounding()} + {self.layer_bytes / GIB:.1f} GiB (one layer being "
             f"re-homed) + {PROCESS_MARGIN_BYTES / GIB:.0f} GiB for the process = "
             f"{self.needed_bytes / GIB:.1f} GiB, and {self.available_bytes / GIB:.1f} GiB is available "
             f"(MemAvailable); choose a smaller model or a host with more memory, or pass --cpu-offload-gb "
             f"yourself to take over the offload sizing"
+        )
+
+    def _rounding(self) -> str:
+        if self.held_bytes == self.expert_bytes:
+            return ""
+        return (
+            f" ({self.expert_bytes / GIB:.1f} GiB of experts as vLLM's UVA offload pins them: PyTorch rounds "
+            f"each pinned tensor up to a power of two)"
         )

@@ -27,7 +27,7 @@ from pathlib import Path
 from reap_swap.budget_startup import BudgetRefused, arm_refusal_file, read_refusal
 from reap_swap.compat import runner as vllm_runner
 from reap_swap.compat import serve as vllm_serve
-from reap_swap.host_memory import HostMemoryNeed, mem_available_bytes
+from reap_swap.host_memory import HostMemoryNeed, mem_available_bytes, round_threshold_bytes, uva_pinned_bytes
 from reap_swap.logs import get_logger
 from reap_swap.memory_split import inactive_note, launch_check
 from reap_swap.plugins import WORKER_EXTENSION_CLS, vllm_plugins_allowlist
@@ -197,7 +197,7 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
         log.warning("reap-swap: no UVA expert offload: %s", ignored)
         return
     if not vllm_serve.cpu_offload_chosen(args):
-        check_host_memory(shape)
+        check_host_memory(shape, uva_tp=int(getattr(args, "tensor_parallel_size", None) or 1))
         gib = shape.total_expert_bytes / 2**30 + 0.5
         vllm_serve.offload_experts_to_uva(args, gib)
         log.info(
@@ -218,8 +218,16 @@ def check_device_load(shape, args: argparse.Namespace, why: str) -> None:
         raise LaunchError(refusal)
 
 
-def check_host_memory(shape, meminfo: Path = Path("/proc/meminfo")) -> None:
-    """Refuse before loading when the host cannot hold the experts in pinned memory (host_memory.py)."""
+def check_host_memory(shape, meminfo: Path = Path("/proc/meminfo"), uva_tp: int | None = None) -> None:
+    """Refuse before loading when the host cannot hold the experts in pinned memory (host_memory.py).
+    `uva_tp`: vLLM's UVA offload pins the experts (per TP rank, rounded by PyTorch's pinned allocator);
+    None: only the engine's own exact host copies."""
+    pinned = None
+    if uva_tp is not None:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+        pinned = uva_pinned_bytes(
+            shape.layer_expert_bytes, len(shape.moe_layers), uva_tp, round_threshold_bytes(conf)
+        )
     try:
         available = mem_available_bytes(meminfo.read_text())
     except OSError:
@@ -227,7 +235,7 @@ def check_host_memory(shape, meminfo: Path = Path("/proc/meminfo")) -> None:
     if available is None:
         log.warning("reap-swap: cannot read MemAvailable from %s; host memory not checked", meminfo)
         return
-    need = HostMemoryNeed(shape.total_expert_bytes, shape.layer_expert_bytes, available)
+    need = HostMemoryNeed(shape.total_expert_bytes, shape.layer_expert_bytes, available, pinned)
     why = need.refusal()
     if why:
         raise LaunchError(why)

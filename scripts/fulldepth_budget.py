@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reap_swap.host_memory import uva_pinned_bytes  # noqa: E402
 from reap_swap.model_shape import read_model_shape  # noqa: E402
 
 GIB = 2**30
@@ -76,21 +77,15 @@ def reap_memory(f: Family, pool_share: float = 1.0, kv_gib: float = 0.5) -> tupl
     return pool + f.dense_gib + kv_gib + OVERHEAD_HBM_GIB, f.expert_gib + layer + HOST_BASE_GIB
 
 
-def pow2_ceil(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def pinned_host_gib(f: Family) -> float:
     """Host in use by a reap-swap server at its first re-home, counting what PyTorch's caching host
-    allocator really pins: vLLM's UVA offload pins each layer's w13 [E, 2I, H] and w2 [E, H, I] with
-    `pin_memory()`, and CachingHostAllocator rounds every block up to a power of two (PowerOf2Ceil,
-    unless a newer torch's pinned_max_round_threshold_mb says otherwise); all layers are pinned before
-    the engine re-homes the first one into its own 31.5 GiB (exact) range. Reproduces run 13's
+    allocator really pins (reap_swap.host_memory.uva_pinned_bytes: each layer's w13 and w2 rounded up
+    to a power of two; torch 2.11 has no setting against it, research-notes/pinned-round): all layers
+    are pinned before the engine re-homes the first one into its own exact range. Reproduces run 13's
     Mixtral-8x7B (2 + 1 GiB for 1.75 + 0.875 GiB: 96 GiB pinned for 84; 102.1 vs 102.05 GiB in use
     above the host's idle) and run 8's Qwen3.5 (powers of two already: 65.0 vs 65.4)."""
     layer = f.experts * f.expert_bytes
-    pinned = f.moe_layers * (pow2_ceil(layer * 2 // 3) + pow2_ceil(layer // 3))
-    return (pinned + layer) / GIB + HOST_BASE_GIB
+    return (uva_pinned_bytes(layer, f.moe_layers) + layer) / GIB + HOST_BASE_GIB
 
 
 def stock_memory(f: Family, kv_gib: float = 0.5) -> tuple[float, float]:

@@ -10,7 +10,8 @@
 #   bash scripts/gpu_families.sh schedule            # print the schedule below (no GPU)
 #   bash scripts/gpu_families.sh gptoss_full --out DIR    # GPT-OSS-20B bf16, all 24 layers (gpu_run.sh gptossfull)
 #   bash scripts/gpu_families.sh mixtral_full --out DIR   # Mixtral-8x7B, all 32 layers (gpu_run.sh mixfull)
-#   bash scripts/gpu_families.sh kimi_deep --out DIR      # Kimi-K2 layer shape at depth 3, stock then reap (gpu_run.sh kimi3)
+#   bash scripts/gpu_families.sh v3_deep --out DIR        # DeepSeek-V3 layer shape, 3 MoE layers, stock then reap (gpu_run.sh v3deep)
+#   bash scripts/gpu_families.sh kimi_deep --out DIR      # Kimi-K2 layer shape, 1 MoE layer, stock then reap (gpu_run.sh kimideep)
 #
 # Results: DIR/<family>/{meta,reap,stock,family}.json + server logs, DIR/pin_bench.json,
 # DIR/families.md (scripts/gpu_summarize.py --families DIR), DIR/<family>-<arm>.log, DIR/lane.log.
@@ -172,34 +173,41 @@ mixtral_full() {
   $PY scripts/gpu_families.py --name "$name" --out "$S" --arms merge > /dev/null 2>&1
 }
 
-# Kimi-K2 at depth 3 (issue 15 item 3; tests/data/kimi_k2_bf16_depth3_config.json): 1 dense + 2 MoE
-# layers of 384 x 84 MiB = 31.5 GiB each, 63 GiB of experts. Stock first, alone (HBM ~71: every expert),
-# then reap alone once the HBM is free (HBM ~71 with the 100 % pool, reserved at load), as mixtral_full.
-# Host, reap: PyTorch's pinned allocator rounds each pinned tensor up to a power of two, so vLLM's UVA
-# copy of a layer's w13 (21 GiB) and w2 (10.5 GiB) takes 32 + 16 GiB: 96 GiB for the two layers, plus
-# the engine's 31.5 GiB copy of the layer it re-homes, plus ~3.5 GiB of process = ~131 GiB of 125.9
-# (scripts/fulldepth_budget.py pinned_host_gib; the same rule gives run 13's Mixtral 102 GiB in use).
-# So at depth 3 the reap arm is expected to hit --host-guard-gib during its first re-home unless the
-# rounding is switched off: KIMI_PINNED_CONF (the reap server's PYTORCH_CUDA_ALLOC_CONF, e.g.
-# pinned_max_round_threshold_mb:1024, a key of newer PyTorch: not checked on the H200's torch 2.11;
-# then ~99 GiB) or KIMI_LAYERS=2 (one MoE layer: ~84 GiB). The launcher's own check asks 100.5 GiB of
-# MemAvailable (experts + one layer + 6) and lets depth 3 start. Knobs: KIMI_STOCK_CAP (240 s),
-# KIMI_GRAPHS=1 (CUDA graphs; default eager), KIMI_PROMPTS (4), KIMI_DECODE (32), KIMI_REPEATS (1),
-# KIMI_REAP_HBM_GIB (75: nvidia-smi free before reap starts, <= 90 s wait).
-kimi_deep() {
-  local layers=${KIMI_LAYERS:-3}
-  local name=kimi_k2_d$layers
-  local k=(--config tests/data/kimi_k2_bf16_depth3_config.json --kv-gib 0.5 --host-guard-gib 5
-           --prompts "${KIMI_PROMPTS:-4}" --decode-tokens "${KIMI_DECODE:-32}"
-           --decode-repeats "${KIMI_REPEATS:-1}")
-  [ "$layers" = 3 ] || k+=(--layers "$layers")
-  [ "${KIMI_GRAPHS:-0}" = 1 ] || k+=(--eager)
+# The DeepSeek-V3 / Kimi-K2 layer shape at the depth that fits the H200 machine's host (issue 15 item 3),
+# stock first, alone (every expert in HBM), then reap alone once the HBM is free, as mixtral_full.
+# Host, reap: vLLM's UVA offload pins each layer's w13 and w2 with pin_memory(), which PyTorch rounds up
+# to a power of two (torch 2.11 on the H200: research-notes/pinned-round; torch 2.11 has no
+# pinned_max_round_threshold_mb: PYTORCH_CUDA_ALLOC_CONF with it fails at CUDA init), and the engine
+# copies the layer it re-homes: all rounded layers + one layer + ~3.5 GiB (scripts/fulldepth_budget.py
+# pinned_host_gib; run 13's Mixtral 102 GiB in use). The launcher refuses before loading when that
+# (+ 6 GiB) exceeds MemAvailable (~124.5 GiB there), so:
+#   v3_deep   deepseek_v3_bf16_depth5_config.json at V3DEEP_LAYERS=6: 3 dense + 3 MoE layers of 256 x 84 MiB
+#             = 63 GiB of experts, pinned as 3 x (16 + 8) = 72 GiB, host ~97 GiB; stock HBM ~72
+#   kimi_deep kimi_k2_bf16_depth3_config.json at KIMI_LAYERS=2: 1 dense + 1 MoE layer of 384 x 84 MiB =
+#             31.5 GiB, pinned as 32 + 16 = 48 GiB, host ~83 GiB (depth 3 pins 96 GiB for 63: the
+#             launcher refuses it on this host)
+# Knobs (PREFIX = V3DEEP or KIMI): PREFIX_STOCK_CAP (240 s), PREFIX_GRAPHS=1 (CUDA graphs; default eager),
+# PREFIX_PROMPTS (4), PREFIX_DECODE (32), PREFIX_REPEATS (1), PREFIX_REAP_HBM_GIB (75: nvidia-smi free
+# before reap starts, <= 90 s wait).
+deep_pair() {  # NAME CONFIG PREFIX LAYERS
+  local name=$1 config=$2 p=$3 layers=$4 v
+  v() { local n="${p}_$1"; echo "${!n:-$2}"; }
+  local k=(--config "$config" --layers "$layers" --kv-gib 0.5 --host-guard-gib 5
+           --prompts "$(v PROMPTS 4)" --decode-tokens "$(v DECODE 32)" --decode-repeats "$(v REPEATS 1)")
+  [ "$(v GRAPHS 0)" = 1 ] || k+=(--eager)
   prep "$name" "${k[@]}"
-  arm "$name" stock "$(min "${KIMI_STOCK_CAP:-240}" "$(left)")" "${k[@]}"
-  hbm_free_wait "${KIMI_REAP_HBM_GIB:-75}" 90
-  PINNED=${KIMI_PINNED_CONF:-}
+  arm "$name" stock "$(min "$(v STOCK_CAP 240)" "$(left)")" "${k[@]}"
+  hbm_free_wait "$(v REAP_HBM_GIB 75)" 90
   arm "$name" reap "$(left)" "${k[@]}"
   $PY scripts/gpu_families.py --name "$name" --out "$S" --arms merge > /dev/null 2>&1
+}
+kimi_deep() {
+  local layers=${KIMI_LAYERS:-2}
+  deep_pair "kimi_k2_d$layers" tests/data/kimi_k2_bf16_depth3_config.json KIMI "$layers"
+}
+v3_deep() {
+  local layers=${V3DEEP_LAYERS:-6}
+  deep_pair "deepseek_v3_d$layers" tests/data/deepseek_v3_bf16_depth5_config.json V3DEEP "$layers"
 }
 
 lane() {
@@ -239,7 +247,8 @@ case "${1:-}" in
     mkdir -p "$S"; pair deepseek_v3_d2 "$(left)" --config tests/data/deepseek_v3_bf16_depth2_config.json --eager --kv-gib 0.5 --host-guard-gib 5 ;;
   gptoss_full) mkdir -p "$S"; gptoss_full ;;
   mixtral_full) mkdir -p "$S"; mixtral_full ;;
-  kimi_deep) mkdir -p "$S"; kimi_deep ;;  # gpu_run.sh's kimi3 phase
+  kimi_deep) mkdir -p "$S"; kimi_deep ;;  # gpu_run.sh's kimideep phase
+  v3_deep) mkdir -p "$S"; v3_deep ;;  # gpu_run.sh's v3deep phase
   start)
     mkdir -p "$S"
     setsid nohup bash "$0" session --out "$S" > "$S/lane.log" 2>&1 < /dev/null &
@@ -255,5 +264,5 @@ case "${1:-}" in
     ls -la "${OUT:-/tmp/out}"
     ;;
   schedule) sed -n '/^# Schedule/,/^# What each/p' "$0" ;;
-  *) echo "usage: $0 all|start|lane_a_only|v2lite_only|v3_only|gptoss_full|mixtral_full|kimi_deep --out DIR | wait SECONDS --out DIR | schedule"; exit 2 ;;
+  *) echo "usage: $0 all|start|lane_a_only|v2lite_only|v3_only|gptoss_full|mixtral_full|kimi_deep|v3_deep --out DIR | wait SECONDS --out DIR | schedule"; exit 2 ;;
 esac

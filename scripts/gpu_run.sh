@@ -27,13 +27,14 @@
 #   mixfull   Mixtral-8x7B at full depth (32 x 8 x 336 MiB = 84 GiB): stock, THEN reap-swap (both need
 #             ~89 GiB HBM; reap's host ~93 GiB), eager, 4 prompts (gpu_families.sh mixtral_full;
 #             ~12 min, MIX_CAP=780 s; MIX_LAYERS for a shallower depth): alone
-#   kimi3     the Kimi-K2 layer shape at depth 3 (1 dense + 2 MoE layers of 384 x 84 MiB = 63 GiB): stock,
-#             THEN reap-swap, eager, 0/25/50/100 %/0 vs stock, 4 prompts (gpu_families.sh kimi_deep; KIMI_CAP=600 s,
-#             KIMI_STOCK_CAP, KIMI_PROMPTS, KIMI_DECODE, KIMI_REPEATS, KIMI_GRAPHS, KIMI_LAYERS, KIMI_PINNED_CONF):
-#             alone. HBM ~71 GiB each; host: stock ~4, reap ~131 GiB of 125.9 predicted (PyTorch rounds each
-#             pinned w13/w2 up to a power of two: 96 GiB for 63; + the 31.5 GiB layer being re-homed), so reap
-#             is expected to be stopped by its 5 GiB host guard at depth 3 unless KIMI_PINNED_CONF=
-#             pinned_max_round_threshold_mb:1024 works on the kit's torch (~99 GiB) or KIMI_LAYERS=2 (~84 GiB)
+#   v3deep    the DeepSeek-V3 layer shape at the depth that fits the host (V3DEEP_LAYERS=6: 3 dense + 3 MoE layers of
+#             256 x 84 MiB = 63 GiB): stock, THEN reap-swap, eager, 0/25/50/100 %/0 vs stock, 4 prompts
+#             (gpu_families.sh v3_deep; V3DEEP_CAP=660 s; V3DEEP_STOCK_CAP, _PROMPTS, _DECODE, _REPEATS, _GRAPHS):
+#             alone. HBM ~72 GiB each; host: reap ~97 GiB (vLLM's pinned w13/w2 rounded up to powers of two
+#             by PyTorch: 72 GiB for 63, + the 21 GiB layer being re-homed)
+#   kimideep  the Kimi-K2 layer shape (KIMI_LAYERS=2: 1 dense + 1 MoE layer of 384 x 84 MiB = 31.5 GiB), as v3deep
+#             (gpu_families.sh kimi_deep; KIMI_CAP=600 s): alone; host ~83 GiB. Depth 3 pins 96 GiB for 63 and
+#             the launcher refuses it on the H200 machine's host (torch 2.11 cannot switch the rounding off)
 #   hybridauto --reap-budget auto on full-size Qwen3.5 (hybrid attention), HYB_ARMS=auto@0.5,auto@0.85
 #             one server after the other (gpu_budget_auto.py --config; ~16 min, HYB_CAP=1200 s): alone
 #   extra     bash scripts/gpu_extra_phase.sh $R/extra (a phase a branch ships for this run)
@@ -55,7 +56,7 @@
 # scripts/dry_py.sh (gpu_families.py arms become `prepare`, gpu_budget_auto.py gets --dry-run, the
 # rest is only logged to $RUN_DIR/dry.log) and no leftover server is looked for or killed.
 #   DRY=1 RUN_DIR=/tmp/dry PHASES="gptossfull mixfull v2lite+v3layer mlacount hybridauto budget" bash scripts/gpu_run.sh session
-#   DRY=1 RUN_DIR=/tmp/dry PHASES=kimi3 bash scripts/gpu_run.sh session
+#   DRY=1 RUN_DIR=/tmp/dry PHASES="v3deep kimideep" bash scripts/gpu_run.sh session
 # Everything lands in /tmp/run; the tarball leaves out checkpoints and safetensors.
 set -u
 R=${RUN_DIR:-/tmp/run}
@@ -123,7 +124,8 @@ ph_skewbench() {  # the driver SIGTERMs its benches 60 s before the outer cap an
     --deadline $(( ${SKEW_CAP:-780} - 60 )) ${SKEW_EXTRA:-} > $R/skewbench.log 2>&1
 }
 ph_gptossfull() { DEADLINE=${GPTOSS_CAP:-420} bash scripts/gpu_families.sh gptoss_full --out $R/fam > $R/gptossfull.log 2>&1; }
-ph_kimi3() { DEADLINE=${KIMI_CAP:-600} bash scripts/gpu_families.sh kimi_deep --out $R/fam > $R/kimi3.log 2>&1; }
+ph_kimideep() { DEADLINE=${KIMI_CAP:-600} bash scripts/gpu_families.sh kimi_deep --out $R/fam > $R/kimideep.log 2>&1; }
+ph_v3deep() { DEADLINE=${V3DEEP_CAP:-660} bash scripts/gpu_families.sh v3_deep --out $R/fam > $R/v3deep.log 2>&1; }
 ph_mixfull() { DEADLINE=${MIX_CAP:-780} bash scripts/gpu_families.sh mixtral_full --out $R/fam > $R/mixfull.log 2>&1; }
 ph_hybridauto() {  # hybridkv: the KV target from vLLM's own hybrid grouping; one server at a time
   timeout --kill-after=30 ${HYB_CAP:-1200} $PY scripts/gpu_budget_auto.py \

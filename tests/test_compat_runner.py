@@ -170,7 +170,7 @@ def _launch(monkeypatch, device_total: int, pool_bytes: int = 0):
     monkeypatch.setattr(vs, "use_triton_moe_backend", lambda a: calls.append("triton"))
     monkeypatch.setattr(vs, "cpu_offload_chosen", lambda a: False)
     monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib: calls.append("uva"))
-    monkeypatch.setattr(server, "check_host_memory", lambda s: calls.append("host"))
+    monkeypatch.setattr(server, "check_host_memory", lambda s, **kw: calls.append("host"))
     monkeypatch.setattr(vs, "device_total_bytes", lambda: device_total)
 
     class Settings:

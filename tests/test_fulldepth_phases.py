@@ -126,7 +126,7 @@ def test_dry_hybridauto_builds_the_full_qwen3_5_folder_and_both_arms(dry):
     assert not budget["plan_found"] and "refused" in budget["arms"]  # the plan is made on the device
 
 
-# kimi3 (branch kimideep): the Kimi-K2 layer shape at depth 3, stock then reap, never run on a GPU.
+# v3deep / kimideep: the V3 and Kimi-K2 layer shapes at the depth that fits the host, never run on a GPU.
 def test_pinned_rounding_reproduces_run_13_and_puts_kimi_depth_3_over_the_host(fb):
     # run 13, Mixtral alone: 103.29 GiB in use at peak from 1.24 idle; run 8, Qwen3.5: 67.2 from 1.8
     assert abs(fb.pinned_host_gib(fb.family("mixtral_8x7b")) - (103.29 - 1.24)) < 1.0
@@ -140,55 +140,63 @@ def test_pinned_rounding_reproduces_run_13_and_puts_kimi_depth_3_over_the_host(f
     assert not fb.fits([fb.reap_memory(k), fb.stock_memory(k)])["ok"]  # 142 GiB of HBM: one at a time
 
 
-def test_the_launcher_host_check_lets_kimi_depth_3_start():
-    from reap_swap.host_memory import HostMemoryNeed
+def test_the_launcher_refuses_kimi_depth_3_and_lets_v3_depth_6_start():
+    """The launcher counts vLLM's pinned copies as PyTorch rounds them (host_memory.uva_pinned_bytes):
+    Kimi depth 3 needs 96 + 31.5 + 6 GiB and is refused on the lent H200 host before loading; the V3
+    layer at depth 6 (3 MoE layers) needs 72 + 21 + 6 and starts."""
+    from reap_swap.host_memory import HostMemoryNeed, uva_pinned_bytes
 
-    s = read_model_shape(ROOT / "tests" / "data" / "kimi_k2_bf16_depth3_config.json")
     available = 130516700 * 1024  # run 11's MemAvailable on the lent H200 host (124.5 GiB)
-    need = HostMemoryNeed(s.total_expert_bytes, s.layer_expert_bytes, available)
-    assert need.needed_bytes == (63 + 31.5 + 6) * 2**30 and need.refusal() is None
+    s = read_model_shape(ROOT / "tests" / "data" / "kimi_k2_bf16_depth3_config.json")
+    pinned = uva_pinned_bytes(s.layer_expert_bytes, len(s.moe_layers))
+    need = HostMemoryNeed(s.total_expert_bytes, s.layer_expert_bytes, available, pinned)
+    assert need.needed_bytes == (96 + 31.5 + 6) * 2**30 and "power of two" in need.refusal()
+    v3 = read_model_shape(ROOT / "tests" / "data" / "deepseek_v3_bf16_depth5_config.json")
+    assert v3.layer_expert_bytes == 21 * 2**30
+    need = HostMemoryNeed(
+        3 * v3.layer_expert_bytes,
+        v3.layer_expert_bytes,
+        available,
+        uva_pinned_bytes(v3.layer_expert_bytes, 3),
+    )
+    assert need.needed_bytes == (72 + 21 + 6) * 2**30 and need.refusal() is None
 
 
-def kimi_dry(tmp_path: Path, **knobs: str) -> tuple[Path, list[str]]:
+def deep_dry(tmp_path: Path, phase: str, **knobs: str) -> tuple[Path, list[str]]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    p = run_dry_session(tmp_path, "kimi3", timeout=180, **knobs)
+    p = run_dry_session(tmp_path, phase, timeout=180, **knobs)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "phase kimi3 exit 0" in p.stdout, p.stdout[-3000:]
+    assert f"phase {phase} exit 0" in p.stdout, p.stdout[-3000:]
     return tmp_path, (tmp_path / "dry.log").read_text().splitlines()
 
 
-def test_dry_kimi3_prepares_then_stock_then_reap_then_merge(tmp_path):
-    run, lines = kimi_dry(tmp_path)
-    calls = [x for x in lines if x.startswith("DRY scripts/gpu_families.py --name kimi_k2_d3 ")]
+def test_dry_kimideep_prepares_then_stock_then_reap_then_merge(tmp_path):
+    run, lines = deep_dry(tmp_path, "kimideep")
+    calls = [x for x in lines if x.startswith("DRY scripts/gpu_families.py --name kimi_k2_d2 ")]
     arms = [x.split("--arms ")[1].split()[0] for x in calls]
     assert arms == ["prepare", "stock", "reap", "merge"], calls
     for line in calls[:3]:
-        assert "--config tests/data/kimi_k2_bf16_depth3_config.json" in line and "--eager" in line
-        assert "--prompts 4 --decode-tokens 32 --decode-repeats 1" in line and "--layers" not in line
+        assert "--config tests/data/kimi_k2_bf16_depth3_config.json --layers 2" in line and "--eager" in line
+        assert "--prompts 4 --decode-tokens 32 --decode-repeats 1" in line
         assert "--kv-gib 0.5 --host-guard-gib 5" in line
-    assert "--pinned-conf  " in calls[2]  # the reap server: no allocator setting unless KIMI_PINNED_CONF
-    meta = json.loads((run / "fam" / "kimi_k2_d3" / "meta.json").read_text())
-    assert meta["shape"]["moe_layers"] == [1, 2] and meta["shape"]["experts"] == 384
-    assert meta["shape"]["expert_gib"] == 63.0 and "--enforce-eager" in meta["engine"]
-    loaded = load_plan(Path(meta["plan"]), read_model_shape(Path("/tmp/families") / "kimi_k2_d3"))
-    assert sorted(loaded.layers) == [1, 2]
+    assert "--pinned-conf  " in calls[2]  # no allocator setting: torch 2.11 has none against the rounding
+    meta = json.loads((run / "fam" / "kimi_k2_d2" / "meta.json").read_text())
+    assert meta["shape"]["moe_layers"] == [1] and meta["shape"]["experts"] == 384
+    assert meta["shape"]["expert_gib"] == 31.5 and "--enforce-eager" in meta["engine"]
+    loaded = load_plan(Path(meta["plan"]), read_model_shape(Path("/tmp/families") / "kimi_k2_d2"))
+    assert sorted(loaded.layers) == [1]
     fr = load_script("families_report")
     plan = json.loads(Path(meta["plan"]).read_text())
     points = [(label, fr.resident_count(plan, active)) for label, active in fr.phases(plan, 384)]
-    assert fr.startup_label(plan) == "0" and points == [("25", 192), ("50", 384), ("100", 768), ("again", 0)]
-    assert json.loads((run / "fam" / "kimi_k2_d3" / "family.json").read_text())["family"] == "kimi_k2_d3"
+    assert fr.startup_label(plan) == "0" and points == [("25", 96), ("50", 192), ("100", 384), ("again", 0)]
+    assert json.loads((run / "fam" / "kimi_k2_d2" / "family.json").read_text())["family"] == "kimi_k2_d2"
 
 
-def test_dry_kimi3_knobs_depth_2_graphs_and_the_pinned_conf(tmp_path):
-    _, lines = kimi_dry(
-        tmp_path, KIMI_LAYERS="2", KIMI_GRAPHS="1", KIMI_PROMPTS="2", KIMI_REPEATS="3",
-        KIMI_PINNED_CONF="pinned_max_round_threshold_mb:1024",
-    )  # fmt: skip
-    calls = [x for x in lines if x.startswith("DRY scripts/gpu_families.py --name kimi_k2_d2 ")]
+def test_dry_v3deep_serves_three_moe_layers_and_takes_the_knobs(tmp_path):
+    run, lines = deep_dry(tmp_path, "v3deep", V3DEEP_GRAPHS="1", V3DEEP_PROMPTS="2", V3DEEP_REPEATS="3")
+    calls = [x for x in lines if x.startswith("DRY scripts/gpu_families.py --name deepseek_v3_d6 ")]
     assert [x.split("--arms ")[1].split()[0] for x in calls] == ["prepare", "stock", "reap", "merge"]
-    assert all("--layers 2" in x and "--eager" not in x and "--prompts 2 " in x for x in calls[:3])
+    assert all("--layers 6" in x and "--eager" not in x and "--prompts 2 " in x for x in calls[:3])
     assert "--decode-repeats 3" in calls[2]
-    assert "--pinned-conf pinned_max_round_threshold_mb:1024 " in calls[2]
-    assert "--pinned-conf  " in calls[1]  # stock: no allocator setting
-    meta = json.loads((tmp_path / "fam" / "kimi_k2_d2" / "meta.json").read_text())
-    assert meta["shape"]["moe_layers"] == [1] and meta["shape"]["expert_gib"] == 31.5
+    meta = json.loads((run / "fam" / "deepseek_v3_d6" / "meta.json").read_text())
+    assert meta["shape"]["moe_layers"] == [3, 4, 5] and meta["shape"]["expert_gib"] == 63.0

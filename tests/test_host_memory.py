@@ -5,7 +5,15 @@ from pathlib import Path
 import pytest
 
 from reap_swap import server
-from reap_swap.host_memory import GIB, PROCESS_MARGIN_BYTES, HostMemoryNeed, mem_available_bytes
+from reap_swap.host_memory import (
+    GIB,
+    PROCESS_MARGIN_BYTES,
+    HostMemoryNeed,
+    mem_available_bytes,
+    pow2_ceil,
+    round_threshold_bytes,
+    uva_pinned_bytes,
+)
 from reap_swap.model_shape import read_model_shape
 from reap_swap.server import LaunchError
 
@@ -39,3 +47,49 @@ def test_the_launcher_refuses_before_loading(tmp_path):
     meminfo.write_text(MEMINFO)
     server.check_host_memory(shape, meminfo)  # 124 GiB: fits
     server.check_host_memory(shape, tmp_path / "absent")  # unreadable: warned, not refused
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_pinned_blocks_round_up_to_powers_of_two():
+    """H200, torch 2.11 (research-notes/pinned-round/probe.jsonl): 600 MiB pinned as 1024, 2600 as 4096."""
+    assert pow2_ceil(600 * 2**20) == 1024 * 2**20 and pow2_ceil(2600 * 2**20) == 4096 * 2**20
+    assert pow2_ceil(2**30) == 2**30 and pow2_ceil(1) == 1
+    assert round_threshold_bytes(None) is None and round_threshold_bytes("expandable_segments:True") is None
+    conf = "pinned_max_round_threshold_mb:1024,pinned_max_cached_size_mb:64"
+    assert round_threshold_bytes(conf) == 64 * 2**20
+
+
+def test_uva_pinned_bytes_match_run_13_mixtral_and_run_8_qwen35():
+    mixtral = read_model_shape(DATA / "mixtral_8x7b_config.json")  # 8 x 336 MiB a layer, 32 layers
+    assert mixtral.total_expert_bytes == 84 * GIB
+    # w13 1.75 GiB -> 2, w2 0.875 -> 1: 96 GiB pinned (run 13: 102.05 GiB in use = 96 + 6.05 process)
+    assert uva_pinned_bytes(mixtral.layer_expert_bytes, 32) == 96 * GIB
+    assert uva_pinned_bytes(mixtral.layer_expert_bytes, 32, tp=2) == 96 * GIB  # 1 + 0.5 GiB per rank
+    assert (
+        uva_pinned_bytes(mixtral.layer_expert_bytes, 32, threshold=2**30) == 88 * GIB
+    )  # w2 (0.875) still rounded
+    assert uva_pinned_bytes(mixtral.layer_expert_bytes, 32, threshold=2**29) == 84 * GIB  # both exact
+    qwen = read_model_shape(QWEN35)  # 1 GiB + 0.5 GiB a layer: powers of two already
+    assert uva_pinned_bytes(qwen.layer_expert_bytes, 40) == qwen.total_expert_bytes
+
+
+def test_kimi_k2_depth3_is_refused_on_the_h200_host_with_the_rounding_named(tmp_path, monkeypatch):
+    """63 GiB of experts pin as 96 (21 -> 32, 10.5 -> 16 GiB a layer) + a 31.5 GiB layer + 6 = 133.5 GiB
+    against the H200 machine's ~124.5 GiB available: refused before loading, not killed mid-load."""
+    shape = read_model_shape(DATA / "kimi_k2_bf16_depth3_config.json")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(MEMINFO)  # 124 GiB available
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    server.check_host_memory(shape, meminfo)  # the engine's exact copies only: 100.5 GiB fits
+    with pytest.raises(LaunchError) as err:
+        server.check_host_memory(shape, meminfo, uva_tp=1)
+    msg = str(err.value)
+    assert "96.0 GiB (63.0 GiB of experts" in msg and "power of two" in msg and "133.5 GiB" in msg
+    # a torch that knows pinned_max_round_threshold_mb pins exactly above it
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_max_round_threshold_mb:1024")
+    server.check_host_memory(shape, meminfo, uva_tp=1)
+    need = HostMemoryNeed(shape.total_expert_bytes, shape.layer_expert_bytes, 124 * GIB, 96 * GIB)
+    assert need.needed_bytes == int(133.5 * GIB)

@@ -134,7 +134,9 @@ def _launch(monkeypatch, fmt, quantization=None, group_size="1", unverified_int4
     monkeypatch.setattr(vs, "use_triton_moe_backend", lambda a: calls.append("triton"))
     monkeypatch.setattr(vs, "cpu_offload_chosen", lambda a: False)
     monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib: calls.append(("uva", gib)))
-    monkeypatch.setattr(server, "check_host_memory", lambda s: calls.append(("host", s.total_expert_bytes)))
+    monkeypatch.setattr(
+        server, "check_host_memory", lambda s, **kw: calls.append(("host", s.total_expert_bytes))
+    )
     monkeypatch.setattr(vs, "device_total_bytes", lambda: 141 * 2**30)  # one H200
     shape = read_model_shape(config(fmt))
     settings = _Settings()
