@@ -12,14 +12,7 @@ import sys
 
 import torch
 
-MIB = 1 << 20
-
-
-def rss_mib() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return -1.0
+from probe import MIB, rss_mib  # same folder (run from here)
 
 
 def registered(size_mib: int) -> dict:
