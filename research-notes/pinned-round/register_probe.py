@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import torch
-
 from probe import MIB, rss_mib  # same folder (run from here)
 
 
