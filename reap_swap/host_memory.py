@@ -12,7 +12,8 @@ check) formats the engine refuses (quant_budget.py). Online `--quantization fp8`
 checkpoint is checked at its bf16 bytes, an upper bound (vLLM loads bf16 and quantizes after).
 PyTorch's caching host allocator rounds every `pin_memory()` up to a power of two (torch 2.11 on the
 H200: 600 MiB took 1024, 2600 MiB took 4096; research-notes/pinned-round), and vLLM's UVA offload
-pins each layer's w13 and w2 that way, so on that path the pinned bytes are the rounded ones (run 13's
+(0.26.0 and 0.32.0 `offloader/uva.py`: `cpu_data.pin_memory()`) pins each layer's w13 and w2 that
+way, so on that path the pinned bytes are the rounded ones (run 13's
 Mixtral-8x7B: 1.75 + 0.875 GiB a layer pinned as 2 + 1, 96 GiB for 84). Newer torch skips the rounding
 above `pinned_max_round_threshold_mb` (torch 2.11 rejects the key and fails at CUDA init).
 Pure: the caller reads /proc/meminfo and the allocator settings.
