@@ -25,6 +25,7 @@ from reap_swap.counting import counters
 from reap_swap.logs import get_logger
 from reap_swap.moe_probe import MoeProbeExtension
 from reap_swap.residency.accounting import AccountingResidency
+from reap_swap.residency.refusals import NothingRehomed
 from reap_swap.runtime import WorkerRuntime
 from reap_swap.settings import ADDITIONAL_CONFIG_KEY
 from reap_swap.worker_core import ResidencyBackend, WorkerCore, WorkerRpc
@@ -59,9 +60,16 @@ def make_residency_backend(
         if settings.residency == "cuda":
             raise
         reason = f"CUDA residency engine unavailable ({type(exc).__name__}: {exc})"
-        log.error("reap-swap: %s; falling back to accounting residency (no bytes will move)", reason)
-        refusals = getattr(runtime.engine, "refusals", None)
-        return AccountingResidency(core, plan.per_expert_bytes, reason, getattr(refusals, "reasons", None))
+        refused = getattr(getattr(runtime.engine, "refusals", None), "reasons", None)
+        if isinstance(exc, NothingRehomed) and refused:  # by design: each layer said why (WARNING) above
+            log.warning(
+                "reap-swap: all %d MoE layers keep vLLM's stock path (refused by name above); swaps run in "
+                "accounting mode (no bytes will move)",
+                len(refused),
+            )
+        else:
+            log.error("reap-swap: %s; falling back to accounting residency (no bytes will move)", reason)
+        return AccountingResidency(core, plan.per_expert_bytes, reason, refused)
 
 
 def build_cache(runtime: WorkerRuntime, layers: dict, uncounted: dict, backend) -> CacheAccounting:

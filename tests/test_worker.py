@@ -130,3 +130,32 @@ def test_the_runtime_is_closed_when_the_worker_shuts_down():
     assert order == ["vllm", "reap"]
     Worker().shutdown()  # other instances are untouched
     assert order == ["vllm", "reap", "vllm"]
+
+
+def test_an_engine_that_refused_every_layer_warns_instead_of_erroring(monkeypatch, caplog):
+    """Run 15 (INT4, every layer refused by name): the fallback is by design, so one WARNING sums it up;
+    any other failure to build the engine stays an ERROR. The reason in /reap/status is unchanged."""
+    import logging
+
+    from reap_swap.residency import cuda_backend
+    from reap_swap.residency.refusals import LayerRefusals, NothingRehomed
+
+    refusals = LayerRefusals()
+    refusals.reasons.update({"l0": "INT4: Marlin", "l1": "INT4: Marlin"})
+    engine = type("Engine", (), {"state": None, "refusals": refusals, "pending_meta": {}})()
+    rt = _runtime()
+    rt.engine = engine
+    caplog.set_level(logging.WARNING, logger="reap_swap.worker")
+    backend = make_residency_backend(rt, "cuda")
+    assert isinstance(backend, AccountingResidency) and "no MoE layer was re-homed" in backend.reason
+    rows = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "reap_swap.worker"]
+    assert rows == [(logging.WARNING, rows[0][1])] and "all 2 MoE layers keep vLLM's stock path" in rows[0][1]
+    caplog.clear()
+
+    def broken(engine):
+        raise RuntimeError("driver gone")
+
+    monkeypatch.setattr(cuda_backend, "CudaResidency", broken)
+    make_residency_backend(rt, "cuda")
+    assert [r.levelno for r in caplog.records if r.name == "reap_swap.worker"] == [logging.ERROR]
+    assert issubclass(NothingRehomed, RuntimeError)

@@ -18,6 +18,7 @@ from reap_swap.compat import moe as vllm_moe
 from .backend_base import ResidencyBase, refuse_misplaced
 from .device_cache_seeded import seeded_pins
 from .engine import CudaEngine, EngineState, LayerEntry
+from .refusals import NothingRehomed
 from .swap import apply_swap
 from .vmm_store import VmmStore
 
@@ -51,7 +52,7 @@ class CudaResidency(ResidencyBase):
             reasons = engine.refusals.summary()
             if getattr(engine, "pending_meta", None):
                 reasons += f"; never left the meta device (no post-load call with data): {sorted(engine.pending_meta)}"
-            raise RuntimeError(
+            raise NothingRehomed(
                 "no MoE layer was re-homed at load time" + (f" ({reasons})" if reasons else "")
             )
         refuse_misplaced(st.layers, misplaced_tensors, "ranges")

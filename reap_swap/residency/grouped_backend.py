@@ -21,7 +21,7 @@ from reap_swap.group_layout import group_target, residents_of, set_cost
 
 from . import grouped
 from .backend_base import ResidencyBase, refuse_misplaced
-from .refusals import LayerRefusals
+from .refusals import LayerRefusals, NothingRehomed
 from .swap import ExpertStore
 
 
@@ -43,7 +43,7 @@ class GroupedResidency(ResidencyBase):
         st = engine.state
         gs = getattr(st, "grouped", None)
         if gs is None or not gs.layers:
-            raise RuntimeError(
+            raise NothingRehomed(
                 "no MoE layer was re-homed in groups at load time: " + engine.refusals.summary()
             )
         refuse_misplaced(gs.layers, misplaced_tensors, "grouped ranges")

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 logger = logging.getLogger("reap_swap.residency")
 
 
+class NothingRehomed(RuntimeError):
+    """The engine re-homed no MoE layer: each one was refused by name (or never left meta)."""
+
+
 @dataclass
 class LayerRefusals:
     reasons: dict[str, str] = field(default_factory=dict)  # layer name -> reason
