@@ -16,6 +16,7 @@ H200: 600 MiB took 1024, 2600 MiB took 4096; research-notes/pinned-round), and v
 way, so on that path the pinned bytes are the rounded ones (run 13's
 Mixtral-8x7B: 1.75 + 0.875 GiB a layer pinned as 2 + 1, 96 GiB for 84). Newer torch skips the rounding
 above `pinned_max_round_threshold_mb` (torch 2.11 rejects the key and fails at CUDA init).
+Biases and scales are not pinned this way (`--cpu-offload-params w13_weight w2_weight`).
 Pure: the caller reads /proc/meminfo and the allocator settings.
 """
 
@@ -40,29 +41,35 @@ def mem_available_bytes(meminfo: str) -> int | None:
 
 def pow2_ceil(n: int) -> int:
     """The block PyTorch's caching host allocator pins for an n-byte request (c10::llvm::PowerOf2Ceil)."""
-    return 1 << max(n - 1, 0).bit_length()
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def round_threshold_bytes(alloc_conf: str | None) -> int | None:
     """Above this size pinned blocks are not rounded (`pinned_max_round_threshold_mb` or the smaller
-    `pinned_max_cached_size_mb` in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF); None: always rounded."""
-    found = [
-        int(m) for m in re.findall(r"pinned_max_(?:round_threshold|cached_size)_mb:(\d+)", alloc_conf or "")
-    ]
+    `pinned_max_cached_size_mb` in the allocator settings); None: always rounded."""
+    pattern = r"pinned_max_(?:round_threshold|cached_size)_mb\s*:\s*(\d+)"
+    found = [int(m) for m in re.findall(pattern, alloc_conf or "")]
     return min(found) * 2**20 if found else None
 
 
-def uva_pinned_bytes(layer_bytes: int, moe_layers: int, tp: int = 1, threshold: int | None = None) -> int:
-    """What vLLM's UVA offload pins for the experts: per MoE layer and TP rank, w13 (gate + up, 2/3 of a
-    layer's expert bytes) and w2 (down, 1/3) as two `pin_memory()` blocks, each rounded up to a power
-    of two unless above `threshold`."""
+def alloc_conf(environ) -> str | None:
+    """The allocator settings torch reads: PYTORCH_ALLOC_CONF first, PYTORCH_CUDA_ALLOC_CONF as its older
+    fallback (torch 2.9+, c10/core/AllocatorConfig)."""
+    return environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF")
+
+
+def uva_pinned_bytes(
+    w13_bytes: int, w2_bytes: int, experts: int, moe_layers: int, tp: int = 1, threshold: int | None = None
+) -> int:
+    """What vLLM's UVA offload pins for the experts: per MoE layer and TP rank, `w13_weight` and `w2_weight`
+    ([E, ...] each, one expert's bytes given) as two `pin_memory()` blocks, each rounded up to a power of
+    two unless above `threshold`."""
 
     def block(n: int) -> int:
         return n if threshold is not None and n > threshold else pow2_ceil(n)
 
-    shard = layer_bytes // max(tp, 1)
-    w13 = shard * 2 // 3
-    return moe_layers * max(tp, 1) * (block(w13) + block(shard - w13))
+    tp = max(tp, 1)
+    return moe_layers * tp * (block(experts * w13_bytes // tp) + block(experts * w2_bytes // tp))
 
 
 @dataclass(frozen=True)

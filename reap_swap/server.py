@@ -27,7 +27,13 @@ from pathlib import Path
 from reap_swap.budget_startup import BudgetRefused, arm_refusal_file, read_refusal
 from reap_swap.compat import runner as vllm_runner
 from reap_swap.compat import serve as vllm_serve
-from reap_swap.host_memory import HostMemoryNeed, mem_available_bytes, round_threshold_bytes, uva_pinned_bytes
+from reap_swap.host_memory import (
+    HostMemoryNeed,
+    alloc_conf,
+    mem_available_bytes,
+    round_threshold_bytes,
+    uva_pinned_bytes,
+)
 from reap_swap.logs import get_logger
 from reap_swap.memory_split import inactive_note, launch_check
 from reap_swap.plugins import WORKER_EXTENSION_CLS, vllm_plugins_allowlist
@@ -224,9 +230,9 @@ def check_host_memory(shape, meminfo: Path = Path("/proc/meminfo"), uva_tp: int 
     None: only the engine's own exact host copies."""
     pinned = None
     if uva_tp is not None:
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+        fmt, threshold = shape.expert_format, round_threshold_bytes(alloc_conf(os.environ))
         pinned = uva_pinned_bytes(
-            shape.layer_expert_bytes, len(shape.moe_layers), uva_tp, round_threshold_bytes(conf)
+            fmt.w13, fmt.w2, shape.num_experts, len(shape.moe_layers), uva_tp, threshold
         )
     try:
         available = mem_available_bytes(meminfo.read_text())

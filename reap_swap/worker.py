@@ -61,7 +61,8 @@ def make_residency_backend(
             raise
         reason = f"CUDA residency engine unavailable ({type(exc).__name__}: {exc})"
         refused = getattr(getattr(runtime.engine, "refusals", None), "reasons", None)
-        if isinstance(exc, NothingRehomed) and refused:  # by design: each layer said why (WARNING) above
+        stuck = getattr(runtime.engine, "pending_meta", None)  # layers that never left meta: a real failure
+        if isinstance(exc, NothingRehomed) and refused and not stuck:  # by design: each layer said why above
             log.warning(
                 "reap-swap: all %d MoE layers keep vLLM's stock path (refused by name above); swaps run in "
                 "accounting mode (no bytes will move)",

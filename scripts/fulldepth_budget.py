@@ -85,7 +85,10 @@ def pinned_host_gib(f: Family) -> float:
     Mixtral-8x7B (2 + 1 GiB for 1.75 + 0.875 GiB: 96 GiB pinned for 84; 102.1 vs 102.05 GiB in use
     above the host's idle) and run 8's Qwen3.5 (powers of two already: 65.0 vs 65.4)."""
     layer = f.experts * f.expert_bytes
-    return (uva_pinned_bytes(layer, f.moe_layers) + layer) / GIB + HOST_BASE_GIB
+    w13 = f.expert_bytes * 2 // 3  # gated bf16 experts: gate + up, then down
+    return (
+        uva_pinned_bytes(w13, f.expert_bytes - w13, f.experts, f.moe_layers) + layer
+    ) / GIB + HOST_BASE_GIB
 
 
 def stock_memory(f: Family, kv_gib: float = 0.5) -> tuple[float, float]:

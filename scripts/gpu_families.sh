@@ -180,24 +180,29 @@ mixtral_full() {
 # pinned_max_round_threshold_mb: PYTORCH_CUDA_ALLOC_CONF with it fails at CUDA init), and the engine
 # copies the layer it re-homes: all rounded layers + one layer + ~3.5 GiB (scripts/fulldepth_budget.py
 # pinned_host_gib; run 13's Mixtral 102 GiB in use). The launcher refuses before loading when that
-# (+ 6 GiB) exceeds MemAvailable (~124.5 GiB there), so:
+# (+ 6 GiB) exceeds MemAvailable (~124.5 GiB there), and the arm's 5 GiB host guard stops what comes closer
+# than 5 GiB to the host's 125.9 GiB, so:
 #   v3_deep   deepseek_v3_bf16_depth5_config.json at V3DEEP_LAYERS=6: 3 dense + 3 MoE layers of 256 x 84 MiB
-#             = 63 GiB of experts, pinned as 3 x (16 + 8) = 72 GiB, host ~97 GiB; stock HBM ~72
+#             = 63 GiB of experts, pinned as 3 x (16 + 8) = 72 GiB, host ~97 GiB; stock HBM ~72 (7 layers,
+#             4 MoE layers, would pass the launcher at 123 GiB but peak ~121 GiB: inside the guard's margin)
 #   kimi_deep kimi_k2_bf16_depth3_config.json at KIMI_LAYERS=2: 1 dense + 1 MoE layer of 384 x 84 MiB =
 #             31.5 GiB, pinned as 32 + 16 = 48 GiB, host ~83 GiB (depth 3 pins 96 GiB for 63: the
 #             launcher refuses it on this host)
 # Knobs (PREFIX = V3DEEP or KIMI): PREFIX_STOCK_CAP (240 s), PREFIX_GRAPHS=1 (CUDA graphs; default eager),
 # PREFIX_PROMPTS (4), PREFIX_DECODE (32), PREFIX_REPEATS (1), PREFIX_REAP_HBM_GIB (75: nvidia-smi free
 # before reap starts, <= 90 s wait).
+_deep_knob() {  # PREFIX NAME DEFAULT: ${PREFIX_NAME:-DEFAULT}
+  local n="${1}_$2"; echo "${!n:-$3}"
+}
 deep_pair() {  # NAME CONFIG PREFIX LAYERS
-  local name=$1 config=$2 p=$3 layers=$4 v
-  v() { local n="${p}_$1"; echo "${!n:-$2}"; }
+  local name=$1 config=$2 p=$3 layers=$4
   local k=(--config "$config" --layers "$layers" --kv-gib 0.5 --host-guard-gib 5
-           --prompts "$(v PROMPTS 4)" --decode-tokens "$(v DECODE 32)" --decode-repeats "$(v REPEATS 1)")
-  [ "$(v GRAPHS 0)" = 1 ] || k+=(--eager)
+           --prompts "$(_deep_knob "$p" PROMPTS 4)" --decode-tokens "$(_deep_knob "$p" DECODE 32)"
+           --decode-repeats "$(_deep_knob "$p" REPEATS 1)")
+  [ "$(_deep_knob "$p" GRAPHS 0)" = 1 ] || k+=(--eager)
   prep "$name" "${k[@]}"
-  arm "$name" stock "$(min "$(v STOCK_CAP 240)" "$(left)")" "${k[@]}"
-  hbm_free_wait "$(v REAP_HBM_GIB 75)" 90
+  arm "$name" stock "$(min "$(_deep_knob "$p" STOCK_CAP 240)" "$(left)")" "${k[@]}"
+  hbm_free_wait "$(_deep_knob "$p" REAP_HBM_GIB 75)" 90  # whole GiB
   arm "$name" reap "$(left)" "${k[@]}"
   $PY scripts/gpu_families.py --name "$name" --out "$S" --arms merge > /dev/null 2>&1
 }

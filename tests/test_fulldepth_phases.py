@@ -140,26 +140,23 @@ def test_pinned_rounding_reproduces_run_13_and_puts_kimi_depth_3_over_the_host(f
     assert not fb.fits([fb.reap_memory(k), fb.stock_memory(k)])["ok"]  # 142 GiB of HBM: one at a time
 
 
-def test_the_launcher_refuses_kimi_depth_3_and_lets_v3_depth_6_start():
+def test_the_launcher_refuses_kimi_depth_3_and_lets_v3_depth_6_start(tmp_path, monkeypatch):
     """The launcher counts vLLM's pinned copies as PyTorch rounds them (host_memory.uva_pinned_bytes):
     Kimi depth 3 needs 96 + 31.5 + 6 GiB and is refused on the lent H200 host before loading; the V3
     layer at depth 6 (3 MoE layers) needs 72 + 21 + 6 and starts."""
-    from reap_swap.host_memory import HostMemoryNeed, uva_pinned_bytes
+    import dataclasses
 
-    available = 130516700 * 1024  # run 11's MemAvailable on the lent H200 host (124.5 GiB)
-    s = read_model_shape(ROOT / "tests" / "data" / "kimi_k2_bf16_depth3_config.json")
-    pinned = uva_pinned_bytes(s.layer_expert_bytes, len(s.moe_layers))
-    need = HostMemoryNeed(s.total_expert_bytes, s.layer_expert_bytes, available, pinned)
-    assert need.needed_bytes == (96 + 31.5 + 6) * 2**30 and "power of two" in need.refusal()
+    from reap_swap import server
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:   130516700 kB\n")  # run 11's MemAvailable on the lent H200 host
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    kimi = read_model_shape(ROOT / "tests" / "data" / "kimi_k2_bf16_depth3_config.json")
+    with pytest.raises(server.LaunchError, match=r"= 133\.5 GiB"):
+        server.check_host_memory(kimi, meminfo, uva_tp=1)
     v3 = read_model_shape(ROOT / "tests" / "data" / "deepseek_v3_bf16_depth5_config.json")
-    assert v3.layer_expert_bytes == 21 * 2**30
-    need = HostMemoryNeed(
-        3 * v3.layer_expert_bytes,
-        v3.layer_expert_bytes,
-        available,
-        uva_pinned_bytes(v3.layer_expert_bytes, 3),
-    )
-    assert need.needed_bytes == (72 + 21 + 6) * 2**30 and need.refusal() is None
+    server.check_host_memory(dataclasses.replace(v3, num_layers=6, moe_layers=(3, 4, 5)), meminfo, uva_tp=1)
 
 
 def deep_dry(tmp_path: Path, phase: str, **knobs: str) -> tuple[Path, list[str]]:

@@ -214,18 +214,55 @@ def test_decode_against_the_bound_per_phase():
     assert "decode (1 stream)" not in qe.markdown({"wall_s": 1, "cases": {"c": _fake(True)}})
 
 
+def _every_option_changed(tmp_path) -> list[str]:
+    """The driver's command line with every option the child could need set away from its default (read
+    from the parser itself, so a flag added later is covered too)."""
+    seen: dict = {}
+
+    def capture(self, *args, **kwargs):
+        seen["parser"] = self
+        raise SystemExit(0)
+
+    orig = qe.argparse.ArgumentParser.parse_args
+    qe.argparse.ArgumentParser.parse_args = capture
+    try:
+        with pytest.raises(SystemExit):
+            qe.parse_args([])
+    finally:
+        qe.argparse.ArgumentParser.parse_args = orig
+    ap = seen["parser"]
+    argv = ["--out", str(tmp_path)]
+    for act in ap._actions:
+        opt = next((o for o in act.option_strings if o.startswith("--")), None)
+        if opt in (None, "--help", "--out", "--one-case", "--cases", "--jobs", "--ckpt-jobs", "--dry-run"):
+            continue
+        if act.nargs == 0:
+            argv.append(opt)
+        elif act.choices:
+            argv += [opt, next(c for c in act.choices if c != act.default)]
+        elif act.dest in ("stock_twice", "eager_pair"):
+            argv += [opt, "awq"]
+        elif act.type in (int, float):
+            argv += [opt, str(act.type(act.default or 0) + 3)]
+        else:
+            argv += [opt, "x"]
+    return argv
+
+
 @pytest.mark.parametrize(
     "argv",
     [
         [],
         ["--reap-group-size", "auto", "--reap-unverified-int4-groups", "--stock-twice", "all"],
         ["--layers", "12", "--decode-tokens", "64", "--serial-arms", "--tiny", "--eager-pair", "none"],
+        None,  # every option away from its default
     ],
 )
 def test_child_gets_every_option_of_the_parent(tmp_path, argv):
     """Run 15's int4 phase passed --reap-unverified-int4-groups to the driver, but the per-case child
     never got it, so every INT4 server refused: the child's options must equal the parent's."""
-    parent = qe.parse_args(["--out", str(tmp_path), "--jobs", "1", *argv])
+    full = _every_option_changed(tmp_path) if argv is None else ["--out", str(tmp_path), "--jobs", "1", *argv]
+    parent = qe.parse_args(full)
     child_argv = qe.child_argv(parent, "awq")
     assert child_argv[1] == qe.__file__
     child = qe.parse_args(child_argv[2:])
@@ -237,4 +274,4 @@ def test_child_gets_every_option_of_the_parent(tmp_path, argv):
     # and the reap server's command line carries the opt-in when the child builds it
     info = {"binds": False, "dtype": "float16"}
     reap = qe.commands("awq", tmp_path, info, child)["reap"]
-    assert ("--reap-unverified-int4-groups" in reap) == ("--reap-unverified-int4-groups" in argv)
+    assert ("--reap-unverified-int4-groups" in reap) == ("--reap-unverified-int4-groups" in full)

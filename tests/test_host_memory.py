@@ -9,6 +9,7 @@ from reap_swap.host_memory import (
     GIB,
     PROCESS_MARGIN_BYTES,
     HostMemoryNeed,
+    alloc_conf,
     mem_available_bytes,
     pow2_ceil,
     round_threshold_bytes,
@@ -55,24 +56,36 @@ DATA = Path(__file__).parent / "data"
 def test_pinned_blocks_round_up_to_powers_of_two():
     """H200, torch 2.11 (research-notes/pinned-round/probe.jsonl): 600 MiB pinned as 1024, 2600 as 4096."""
     assert pow2_ceil(600 * 2**20) == 1024 * 2**20 and pow2_ceil(2600 * 2**20) == 4096 * 2**20
-    assert pow2_ceil(2**30) == 2**30 and pow2_ceil(1) == 1
+    assert pow2_ceil(2**30) == 2**30 and pow2_ceil(1) == 1 and pow2_ceil(0) == 0
     assert round_threshold_bytes(None) is None and round_threshold_bytes("expandable_segments:True") is None
-    conf = "pinned_max_round_threshold_mb:1024,pinned_max_cached_size_mb:64"
+    conf = "pinned_max_round_threshold_mb:1024,pinned_max_cached_size_mb: 64"
     assert round_threshold_bytes(conf) == 64 * 2**20
+    # torch 2.9+ reads PYTORCH_ALLOC_CONF first, PYTORCH_CUDA_ALLOC_CONF as the fallback
+    both = {"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:8", "PYTORCH_CUDA_ALLOC_CONF": "x:1"}
+    assert (
+        alloc_conf(both) == both["PYTORCH_ALLOC_CONF"]
+        and alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "x:1"}) == "x:1"
+    )
+    assert alloc_conf({}) is None
+
+
+def _pinned(shape, layers=None, tp=1, threshold=None):
+    f = shape.expert_format
+    return uva_pinned_bytes(f.w13, f.w2, shape.num_experts, layers or len(shape.moe_layers), tp, threshold)
 
 
 def test_uva_pinned_bytes_match_run_13_mixtral_and_run_8_qwen35():
     mixtral = read_model_shape(DATA / "mixtral_8x7b_config.json")  # 8 x 336 MiB a layer, 32 layers
     assert mixtral.total_expert_bytes == 84 * GIB
     # w13 1.75 GiB -> 2, w2 0.875 -> 1: 96 GiB pinned (run 13: 102.05 GiB in use = 96 + 6.05 process)
-    assert uva_pinned_bytes(mixtral.layer_expert_bytes, 32) == 96 * GIB
-    assert uva_pinned_bytes(mixtral.layer_expert_bytes, 32, tp=2) == 96 * GIB  # 1 + 0.5 GiB per rank
-    assert (
-        uva_pinned_bytes(mixtral.layer_expert_bytes, 32, threshold=2**30) == 88 * GIB
-    )  # w2 (0.875) still rounded
-    assert uva_pinned_bytes(mixtral.layer_expert_bytes, 32, threshold=2**29) == 84 * GIB  # both exact
+    assert _pinned(mixtral) == 96 * GIB
+    assert _pinned(mixtral, tp=2) == 96 * GIB  # 1 + 0.5 GiB per rank
+    assert _pinned(mixtral, threshold=2**30) == 88 * GIB  # w2 (0.875) still rounded
+    assert _pinned(mixtral, threshold=2**29) == 84 * GIB  # both exact
     qwen = read_model_shape(QWEN35)  # 1 GiB + 0.5 GiB a layer: powers of two already
-    assert uva_pinned_bytes(qwen.layer_expert_bytes, 40) == qwen.total_expert_bytes
+    assert _pinned(qwen) == qwen.total_expert_bytes
+    v3 = read_model_shape(DATA / "deepseek_v3_bf16_depth5_config.json")  # 14 + 7 GiB a layer -> 16 + 8
+    assert _pinned(v3) == 2 * 24 * GIB
 
 
 def test_kimi_k2_depth3_is_refused_on_the_h200_host_with_the_rounding_named(tmp_path, monkeypatch):
@@ -88,8 +101,23 @@ def test_kimi_k2_depth3_is_refused_on_the_h200_host_with_the_rounding_named(tmp_
         server.check_host_memory(shape, meminfo, uva_tp=1)
     msg = str(err.value)
     assert "96.0 GiB (63.0 GiB of experts" in msg and "power of two" in msg and "133.5 GiB" in msg
-    # a torch that knows pinned_max_round_threshold_mb pins exactly above it
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_max_round_threshold_mb:1024")
+    # a torch that knows pinned_max_round_threshold_mb pins exactly above it; PYTORCH_ALLOC_CONF wins
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "pinned_max_round_threshold_mb:1024")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     server.check_host_memory(shape, meminfo, uva_tp=1)
     need = HostMemoryNeed(shape.total_expert_bytes, shape.layer_expert_bytes, 124 * GIB, 96 * GIB)
     assert need.needed_bytes == int(133.5 * GIB)
+
+
+def test_v3_layer_at_depth_6_starts_on_the_h200_host(tmp_path, monkeypatch):
+    """The v3deep phase: 3 MoE layers of 21 GiB pin as 3 x (16 + 8) = 72 GiB, + 21 + 6 = 99 GiB <= 124."""
+    import dataclasses
+
+    shape = read_model_shape(DATA / "deepseek_v3_bf16_depth5_config.json")
+    deep = dataclasses.replace(shape, num_layers=6, moe_layers=(3, 4, 5))
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(MEMINFO)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    server.check_host_memory(deep, meminfo, uva_tp=1)
+    assert _pinned(deep) == 72 * GIB

@@ -155,6 +155,11 @@ def test_an_engine_that_refused_every_layer_warns_instead_of_erroring(monkeypatc
     def broken(engine):
         raise RuntimeError("driver gone")
 
+    engine.pending_meta = {"l2": 2}  # a layer that never left meta: not by design, so an ERROR
+    make_residency_backend(rt, "cuda")
+    assert [r.levelno for r in caplog.records if r.name == "reap_swap.worker"] == [logging.ERROR]
+    caplog.clear()
+    engine.pending_meta = {}
     monkeypatch.setattr(cuda_backend, "CudaResidency", broken)
     make_residency_backend(rt, "cuda")
     assert [r.levelno for r in caplog.records if r.name == "reap_swap.worker"] == [logging.ERROR]
