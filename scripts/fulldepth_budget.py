@@ -77,6 +77,11 @@ def reap_memory(f: Family, pool_share: float = 1.0, kv_gib: float = 0.5) -> tupl
     return pool + f.dense_gib + kv_gib + OVERHEAD_HBM_GIB, f.expert_gib + layer + HOST_BASE_GIB
 
 
+# families vLLM 0.26.0 runs on Model Runner V2, which sets no UVA offloader: nothing is pinned through
+# PyTorch, the experts load into HBM and move to the engine's exact host range (run 13: RSS 3.17 GiB)
+NO_UVA = {"deepseek_v2_lite"}
+
+
 def pinned_host_gib(f: Family) -> float:
     """Host in use by a reap-swap server at its first re-home, counting what PyTorch's caching host
     allocator really pins (reap_swap.host_memory.uva_pinned_bytes: each layer's w13 and w2 rounded up
@@ -129,8 +134,9 @@ def rows() -> list[str]:
         f = family(name)
         r, s = reap_memory(f), stock_memory(f)
         pair = fits([r, s])
+        pinned = "n/a (no UVA)" if name in NO_UVA else f"{pinned_host_gib(f):.1f}"
         out.append(
-            f"| {name} | {f.expert_gib:.1f} | {r[0]:.1f} / {r[1]:.1f} | {pinned_host_gib(f):.1f} | {s[0]:.1f} / {s[1]:.1f} | "
+            f"| {name} | {f.expert_gib:.1f} | {r[0]:.1f} / {r[1]:.1f} | {pinned} | {s[0]:.1f} / {s[1]:.1f} | "
             f"{'yes' if pair['ok'] else 'no'} ({pair['hbm']:.0f} HBM, {pair['host']:.0f} host) | "
             f"{startup_s(f, True):.0f} | {points_s(f, p, g, d):.0f} |"
         )
