@@ -28,6 +28,8 @@ from dataclasses import dataclass
 GIB = 2**30
 # what a serving process needs beside the pinned experts (run 8: 7.2 GiB incl. one layer in flight)
 PROCESS_MARGIN_BYTES = 6 * GIB
+# --reap-exact-pinning registers tensors from this size at their exact bytes (compat/pinning.MIN_EXACT_BYTES)
+EXACT_PINNING_MIN_BYTES = 64 << 20
 
 
 def mem_available_bytes(meminfo: str) -> int | None:

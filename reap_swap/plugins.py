@@ -65,5 +65,11 @@ def register() -> None:
     if not layers_plugin_enabled():
         return
     from reap_swap import routed_experts as experts
+    from reap_swap.compat import pinning
 
     experts.register()
+    why = pinning.install()  # acts only where the config being built sets exact_pinning
+    if why is not None:
+        import logging
+
+        logging.getLogger("reap_swap.compat").info("reap-swap: exact pinning not available: %s", why)

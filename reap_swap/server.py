@@ -28,6 +28,7 @@ from reap_swap.budget_startup import BudgetRefused, arm_refusal_file, read_refus
 from reap_swap.compat import runner as vllm_runner
 from reap_swap.compat import serve as vllm_serve
 from reap_swap.host_memory import (
+    EXACT_PINNING_MIN_BYTES,
     HostMemoryNeed,
     alloc_conf,
     mem_available_bytes,
@@ -203,7 +204,8 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
         log.warning("reap-swap: no UVA expert offload: %s", ignored)
         return
     if not vllm_serve.cpu_offload_chosen(args):
-        check_host_memory(shape, uva_tp=int(getattr(args, "tensor_parallel_size", None) or 1))
+        tp = int(getattr(args, "tensor_parallel_size", None) or 1)
+        check_host_memory(shape, uva_tp=tp, exact=settings.exact_pinning)
         gib = shape.total_expert_bytes / 2**30 + 0.5
         vllm_serve.offload_experts_to_uva(args, gib)
         log.info(
@@ -224,13 +226,19 @@ def check_device_load(shape, args: argparse.Namespace, why: str) -> None:
         raise LaunchError(refusal)
 
 
-def check_host_memory(shape, meminfo: Path = Path("/proc/meminfo"), uva_tp: int | None = None) -> None:
+def check_host_memory(
+    shape, meminfo: Path = Path("/proc/meminfo"), uva_tp: int | None = None, exact: bool = False
+) -> None:
     """Refuse before loading when the host cannot hold the experts in pinned memory (host_memory.py).
     `uva_tp`: vLLM's UVA offload pins the experts (per TP rank, rounded by PyTorch's pinned allocator);
     None: only the engine's own exact host copies."""
     pinned = None
     if uva_tp is not None:
         fmt, threshold = shape.expert_format, round_threshold_bytes(alloc_conf(os.environ))
+        if exact:  # --reap-exact-pinning: large copies are registered at their size (compat/pinning.py)
+            threshold = (
+                EXACT_PINNING_MIN_BYTES if threshold is None else min(threshold, EXACT_PINNING_MIN_BYTES)
+            )
         pinned = uva_pinned_bytes(
             fmt.w13, fmt.w2, shape.num_experts, len(shape.moe_layers), uva_tp, threshold
         )

@@ -22,6 +22,7 @@ error listing the known names: a typo must not start a server that silently igno
 | REAP_CACHE_RECORD_STEPS     | --reap-cache-record-steps N   | keep the last N steps' routing the cache saw (0 = off), read back by GET /reap/cache/trace |
 | REAP_GROUP_SIZE             | --reap-group-size auto,1,2,4,8 | EXPERIMENTAL (CUDA; FP8 block at auto = b 2 and bf16 = b 1 served identical to stock on the H200, run 11): experts in mapping units of b physically adjacent experts in a plan-chosen order, ids remapped after counting (residency/grouped_engine.py); auto = the smallest b wasting < 12 % (FP8 on Triton: 2, bf16: 1); default 1 = private units, today's engine unchanged; refused with --reap-cache-device on and with --reap-budget auto/GiB; INT4 layers are refused under it since run 12 (REAP_SWAP_UNVERIFIED_INT4_GROUPS below) |
 | REAP_SWAP_UNVERIFIED_INT4_GROUPS | --reap-unverified-int4-groups | UNVERIFIED (research.md int4perm): with --reap-group-size not 1, bind INT4 (Marlin / moe_wna16) layers in identity-order contiguous groups; without it they are refused (run 12: the permuted groups were not bitwise on Marlin) |
+| REAP_SWAP_EXACT_PINNING     | --reap-exact-pinning          | UNVERIFIED IN A SERVER (CUDA, UVA offload): page-lock vLLM's host copies of large expert tensors with cudaHostRegister at their exact size instead of pin_memory(), which PyTorch rounds up to a power of two (Kimi-K2: 96 GiB pinned for 63; research.md "Pinned rounding"); the engine unregisters each copy once the layer is re-homed (compat/pinning.py); the launcher's host check counts exact bytes |
 | REAP_CACHE_SHADOW           | --reap-cache-shadow off,out,bytes | debug (CUDA device cache): every cached MoE step also runs the uncached kernel and compares on the device (out), and checks every slot's bytes (bytes, slow); results in /reap/status cache.shadow (residency/device_cache_shadow.py) |
 
 Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
@@ -85,6 +86,9 @@ class Settings(BaseModel):
     cache_shadow: Literal["off", "out", "bytes"] = "off"  # debug shadow of the device cache
     group_size: Literal["auto", "1", "2", "4", "8"] = "1"  # grouped units (issue 16); experimental
     unverified_int4_groups: bool = False  # INT4 identity-order groups: not verified on a GPU (int4perm)
+    exact_pinning: bool = (
+        False  # cudaHostRegister vLLM's UVA expert copies (compat/pinning.py); not in a server yet
+    )
 
     @field_validator("group_size", mode="before")
     @classmethod
@@ -242,6 +246,16 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
             "action": "store_const",
             "const": True,
             "help": "UNVERIFIED: INT4 layers in identity-order contiguous groups (else refused; research.md)",
+        },
+    ),
+    "exact_pinning": (
+        "REAP_SWAP_EXACT_PINNING",
+        "--reap-exact-pinning",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "UNVERIFIED IN A SERVER: pin vLLM's UVA expert copies at their exact size (cudaHostRegister) "
+            "instead of PyTorch's power-of-two blocks (research.md 'Pinned rounding')",
         },
     ),
 }

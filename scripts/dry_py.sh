@@ -8,7 +8,7 @@
 #   anything else (-c snippets, benches, pytest)         ->  only logged
 # Every call is logged to $DRY_LOG (one line, "DRY <argv>"); the real interpreter is $DRY_PYTHON.
 set -u
-echo "DRY $*" >> "${DRY_LOG:-/tmp/run/dry.log}"
+echo "DRY ${REAP_SWAP_EXACT_PINNING:+REAP_SWAP_EXACT_PINNING=$REAP_SWAP_EXACT_PINNING }$*" >> "${DRY_LOG:-/tmp/run/dry.log}"
 py=${DRY_PYTHON:-python3}
 case "${1:-}" in
   scripts/gpu_families.py)

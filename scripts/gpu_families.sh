@@ -188,7 +188,8 @@ mixtral_full() {
 #   kimi_deep kimi_k2_bf16_depth3_config.json at KIMI_LAYERS=2: 1 dense + 1 MoE layer of 384 x 84 MiB =
 #             31.5 GiB, pinned as 32 + 16 = 48 GiB, host ~83 GiB (depth 3 pins 96 GiB for 63: the
 #             launcher refuses it on this host)
-# Knobs (PREFIX = V3DEEP or KIMI): PREFIX_STOCK_CAP (240 s), PREFIX_GRAPHS=1 (CUDA graphs; default eager),
+# Knobs (PREFIX = V3DEEP or KIMI): PREFIX_EXACT=1 (the reap arm with REAP_SWAP_EXACT_PINNING=1: vLLM's copies
+# registered at their exact size, ~88 GiB predicted for v3_deep; the family is named ..._exact), PREFIX_STOCK_CAP (240 s), PREFIX_GRAPHS=1 (CUDA graphs; default eager),
 # PREFIX_PROMPTS (4), PREFIX_DECODE (32), PREFIX_REPEATS (1), PREFIX_REAP_HBM_GIB (75: nvidia-smi free
 # before reap starts, <= 90 s wait).
 _deep_knob() {  # PREFIX NAME DEFAULT: ${PREFIX_NAME:-DEFAULT}
@@ -203,16 +204,22 @@ deep_pair() {  # NAME CONFIG PREFIX LAYERS
   prep "$name" "${k[@]}"
   arm "$name" stock "$(min "$(_deep_knob "$p" STOCK_CAP 240)" "$(left)")" "${k[@]}"
   hbm_free_wait "$(_deep_knob "$p" REAP_HBM_GIB 75)" 90  # whole GiB
-  arm "$name" reap "$(left)" "${k[@]}"
+  if [ "$(_deep_knob "$p" EXACT 0)" = 1 ]; then  # the reap server with --reap-exact-pinning (compat/pinning.py)
+    REAP_SWAP_EXACT_PINNING=1 arm "$name" reap "$(left)" "${k[@]}"
+  else
+    arm "$name" reap "$(left)" "${k[@]}"
+  fi
   $PY scripts/gpu_families.py --name "$name" --out "$S" --arms merge > /dev/null 2>&1
 }
 kimi_deep() {
   local layers=${KIMI_LAYERS:-2}
-  deep_pair "kimi_k2_d$layers" tests/data/kimi_k2_bf16_depth3_config.json KIMI "$layers"
+  local name="kimi_k2_d$layers"; [ "${KIMI_EXACT:-0}" = 1 ] && name+=_exact
+  deep_pair "$name" tests/data/kimi_k2_bf16_depth3_config.json KIMI "$layers"
 }
 v3_deep() {
   local layers=${V3DEEP_LAYERS:-6}
-  deep_pair "deepseek_v3_d$layers" tests/data/deepseek_v3_bf16_depth5_config.json V3DEEP "$layers"
+  local name="deepseek_v3_d$layers"; [ "${V3DEEP_EXACT:-0}" = 1 ] && name+=_exact
+  deep_pair "$name" tests/data/deepseek_v3_bf16_depth5_config.json V3DEEP "$layers"
 }
 
 lane() {

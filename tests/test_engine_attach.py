@@ -118,7 +118,7 @@ def _recording_engine(monkeypatch, cache=None, core=(1, 2)):
     eng.plan.layers[0].core = list(core)
     table = SimpleNamespace(resident=lambda: {})
     st = SimpleNamespace(plan=eng.plan, granularity=2**16, pool=None, device=0, layers={}, table=table)
-    st.load_seconds, st.host_cache_release = 0.0, None
+    st.load_seconds, st.host_cache_release, st.exact_pinned_released = 0.0, None, 0
     eng._state_for = lambda layer: st
     monkeypatch.setattr(engine_mod, "_ensure_pool", lambda st_, unit, c: calls.append(("pool", unit, c)))
     monkeypatch.setattr(
@@ -166,3 +166,26 @@ def test_attach_rehomes_points_the_parameters_and_seeds_the_core_in_order(monkey
     before = list(calls)
     eng.attach_after_load(m, 0)  # the loader's second call: nothing happens again
     assert calls == before
+
+
+def test_attach_releases_the_exact_pinned_copies_after_pointing_the_parameters(monkeypatch):
+    """--reap-exact-pinning (compat/pinning.py): vLLM's registered copy of a re-homed tensor is let go
+    only once the parameter points at the engine's range, and its bytes are counted."""
+    from reap_swap.compat import pinning
+
+    eng, st, calls = _recording_engine(monkeypatch)
+    m = layer(0)
+    w13 = m.w13_weight.data
+    monkeypatch.setitem(pinning._registered, w13.data_ptr(), (w13, w13.nbytes))
+
+    def release(ptrs):
+        ptrs = list(ptrs)
+        calls.append(("release", ptrs))
+        return sum(pinning._registered.pop(p)[1] for p in ptrs)
+
+    monkeypatch.setattr(engine_mod.vllm_pinning, "release", release)
+    eng.attach_after_load(m, 0)
+    marks = [i for i, c in enumerate(calls) if c[0] == "mark"]
+    released = [i for i, c in enumerate(calls) if c[0] == "release"]
+    assert released and released[0] > max(marks) and calls[released[0]][1] == [w13.data_ptr()]
+    assert st.exact_pinned_released == w13.nbytes and not pinning._registered

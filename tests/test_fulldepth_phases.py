@@ -197,3 +197,12 @@ def test_dry_v3deep_serves_three_moe_layers_and_takes_the_knobs(tmp_path):
     assert "--decode-repeats 3" in calls[2]
     meta = json.loads((run / "fam" / "deepseek_v3_d6" / "meta.json").read_text())
     assert meta["shape"]["moe_layers"] == [3, 4, 5] and meta["shape"]["expert_gib"] == 63.0
+
+
+def test_dry_v3deep_exact_gives_only_the_reap_arm_exact_pinning(tmp_path):
+    _, lines = deep_dry(tmp_path, "v3deep", V3DEEP_EXACT="1")
+    calls = [x for x in lines if "scripts/gpu_families.py --name deepseek_v3_d6_exact " in x]
+    arms = [x.split("--arms ")[1].split()[0] for x in calls]
+    assert arms == ["prepare", "stock", "reap", "merge"], calls
+    env = [x.startswith("DRY REAP_SWAP_EXACT_PINNING=1 ") for x in calls]
+    assert env == [False, False, True, False]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from reap_swap.compat import moe as vllm_moe
+from reap_swap.compat import pinning as vllm_pinning
 
 from .backend_base import ResidencyBase, refuse_misplaced
 from .device_cache_seeded import seeded_pins
@@ -168,6 +169,8 @@ class CudaResidency(ResidencyBase):
             "bytes_copied_total": st.bytes_copied_total,
             "load_seconds": st.load_seconds,
             "host_cache_release": st.host_cache_release,
+            "exact_pinned_released_bytes": st.exact_pinned_released,  # --reap-exact-pinning
+            "exact_pinned_held_bytes": vllm_pinning.registered_bytes(),  # refused layers keep theirs
             "budget": getattr(st, "budget_report", None),  # --reap-budget auto | GiB split
         }
 

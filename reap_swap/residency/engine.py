@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from reap_swap.compat import moe as vllm_moe
+from reap_swap.compat import pinning as vllm_pinning
 from reap_swap.quant_budget import pool_slots
 
 from . import device_cache_engine, grouped_engine, vmm
@@ -81,6 +82,7 @@ class EngineState:
     bytes_copied_total: int = 0
     load_seconds: float = 0.0
     host_cache_release: str | None = None  # the torch call that returned vLLM's old pinned copies
+    exact_pinned_released: int = 0  # bytes of --reap-exact-pinning copies unregistered after re-homing
     grouped: grouped_units.GroupedState | None = None  # --reap-group-size b > 1 layers (grouped_engine)
     layouts: dict[int, dict] = field(default_factory=dict)  # per layer: layout, b, why (/reap/status)
 
@@ -273,8 +275,10 @@ class CudaEngine:
             return  # re-homed in groups, or refused by name (b = 1 continues on the private path)
         t0 = time.perf_counter()
         _ensure_pool(st, bound.layout.unit_bytes, self.cache)
+        exact = vllm_pinning.pointers(bound.rehome.values())  # --reap-exact-pinning copies, released below
         rng, range_bytes, views, cached = self._rehome(st, layer, index, bound)
         _point_params(layer, bound, views)
+        st.exact_pinned_released += vllm_pinning.release(exact)
         num_experts = next(iter(views.values())).shape[0]
         st.layers[index] = LayerEntry(
             index, layer.layer_name, num_experts, bound.layout.unit_bytes, bound.layout.payload_bytes,

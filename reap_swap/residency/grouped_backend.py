@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from reap_swap.compat import pinning as vllm_pinning
 from reap_swap.group_layout import group_target, residents_of, set_cost
 
 from . import grouped
@@ -146,6 +147,8 @@ class GroupedResidency(ResidencyBase):
             "bytes_copied_total": gs.bytes_copied_total,
             "load_seconds": st.load_seconds,
             "host_cache_release": st.host_cache_release,
+            "exact_pinned_released_bytes": st.exact_pinned_released,  # --reap-exact-pinning
+            "exact_pinned_held_bytes": vllm_pinning.registered_bytes(),  # refused layers keep theirs
             "budget": getattr(st, "budget_report", None),
         }
 

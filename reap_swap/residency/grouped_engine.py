@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from reap_swap.compat import moe as vllm_moe
+from reap_swap.compat import pinning as vllm_pinning
 from reap_swap.contiguous_groups import (
     INT4_GROUPS_REFUSED,
     UNVERIFIED_INT4_ENV,
@@ -208,6 +209,7 @@ def attach(engine: Any, st: Any, layer: torch.nn.Module, index: int, bound: Any)
 
 def _convert(st, layer, index, bound, layout, perm, why) -> None:
     gs = st.grouped
+    exact = vllm_pinning.pointers(bound.rehome.values())  # --reap-exact-pinning copies, released below
     tensors = {n: t.data for n, t in bound.rehome.items()}
     ranges, views = grouped.rehome_grouped(tensors, layout, perm, st.device)  # releases on failure
     id_map = torch.tensor(perm.to_physical, dtype=torch.int32, device=views[layout.names[0]].device)
@@ -233,5 +235,7 @@ def _convert(st, layer, index, bound, layout, perm, why) -> None:
             core = set(identity_fill(core, layout.group_size))
         current[index] = core
         grouped.apply_logical(gs, current, count=False)
+    del tensors
+    st.exact_pinned_released += vllm_pinning.release(exact)
     torch.cuda.empty_cache()
     st.host_cache_release = vllm_moe.release_cached_pinned_memory()
