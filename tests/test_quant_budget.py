@@ -121,6 +121,7 @@ def test_cli_quantization_overrides():
 class _Settings:
     group_size = "1"  # --reap-group-size (default): INT4 stays refused
     unverified_int4_groups = False  # --reap-unverified-int4-groups (default): INT4 groups refused
+    exact_pinning = False  # --reap-exact-pinning (default): vLLM pins as it does
 
     def accounting_reason(self, platform):
         return None
