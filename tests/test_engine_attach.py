@@ -122,7 +122,9 @@ def _recording_engine(monkeypatch, cache=None, core=(1, 2)):
     eng._state_for = lambda layer: st
     monkeypatch.setattr(engine_mod, "_ensure_pool", lambda st_, unit, c: calls.append(("pool", unit, c)))
     monkeypatch.setattr(
-        engine_mod, "rehome", lambda t, lay, dev: calls.append(("rehome", sorted(t))) or ("rng", 7, dict(t))
+        engine_mod,
+        "rehome",
+        lambda t, lay, dev, on_copied=None: calls.append(("rehome", sorted(t))) or ("rng", 7, dict(t)),
     )
     monkeypatch.setattr(engine_mod, "swap_state", lambda st_, cur: calls.append(("swap", cur)))
     monkeypatch.setattr(engine_mod.vllm_moe, "mark_uva_offloaded", lambda p: calls.append(("mark", p.shape)))
@@ -176,12 +178,14 @@ def test_attach_releases_the_exact_pinned_copies_after_pointing_the_parameters(m
     eng, st, calls = _recording_engine(monkeypatch)
     m = layer(0)
     w13 = m.w13_weight.data
-    monkeypatch.setitem(pinning._registered, w13.data_ptr(), (w13, w13.nbytes))
+    monkeypatch.setitem(
+        pinning._registered, w13.data_ptr(), pinning.Copy(w13, w13.nbytes, {w13.data_ptr(): w13.nbytes})
+    )
 
     def release(ptrs):
         ptrs = list(ptrs)
         calls.append(("release", ptrs))
-        return sum(pinning._registered.pop(p)[1] for p in ptrs)
+        return sum(pinning._registered.pop(p).nbytes for p in ptrs)
 
     monkeypatch.setattr(engine_mod.vllm_pinning, "release", release)
     eng.attach_after_load(m, 0)

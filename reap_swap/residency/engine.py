@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,9 @@ from .vmm_store import VmmStore
 logger = logging.getLogger("reap_swap.residency")
 
 MAX_PADDING_OVERHEAD = 0.5  # refuse layers whose expert units would waste more than this
+# with --reap-exact-pinning, vLLM's copy of a layer is given back in blocks of about this many bytes as
+# the re-home copies them (the host holds one block twice, not one layer)
+RELEASE_BLOCK_BYTES = 512 << 20
 
 
 @dataclass
@@ -120,13 +123,19 @@ def layer_sizes(layer: torch.nn.Module) -> LayerSizes | None:
 
 
 def rehome(
-    tensors: Mapping[str, torch.Tensor], layout: UnitLayout, device: int, num_units: int | None = None
+    tensors: Mapping[str, torch.Tensor],
+    layout: UnitLayout,
+    device: int,
+    num_units: int | None = None,
+    on_copied: Callable[[int, int], int] | None = None,
 ) -> tuple[vmm.MixedRange, torch.Tensor, dict[str, torch.Tensor]]:
     """Copy [E, ...] expert tensors into a new host-backed mixed range; return it and the views.
 
     Unit e holds slab e of each tensor at `layout.offset_of(name)`; each view keeps its tensor's
     shape and inner strides, with an expert stride of one unit. `num_units` >= E leaves room for
     extra units after the experts' (a device cache's slots); the views cover the first E.
+    `on_copied(e0, e1)`: called once experts [e0, e1) are copied (blocks of ~RELEASE_BLOCK_BYTES),
+    so their source can be given back during the copy (--reap-exact-pinning, compat/pinning.py).
     """
     num_experts = next(iter(tensors.values())).shape[0]
     rng = vmm.MixedRange.create_host_backed(num_units or num_experts, layout.unit_bytes, device)
@@ -137,7 +146,15 @@ def rehome(
         flat = range_bytes.view(t.dtype)
         strides = (layout.unit_bytes // elem, *t.stride()[1:])
         views[name] = flat.as_strided(tuple(t.shape), strides, layout.offset_of(name) // elem)
-        views[name].copy_(t)
+    per_expert = sum(t[0].numel() * t.element_size() for t in tensors.values()) if num_experts else 1
+    step = num_experts if on_copied is None else max(1, RELEASE_BLOCK_BYTES // max(per_expert, 1))
+    for e0 in range(0, num_experts, max(step, 1)):
+        e1 = min(num_experts, e0 + step)
+        for name, t in tensors.items():
+            views[name][e0:e1].copy_(t[e0:e1])
+        if on_copied is not None:
+            torch.cuda.synchronize(device)  # the source is read by the copy until here
+            on_copied(e0, e1)
     torch.cuda.synchronize(device)
     return rng, range_bytes, views
 
@@ -278,7 +295,7 @@ class CudaEngine:
         exact = vllm_pinning.pointers(bound.rehome.values())  # --reap-exact-pinning copies, released below
         rng, range_bytes, views, cached = self._rehome(st, layer, index, bound)
         _point_params(layer, bound, views)
-        st.exact_pinned_released += vllm_pinning.release(exact)
+        st.exact_pinned_released += vllm_pinning.release(exact)  # what the blocks did not give back
         num_experts = next(iter(views.values())).shape[0]
         st.layers[index] = LayerEntry(
             index, layer.layer_name, num_experts, bound.layout.unit_bytes, bound.layout.payload_bytes,
@@ -320,7 +337,13 @@ class CudaEngine:
         cached = self.cache and device_cache_engine.rehome_plain(self.cache, st, layer, index, tensors, bound)
         if cached:
             return cached[0], cached[1], {"w13_weight": cached[2], "w2_weight": cached[3]}, cached
-        rng, range_bytes, views = rehome(tensors, bound.layout, st.device)
+        releaser = vllm_pinning.block_releaser(tensors.values())  # --reap-exact-pinning copies
+
+        def give_back(e0: int, e1: int) -> int:
+            st.exact_pinned_released += releaser(e0, e1)
+            return 0
+
+        rng, range_bytes, views = rehome(tensors, bound.layout, st.device, on_copied=releaser and give_back)
         return rng, range_bytes, views, cached
 
     def _seed(self, st: EngineState, layer: torch.nn.Module, index: int, cached: Any) -> None:
