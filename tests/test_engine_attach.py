@@ -170,6 +170,10 @@ def test_attach_rehomes_points_the_parameters_and_seeds_the_core_in_order(monkey
     assert calls == before
 
 
+def marks_of(calls: list) -> list[int]:
+    return [i for i, c in enumerate(calls) if c[0] == "mark"]
+
+
 def test_attach_releases_the_exact_pinned_copies_after_pointing_the_parameters(monkeypatch):
     """--reap-exact-pinning (compat/pinning.py): vLLM's registered copy of a re-homed tensor is let go
     only once the parameter points at the engine's range, and its bytes are counted."""
@@ -178,9 +182,7 @@ def test_attach_releases_the_exact_pinned_copies_after_pointing_the_parameters(m
     eng, st, calls = _recording_engine(monkeypatch)
     m = layer(0)
     w13 = m.w13_weight.data
-    monkeypatch.setitem(
-        pinning._registered, w13.data_ptr(), pinning.Copy(w13, w13.nbytes, {w13.data_ptr(): w13.nbytes})
-    )
+    monkeypatch.setitem(pinning._registered, w13.data_ptr(), pinning.Copy(w13, w13.nbytes))
 
     def release(ptrs):
         ptrs = list(ptrs)
@@ -188,8 +190,11 @@ def test_attach_releases_the_exact_pinned_copies_after_pointing_the_parameters(m
         return sum(pinning._registered.pop(p).nbytes for p in ptrs)
 
     monkeypatch.setattr(engine_mod.vllm_pinning, "release", release)
+    monkeypatch.setattr(pinning, "_cuda_unregister", lambda p: calls.append(("unregister", p)) or 0)
     eng.attach_after_load(m, 0)
-    marks = [i for i, c in enumerate(calls) if c[0] == "mark"]
+    rehomed = next(i for i, c in enumerate(calls) if c[0] == "rehome")
+    assert calls.index(("unregister", w13.data_ptr())) < rehomed  # drained before the copy
+    marks = marks_of(calls)
     released = [i for i, c in enumerate(calls) if c[0] == "release"]
     assert released and released[0] > max(marks) and calls[released[0]][1] == [w13.data_ptr()]
     assert st.exact_pinned_released == w13.nbytes and not pinning._registered

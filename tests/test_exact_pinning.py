@@ -1,6 +1,6 @@
 """--reap-exact-pinning (compat/pinning.py, issue 15 item 4) on the CPU: the patch around a stand-in of
-vLLM's UVAOffloader, the registry, the release, the real vLLM's seams, the launcher's host check. The
-mechanism itself ran on the H200 (research-notes/pinned-round/view_probe.jsonl); in a server it has not."""
+vLLM's UVAOffloader, the registry, the drain during the re-home, the release, the real vLLM's seams, the launcher's host check.
+The mechanism itself ran on the H200 (research-notes/pinned-round/view_probe.jsonl, chunk_probe.json)."""
 
 from __future__ import annotations
 
@@ -103,8 +103,8 @@ def test_on_large_copies_are_registered_exactly_small_ones_pinned(uva, monkeypat
     m = _module(BIG, SMALL)
     off._maybe_offload_to_cpu(m)
     big, small = (p.data[1] for p in m.params)
-    base = m.params[0].cpu.ptr  # page-aligned: cut at 64 MiB, then the 3 MiB rest
-    assert uva.registered == [(base, 64 << 20), (base + (64 << 20), 3 << 20)] and big is m.params[0].cpu
+    base = m.params[0].cpu.ptr
+    assert uva.registered == [(base, BIG)] and big is m.params[0].cpu  # in place, exact size
     assert small.nbytes == pow2_ceil(SMALL) and small.pinned  # below MIN_EXACT_BYTES: pin_memory()
     assert off.pin_memory is True and uva.get_accelerator_view_from_cpu_tensor is view_fn  # restored
     assert pinning.registered_bytes() == BIG
@@ -115,7 +115,7 @@ def test_on_large_copies_are_registered_exactly_small_ones_pinned(uva, monkeypat
     assert ptrs == [m.params[0].cpu.ptr]  # only the registered copy
     unregistered = []
     assert pinning.release(ptrs, unregister=lambda p: unregistered.append(p) or 0) == BIG
-    assert unregistered == [base, base + (64 << 20)] and pinning.registered_bytes() == 0
+    assert unregistered == [base] and pinning.registered_bytes() == 0
     assert pinning.release(ptrs, unregister=lambda p: 1 / 0) == 0  # already gone: nothing to do
 
 
@@ -126,34 +126,8 @@ def test_a_failed_register_falls_back_to_pin_memory_and_a_failed_unregister_keep
     uva.UVAOffloader()._maybe_offload_to_cpu(m)
     assert m.params[0].data[1].nbytes == pow2_ceil(BIG) and pinning.registered_bytes() == 0
     cpu = FakeCpu(BIG)
-    pinning._registered[cpu.ptr] = pinning.Copy(cpu, BIG, {cpu.ptr: BIG})
+    pinning._registered[cpu.ptr] = pinning.Copy(cpu, BIG)
     assert pinning.release([cpu.ptr], unregister=lambda p: 700) == 0 and pinning.registered_bytes() == BIG
-
-
-def test_a_piece_that_fails_to_register_undoes_the_pieces_before_it(monkeypatch):
-    calls, undone = [], []
-
-    def register(ptr, n):
-        calls.append(ptr)
-        return 0 if len(calls) < 3 else 1
-
-    view = pinning.exact_view(lambda t: ("view", t), register, lambda p: undone.append(p) or 0, chunk=1 << 20)
-    monkeypatch.setattr(pinning, "_registered", {})
-    cpu = FakeCpu(BIG)
-    out = view(cpu)
-    assert out[1].pinned and out[1].nbytes == pow2_ceil(BIG)  # pin_memory() fallback
-    assert undone == calls[:2] and pinning.registered_bytes() == 0
-
-
-@pytest.mark.parametrize("ptr", [1 << 30, (1 << 30) + 64])  # page-aligned, and malloc's 64-byte offset
-def test_pieces_are_cut_at_pages_and_cover_the_tensor_once(ptr):
-    page, n, chunk = 4096, 10 * (1 << 20) + 123, 3 << 20
-    pieces = pinning.pieces_of(ptr, n, chunk, page)
-    assert pieces[0][0] == ptr and sum(b for _, b in pieces) == n
-    assert all(a + b == c for (a, b), (c, _) in zip(pieces, pieces[1:]))  # contiguous, no overlap
-    assert all(a % page == 0 for a, _ in pieces[1:])  # no two pieces share a page
-    assert all(b >= chunk - page for _, b in pieces[:-1]) and len(pieces) == 4
-    assert pinning.pieces_of(ptr, n, 0, page) == [(ptr, n)] == pinning.pieces_of(ptr, n, n, page)
 
 
 class FakeView:
@@ -172,29 +146,43 @@ class FakeView:
         return True
 
 
-def test_block_release_gives_back_whole_pieces_as_experts_are_copied(monkeypatch):
-    """8 experts of 16 MiB in pieces of 32 MiB (page-aligned base): experts [0, 3) copied frees one piece
-    (the second straddles expert 3), [3, 8) the rest; the final release has nothing left to do."""
+@pytest.mark.parametrize("offset", [0, 64])  # a page-aligned copy, and malloc's 64-byte offset
+def test_drain_unregisters_whole_then_gives_back_the_pages_of_each_block_copied(monkeypatch, offset):
+    """8 experts of 16 MiB: drain unregisters the copy (the re-home reads the CPU tensor, pageable),
+    on_copied(0, 3) returns the whole pages of experts 0-2, (3, 8) the rest; release then drops it
+    without a second unregister. A tensor that is not a copy here passes through untouched."""
     monkeypatch.setattr(pinning, "_registered", {})
-    ptr, mib = 1 << 32, 16 << 20
-    view = pinning.exact_view(lambda t: t, lambda p, n: 0, lambda p: 0, chunk=2 * mib)
+    page, mib = pinning.PAGE, 16 << 20
     cpu = FakeCpu(8 * mib)
-    cpu.ptr = ptr
-    view(cpu)
+    cpu.ptr = (1 << 32) + offset
+    pinning.exact_view(lambda t: t, lambda p, n: 0)(cpu)
     discarded, unregistered = [], []
-    monkeypatch.setattr(pinning, "_discard", lambda a, n: discarded.append((a, n)) or 0)
-    monkeypatch.setattr(pinning, "_cuda_unregister", lambda p: unregistered.append(p) or 0)
-    other = FakeView(5 << 32, 8, 8 * mib)  # not registered here: ignored
-    release = pinning.block_releaser([FakeView(ptr, 8, 8 * mib), other])
-    assert pinning.block_releaser([other]) is None
-    assert (
-        release(0, 3) == 2 * mib and discarded == [(ptr, 2 * mib)] and pinning.registered_bytes() == 6 * mib
+    mine, other = FakeView(cpu.ptr, 8, 8 * mib), FakeView(5 << 32, 8, 8 * mib)
+    sources, on_copied = pinning.drain(
+        {"w13_weight": mine, "w2_weight": other},
+        unregister=lambda p: unregistered.append(p) or 0,
+        discard=lambda a, n: discarded.append((a, n)) or 0,
     )
-    assert release(3, 8) == 6 * mib and unregistered == [
-        ptr + k * 2 * mib for k in range(4)
-    ]  # with the straddler
-    assert pinning.registered_bytes() == 0 and pinning.release([ptr]) == 0
-    assert [a for a, _ in discarded] == unregistered  # every page of the copy went back
+    assert sources == {"w13_weight": cpu, "w2_weight": other} and unregistered == [cpu.ptr]
+    lo = -(-cpu.ptr // page) * page
+    assert on_copied(0, 3) == (cpu.ptr + 3 * mib) // page * page - lo
+    assert on_copied(3, 8) == (cpu.ptr + 8 * mib) // page * page - (cpu.ptr + 3 * mib) // page * page
+    assert discarded[0][0] == lo and discarded[0][0] + discarded[0][1] == discarded[1][0]  # no page twice
+    assert on_copied(8, 8) == 0 and pinning.registered_bytes() == 8 * mib  # held until released
+    assert (
+        pinning.release([cpu.ptr], unregister=lambda p: 1 / 0) == 8 * mib and pinning.registered_bytes() == 0
+    )
+    assert pinning.drain({"w2_weight": other}) == ({"w2_weight": other}, None)
+
+
+def test_drain_keeps_the_view_as_source_when_unregistering_fails(monkeypatch):
+    monkeypatch.setattr(pinning, "_registered", {})
+    cpu = FakeCpu(BIG)
+    pinning.exact_view(lambda t: t, lambda p, n: 0)(cpu)
+    view = FakeView(cpu.ptr, 4, BIG)
+    sources, on_copied = pinning.drain({"w13_weight": view}, unregister=lambda p: 700)
+    assert sources == {"w13_weight": view} and on_copied is None and pinning.registered_bytes() == BIG
+    assert pinning.release([cpu.ptr], unregister=lambda p: 0) == BIG  # released after, as before
 
 
 def test_the_engine_copies_in_blocks_and_releases_only_what_was_copied(monkeypatch):
@@ -209,8 +197,14 @@ def test_the_engine_copies_in_blocks_and_releases_only_what_was_copied(monkeypat
     w2 = -torch.arange(16 * 8 * 2, dtype=torch.float32).reshape(16, 8, 2)
     layout = plan_unit([("w13_weight", 128), ("w2_weight", 64)], granularity=256, align=64)
     backing = torch.zeros(16 * layout.unit_bytes, dtype=torch.uint8)
-    fake_range = types.SimpleNamespace(as_bytes=lambda: backing)
-    monkeypatch.setattr(engine.vmm.MixedRange, "create_host_backed", lambda n, unit, dev: fake_range)
+    grown = []  # units allocated when each block is copied: never ahead of the copy
+    fake_range = types.SimpleNamespace(as_bytes=lambda: backing, grow=grown.append)
+    created = []
+    monkeypatch.setattr(
+        engine.vmm.MixedRange,
+        "create_host_backed",
+        lambda n, unit, dev, allocate=None: created.append(allocate) or fake_range,
+    )
     monkeypatch.setattr(engine.torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(engine, "RELEASE_BLOCK_BYTES", 3 * (128 + 64))  # 3 experts a block
     blocks = []
@@ -222,10 +216,11 @@ def test_the_engine_copies_in_blocks_and_releases_only_what_was_copied(monkeypat
 
     _, _, views = engine.rehome({"w13_weight": w13, "w2_weight": w2}, layout, 0, on_copied=on_copied)
     assert [b[:2] for b in blocks] == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 15), (15, 16)]
+    assert created == [0] and grown == [3, 6, 9, 12, 15, 16, 16]  # each block's units, then the rest
     assert torch.equal(views["w13_weight"], w13) and torch.equal(views["w2_weight"], w2)
-    blocks.clear()
+    blocks.clear(), grown.clear()
     engine.rehome({"w13_weight": w13, "w2_weight": w2}, layout, 0)
-    assert blocks == []  # no callback: one pass
+    assert blocks == [] == grown and created[-1] is None  # no callback: every unit allocated at creation
 
 
 def test_install_names_what_a_vllm_without_the_seams_lacks():

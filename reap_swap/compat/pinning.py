@@ -9,10 +9,14 @@ of it; vLLM's view op takes the pinned path (`is_pinned()` is true for registere
 held here until the engine has re-homed the layer and calls `release`, which unregisters it and lets
 it go. A refused layer keeps its registered copy: vLLM reads it through the view for good.
 
-The copy is registered in pieces of about `PIECE_BYTES` (64 MiB), cut at page boundaries, so that the engine can give a layer's copy back *while* it re-homes it
-(`block_releaser`): each block of experts, once copied into the engine's host units, has its pieces
-unregistered and their pages returned to the kernel (`madvise(MADV_DONTNEED)`). The host then never
-holds a whole layer twice, only one block (issue 15 item 4: run 15's V3 layer took 1.84x its bytes).
+During the re-home the engine does not read the copy through the view: `drain` unregisters it whole
+first (it becomes plain pageable memory; nothing reads the layer until its parameters are re-pointed),
+the engine copies it from the CPU tensor in blocks of experts, and after each block `on_copied` returns
+that block's pages to the kernel (`madvise(MADV_DONTNEED)`). The host then never holds a whole layer
+twice, only one block (issue 15 item 4: run 15's V3 layer took 1.84x its bytes). Registering in pieces
+instead, to unregister them block by block, fails: a CUDA memcpy whose range spans two registrations
+is refused with cudaErrorInvalidValue (H200, torch 2.11: research-notes/pinned-round/chunk_probe.json),
+and vLLM's weight loader copies into the view with memcpys.
 
 Verified where: the mechanism on the H200 with torch 2.11 without vLLM (research-notes/pinned-round:
 exact RSS, device pointer = host pointer, a kernel and a CUDA-graph replay read through the view,
@@ -25,8 +29,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from reap_swap.compat.moe import current_additional_config
@@ -40,41 +44,22 @@ MIN_EXACT_BYTES = EXACT_PINNING_MIN_BYTES
 _PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 _ATTR = "_reap_exact_pinning"
 
-PIECE_BYTES = 64 << 20  # registration piece: a finer one returns memory sooner, at more register calls
 PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4  # Linux
 
 
 @dataclass
 class Copy:
-    """One registered CPU copy: the tensor (kept alive here) and its registered pieces, base -> bytes."""
+    """One CPU copy made here: the tensor (kept alive until `release`), whether it is still registered,
+    and how many of its leading bytes were given back to the kernel (`drain`)."""
 
     tensor: Any
     nbytes: int
-    pieces: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(self.pieces.values())
+    registered: bool = True
+    discarded: int = 0
 
 
-_registered: dict[int, Copy] = {}  # host pointer -> its registered copy
-
-
-def pieces_of(ptr: int, nbytes: int, chunk: int, page: int = PAGE) -> list[tuple[int, int]]:
-    """[(base, bytes)] covering [ptr, ptr + nbytes): cut about every `chunk` bytes at page-aligned
-    addresses, so no two pieces share a page (cudaHostRegister locks whole pages); one piece if
-    `chunk` <= 0 or the tensor is not larger than it."""
-    end = ptr + nbytes
-    if chunk <= 0 or nbytes <= chunk:
-        return [(ptr, nbytes)]
-    cuts = [ptr]
-    while True:
-        nxt = -(-(cuts[-1] + chunk) // page) * page  # round up to a page
-        if nxt >= end:
-            break
-        cuts.append(nxt)
-    return [(a, b - a) for a, b in zip(cuts, [*cuts[1:], end])]
+_registered: dict[int, Copy] = {}  # host pointer -> the copy
 
 
 def wanted() -> bool:
@@ -119,33 +104,21 @@ def install(uva: Any = None) -> str | None:
     return None
 
 
-def exact_view(
-    view: Callable[[Any], Any],
-    register: Callable[[int, int], int] | None = None,
-    unregister: Callable[[int], int] | None = None,
-    chunk: int | None = None,
-):
-    """`view(cpu)` on a tensor pinned exactly, in pieces (large) or by `pin_memory()` (small, or if
-    registering any piece fails: the pieces done are unregistered first)."""
-    register, unregister = register or _cuda_register, unregister or _cuda_unregister
+def exact_view(view: Callable[[Any], Any], register: Callable[[int, int], int] | None = None):
+    """`view(cpu)` on a tensor pinned exactly (large) or by `pin_memory()` (small, or if registering fails)."""
 
     def pinned_view(cpu: Any) -> Any:
         if cpu.is_pinned():
             return view(cpu)
         if cpu.nbytes < MIN_EXACT_BYTES or not cpu.is_contiguous():
             return view(cpu.pin_memory())
-        copy = Copy(cpu, cpu.nbytes)
-        for base, n in pieces_of(cpu.data_ptr(), cpu.nbytes, PIECE_BYTES if chunk is None else chunk):
-            rc = register(base, n)
-            if rc != 0:
-                logger.warning(
-                    "reap-swap: cudaHostRegister of %d bytes failed (%s); pin_memory() instead", n, rc
-                )
-                for done in copy.pieces:
-                    unregister(done)
-                return view(cpu.pin_memory())
-            copy.pieces[base] = n
-        _registered[cpu.data_ptr()] = copy
+        rc = (register or _cuda_register)(cpu.data_ptr(), cpu.nbytes)
+        if rc != 0:
+            logger.warning(
+                "reap-swap: cudaHostRegister of %d bytes failed (%s); pin_memory() instead", cpu.nbytes, rc
+            )
+            return view(cpu.pin_memory())
+        _registered[cpu.data_ptr()] = Copy(cpu, cpu.nbytes)
         return view(cpu)
 
     return pinned_view
@@ -158,81 +131,73 @@ def pointers(params: Iterable[Any]) -> list[int]:
 
 
 def release(ptrs: Iterable[int], unregister: Callable[[int], int] | None = None) -> int:
-    """Unregister and drop the copies at these host pointers (after the engine re-pointed the layer);
-    the bytes released (of pieces still registered: `block_releaser` may have returned the rest)."""
+    """Unregister (unless `drain` did) and drop the copies at these host pointers (after the engine
+    re-pointed the layer); the bytes released."""
     freed = 0
     for ptr in ptrs:
         copy = _registered.get(ptr)
         if copy is None:
             continue
-        freed += _unregister_pieces(copy, list(copy.pieces), unregister)
-        if not copy.pieces:
-            del _registered[ptr]
+        if copy.registered and not _unregister(copy, ptr, unregister):
+            continue
+        del _registered[ptr]
+        freed += copy.nbytes
     return freed
 
 
-def release_range(
-    ptr: int,
-    start: int,
-    end: int,
+def drain(
+    tensors: Mapping[str, Any],
     unregister: Callable[[int], int] | None = None,
     discard: Callable[[int, int], int] | None = None,
-) -> int:
-    """Unregister the pieces of the copy at `ptr` that lie wholly in bytes [start, end) of it and give
-    their pages back to the kernel (the engine copied those bytes; nothing reads them again);
-    the bytes released."""
-    copy = _registered.get(ptr)
-    if copy is None:
-        return 0
-    inside = [b for b, n in copy.pieces.items() if b >= ptr + start and b + n <= ptr + end]
-    freed = _unregister_pieces(copy, inside, unregister, discard or _discard)
-    if not copy.pieces:
-        del _registered[ptr]
-    return freed
+) -> tuple[dict[str, Any], Callable[[int, int], int] | None]:
+    """Ready the copies among these [E, ...] views for a re-home that gives them back as it goes.
 
-
-def block_releaser(tensors: Iterable[Any]) -> Callable[[int, int], int] | None:
-    """For the engine's re-home copy, which copies experts in ascending blocks: `release(e0, e1)` (experts
-    [0, e1) copied) gives back every piece of these [E, ...] registered copies that lies wholly in
-    those experts' bytes, a piece straddling two blocks with the later one (the bytes released);
-    None when none of the tensors is a registered copy."""
-    spans = []
-    for t in tensors:
+    Each registered copy is unregistered whole and replaced, as the copy's source, by its CPU tensor;
+    the callback `on_copied(e0, e1)` (experts [0, e1) copied; blocks ascend) returns those experts'
+    whole pages to the kernel and the bytes given back. The callback is None when no tensor is a copy
+    here. After this, nothing may read the copies through their views: the caller re-points the
+    layer or fails loudly (a failed re-home cannot fall back to vLLM's path)."""
+    sources, spans = dict(tensors), []
+    for name, t in tensors.items():
         ptr = t.data_ptr()
-        if ptr in _registered and t.dim() >= 1 and t.shape[0] and t.is_contiguous():
-            spans.append((ptr, _registered[ptr].nbytes // int(t.shape[0])))
+        copy = _registered.get(ptr)
+        if copy is None or not copy.registered or t.dim() < 1 or not t.shape[0]:
+            continue
+        if not _unregister(copy, ptr, unregister):
+            continue  # still registered: the re-home reads it through the view, released after
+        sources[name] = copy.tensor
+        spans.append((ptr, copy, copy.nbytes // int(t.shape[0])))
     if not spans:
-        return None
+        return sources, None
 
-    def release_experts(e0: int, e1: int) -> int:
-        return sum(release_range(ptr, 0, e1 * slab) for ptr, slab in spans)
+    def on_copied(e0: int, e1: int) -> int:
+        given = 0
+        for ptr, copy, slab in spans:
+            lo = -(-(ptr + copy.discarded) // PAGE) * PAGE
+            hi = (ptr + min(e1 * slab, copy.nbytes)) // PAGE * PAGE
+            if hi <= lo:
+                continue
+            if (discard or _discard)(lo, hi - lo) != 0:
+                logger.warning("reap-swap: madvise(DONTNEED) failed on %d bytes; they stay resident", hi - lo)
+                continue
+            copy.discarded, given = hi - ptr, given + hi - lo
+        return given
 
-    return release_experts
+    return sources, on_copied
 
 
 def registered_bytes() -> int:
-    return sum(c.held_bytes for c in _registered.values())
+    """Bytes of the copies made here that are still held (registered or being drained)."""
+    return sum(c.nbytes for c in _registered.values())
 
 
-def _unregister_pieces(
-    copy: Copy,
-    bases: list[int],
-    unregister: Callable[[int], int] | None,
-    discard: Callable[[int, int], int] | None = None,
-) -> int:
-    freed = 0
-    for base in bases:
-        rc = (unregister or _cuda_unregister)(base)
-        if rc != 0:
-            logger.warning("reap-swap: cudaHostUnregister failed (%s); that piece of the copy is kept", rc)
-            continue
-        n = copy.pieces.pop(base)
-        if discard is not None:
-            lo, hi = -(-base // PAGE) * PAGE, (base + n) // PAGE * PAGE
-            if hi > lo and discard(lo, hi - lo) != 0:
-                logger.warning("reap-swap: madvise(DONTNEED) failed on %d bytes; they stay resident", hi - lo)
-        freed += n
-    return freed
+def _unregister(copy: Copy, ptr: int, unregister: Callable[[int], int] | None) -> bool:
+    rc = (unregister or _cuda_unregister)(ptr)
+    if rc != 0:
+        logger.warning("reap-swap: cudaHostUnregister failed (%s); the copy is kept", rc)
+        return False
+    copy.registered = False
+    return True
 
 
 def _discard(addr: int, nbytes: int) -> int:

@@ -134,11 +134,17 @@ def rehome(
     Unit e holds slab e of each tensor at `layout.offset_of(name)`; each view keeps its tensor's
     shape and inner strides, with an expert stride of one unit. `num_units` >= E leaves room for
     extra units after the experts' (a device cache's slots); the views cover the first E.
-    `on_copied(e0, e1)`: called once experts [e0, e1) are copied (blocks of ~RELEASE_BLOCK_BYTES),
-    so their source can be given back during the copy (--reap-exact-pinning, compat/pinning.py).
+    `on_copied(e0, e1)`: called once experts [e0, e1) are copied (blocks of ~RELEASE_BLOCK_BYTES, each
+    block's units allocated just before it), so their source can be given back during the copy
+    (--reap-exact-pinning: the sources are then vLLM's CPU copies, unregistered by compat/pinning.py
+    `drain`; each block is one pageable copy).
     """
     num_experts = next(iter(tensors.values())).shape[0]
-    rng = vmm.MixedRange.create_host_backed(num_units or num_experts, layout.unit_bytes, device)
+    total = num_units or num_experts
+    if on_copied is None:
+        rng = vmm.MixedRange.create_host_backed(total, layout.unit_bytes, device)
+    else:  # in blocks, a unit's host bytes are allocated just before its expert is copied (rng.grow)
+        rng = vmm.MixedRange.create_host_backed(total, layout.unit_bytes, device, allocate=0)
     range_bytes = rng.as_bytes()
     views = {}
     for name, t in tensors.items():
@@ -150,11 +156,15 @@ def rehome(
     step = num_experts if on_copied is None else max(1, RELEASE_BLOCK_BYTES // max(per_expert, 1))
     for e0 in range(0, num_experts, max(step, 1)):
         e1 = min(num_experts, e0 + step)
+        if on_copied is not None:
+            rng.grow(e1)
         for name, t in tensors.items():
             views[name][e0:e1].copy_(t[e0:e1])
         if on_copied is not None:
             torch.cuda.synchronize(device)  # the source is read by the copy until here
             on_copied(e0, e1)
+    if on_copied is not None:
+        rng.grow(total)  # a device cache's extra units
     torch.cuda.synchronize(device)
     return rng, range_bytes, views
 
@@ -295,7 +305,7 @@ class CudaEngine:
         exact = vllm_pinning.pointers(bound.rehome.values())  # --reap-exact-pinning copies, released below
         rng, range_bytes, views, cached = self._rehome(st, layer, index, bound)
         _point_params(layer, bound, views)
-        st.exact_pinned_released += vllm_pinning.release(exact)  # what the blocks did not give back
+        st.exact_pinned_released += vllm_pinning.release(exact)
         num_experts = next(iter(views.values())).shape[0]
         st.layers[index] = LayerEntry(
             index, layer.layer_name, num_experts, bound.layout.unit_bytes, bound.layout.payload_bytes,
@@ -337,13 +347,8 @@ class CudaEngine:
         cached = self.cache and device_cache_engine.rehome_plain(self.cache, st, layer, index, tensors, bound)
         if cached:
             return cached[0], cached[1], {"w13_weight": cached[2], "w2_weight": cached[3]}, cached
-        releaser = vllm_pinning.block_releaser(tensors.values())  # --reap-exact-pinning copies
-
-        def give_back(e0: int, e1: int) -> int:
-            st.exact_pinned_released += releaser(e0, e1)
-            return 0
-
-        rng, range_bytes, views = rehome(tensors, bound.layout, st.device, on_copied=releaser and give_back)
+        sources, on_copied = vllm_pinning.drain(tensors)  # --reap-exact-pinning copies, given back as copied
+        rng, range_bytes, views = rehome(sources, bound.layout, st.device, on_copied=on_copied)
         return rng, range_bytes, views, cached
 
     def _seed(self, st: EngineState, layer: torch.nn.Module, index: int, cached: Any) -> None:

@@ -123,25 +123,38 @@ class _UnitRange:
     device: int
     base: int = 0
     handles: list[Any] = field(default_factory=list)  # the allocation created for each unit
+    location: str = "device"
 
     @classmethod
-    def _create(cls, location: str, num_units: int, unit_bytes: int, device: int):
-        rng = cls(num_units, unit_bytes, device)
+    def _create(
+        cls, location: str, num_units: int, unit_bytes: int, device: int, allocate: int | None = None
+    ):
+        """Reserve `num_units` units and allocate the first `allocate` of them (all by default; the
+        rest come with `grow`, so a re-home need not hold a layer's host bytes before it copies them)."""
+        rng = cls(num_units, unit_bytes, device, location=location)
         if num_units == 0:
             return rng
-        size = num_units * unit_bytes
-        rng.base = int(_check(_drv.cuMemAddressReserve(size, 0, 0, 0)))
-        prop = _prop(location, device)
-        try:
-            for unit in range(num_units):
-                handle = _check(_drv.cuMemCreate(unit_bytes, prop, 0))
-                rng.handles.append(handle)
-                _check(_drv.cuMemMap(rng.unit_address(unit), unit_bytes, 0, handle, 0))
-            _check(_drv.cuMemSetAccess(rng.base, size, [_access_desc(device)], 1))
-        except Exception:
-            rng.release()
-            raise
+        rng.base = int(_check(_drv.cuMemAddressReserve(num_units * unit_bytes, 0, 0, 0)))
+        rng.grow(num_units if allocate is None else allocate)
         return rng
+
+    def grow(self, upto: int) -> None:
+        """Allocate, map and open to the device units [allocated so far, upto); on a failure the
+        whole range is released and the error raised."""
+        first = len(self.handles)
+        if upto <= first:
+            return
+        prop = _prop(self.location, self.device)
+        try:
+            for unit in range(first, upto):
+                handle = _check(_drv.cuMemCreate(self.unit_bytes, prop, 0))
+                self.handles.append(handle)
+                _check(_drv.cuMemMap(self.unit_address(unit), self.unit_bytes, 0, handle, 0))
+            size = (upto - first) * self.unit_bytes
+            _check(_drv.cuMemSetAccess(self.unit_address(first), size, [_access_desc(self.device)], 1))
+        except Exception:
+            self.release()
+            raise
 
     @property
     def nbytes(self) -> int:
@@ -175,8 +188,10 @@ class MixedRange(_UnitRange):
     pending_access: set[int] = field(default_factory=set)  # remapped units awaiting flush_access()
 
     @classmethod
-    def create_host_backed(cls, num_units: int, unit_bytes: int, device: int) -> MixedRange:
-        rng = cls._create("host", num_units, unit_bytes, device)
+    def create_host_backed(
+        cls, num_units: int, unit_bytes: int, device: int, allocate: int | None = None
+    ) -> MixedRange:
+        rng = cls._create("host", num_units, unit_bytes, device, allocate)
         rng.backing = [None] * num_units
         return rng
 

@@ -1,4 +1,10 @@
-"""Exact pinning in pieces, with the project's own code (reap_swap/compat/pinning.py), before a server uses it.
+"""RAN ONCE, AGAINST A DESIGN SINCE REMOVED: compat/pinning.py at f5438dc (registration in 64 MiB pieces,
+`PIECE_BYTES`, `block_releaser`); it no longer runs on main. Result (run 16, chunk_probe.json): a kernel and a
+CUDA-graph replay read across pieces, but every memcpy spanning two registered pieces (the view into HBM, the
+CPU tensor into HBM, blocking or not) fails with cudaErrorInvalidValue, and vLLM's weight loader copies with
+memcpys; so main drains instead (drain_probe.py).
+
+Exact pinning in pieces, with the project's own code (reap_swap/compat/pinning.py), before a server uses it.
 
 A CPU copy registered as ~64 MiB page-cut pieces (cudaHostRegister each): does one CUDA view over the whole
 copy read every piece (a kernel across piece boundaries, and a CUDA-graph replay), and does the engine-style
@@ -39,6 +45,38 @@ def cuda_view(cpu: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(View(), device="cuda")
 
 
+def try_copy(f) -> str:
+    try:
+        f()
+        torch.cuda.synchronize()
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - the probe records what fails
+        torch.cuda.synchronize()
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def copy_variants(cpu: torch.Tensor, view: torch.Tensor, dst: torch.Tensor) -> dict:
+    """Copies from the registered copy into HBM, each spanning piece boundaries except the first."""
+    strided = torch.empty((4, 2 * slab_of(cpu)), dtype=torch.uint8, device="cuda")[:, : slab_of(cpu)]
+    return {
+        "within_one_piece": lambda: dst[0, : 32 * MIB].copy_(view[0, : 32 * MIB]),
+        "contiguous_view_memcpy": lambda: dst[0:4].copy_(view[0:4]),
+        "strided_dst_kernel": lambda: strided.copy_(view[0:4]),
+        "from_cpu_tensor": lambda: dst[0:4].copy_(cpu[0:4]),
+        "from_cpu_tensor_non_blocking": lambda: dst[0:4].copy_(cpu[0:4], non_blocking=True),
+        "add_zero_kernel": lambda: torch.add(view[0:4], 0, out=dst[0:4]),
+    }
+
+
+def slab_of(cpu: torch.Tensor) -> int:
+    return int(cpu.shape[1])
+
+
+def blocks_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """The engine's copy: a kernel (torch.add into the destination), never one memcpy over two pieces."""
+    torch.add(src, 0, out=dst)
+
+
 def main() -> int:
     torch.cuda.init()
     experts, slab = 26, 100 * MIB  # slabs of 100 MiB over pieces of 64 MiB: boundaries straddle
@@ -74,13 +112,16 @@ def main() -> int:
     expect = sum((int(i) // slab) + 1 for i in idx.tolist()[:-1]) + 200
     out["graph_replay_reads_host"] = int(static.item()) == expect
     cpu.view(-1)[idx[-1].item()] = (int(idx[-1]) // slab) + 1
-    # the engine's re-home: ascending blocks of 5 experts into HBM, each followed by the block release
+    # which copies may span two registered pieces? (run 16: a contiguous copy_ from the view raised
+    # cudaErrorInvalidValue; the driver's memcpy looks the source up as one registration)
     dst = torch.empty((experts, slab), dtype=torch.uint8, device="cuda")
+    out["copy_variants"] = {k: try_copy(f) for k, f in copy_variants(cpu, view, dst).items()}
+    # the engine's re-home: ascending blocks of 5 experts into HBM, each followed by the block release
     release = pinning.block_releaser([view])
     rss, freed = [round(rss_mib())], 0
     for e0 in range(0, experts, 5):
         e1 = min(experts, e0 + 5)
-        dst[e0:e1].copy_(view[e0:e1])
+        blocks_copy(dst[e0:e1], view[e0:e1])
         torch.cuda.synchronize()
         freed += release(e0, e1)
         rss.append(round(rss_mib()))
