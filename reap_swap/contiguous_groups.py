@@ -20,11 +20,16 @@ were NOT bitwise on Marlin -- gptq-/awq-marlin differed from stock at m = 8 and 
 state, all experts resident included. Root cause (read in Marlin's kernel): the kernel splits the
 concatenation of (moe block, n tile, k tile) evenly over the SMs, so where an expert's K reduction is
 cut between thread blocks depends on the *position* of its blocks, and moe_align_block_size orders
-the blocks by expert id; permuted ids move an expert's blocks, hence its fp32 partial sums. So on
-CUDA --reap-group-size refuses INT4 layers (`INT4_GROUPS_REFUSED`, stock path kept) unless
-REAP_SWAP_UNVERIFIED_INT4_GROUPS=1 / --reap-unverified-int4-groups (settings.py) opts into the identity-order variant (groups of consecutive
-expert ids, no permutation: the kernel sees stock's ids and stock's bytes at stock's offsets), which
-is to be verified on the next GPU lease (tests/gpu/test_int4_groups.py).
+the blocks by expert id; permuted ids move an expert's blocks, hence its fp32 partial sums.
+
+So CUDA binds INT4 layers under --reap-group-size auto|2|4|8 in the identity-order variant only:
+groups of consecutive expert ids, no permutation (residency/grouped_engine.permutation_for), so the
+kernel sees stock's ids and stock's bytes at stock's offsets; `identity_fill` keeps the plan's core
+within the HBM a permuted layout would have packed it into. Verified on the H200 at kernel level in
+run 14 (bitwise wherever stock is deterministic; tests/gpu/test_int4_groups.py) and in the server in
+run 16 (2026-12-03, vLLM 0.26.0): awq, gptq and ct-w4a16 at auto bound as groups of b = 8 (18 MiB,
+no padding), greedy text and MoE digests identical to stock at 0/25/50/100 % resident and after
+swaps, CUDA graphs on, bytes moved = admitted groups x payload. Permuted INT4 groups are never built.
 """
 
 from __future__ import annotations
@@ -37,17 +42,6 @@ from reap_swap.quant_padding import GRANULE
 
 MAX_CONTIGUOUS_B = 16  # larger groups make the residency too coarse to follow a plan's slices
 CANDIDATES = (1, 2, 4, 8, 16)
-
-
-UNVERIFIED_INT4_ENV = "REAP_SWAP_UNVERIFIED_INT4_GROUPS"
-INT4_GROUPS_REFUSED = (
-    "INT4 contiguous groups are not bitwise to stock on CUDA: H200 run 12 (vLLM 0.26.0, 2026-12-01) "
-    "measured gptq-/awq-marlin outputs differing from stock at m = 8 and 64 in every residency state "
-    "(0 %..100 % resident), and awq / ct-w4a16 served MoE digests differing at 0/25/50/100 %; cause: "
-    "the permuted expert ids move each expert's blocks in Marlin's SM stripe schedule (research.md "
-    f"int4perm); kept on vLLM's stock path ({UNVERIFIED_INT4_ENV}=1: the unverified identity-order "
-    "variant)"
-)
 
 
 def identity_fill(wanted: Iterable[int], group_size: int, max_groups: int | None = None) -> list[int]:

@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from reap_swap.contiguous_groups import INT4_GROUPS_REFUSED
 from reap_swap.quant_scheme import QuantScheme, scheme_from_config
 
 # vLLM `--quantization` values that pick a method the engine refuses, whatever the checkpoint
@@ -64,9 +63,10 @@ ONLINE_UVA_REFUSAL = (
 )
 
 
-# INT4 W4A16 with --reap-group-size not 1 (research.md int4grp, int4perm): refused since H200 run 12
-# (permuted groups were not bitwise on Marlin); with --reap-unverified-int4-groups the engine binds
-# Marlin and moe_wna16 layers in identity-order contiguous groups of whole pages. vLLM's default WNA16 backend (Marlin) stays
+# INT4 W4A16 with --reap-group-size not 1 (research.md int4grp, int4perm): the engine binds Marlin
+# and moe_wna16 layers in identity-order contiguous groups of whole pages (consecutive expert ids:
+# the kernel sees stock's ids; served identical to stock on the H200, run 16; the permuted order was
+# not bitwise on Marlin, run 12, and is never used for INT4). vLLM's default WNA16 backend (Marlin) stays
 # (0.26.0 raises on --moe-backend triton for it) and the experts load into HBM as stock: the repack
 # in process_weights_after_loading (gptq/awq_marlin_moe_repack) writes new tensors, and the UVA
 # offload names w13_weight/w2_weight, which INT4 methods register as w13_qweight/w13_weight_packed.
@@ -78,13 +78,9 @@ INT4_GROUPED_UVA_REFUSAL = (
 GROUPED_INT4_CLI = frozenset({"moe_wna16"})
 
 
-def _grouped_int4(
-    scheme: QuantScheme, method: str, cli: str, group_size: str, unverified_int4: bool
-) -> ServedQuant | None:
+def _grouped_int4(scheme: QuantScheme, method: str, cli: str, group_size: str) -> ServedQuant | None:
     if group_size == "1" or scheme.kind != "int" or scheme.bits != 4 or cli not in ("", *GROUPED_INT4_CLI):
         return None
-    if not unverified_int4:  # run 12: not bitwise on Marlin (contiguous_groups' docstring)
-        return ServedQuant(cli or method, scheme, f"{cli or method}: {INT4_GROUPS_REFUSED}")
     return ServedQuant(cli or method, scheme, None, INT4_GROUPED_UVA_REFUSAL, triton=False)
 
 
@@ -110,13 +106,12 @@ def served_quant(
     method: str = "",
     cli_quantization: str | None = None,
     group_size: str = "1",
-    unverified_int4: bool = False,
 ) -> ServedQuant:
     """The checkpoint's scheme (``ModelShape.quant``), its ``quant_method``, ``--quantization`` and
-    ``--reap-group-size`` (INT4 binds only in contiguous groups, and only with
-    ``--reap-unverified-int4-groups``: run 12, research.md int4perm)."""
+    ``--reap-group-size`` (INT4 binds only in contiguous groups, identity order: run 16, research.md
+    int4perm)."""
     cli = (cli_quantization or "").lower()
-    grouped = _grouped_int4(scheme, method, cli, str(group_size), unverified_int4)
+    grouped = _grouped_int4(scheme, method, cli, str(group_size))
     if grouped is not None:
         return grouped
     if cli in REFUSED_CLI_METHODS:
@@ -131,13 +126,10 @@ def served_quant_of(
     quant_config: Mapping[str, Any] | None,
     cli_quantization: str | None = None,
     group_size: str = "1",
-    unverified_int4: bool = False,
 ) -> ServedQuant:
     """As `served_quant`, from an HF ``quantization_config`` (or None)."""
     method = str((quant_config or {}).get("quant_method", "")).lower()
-    return served_quant(
-        scheme_from_config(quant_config), method, cli_quantization, group_size, unverified_int4
-    )
+    return served_quant(scheme_from_config(quant_config), method, cli_quantization, group_size)
 
 
 def device_load_refusal(

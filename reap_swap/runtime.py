@@ -85,7 +85,6 @@ class WorkerRuntime:
             self.refusals,
             cache=cache,
             group_size=self.settings.group_size,
-            unverified_int4_groups=self.settings.unverified_int4_groups,
         )
         if self.settings.budget != "plan":  # --reap-budget auto | GiB (residency/budget.py)
             from reap_swap.residency.budget import BudgetHook

@@ -162,8 +162,9 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
     """Launcher hook for the CUDA residency engine: adjust vLLM arguments before the engine starts.
 
     The engine re-homes vLLM's Triton expert weights, so `--moe-backend` defaults to triton. For a
-    quantized format the engine refuses on every layer (INT4 Marlin / moe_wna16, MXFP4:
-    quant_budget.py) nothing is changed: stock vLLM, every expert in HBM. Otherwise, unless
+    quantized format the engine refuses on every layer (INT4 Marlin / moe_wna16 under
+    --reap-group-size 1, MXFP4: quant_budget.py) nothing is changed: stock vLLM, every expert in
+    HBM (INT4 in groups keeps Marlin and loads into HBM: no triton, no UVA). Otherwise, unless
     the user chose an offload budget, experts load straight into pinned host memory through stock
     UVA offload (`--cpu-offload-params w13_weight w2_weight`), so peak VRAM during loading stays
     low; the engine then moves them into its own host-backed ranges and fills the HBM pool.
@@ -172,9 +173,7 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
     if settings.accounting_reason(vllm_serve.platform_name()) is not None:
         return
     cli = getattr(args, "quantization", None)
-    served = served_quant(
-        shape.quant, shape.quant_method, cli, settings.group_size, settings.unverified_int4_groups
-    )
+    served = served_quant(shape.quant, shape.quant_method, cli, settings.group_size)
     if not served.launcher_may_offload:
         log.info(
             "reap-swap: vLLM arguments left as given (stock path, every expert in HBM): %s; "

@@ -2,7 +2,9 @@
 
 Precedence is environment, then flag, then default (deployments set the environment; a flag
 baked into a launch script must not silently win over it). An unknown REAP_* variable is an
-error listing the known names: a typo must not start a server that silently ignores it.
+error listing the known names: a typo must not start a server that silently ignores it. A retired
+setting (`RETIRED`: flag or variable -> why) is accepted and ignored with a logged warning, so a
+launch script that still passes it keeps working; a retired flag never reaches vLLM.
 
 | variable                    | flag                          | meaning |
 |-----------------------------|-------------------------------|---------|
@@ -20,8 +22,8 @@ error listing the known names: a typo must not start a server that silently igno
 | REAP_CACHE_SEED             | --reap-cache-seed pinned,seeded | CUDA device cache: pinned (default, core+dlfu: the plan core pinned by the engine, the cache on the tail) or seeded (dlfu-seeded, accounting mode's policy: each layer's core + tail share is cache slots seeded with the core, evictable; a per-request swap pins its set inside them, a set wider than a layer's share is refused naming the layer; residency/device_cache_seeded.py). On CUDA seeded is REFUSED by default since H200 run 12 (text unequal to stock) and pinned is served, saying why (REAP_SWAP_UNVERIFIED_SEEDED_CACHE below); in accounting residency seeded runs lfu as the same integer dlfu-seeded |
 | REAP_SWAP_UNVERIFIED_SEEDED_CACHE | --reap-unverified-seeded-cache | serve --reap-cache-seed seeded on CUDA although H200 run 12 measured its text unequal to stock (without it CUDA falls back to pinned and says why; research.md "seedfix"): for the next GPU verification only |
 | REAP_CACHE_RECORD_STEPS     | --reap-cache-record-steps N   | keep the last N steps' routing the cache saw (0 = off), read back by GET /reap/cache/trace |
-| REAP_GROUP_SIZE             | --reap-group-size auto,1,2,4,8 | EXPERIMENTAL (CUDA; FP8 block at auto = b 2 and bf16 = b 1 served identical to stock on the H200, run 11): experts in mapping units of b physically adjacent experts in a plan-chosen order, ids remapped after counting (residency/grouped_engine.py); auto = the smallest b wasting < 12 % (FP8 on Triton: 2, bf16: 1); default 1 = private units, today's engine unchanged; refused with --reap-cache-device on and with --reap-budget auto/GiB; INT4 layers are refused under it since run 12 (REAP_SWAP_UNVERIFIED_INT4_GROUPS below) |
-| REAP_SWAP_UNVERIFIED_INT4_GROUPS | --reap-unverified-int4-groups | UNVERIFIED (research.md int4perm): with --reap-group-size not 1, bind INT4 (Marlin / moe_wna16) layers in identity-order contiguous groups; without it they are refused (run 12: the permuted groups were not bitwise on Marlin) |
+| REAP_GROUP_SIZE             | --reap-group-size auto,1,2,4,8 | EXPERIMENTAL (CUDA; FP8 block at auto = b 2 and bf16 = b 1 served identical to stock on the H200, run 11): experts in mapping units of b physically adjacent experts in a plan-chosen order, ids remapped after counting (residency/grouped_engine.py); auto = the smallest b wasting < 12 % (FP8 on Triton: 2, bf16: 1); default 1 = private units, today's engine unchanged; refused with --reap-cache-device on and with --reap-budget auto/GiB; INT4 (Marlin / moe_wna16) layers bind in identity-order contiguous groups (consecutive expert ids, no permutation: AWQ, GPTQ and CT W4A16 at auto = b 8 served identical to stock on the H200, run 16; the permuted order was not bitwise, run 12) |
+| REAP_SWAP_UNVERIFIED_INT4_GROUPS | --reap-unverified-int4-groups | RETIRED (run 16, 2026-12-03): identity-order INT4 groups are the default; still accepted, ignored with a warning (RETIRED below) |
 | REAP_SWAP_EXACT_PINNING     | --reap-exact-pinning          | UNVERIFIED IN A SERVER (CUDA, UVA offload): page-lock vLLM's host copies of large expert tensors with cudaHostRegister at their exact size instead of pin_memory(), which PyTorch rounds up to a power of two (Kimi-K2: 96 GiB pinned for 63; research.md "Pinned rounding"); at the re-home the engine unregisters the copy, copies it in ~512 MiB blocks of experts, allocating each block's host units just before and returning the block's source pages to the kernel just after, so the host holds one block twice rather than one layer (compat/pinning.py drain; the mechanism with the project's rehome on the H200, research-notes/pinned-round/drain_probe.json; the grouped and device-cache paths return the copy after the layer); the launcher's host check counts exact bytes |
 | REAP_CACHE_SHADOW           | --reap-cache-shadow off,out,bytes | debug (CUDA device cache): every cached MoE step also runs the uncached kernel and compares on the device (out), and checks every slot's bytes (bytes, slow); results in /reap/status cache.shadow (residency/device_cache_shadow.py) |
 
@@ -34,6 +36,7 @@ runtime: reap_swap.runtime).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +46,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from reap_swap.memory_split import parse_budget
+
+# the launcher's reap_swap handler (logs.get_logger, set up by reap_swap.server) prints it; a
+# warning reaches stderr without one too (logging's last resort)
+log = logging.getLogger("reap_swap.settings")
 
 ADDITIONAL_CONFIG_KEY = "reap_swap"
 CPU_REASON = (
@@ -85,7 +92,6 @@ class Settings(BaseModel):
     cache_record_steps: int = Field(default=0, ge=0)
     cache_shadow: Literal["off", "out", "bytes"] = "off"  # debug shadow of the device cache
     group_size: Literal["auto", "1", "2", "4", "8"] = "1"  # grouped units (issue 16); experimental
-    unverified_int4_groups: bool = False  # INT4 identity-order groups: not verified on a GPU (int4perm)
     exact_pinning: bool = (
         False  # cudaHostRegister vLLM's UVA expert copies (compat/pinning.py); not in a server yet
     )
@@ -239,15 +245,6 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
             "help": "EXPERIMENTAL: experts per mapping unit (grouped units, CUDA; default 1 = private units)",
         },
     ),
-    "unverified_int4_groups": (
-        "REAP_SWAP_UNVERIFIED_INT4_GROUPS",
-        "--reap-unverified-int4-groups",
-        {
-            "action": "store_const",
-            "const": True,
-            "help": "UNVERIFIED: INT4 layers in identity-order contiguous groups (else refused; research.md)",
-        },
-    ),
     "exact_pinning": (
         "REAP_SWAP_EXACT_PINNING",
         "--reap-exact-pinning",
@@ -261,6 +258,24 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
 }
 ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())
 FLAG_NAMES: tuple[str, ...] = tuple(spec[1] for spec in _SPEC.values())
+
+INT4_GROUPS_DEFAULT = (
+    "identity-order INT4 groups are the default under --reap-group-size auto|2|4|8 since H200 run 16 "
+    "(2026-12-03: AWQ, GPTQ and CT W4A16 served identical to stock); the setting is no longer needed "
+    "and is ignored"
+)
+# Retired settings, the one place: flag (takes no value) or environment variable -> why it is
+# ignored. split_argv strips the flag (vLLM never sees it) and resolve does not count the variable
+# as unknown; each one given is logged once as a warning.
+RETIRED: dict[str, str] = {
+    "--reap-unverified-int4-groups": INT4_GROUPS_DEFAULT,
+    "REAP_SWAP_UNVERIFIED_INT4_GROUPS": INT4_GROUPS_DEFAULT,
+}
+
+
+def warn_retired(name: str) -> None:
+    log.warning("reap-swap: %s is retired: %s", name, RETIRED[name])
+
 
 ROUTER_MASKS_REFUSED = (
     "router masking (REAP_ENABLE_ROUTER_MASKS / --reap-enable-router-masks) is not implemented: "
@@ -297,10 +312,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Separate the --reap-* flags from everything else (which is vLLM's)."""
+    """Separate the --reap-* flags from everything else (which is vLLM's); a retired flag
+    (`RETIRED`) is dropped with a warning."""
+    argv = list(argv)
+    retired = [a for a in argv if a.startswith("--") and a in RETIRED]
+    for name in dict.fromkeys(retired):
+        warn_retired(name)
+    argv = [a for a in argv if a not in retired]
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_flags(parser)
-    ns, rest = parser.parse_known_args(list(argv))
+    ns, rest = parser.parse_known_args(argv)
     leftover = [a for a in rest if a.split("=", 1)[0].startswith("--reap-")]
     if leftover:
         raise SettingsError(f"unknown reap flag(s) {leftover}; known: {', '.join(FLAG_NAMES)}")
@@ -315,7 +336,7 @@ class Resolved:
 
 
 def unknown_env(environ: Mapping[str, str]) -> list[str]:
-    return sorted(k for k in environ if k.startswith("REAP_") and k not in ENV_NAMES)
+    return sorted(k for k in environ if k.startswith("REAP_") and k not in ENV_NAMES and k not in RETIRED)
 
 
 def resolve(
@@ -329,6 +350,8 @@ def resolve(
         raise SettingsError(
             f"unknown REAP_* environment variable(s) {', '.join(unknown)}; known: {', '.join(ENV_NAMES)}"
         )
+    for name in sorted(k for k in environ if k in RETIRED):
+        warn_retired(name)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     overrides: list[str] = []
@@ -366,10 +389,6 @@ def resolve(
 def group_size_conflict(settings: Settings, sources: Mapping[str, str] | None = None) -> str | None:
     """Why --reap-group-size cannot be combined with the other settings (None: it can)."""
     if settings.group_size == "1":
-        if settings.unverified_int4_groups:
-            return (
-                "--reap-unverified-int4-groups needs --reap-group-size auto|2|4|8 (INT4 binds only in groups)"
-            )
         return None
     origin = "REAP_GROUP_SIZE" if (sources or {}).get("group_size") == "env" else "--reap-group-size"
     if settings.cache_device == "on":

@@ -13,8 +13,8 @@ with a hard timeout, runs
           expert, kept-whole bytes, per-layer refusals).
 Both servers of a case get the same vLLM arguments (CUDA graphs on, prefix caching off, requests
 one at a time), with `--moe-backend triton` only where the engine binds the format: for the formats
-it refuses (AWQ, GPTQ, CT W4A16, MXFP4; quant_budget.py) the launcher leaves vLLM's arguments alone
-and the server must come up on the stock path with the refusals recorded (/reap/status: each
+it refuses (AWQ, GPTQ, CT W4A16 at --reap-group-size 1, MXFP4; quant_budget.py) the launcher leaves
+vLLM's arguments alone and the server must come up on the stock path with the refusals recorded (/reap/status: each
 worker's `engine`, swap_report.engine_summary). For refused formats stock is served a second time
 in its own process (`--stock-twice`): if stock differs from itself (tokens, logprobs or MoE digests)
 a reap difference is reported as STOCK-NONDET, not FAIL. Cases run `--jobs` at a time and the arms
@@ -105,7 +105,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="EXPERIMENTAL grouped units: pass --reap-group-size to the reap-swap servers; the plan's "
         "slices become seeded random ids (scripts/group_e2e.py) and expected bytes count groups",
     )
-    ap.add_argument("--reap-unverified-int4-groups", action="store_true", help="INT4 identity groups")
     ap.add_argument("--one-case", help=argparse.SUPPRESS)  # the per-case child process
     a = ap.parse_args(argv)
     bad = sorted(set(a.cases.split(",")) - set(CASES))
@@ -132,13 +131,13 @@ def checkpoint(a: argparse.Namespace, fmt: str) -> Path:
     return folder
 
 
-def case_info(name: str, model: Path, group_size: str | None = None, unverified_int4: bool = False) -> dict:
+def case_info(name: str, model: Path, group_size: str | None = None) -> dict:
     """What the launcher does with the case (bound or refused; INT4: quant_budget) and its payload."""
     cfg = json.loads((model / "config.json").read_text())
     extra = CASES[name][1]
     cli = extra[extra.index("--quantization") + 1] if "--quantization" in extra else None
     qc = quantization_config(cfg.get("text_config") or cfg, cfg)
-    served = served_quant_of(qc, cli, group_size or "1", unverified_int4)
+    served = served_quant_of(qc, cli, group_size or "1")
     s = read_model_shape(cfg)
     fmt = expert_format(served.scheme, s.hidden_size, s.moe_intermediate_size, s.dtype_bytes, s.expert_bias)
     return {
@@ -168,7 +167,6 @@ def commands(name: str, model: Path, info: dict, a: argparse.Namespace) -> dict:
     stock = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *common]
     reap = [py, "-m", "reap_swap.server", str(model), *common]
     reap += ["--reap-group-size", a.reap_group_size] if getattr(a, "reap_group_size", None) else []
-    reap += ["--reap-unverified-int4-groups"] if getattr(a, "reap_unverified_int4_groups", False) else []
     return {"stock": stock + gpu_e2e.PROBE_EXTENSION, "reap": reap}
 
 
@@ -247,7 +245,7 @@ def one_case(a: argparse.Namespace, name: str) -> dict:
     global DECODE_TOKENS
     gpu_e2e.PROBE, gpu_e2e.GREEDY_TOKENS, DECODE_TOKENS = True, a.greedy_tokens, a.decode_tokens
     model = checkpoint(a, CASES[name][0])
-    info = case_info(name, model, a.reap_group_size, a.reap_unverified_int4_groups)
+    info = case_info(name, model, a.reap_group_size)
     out = a.out / name
     out.mkdir(parents=True, exist_ok=True)
     cmds = commands(name, model, info, a)
@@ -290,7 +288,7 @@ def write_case(a: argparse.Namespace, name: str, res: dict) -> None:
 
 def child_argv(a: argparse.Namespace, name: str) -> list[str]:
     """The per-case child's command line: every option of the parent's, so a flag cannot be lost on
-    the way to the servers (run 15: --reap-unverified-int4-groups was, and the INT4 servers refused)."""
+    the way to the servers (run 15: an INT4 opt-in flag, since retired, was, and the INT4 servers refused)."""
     argv = [sys.executable, __file__, "--one-case", name, "--out", str(a.out), "--layers", str(a.layers)]
     argv += ["--gpu-memory-utilization", str(a.gpu_memory_utilization), "--case-timeout", str(a.case_timeout)]
     argv += [
@@ -305,7 +303,6 @@ def child_argv(a: argparse.Namespace, name: str) -> list[str]:
     ]
     argv += (["--tiny"] if a.tiny else []) + (["--serial-arms"] if a.serial_arms else [])
     argv += ["--reap-group-size", a.reap_group_size] if a.reap_group_size else []
-    argv += ["--reap-unverified-int4-groups"] if a.reap_unverified_int4_groups else []
     return argv
 
 
@@ -366,7 +363,7 @@ def main(argv=None) -> int:
         plans = {}
         for n in names:
             model = checkpoint(a, CASES[n][0])
-            info = case_info(n, model, a.reap_group_size, a.reap_unverified_int4_groups)
+            info = case_info(n, model, a.reap_group_size)
             plans[n] = {**info, "commands": commands(n, model, info, a)}
             gpu_e2e.make_plan(model, 0.0, 8, a.out / f"plan-{n}.json")
         (a.out / "dry_run.json").write_text(json.dumps(plans, indent=1))

@@ -43,7 +43,7 @@
 #             50 % then 25 %, then resident2 (a second stock resident: stock's own text spread); nothing
 #             measures while another group starts (SKEW_EXTRA="--no-25" for 50 % only, "--inductor-
 #             deterministic" for TORCHINDUCTOR_DETERMINISTIC=1 in every arm); $R/skewbench/skew_bench.md
-#   int4      issue 16's INT4 groups (int4perm: identity order, opt-in): tests/gpu/test_int4_groups.py (INT4_KERNEL=0: skipped), then gpu_quant_e2e.py
+#   int4      issue 16's INT4 groups (int4perm: identity order, the default): tests/gpu/test_int4_groups.py (INT4_KERNEL=0: skipped), then gpu_quant_e2e.py
 #             --cases awq,gptq,ct-w4a16 --reap-group-size auto (~8 min, small models: fits beside cache)
 #   swapguard only the swap half of guards (gpu_swap_guard.py, no server, ~1-2 min): alone
 #   guards    issue 17's guards, alone (<= 10.5 min, ~9): scripts/gpu_swap_guard.py (1 GiB swap >= 50 GB/s,
@@ -140,12 +140,12 @@ ph_guards() {  # swap A/B first (no server), then the decode guard's servers sid
     --serves ${GUARD_SERVES:-2} --rounds ${GUARD_ROUNDS:-12} --tokens ${GUARD_TOKENS:-512} --deadline $(( ${GUARD_CAP:-480} - 40 )) >> $R/guards.log 2>&1
 }
 ph_swapguard() { swap_guard $R/swapguard.log; }  # guards' swap half only
-ph_int4() {  # int4perm: identity-order INT4 groups (opt-in), kernel test then the server e2e (~8 min)
+ph_int4() {  # int4perm: identity-order INT4 groups (the default), kernel test then the server e2e (~8 min)
   # INT4_KERNEL=0 skips the kernel test (run 14 ran it: 161 s) and serves the e2e only
   [ "${INT4_KERNEL:-1}" = 1 ] && \
     timeout 300 $PY -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_int4_groups.py > $R/int4_kernel.log 2>&1
   timeout ${INT4_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/int4 --cases ${INT4_CASES:-awq,gptq,ct-w4a16} \
-    --reap-group-size auto --reap-unverified-int4-groups --jobs 3 --stock-twice all > $R/int4.log 2>&1
+    --reap-group-size auto --jobs 3 --stock-twice all > $R/int4.log 2>&1
 }
 ph_extra() { [ -f scripts/gpu_extra_phase.sh ] && bash scripts/gpu_extra_phase.sh $R/extra > $R/extra.log 2>&1; }
 

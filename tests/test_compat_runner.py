@@ -174,7 +174,7 @@ def _launch(monkeypatch, device_total: int, pool_bytes: int = 0):
     monkeypatch.setattr(vs, "device_total_bytes", lambda: device_total)
 
     class Settings:
-        group_size, unverified_int4_groups, exact_pinning = "1", False, False
+        group_size, exact_pinning = "1", False
 
         def accounting_reason(self, platform):
             return None

@@ -4,6 +4,7 @@ commands per case) and the summary on fake results. The servers themselves need 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from script_modules import load_script
@@ -253,14 +254,15 @@ def _every_option_changed(tmp_path) -> list[str]:
     "argv",
     [
         [],
-        ["--reap-group-size", "auto", "--reap-unverified-int4-groups", "--stock-twice", "all"],
+        ["--reap-group-size", "auto", "--stock-twice", "all"],
+        ["--reap-group-size", "8", "--decode-tokens", "16"],
         ["--layers", "12", "--decode-tokens", "64", "--serial-arms", "--tiny", "--eager-pair", "none"],
         None,  # every option away from its default
     ],
 )
 def test_child_gets_every_option_of_the_parent(tmp_path, argv):
-    """Run 15's int4 phase passed --reap-unverified-int4-groups to the driver, but the per-case child
-    never got it, so every INT4 server refused: the child's options must equal the parent's."""
+    """Run 15's int4 phase passed its INT4 opt-in flag (since retired) to the driver, but the per-case
+    child never got it, so every INT4 server refused: the child's options must equal the parent's."""
     full = _every_option_changed(tmp_path) if argv is None else ["--out", str(tmp_path), "--jobs", "1", *argv]
     parent = qe.parse_args(full)
     child_argv = qe.child_argv(parent, "awq")
@@ -271,7 +273,24 @@ def test_child_gets_every_option_of_the_parent(tmp_path, argv):
     for key, value in vars(parent).items():
         if key not in skip:
             assert getattr(child, key) == value, key
-    # and the reap server's command line carries the opt-in when the child builds it
+    # and the reap server's command line carries the group size when the child builds it
     info = {"binds": False, "dtype": "float16"}
     reap = qe.commands("awq", tmp_path, info, child)["reap"]
-    assert ("--reap-unverified-int4-groups" in reap) == ("--reap-unverified-int4-groups" in full)
+    assert ("--reap-group-size" in reap) == ("--reap-group-size" in full)
+    if parent.reap_group_size:
+        assert reap[reap.index("--reap-group-size") + 1] == parent.reap_group_size
+        assert "--reap-group-size" in child_argv  # through the child process, not only the parent
+
+
+def test_the_int4_phase_has_no_opt_in_flag_any_more(tmp_path):
+    """Identity-order INT4 groups are the default (run 16): the driver no longer takes the retired
+    opt-in, and the int4 phase of scripts/gpu_run.sh serves --reap-group-size auto alone."""
+    with pytest.raises(SystemExit):
+        qe.parse_args(["--out", str(tmp_path), "--reap-group-size", "auto", "--reap-unverified-int4-groups"])
+    a = qe.parse_args(["--out", str(tmp_path), "--reap-group-size", "auto"])
+    reap = qe.commands("awq", tmp_path, {"binds": True, "triton": False, "dtype": "float16"}, a)["reap"]
+    assert reap[reap.index("--reap-group-size") :] == ["--reap-group-size", "auto"]
+    run_sh = (Path(qe.__file__).parent / "gpu_run.sh").read_text()
+    int4 = run_sh[run_sh.index("ph_int4() {") :]
+    int4 = int4[: int4.index("\n}")]
+    assert "--reap-group-size auto" in int4 and "unverified" not in int4

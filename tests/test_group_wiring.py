@@ -191,15 +191,9 @@ def fake_plan(expert_slots=6, per_expert=3 * H * I):
     )
 
 
-def cpu_engine(group_size, plan=None, quant=BLOCK_CFG, cache=None, unverified_int4_groups=False):
+def cpu_engine(group_size, plan=None, quant=BLOCK_CFG, cache=None):
     plan = plan or fake_plan()
-    eng = engine_mod.CudaEngine(
-        plan,
-        LayerRefusals(),
-        cache=cache,
-        group_size=group_size,
-        unverified_int4_groups=unverified_int4_groups,
-    )
+    eng = engine_mod.CudaEngine(plan, LayerRefusals(), cache=cache, group_size=group_size)
     state = engine_mod.EngineState(
         device=0, plan=plan, budget_bytes=plan.swappable_budget_bytes, granularity=G
     )

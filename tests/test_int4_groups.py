@@ -4,17 +4,18 @@ the wiring through the real CudaEngine.attach_after_load over the CPU stand-in o
 tests/test_group_wiring.py. The layer shapes are vLLM 0.26.0's after process_weights_after_loading
 (AWQ -> Marlin: awq_marlin_moe_repack / gptq_marlin_moe_repack output [E, K/16, 2N] int32; the
 moe_wna16 method keeps uint8 [E, N, K/2]). The MoE arithmetic here is a float32 dequantizing
-reference (the layout is what is under test; vLLM's kernels are tests/gpu/test_int4_groups.py)."""
+reference (the layout is what is under test; vLLM's kernels are tests/gpu/test_int4_groups.py).
+Identity-order groups are what INT4 binds in under --reap-group-size auto|2|4|8 (served identical to
+stock on the H200, run 16); the former opt-in flag / variable is retired: accepted, ignored, warned."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
 
 from reap_swap.contiguous_groups import (
-    INT4_GROUPS_REFUSED,
-    UNVERIFIED_INT4_ENV,
     ContiguousLayoutError,
     check_contiguous_group,
     contiguous_group_size,
@@ -33,15 +34,6 @@ AWQ_CFG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": Tr
 GPTQ_CFG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
 pytestmark = pytest.mark.usefixtures("cpu_vmm")  # the CPU stand-in of the VMM (harmless for pure tests)
 W13, W2 = 2 * I * H // 2, H * I // 2  # packed int4 bytes per expert: 1.5 MiB, 0.75 MiB
-
-
-@pytest.fixture
-def opt_in(monkeypatch):
-    """--reap-unverified-int4-groups: the identity-order variant (unverified on a GPU); the runtime
-    passes it to CudaEngine from the settings (reap_swap/runtime.py); here gw.cpu_engine builds
-    its engines with it."""
-    engine = gw.cpu_engine
-    monkeypatch.setattr(gw, "cpu_engine", lambda *a, **k: engine(*a, **{"unverified_int4_groups": True, **k}))
 
 
 # -- the pure choice of b --------------------------------------------------------------------------
@@ -172,32 +164,63 @@ def test_default_group_size_refuses_contiguous_kernels_by_name():
     assert "<layout>: MarlinExperts implies the expert stride" in why and "--reap-group-size auto" in why
 
 
-def test_auto_refuses_int4_layers_by_name_citing_run_12_and_keeps_the_stock_path():
+def test_auto_binds_int4_layers_in_identity_groups_by_default_citing_run_16():
+    """No opt-in any more: a plain --reap-group-size auto engine binds Marlin and moe_wna16 layers
+    in identity-order groups of 8 (run 16: served identical to stock), the stock ids kept."""
     for quant, make in ((AWQ_CFG, awq_marlin_layer), (GPTQ_CFG, wna16_layer)):
         eng = int4_engine("auto", quant, plan=gw.fake_plan(expert_slots=16, per_expert=W13 + W2))
+        assert not hasattr(eng, "unverified_int4_groups")  # the engine has no such switch
         m = make(0, 1)
-        before = {n: (t.data_ptr(), t.detach().clone()) for n, t in m.named_parameters()}
+        before = {n: t.detach().clone() for n, t in m.named_parameters()}
         eng.attach_after_load(m, 0)
-        why = eng.refusals.reasons["model.layers.0.mlp.experts"]
-        assert INT4_GROUPS_REFUSED in why and "run 12" in why and UNVERIFIED_INT4_ENV in why
-        assert eng.state.grouped is None or not eng.state.grouped.layers  # nothing half-applied
-        assert not hasattr(m, "reap_group_map") and not getattr(m, "_reap_vmm", False)
-        for n, t in m.named_parameters():  # stock tensors, same storage, same bytes
-            assert t.data_ptr() == before[n][0] and torch.equal(t, before[n][1]), n
+        assert eng.refusals.reasons == {}
+        entry = eng.state.grouped.layers[0]
+        assert entry.layout.group_size == 8 and entry.perm.is_identity
+        assert m.reap_group_map.tolist() == list(range(E))  # the kernel sees stock's ids
+        row = eng.state.layouts[0]
+        assert row["group_size"] == 8 and not row["permuted"]
+        assert "identity order" in row["why"] and "run 16" in row["why"] and "unverified" not in row["why"]
+        for n, t in m.named_parameters():  # same bytes at the same expert rows as stock
+            assert torch.equal(t, before[n]), n
 
 
-def test_the_opt_in_is_a_setting_that_reaches_the_workers():
-    from reap_swap.settings import Settings, SettingsError, resolve
+def test_the_retired_opt_in_flag_is_accepted_ignored_warned_and_kept_from_vllm(caplog):
+    from reap_swap.settings import RETIRED, Settings, resolve, split_argv
 
-    plan = {"plan_file": "p.json"}
-    assert resolve(plan, {}).settings.unverified_int4_groups is False
-    on = resolve({**plan, "group_size": "auto"}, {UNVERIFIED_INT4_ENV: "1"}).settings
-    assert on.unverified_int4_groups is True
-    assert Settings.from_worker_config(on.to_worker_config()).unverified_int4_groups is True
-    flags = {**plan, "group_size": "8", "unverified_int4_groups": True}
-    assert resolve(flags, {}).settings.unverified_int4_groups is True
-    with pytest.raises(SettingsError, match="needs --reap-group-size"):  # a no-op flag is refused
-        resolve({**plan, "unverified_int4_groups": True}, {})
+    flag = "--reap-unverified-int4-groups"
+    assert "run 16" in RETIRED[flag] and "2026-12-03" in RETIRED[flag]
+    assert "unverified_int4_groups" not in Settings.model_fields
+    argv = ["org/m", "--reap-plan", "p.json", flag, "--reap-group-size", "auto", "--port", "8000"]
+    with caplog.at_level(logging.WARNING, logger="reap_swap.settings"):
+        ns, vllm_argv = split_argv(argv)
+    assert vllm_argv == ["org/m", "--port", "8000"]  # vLLM never sees the retired flag
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and flag in r.getMessage()]
+    assert (
+        len(warned) == 1
+        and "default under --reap-group-size auto|2|4|8 since H200 run 16" in warned[0].getMessage()
+    )
+    assert "no longer needed" in warned[0].getMessage()
+    settings = resolve(ns, {}).settings
+    assert (
+        settings.group_size == "auto"
+        and settings == resolve({"plan_file": "p.json", "group_size": "auto"}, {}).settings
+    )
+    assert "unverified_int4_groups" not in settings.to_worker_config()
+    # with the default group size 1 it is ignored too (it used to be refused as a no-op there)
+    assert resolve(split_argv(["--reap-plan", "p.json", flag])[0], {}).settings.group_size == "1"
+
+
+@pytest.mark.parametrize("value", ["1", "0", ""])
+def test_the_retired_opt_in_variable_is_accepted_ignored_and_warned(caplog, value):
+    from reap_swap.settings import resolve
+
+    env = "REAP_SWAP_UNVERIFIED_INT4_GROUPS"
+    with caplog.at_level(logging.WARNING, logger="reap_swap.settings"):
+        r = resolve({}, {"REAP_PLAN_FILE": "p.json", "REAP_GROUP_SIZE": "auto", env: value})  # no raise
+    assert r.settings == resolve({}, {"REAP_PLAN_FILE": "p.json", "REAP_GROUP_SIZE": "auto"}).settings
+    warned = [rec for rec in caplog.records if rec.levelno == logging.WARNING and env in rec.getMessage()]
+    assert len(warned) == 1 and "identity-order INT4 groups are the default" in warned[0].getMessage()
+    assert "unverified_int4_groups" not in r.sources  # no setting behind it
 
 
 def test_identity_fill_keeps_the_best_covered_groups_within_the_packed_hbm():
@@ -212,7 +235,6 @@ def test_identity_fill_keeps_the_best_covered_groups_within_the_packed_hbm():
         identity_fill([1], 0)
 
 
-@pytest.mark.usefixtures("opt_in")
 def test_opted_in_awq_marlin_layers_attach_in_identity_order_scales_zeros_untouched():
     # 16 experts' budget at the INT4 price: 3 groups of 18 MiB (each layer's core needs one)
     eng = int4_engine("auto", AWQ_CFG, plan=gw.fake_plan(expert_slots=16, per_expert=W13 + W2))
@@ -239,7 +261,6 @@ def test_opted_in_awq_marlin_layers_attach_in_identity_order_scales_zeros_untouc
         assert m.w13_g_idx.shape == (E, 0)
 
 
-@pytest.mark.usefixtures("opt_in")
 def test_moe_wna16_layer_in_one_group_computes_what_stock_computes_across_swaps():
     eng = int4_engine("auto", GPTQ_CFG, plan=gw.fake_plan(expert_slots=16, per_expert=W13 + W2))
     m = wna16_layer(0, 3)
@@ -261,7 +282,6 @@ def test_moe_wna16_layer_in_one_group_computes_what_stock_computes_across_swaps(
     assert torch.equal(int4_reference(m, x, ids, w, phys=False), ref)
 
 
-@pytest.mark.usefixtures("opt_in")
 def test_misfit_shapes_and_the_device_cache_are_refused_by_name_never_private_units():
     eng = int4_engine("4", AWQ_CFG)
     eng.attach_after_load(awq_marlin_layer(0, 1), 0)
@@ -273,29 +293,23 @@ def test_misfit_shapes_and_the_device_cache_are_refused_by_name_never_private_un
     assert "contiguous groups only" in eng.refusals.reasons["model.layers.1.mlp.experts"]
 
 
-def test_the_launcher_refuses_int4_groups_without_the_opt_in():
+def test_the_launcher_binds_int4_only_in_groups_by_default_and_keeps_vllms_marlin_backend():
     from reap_swap.quant_budget import served_quant_of
 
     for cfg, cli in ((AWQ_CFG, None), (GPTQ_CFG, None), (GPTQ_CFG, "moe_wna16")):
-        served = served_quant_of(cfg, cli, "auto")
-        assert INT4_GROUPS_REFUSED in served.engine_refusal and not served.launcher_may_offload
+        stock = served_quant_of(cfg, cli)  # group size 1: refused as before, stock path
+        assert stock.engine_refusal and not stock.launcher_may_offload
+        assert "--reap-group-size auto" in stock.engine_refusal  # the refusal names the way out
+        assert served_quant_of(cfg, cli, "1") == stock
+        for group_size in ("auto", "2", "4", "8"):  # no opt-in: grouped is the default
+            grouped = served_quant_of(cfg, cli, group_size)
+            assert grouped.engine_refusal is None and grouped.launcher_may_offload
+            assert not grouped.triton and "HBM" in grouped.uva_refusal  # Marlin stays; no UVA offload
+    assert "gptq_marlin" in served_quant_of(GPTQ_CFG, "gptq_marlin", "auto").engine_refusal  # unchecked
+    assert served_quant_of({"quant_method": "mxfp4"}, None, "auto").engine_refusal  # not INT4: refused
     assert served_quant_of({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "auto").triton
 
 
-def test_the_launcher_binds_int4_only_in_groups_and_keeps_vllms_marlin_backend():
-    from reap_swap.quant_budget import served_quant_of
-
-    for cfg, cli in ((AWQ_CFG, None), (GPTQ_CFG, None), (GPTQ_CFG, "moe_wna16")):
-        stock = served_quant_of(cfg, cli)
-        assert stock.engine_refusal and "--reap-group-size auto" in stock.engine_refusal or cli
-        grouped = served_quant_of(cfg, cli, "auto", unverified_int4=True)
-        assert grouped.engine_refusal is None and grouped.launcher_may_offload
-        assert not grouped.triton and "HBM" in grouped.uva_refusal  # Marlin stays; no UVA offload
-    assert served_quant_of(GPTQ_CFG, "gptq_marlin", "auto", unverified_int4=True).engine_refusal  # unchecked
-    assert served_quant_of({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "auto").triton
-
-
-@pytest.mark.usefixtures("opt_in")
 def test_identity_order_core_fill_keeps_the_best_covered_group_within_the_packed_hbm():
     """16 experts, groups of 8, core {1, 9, 10}: a permuted layout packs the core into one group;
     in identity order the load-time fill keeps the group holding 9 and 10 (group 1), never two."""
@@ -342,7 +356,6 @@ def gptq_sym_marlin_layer(index, seed):
     return m
 
 
-@pytest.mark.usefixtures("opt_in")
 def test_sym_gptq_placeholder_zeros_are_kept_whole_not_refused_run_12_gptq_case():
     """Run 12's gptq case: 'w2_qzeros: 3072 bytes per expert, the int/group config implies 6144'."""
     from reap_swap.quant_scheme import scheme_from_config

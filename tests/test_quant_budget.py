@@ -120,14 +120,13 @@ def test_cli_quantization_overrides():
 
 class _Settings:
     group_size = "1"  # --reap-group-size (default): INT4 stays refused
-    unverified_int4_groups = False  # --reap-unverified-int4-groups (default): INT4 groups refused
     exact_pinning = False  # --reap-exact-pinning (default): vLLM pins as it does
 
     def accounting_reason(self, platform):
         return None
 
 
-def _launch(monkeypatch, fmt, quantization=None, group_size="1", unverified_int4=False):
+def _launch(monkeypatch, fmt, quantization=None, group_size="1"):
     calls = []
     vs = server.vllm_serve
     monkeypatch.setattr(vs, "platform_name", lambda: "cuda")
@@ -142,7 +141,6 @@ def _launch(monkeypatch, fmt, quantization=None, group_size="1", unverified_int4
     shape = read_model_shape(config(fmt))
     settings = _Settings()
     settings.group_size = group_size
-    settings.unverified_int4_groups = unverified_int4
     server.gpu_engine_args(settings, argparse.Namespace(quantization=quantization), shape)
     return calls, shape
 
@@ -161,13 +159,14 @@ def test_gpu_engine_args_per_format(monkeypatch, fmt):
 
 @pytest.mark.parametrize("fmt,cli", [("awq", None), ("gptq", None), ("ct-w4a16", None), ("awq", "moe_wna16")])
 def test_int4_in_contiguous_groups_keeps_marlin_loads_into_hbm_and_checks_host_memory(monkeypatch, fmt, cli):
-    """--reap-group-size auto (research.md int4grp): bound, but no --moe-backend triton (0.26's WNA16
-    oracle raises on it) and no UVA offload (Marlin repacks after loading); host memory checked.
-    Only with --reap-unverified-int4-groups (research.md int4perm); without it: stock, untouched."""
-    calls, _ = _launch(monkeypatch, fmt, quantization=cli, group_size="auto")
-    assert calls == []  # run 12: not bitwise on Marlin -> the launcher leaves vLLM's arguments alone
-    calls, shape = _launch(monkeypatch, fmt, quantization=cli, group_size="auto", unverified_int4=True)
-    assert calls == [("host", shape.total_expert_bytes)]
+    """--reap-group-size auto|8 (research.md int4grp, int4perm): bound in identity-order groups by
+    default (run 16), but no --moe-backend triton (0.26's WNA16 oracle raises on it) and no UVA
+    offload (Marlin repacks after loading); host memory checked. Group size 1: stock, untouched."""
+    for group_size in ("auto", "8"):
+        calls, shape = _launch(monkeypatch, fmt, quantization=cli, group_size=group_size)
+        assert calls == [("host", shape.total_expert_bytes)]
+    calls, _ = _launch(monkeypatch, fmt, quantization=cli, group_size="1")
+    assert calls == []  # private units would be read at the wrong address: vLLM's arguments as given
 
 
 def test_online_fp8_is_bound_but_never_uva_offloaded(monkeypatch):

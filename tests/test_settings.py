@@ -136,3 +136,23 @@ def test_accounting_reason_is_the_one_residency_decision():
     assert "tpu" in Settings().accounting_reason("tpu")
     assert Settings(masks_only=True).accounting_reason("cuda").startswith("REAP_SWAP_MASKS_ONLY")
     assert Settings(residency="accounting").accounting_reason("cuda") == "REAP_RESIDENCY=accounting"
+
+
+def test_retired_settings_are_one_table_of_flags_and_variables_each_with_its_reason(caplog):
+    import logging
+
+    from reap_swap.settings import FLAG_NAMES, RETIRED
+
+    flags = [k for k in RETIRED if k.startswith("--reap-")]
+    envs = [k for k in RETIRED if k.startswith("REAP_")]
+    assert flags and envs and len(flags) + len(envs) == len(RETIRED)
+    assert not set(RETIRED) & (set(ENV_NAMES) | set(FLAG_NAMES))  # retired is not live
+    with caplog.at_level(logging.WARNING, logger="reap_swap.settings"):
+        ns, rest = split_argv(["m", *flags, "--reap-plan", "p.json", *flags, "--port", "1"])
+        r = resolve(ns, {e: "1" for e in envs})
+    assert rest == ["m", "--port", "1"] and str(r.settings.plan_file) == "p.json"
+    messages = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+    for name in RETIRED:  # once each, repeated flags included, naming it and why
+        assert sum(name in m and RETIRED[name] in m for m in messages) == 1, name
+    with pytest.raises(SettingsError, match="REAP_TYPO"):  # the unknown-variable check still holds
+        resolve(ns, {**{e: "1" for e in envs}, "REAP_TYPO": "1"})

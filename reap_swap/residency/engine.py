@@ -196,14 +196,11 @@ class CudaEngine:
         refusals: LayerRefusals,
         cache: Any | None = None,
         group_size: str = "1",
-        unverified_int4_groups: bool = False,
     ) -> None:
         self.plan = plan
         self.refusals = refusals
         self.cache = cache  # device_cache_engine.CacheConfig (issue 17), None: no device cache
         self.group_size = str(group_size)  # --reap-group-size: "1" (default) is today's private units
-        # --reap-unverified-int4-groups: INT4 identity-order groups (grouped_engine.decide_contiguous)
-        self.unverified_int4_groups = bool(unverified_int4_groups)
         self._perms: dict | None = None  # the plan's physical orders (grouped_engine), made once
         self.state: EngineState | None = None
         self._quant_configs: dict[int, dict | None] = {}  # id(layer) -> config read at hook time

@@ -3,8 +3,8 @@
 
 Called by `CudaEngine.attach_after_load` only when the setting is not 1 (the default path is
 untouched), after the binding rules accepted the layer (stride-taking kernel; monolithic kernels
-were refused before; Marlin / moe_wna16 reach `decide_contiguous`, which refuses them since run 12
-unless the identity-order opt-in is set). `decide` picks b per layer and says why; b = 1 goes
+were refused before; Marlin / moe_wna16 reach `decide_contiguous`, which binds them in
+identity-order contiguous groups). `decide` picks b per layer and says why; b = 1 goes
 back to the private path with the reason recorded in `st.layouts` (what /reap/status shows). For
 b > 1: the layer's REHOME slabs -> `group_layout.plan_groups`, the plan's permutation of that
 layer (`plan_permutations`: core, slices, fill order), one grouped pool per tensor sized in groups
@@ -17,8 +17,9 @@ Nothing is half-applied: a failure before the parameters are re-pointed releases
 One layout per engine: the first re-homed layer decides (private or grouped with its group
 units); a later layer that would need the other, or other group units, is refused by name.
 Status: CPU-tested with fake layers and a fake VMM (tests/test_group_wiring.py); on the H200, FP8 block
-(b = 2) and bf16 served identical to stock (run 11); INT4 permuted groups were not bitwise (run 12) and
-are refused in `decide_contiguous` unless --reap-unverified-int4-groups (identity order, research.md int4perm).
+(b = 2) and bf16 served identical to stock (run 11); INT4 permuted groups were not bitwise (run 12), so
+INT4 layers bind in identity order only (`permutation_for`): awq, gptq and ct-w4a16 at auto (b = 8)
+served identical to stock (run 16, 2026-12-03; research.md int4perm).
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ import torch
 from reap_swap.compat import moe as vllm_moe
 from reap_swap.compat import pinning as vllm_pinning
 from reap_swap.contiguous_groups import (
-    INT4_GROUPS_REFUSED,
-    UNVERIFIED_INT4_ENV,
     ContiguousLayoutError,
     contiguous_group_size,
     identity_fill,
@@ -66,11 +65,8 @@ def slabs_of(bound: Any) -> list[tuple[str, int]]:
 
 def decide_contiguous(engine: Any, st: Any, bound: Any) -> tuple[int, str]:
     """(b, why) for a kernel that implies stride = slab (Marlin, moe_wna16); b = 0: refused, `why`
-    says why. Never private units: they would be read at the wrong address. Refused on CUDA unless
-    --reap-unverified-int4-groups (run 12: not bitwise on Marlin; contiguous_groups' docstring); the
-    engine gets `unverified_int4_groups` from the settings at construction (runtime.py)."""
-    if not engine.unverified_int4_groups:
-        return 0, INT4_GROUPS_REFUSED
+    says why. Never private units: they would be read at the wrong address. The groups are bound in
+    identity order (`permutation_for`; contiguous_groups' docstring: run 12, run 16)."""
     if engine.cache is not None:
         return (
             0,
@@ -188,7 +184,7 @@ def attach(engine: Any, st: Any, layer: torch.nn.Module, index: int, bound: Any)
         return _refuse(engine, layer, index, f"--reap-group-size {engine.group_size}: {exc}")
     perm = permutation_for(engine, st, index, num_experts, contiguous=bound.contiguous)
     if bound.contiguous:
-        why = f"{why}; identity order (unverified, {UNVERIFIED_INT4_ENV}=1): ids as stock"
+        why = f"{why}; identity order (served identical to stock on the H200, run 16): ids as stock"
     problem = layout_problem(st, layout, perm)
     if problem is not None:
         return _refuse(engine, layer, index, f"--reap-group-size {engine.group_size}: {problem}")

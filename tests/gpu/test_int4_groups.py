@@ -17,10 +17,11 @@ the position of its blocks, which moe_align_block_size orders by expert id. This
    experts must be bitwise (same block positions), an arbitrary one is expected to differ on
    Marlin at some m (it reproduces run 12 without the VMM); on moe_wna16's Triton path (m = 64,
    256: one program per (block, n tile), whole K) any order must be bitwise.
-2. `test_int4_identity_groups_serve_bitwise_across_swaps`: the opt-in variant
-   (--reap-unverified-int4-groups): groups of consecutive ids, identity order, so the kernel sees
-   stock's ids; must be bitwise to stock at m = 1, 8, 64, 256 and 0 / 25 / 50 / 100 % resident and
-   back, wherever stock is deterministic (moe_wna16_gemm, its CUDA kernel at m <= 8, sums K splits
+2. `test_int4_identity_groups_serve_bitwise_across_swaps`: the identity-order variant, what the
+   engine binds INT4 in under --reap-group-size auto|2|4|8 (the default since the server e2e of
+   run 16 served it identical to stock; this test passed in run 14): groups of consecutive ids,
+   identity order, so the kernel sees stock's ids; must be bitwise to stock at m = 1, 8, 64, 256
+   and 0 / 25 / 50 / 100 % resident and back, wherever stock is deterministic (moe_wna16_gemm, its CUDA kernel at m <= 8, sums K splits
    with bf16 atomicAdd: stock is first called 5 times; a nondeterministic m is an xfail naming it).
 3. The CUDA graph captured with the (identity) remap replays across swaps.
 
