@@ -20,8 +20,9 @@ and vLLM's weight loader copies into the view with memcpys.
 
 Verified where: the mechanism on the H200 with torch 2.11 without vLLM (research-notes/pinned-round:
 exact RSS, device pointer = host pointer, a kernel and a CUDA-graph replay read through the view,
-unregister and free return the memory); the patch against a stand-in offloader on the CPU
-(tests/test_exact_pinning.py). **Not run in a server yet.**
+unregister and free return the memory; view_probe, then run 16's drain_probe with the engine's own
+`rehome` and a real host-backed range, and loader_probe: the loader's copies into a registration); the
+patch against a stand-in offloader on the CPU (tests/test_exact_pinning.py). **Not run in a server yet.**
 """
 
 from __future__ import annotations
