@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Prepare .kit/ (git-ignored) for a GPU lease, on the CPU machine (research.md "Next leases"):
+#   .kit/part-NN, SHA256SUMS, MANIFEST.txt, tools/   ../shared/gpu-kit/build.sh (vLLM 0.26.0 wheels, 48 MiB parts)
+#   .kit/extra/                                    orjson (scripts/gpu_extra_wheels.sh)
+#   .kit/qNN/pNN.{a..e}, .kit/q04/p04.{a,b}         the parts in call-sized pieces: a device call carries
+#                                                  64 MiB with the tracked tree (54.5 MB in run 16), so each
+#                                                  call ships one piece into /tmp/kit/h/
+#   .kit/probewheels/                              what reap_swap's pure modules import beyond torch (pydantic,
+#                                                  jsonschema, orjson, ...): a probe on a machine without the kit
+# Idempotent: an existing build is reused. Prints the pieces in shipping order.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qxF /.kit/ .git/info/exclude 2>/dev/null || echo /.kit/ >> .git/info/exclude
+[ -f .kit/part-00/vllm-kit.tar.part00 ] || PART_SIZE=48M ../shared/gpu-kit/build.sh .kit
+ls .kit/extra/orjson-*.whl > /dev/null 2>&1 || bash scripts/gpu_extra_wheels.sh > /dev/null
+for n in 00 01 02 03; do
+  [ -f .kit/q$n/p$n.e ] || (mkdir -p .kit/q$n && cd .kit/q$n && split -n 5 -a 1 ../part-$n/vllm-kit.tar.part$n p$n.)
+done
+[ -f .kit/q04/p04.b ] || (mkdir -p .kit/q04 && cd .kit/q04 && split -n 2 -a 1 ../part-04/vllm-kit.tar.part04 p04.)
+if [ ! -d .kit/probewheels ]; then
+  mkdir -p .kit/probewheels
+  tmp=$(mktemp -d)
+  cat .kit/part-0*/vllm-kit.tar.part0* | tar -x -C "$tmp" --wildcards 'wheels/pydantic-2*' 'wheels/pydantic_core*' \
+    'wheels/annotated_types*' 'wheels/typing_inspection*' 'wheels/jsonschema*' 'wheels/referencing*' \
+    'wheels/rpds*' 'wheels/dill*'
+  mv "$tmp"/wheels/* .kit/probewheels/ && rm -rf "$tmp"
+  cp .kit/extra/*.whl .kit/probewheels/
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d .kit/probewheels attrs tqdm idna typing_extensions
+fi
+echo "ship in this order (call 1 also carries .kit/tools .kit/MANIFEST.txt .kit/SHA256SUMS):"
+ls .kit/q0[0-3]/p* .kit/q04/p04.a
+echo "install call: carry .kit/q04/p04.b .kit/extra; cat h/pNN.{a..e} and h/p04.a + .kit/q04/p04.b into part-NN/"
