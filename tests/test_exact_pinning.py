@@ -247,3 +247,39 @@ def test_the_host_check_counts_exact_bytes_with_the_setting(tmp_path, monkeypatc
         server.check_host_memory(shape, meminfo, uva_tp=1)
     server.check_host_memory(shape, meminfo, uva_tp=1, exact=True)  # 63 + 31.5 + 6 = 100.5 GiB
     assert shape.total_expert_bytes == 63 * GIB
+
+
+def test_discard_returns_the_pages_to_the_kernel():
+    """The real madvise(MADV_DONTNEED) binding (Linux): on private anonymous memory (what malloc gives a
+    large torch CPU tensor) the pages given back read as zeros afterwards, the pages around them keep
+    their bytes. (A shared mapping, mmap's default, would keep them: its pages live in shmem.)"""
+    import ctypes
+    import mmap
+
+    page = pinning.PAGE
+    buf = mmap.mmap(-1, 4 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.write(b"\x07" * (4 * page))
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert pinning._discard(addr + page, 2 * page) == 0
+    assert buf[:page] == b"\x07" * page and buf[3 * page :] == b"\x07" * page
+    assert buf[page : 3 * page] == b"\x00" * (2 * page)
+
+
+def test_drain_really_gives_back_a_torch_tensors_copied_experts(monkeypatch):
+    """drain + the real madvise on a CPU tensor of 8 experts x 10 MiB (malloc'd, private anonymous, as vLLM's
+    copy is): after on_copied(0, 4) the first experts' whole pages are zeros (given back; the bytes before
+    the first page boundary stay), experts 4.. keep their bytes (not yet copied), and the pages are counted."""
+    import torch
+
+    monkeypatch.setattr(pinning, "_registered", {})
+    t = torch.full((8, 10 << 18), 3, dtype=torch.int32)  # above MIN_EXACT_BYTES: registered, not pinned
+    pinning.exact_view(lambda x: x, lambda p, n: 0)(t)
+    sources, on_copied = pinning.drain({"w13_weight": t}, unregister=lambda p: 0)
+    assert sources["w13_weight"] is t
+    given = on_copied(0, 4)
+    page, ptr = pinning.PAGE, t.data_ptr()
+    assert given == (ptr + 4 * (10 << 20)) // page * page - (-(-ptr // page) * page)
+    flat, lo = t.view(-1), (-(-ptr // page) * page - ptr) // 4  # malloc's offset: a partial first page stays
+    assert bool((flat[:lo] == 3).all()) and int(flat[lo : 3 * (10 << 18)].count_nonzero()) == 0
+    assert bool((t[4:] == 3).all())
+    assert pinning.release([ptr], unregister=lambda p: 1 / 0) == 80 << 20
