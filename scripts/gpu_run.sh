@@ -13,6 +13,8 @@
 #   quant     quantized formats end to end (gpu_quant_e2e.py, QUANT_CASES; QUANT_EXTRA: more of its
 #             flags, e.g. "--decode-tokens 64 --serial-arms --case-timeout 600" with QUANT_JOBS=1 and a
 #             QUANT_CAP of at least cases x case-timeout + ~60 s: serial cases add up)
+#   quant2    a second quant configuration after the first (QUANT2_CASES, QUANT2_EXTRA, QUANT2_JOBS, QUANT2_CAP;
+#             results in $R/quant2): e.g. online FP8 without groups, then INT4 with --reap-group-size auto
 #   qwen      full-size Qwen3.5-35B-A3B, field plan, reap-swap and stock side by side (QWEN_CAP s each)
 #   families  the whole families lane (gpu_families.sh, FAM_DEADLINE)
 #   v2lite    full-size DeepSeek-V2-Lite, reap-swap and stock side by side, eager
@@ -97,6 +99,10 @@ json.dump({'stock-gpu': d['stock-gpu']}, open('$R/cache/gpu_e2e.json', 'w'))"
 ph_quant() {
   timeout ${QUANT_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/quant --jobs ${QUANT_JOBS:-3} \
     --cases ${QUANT_CASES:-fp8-block,fp8-tensor,ct-fp8,fp8-online} ${QUANT_EXTRA:-} > $R/quant.log 2>&1
+}
+ph_quant2() {
+  timeout ${QUANT2_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/quant2 --jobs ${QUANT2_JOBS:-1} \
+    --cases ${QUANT2_CASES:-awq,gptq,ct-w4a16} ${QUANT2_EXTRA:-} > $R/quant2.log 2>&1
 }
 ph_qwen() {
   QWEN_CAP=${QWEN_CAP:-560} FIELD_PLAN=.kit/strict30-v2-plan.json DEADLINE=${QWEN_CAP:-560} \

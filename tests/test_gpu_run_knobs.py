@@ -77,3 +77,15 @@ def test_guards_knobs_reach_the_decode_guard(tmp_path):
         "scripts/gpu_guards.py",
     )  # fmt: skip
     assert line.endswith("--serves 5 --rounds 8 --tokens 256 --deadline 960")
+
+
+def test_quant2_runs_a_second_configuration_after_quant(tmp_path):
+    # lease after run 16: online FP8 without groups, then INT4 with --reap-group-size auto, one session
+    lines = dry_session(
+        tmp_path, "quant quant2", QUANT_CASES="fp8-online", QUANT_JOBS="1", QUANT_EXTRA="--layers 12",
+        QUANT2_CASES="awq,gptq", QUANT2_EXTRA="--layers 12 --reap-group-size auto",
+    )  # fmt: skip
+    cmds = [x for x in lines if x.startswith("DRY scripts/gpu_quant_e2e.py")]
+    assert len(cmds) == 2, cmds
+    assert "--out " in cmds[0] and "/quant --jobs 1 --cases fp8-online --layers 12" in cmds[0]
+    assert "/quant2 --jobs 1 --cases awq,gptq --layers 12 --reap-group-size auto" in cmds[1]
