@@ -135,12 +135,15 @@ class _UnitRange:
         if num_units == 0:
             return rng
         rng.base = int(_check(_drv.cuMemAddressReserve(num_units * unit_bytes, 0, 0, 0)))
-        rng.grow(num_units if allocate is None else allocate)
+        rng._allocate_upto(num_units if allocate is None else allocate)
         return rng
 
-    def grow(self, upto: int) -> None:
+    def _allocate_upto(self, upto: int) -> None:
         """Allocate, map and open to the device units [allocated so far, upto); on a failure the
-        whole range is released and the error raised."""
+        whole range is released and the error raised. Private on purpose: `DeviceSlotPool.grow`
+        means something else (new slots in a new reservation), and when this was called `grow`
+        the pool's override ran in `_create`, left the pool's own units unmapped and every swap
+        failed with CUDA_ERROR_INVALID_VALUE (run 17, 2026-12-03)."""
         first = len(self.handles)
         if upto <= first:
             return
@@ -194,6 +197,11 @@ class MixedRange(_UnitRange):
         rng = cls._create("host", num_units, unit_bytes, device, allocate)
         rng.backing = [None] * num_units
         return rng
+
+    def grow(self, upto: int) -> None:
+        """Allocate the host units [allocated so far, upto) of a range created with `allocate`
+        (a re-home in blocks: each block's host bytes just before it is copied)."""
+        self._allocate_upto(upto)
 
     def as_bytes(self) -> torch.Tensor:
         """A uint8 CUDA tensor over the whole range (the caller views/strides it)."""
