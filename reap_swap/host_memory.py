@@ -30,6 +30,11 @@ GIB = 2**30
 PROCESS_MARGIN_BYTES = 6 * GIB
 # --reap-exact-pinning registers tensors from this size at their exact bytes (compat/pinning.MIN_EXACT_BYTES)
 EXACT_PINNING_MIN_BYTES = 64 << 20
+# with --reap-exact-pinning and private units, the re-home copies a layer in blocks of about this many
+# bytes and gives vLLM's copy of each block back as it goes (compat/pinning.drain, residency/engine.rehome),
+# so the host holds one block twice, not one layer: run 17 (H200, 2026-12-03), the DeepSeek-V3 layer shape
+# at depth 6 (63 GiB of experts) peaked at 68.4 GiB in use against 102.3 GiB without it (run 16)
+RELEASE_BLOCK_BYTES = 512 << 20
 
 
 def mem_available_bytes(meminfo: str) -> int | None:
@@ -83,6 +88,7 @@ class HostMemoryNeed:
     available_bytes: int  # MemAvailable before loading
     # what the experts take pinned: vLLM's UVA copies are rounded (uva_pinned_bytes); None = exact
     pinned_bytes: int | None = None
+    in_flight: str = "one layer being re-homed"  # what `layer_bytes` is, for the refusal's sentence
 
     @property
     def held_bytes(self) -> int:
@@ -98,8 +104,7 @@ class HostMemoryNeed:
             return None
         return (
             f"this host cannot hold the model's experts in pinned memory: they need "
-            f"{self.held_bytes / GIB:.1f} GiB{self._rounding()} + {self.layer_bytes / GIB:.1f} GiB (one layer being "
-            f"re-homed) + {PROCESS_MARGIN_BYTES / GIB:.0f} GiB for the process = "
+            f"{self.held_bytes / GIB:.1f} GiB{self._rounding()} + {self.layer_bytes / GIB:.1f} GiB ({self.in_flight}) + {PROCESS_MARGIN_BYTES / GIB:.0f} GiB for the process = "
             f"{self.needed_bytes / GIB:.1f} GiB, and {self.available_bytes / GIB:.1f} GiB is available "
             f"(MemAvailable); choose a smaller model or a host with more memory, or pass --cpu-offload-gb "
             f"yourself to take over the offload sizing"

@@ -29,6 +29,7 @@ from reap_swap.compat import runner as vllm_runner
 from reap_swap.compat import serve as vllm_serve
 from reap_swap.host_memory import (
     EXACT_PINNING_MIN_BYTES,
+    RELEASE_BLOCK_BYTES,
     HostMemoryNeed,
     alloc_conf,
     mem_available_bytes,
@@ -204,7 +205,7 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
         return
     if not vllm_serve.cpu_offload_chosen(args):
         tp = int(getattr(args, "tensor_parallel_size", None) or 1)
-        check_host_memory(shape, uva_tp=tp, exact=settings.exact_pinning)
+        check_host_memory(shape, uva_tp=tp, exact=settings.exact_pinning, drained=drains_in_blocks(settings))
         gib = shape.total_expert_bytes / 2**30 + 0.5
         vllm_serve.offload_experts_to_uva(args, gib)
         log.info(
@@ -225,12 +226,24 @@ def check_device_load(shape, args: argparse.Namespace, why: str) -> None:
         raise LaunchError(refusal)
 
 
+def drains_in_blocks(settings) -> bool:
+    """The re-home gives vLLM's exact-pinned copy back block by block (RELEASE_BLOCK_BYTES): only on the
+    private-unit path (residency/engine.py `_rehome_plain`); grouped units and the device cache release a
+    layer's copy after the whole layer."""
+    return bool(settings.exact_pinning) and settings.group_size == "1" and settings.cache_device == "off"
+
+
 def check_host_memory(
-    shape, meminfo: Path = Path("/proc/meminfo"), uva_tp: int | None = None, exact: bool = False
+    shape,
+    meminfo: Path = Path("/proc/meminfo"),
+    uva_tp: int | None = None,
+    exact: bool = False,
+    drained: bool = False,
 ) -> None:
     """Refuse before loading when the host cannot hold the experts in pinned memory (host_memory.py).
     `uva_tp`: vLLM's UVA offload pins the experts (per TP rank, rounded by PyTorch's pinned allocator);
-    None: only the engine's own exact host copies."""
+    None: only the engine's own exact host copies. `drained` (`drains_in_blocks`): one block in flight,
+    not one layer."""
     pinned = None
     if uva_tp is not None:
         fmt, threshold = shape.expert_format, round_threshold_bytes(alloc_conf(os.environ))
@@ -248,7 +261,11 @@ def check_host_memory(
     if available is None:
         log.warning("reap-swap: cannot read MemAvailable from %s; host memory not checked", meminfo)
         return
-    need = HostMemoryNeed(shape.total_expert_bytes, shape.layer_expert_bytes, available, pinned)
+    in_flight, what = shape.layer_expert_bytes, "one layer being re-homed"
+    if drained and exact and uva_tp is not None:
+        in_flight = min(in_flight, RELEASE_BLOCK_BYTES)
+        what = f"one {in_flight / 2**30:.1f} GiB block of a layer being re-homed, --reap-exact-pinning"
+    need = HostMemoryNeed(shape.total_expert_bytes, in_flight, available, pinned, what)
     why = need.refusal()
     if why:
         raise LaunchError(why)

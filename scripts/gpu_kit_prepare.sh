@@ -2,9 +2,10 @@
 # Prepare .kit/ (git-ignored) for a GPU lease, on the CPU machine (research.md "Next leases"):
 #   .kit/part-NN, SHA256SUMS, MANIFEST.txt, tools/   ../shared/gpu-kit/build.sh (vLLM 0.26.0 wheels, 48 MiB parts)
 #   .kit/extra/                                    orjson (scripts/gpu_extra_wheels.sh)
-#   .kit/qNN/pNN.{a..e}, .kit/q04/p04.{a,b}         the parts in call-sized pieces: a device call carries
-#                                                  64 MiB with the tracked tree (54.5 MB in run 16), so each
-#                                                  call ships one piece into /tmp/kit/h/
+#   .kit/qNN/pNN.{a..f}, .kit/q04/p04.{a,b}         the parts in call-sized pieces: a device call carries
+#                                                  64 MiB with the tracked tree (56.4 MB, 58.7 MB in 4 KiB
+#                                                  blocks in run 17: fifths of 10 MB no longer fit, sixths
+#                                                  of 8.4 MB do), so each call ships one piece into /tmp/kit/h/
 #   .kit/probewheels/                              what reap_swap's pure modules import beyond torch (pydantic,
 #                                                  jsonschema, orjson, ...): a probe on a machine without the kit
 # Idempotent: an existing build is reused. Prints the pieces in shipping order.
@@ -14,7 +15,7 @@ grep -qxF /.kit/ .git/info/exclude 2>/dev/null || echo /.kit/ >> .git/info/exclu
 [ -f .kit/part-00/vllm-kit.tar.part00 ] || PART_SIZE=48M ../shared/gpu-kit/build.sh .kit
 ls .kit/extra/orjson-*.whl > /dev/null 2>&1 || bash scripts/gpu_extra_wheels.sh > /dev/null
 for n in 00 01 02 03; do
-  [ -f .kit/q$n/p$n.e ] || (mkdir -p .kit/q$n && cd .kit/q$n && split -n 5 -a 1 ../part-$n/vllm-kit.tar.part$n p$n.)
+  [ -f .kit/q$n/p$n.f ] || (rm -rf .kit/q$n && mkdir -p .kit/q$n && cd .kit/q$n && split -n 6 -a 1 ../part-$n/vllm-kit.tar.part$n p$n.)
 done
 [ -f .kit/q04/p04.b ] || (mkdir -p .kit/q04 && cd .kit/q04 && split -n 2 -a 1 ../part-04/vllm-kit.tar.part04 p04.)
 if [ ! -d .kit/probewheels ]; then
@@ -30,4 +31,4 @@ if [ ! -d .kit/probewheels ]; then
 fi
 echo "ship in this order (call 1 also carries .kit/tools .kit/MANIFEST.txt .kit/SHA256SUMS):"
 ls .kit/q0[0-3]/p* .kit/q04/p04.a
-echo "install call: carry .kit/q04/p04.b .kit/extra; cat h/pNN.{a..e} and h/p04.a + .kit/q04/p04.b into part-NN/"
+echo "install call: carry .kit/q04/p04.b .kit/extra; cat h/pNN.{a..f} and h/p04.a + .kit/q04/p04.b into part-NN/"

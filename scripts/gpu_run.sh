@@ -167,6 +167,7 @@ group() {  # "a+b+c": the phases side by side, then the leftover check
 }
 
 session() {
+  step run "session tree: $PWD"
   {
     $PY -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" 2>&1
     nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv 2>&1
@@ -183,9 +184,13 @@ pack() {
 }
 
 case "${1:-}" in
-  start)
+  start)  # the session runs from a private copy of the tree: every device call re-syncs the repo root, and
+    # run 17's stock arm, started just as the next `wait` call synced it, found no scripts/gpu_families.py
     mkdir -p $R
-    setsid nohup bash "$0" session > $R/main.log 2>&1 < /dev/null &
+    T=${RUN_TREE:-/tmp/runtree}
+    rm -rf "$T" && mkdir -p "$T"
+    tar -c --exclude=./.git --exclude=./.venv --exclude='./.kit/[qs]0*' --exclude='./.kit/part-*' . | tar -x -C "$T"
+    (cd "$T" && setsid nohup bash scripts/gpu_run.sh session > $R/main.log 2>&1 < /dev/null &)
     sleep 2; step start "background run started: PHASES=${PHASES:-tests}"
     ;;
   session) session ;;

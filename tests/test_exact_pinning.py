@@ -4,8 +4,10 @@ The mechanism itself ran on the H200 (research-notes/pinned-round/view_probe.jso
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -247,6 +249,40 @@ def test_the_host_check_counts_exact_bytes_with_the_setting(tmp_path, monkeypatc
         server.check_host_memory(shape, meminfo, uva_tp=1)
     server.check_host_memory(shape, meminfo, uva_tp=1, exact=True)  # 63 + 31.5 + 6 = 100.5 GiB
     assert shape.total_expert_bytes == 63 * GIB
+
+
+def test_the_host_check_counts_one_block_when_the_re_home_drains(tmp_path, monkeypatch, caplog):
+    """Private units drain vLLM's copy in 0.5 GiB blocks (run 17: the V3 shape at depth 6 peaked at 68.4 GiB
+    in use for 63 GiB of experts): 63 + 0.5 + 6 GiB, where a whole layer in flight would need 90."""
+    shape = read_model_shape(DATA / "deepseek_v3_bf16_depth5_config.json")
+    shape = dataclasses.replace(shape, num_layers=6, moe_layers=(3, 4, 5))
+    assert shape.total_expert_bytes == 63 * GIB
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemAvailable:   {80 * GIB // 1024} kB\n")  # 80 GiB: a layer in flight does not fit
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with pytest.raises(server.LaunchError, match=r"21\.0 GiB \(one layer being re-homed\).*= 90\.0 GiB"):
+        server.check_host_memory(shape, meminfo, uva_tp=1, exact=True)
+    with caplog.at_level("INFO"):
+        server.check_host_memory(shape, meminfo, uva_tp=1, exact=True, drained=True)
+    assert "69.5 GiB needed" in caplog.text
+    meminfo.write_text(f"MemAvailable:   {66 * GIB // 1024} kB\n")
+    with pytest.raises(server.LaunchError, match=r"0\.5 GiB \(one 0\.5 GiB block .*--reap-exact-pinning\)"):
+        server.check_host_memory(shape, meminfo, uva_tp=1, exact=True, drained=True)
+
+
+@pytest.mark.parametrize(
+    ("knobs", "drains"),
+    [
+        ({"exact_pinning": True}, True),
+        ({"exact_pinning": False}, False),
+        ({"exact_pinning": True, "group_size": "auto"}, False),
+        ({"exact_pinning": True, "cache_device": "on"}, False),
+    ],
+)
+def test_only_private_units_without_the_device_cache_drain(knobs, drains):
+    base = {"exact_pinning": False, "group_size": "1", "cache_device": "off"}
+    assert server.drains_in_blocks(SimpleNamespace(**{**base, **knobs})) is drains
 
 
 def test_discard_returns_the_pages_to_the_kernel():

@@ -4,6 +4,7 @@ every python call is only logged to $RUN_DIR/dry.log (scripts/dry_py.sh), no ser
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,3 +90,22 @@ def test_quant2_runs_a_second_configuration_after_quant(tmp_path):
     assert len(cmds) == 2, cmds
     assert "--out " in cmds[0] and "/quant --jobs 1 --cases fp8-online --layers 12" in cmds[0]
     assert "/quant2 --jobs 1 --cases awq,gptq --layers 12 --reap-group-size auto" in cmds[1]
+
+
+def test_start_runs_the_session_from_a_private_copy_of_the_tree(tmp_path):
+    # run 17: a `wait` call re-synced the repo root while the session started a phase, and the phase's
+    # script was missing for that moment; the session now runs from RUN_TREE, which no call touches
+    run_dir, tree = tmp_path / "run", tmp_path / "tree"
+    env = {
+        **os.environ, "DRY": "1", "DRY_PYTHON": sys.executable, "RUN_DIR": str(run_dir),
+        "RUN_TREE": str(tree), "PYTHONPATH": str(ROOT), "PHASES": "quant",
+    }  # fmt: skip
+    subprocess.run(["bash", "scripts/gpu_run.sh", "start"], cwd=ROOT, env=env, check=True, timeout=60)
+    for _ in range(300):
+        if (run_dir / "all.done").exists():
+            break
+        time.sleep(0.2)
+    log = (run_dir / "main.log").read_text()
+    assert f"session tree: {tree}" in log and "phase quant exit 0" in log
+    assert (tree / "scripts" / "gpu_quant_e2e.py").is_file()
+    assert "DRY scripts/gpu_quant_e2e.py" in (run_dir / "dry.log").read_text()

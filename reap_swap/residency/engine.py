@@ -35,6 +35,7 @@ import torch
 
 from reap_swap.compat import moe as vllm_moe
 from reap_swap.compat import pinning as vllm_pinning
+from reap_swap.host_memory import RELEASE_BLOCK_BYTES
 from reap_swap.quant_budget import pool_slots
 
 from . import device_cache_engine, grouped_engine, vmm
@@ -49,9 +50,6 @@ from .vmm_store import VmmStore
 logger = logging.getLogger("reap_swap.residency")
 
 MAX_PADDING_OVERHEAD = 0.5  # refuse layers whose expert units would waste more than this
-# with --reap-exact-pinning, vLLM's copy of a layer is given back in blocks of about this many bytes as
-# the re-home copies them (the host holds one block twice, not one layer)
-RELEASE_BLOCK_BYTES = 512 << 20
 
 
 @dataclass
