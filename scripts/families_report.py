@@ -116,8 +116,13 @@ def hit_rate(phase: Mapping) -> float | None:
 
 
 def bound_rows(reap_phases: Mapping[str, Mapping], stock: Mapping | None) -> dict:
-    """Decode tok/s of every phase against t_resident + (1 - h) * t_all_missed (1 stream)."""
-    rates = {k: _med(p.get("decode_1")) for k, p in reap_phases.items()}
+    """Decode tok/s of every phase against t_resident + (1 - h) * t_all_missed (1 stream).
+
+    A phase whose swap failed (status other than 200) is left out: its experts are the previous phase's,
+    so its time is not the phase's. Run 17's pool bug failed every swap and, before this, the 0 % time
+    was taken as t_resident "from reap 100 %" and every ratio read 1.000."""
+    failed = {k for k, p in reap_phases.items() if (p.get("swap") or {}).get("status", 200) != 200}
+    rates = {k: None if k in failed else _med(p.get("decode_1")) for k, p in reap_phases.items()}
     hs = {k: hit_rate(p) for k, p in reap_phases.items()}
     t_res_src = "reap 100 %" if rates.get("100") else "stock"
     r100 = rates.get("100") or _med((stock or {}).get("decode_1"))
@@ -138,6 +143,8 @@ def bound_rows(reap_phases: Mapping[str, Mapping], stock: Mapping | None) -> dic
             "h": h, "tok_s": rate, "bound": bound,
             "ratio": rate / bound if rate and bound else None, "fit": k == fit,
         }  # fmt: skip
+        if k in failed:
+            rows[k]["swap_failed"] = True
     return {"t_resident_ms": t_res, "t_resident_from": t_res_src, "t_all_missed_ms": t_miss, "rows": rows}
 
 

@@ -99,6 +99,22 @@ def test_bound_without_0_and_100_uses_stock_and_fits_the_lowest_hit_rate(fr):
     assert b["rows"]["budget"]["bound"] == pytest.approx(1000 / 4)
 
 
+def test_a_phase_whose_swap_failed_is_not_timed(fr):
+    # run 17: every swap failed (500, rolled back), so "100 %" served the 0 % set; its time read as
+    # t_resident "from reap 100 %" and every ratio as 1.000. Now the failed phases drop out, and with no
+    # stock time there is no bound at all
+    phases = {"0": phase(1.0, 100.0), "50": phase(1.0, 100.0), "100": phase(1.0, 100.0)}
+    for k in ("50", "100"):
+        phases[k]["swap"] = {"status": 500}
+    b = fr.bound_rows(phases, None)
+    assert b["t_resident_ms"] is None and b["t_all_missed_ms"] is None
+    assert b["rows"]["100"] == {"h": 0.0, "tok_s": None, "bound": None, "ratio": None, "fit": False,
+                                "swap_failed": True}  # fmt: skip
+    b = fr.bound_rows(phases, {"decode_1": {"median": 500.0}})
+    assert b["t_resident_from"] == "stock" and b["t_all_missed_ms"] == pytest.approx(8.0)
+    assert b["rows"]["50"]["ratio"] is None and b["rows"]["0"]["ratio"] == pytest.approx(1.0)
+
+
 def test_summarize_and_markdown_on_fake_arms(fr):
     from reap_swap.serving import compare
 
