@@ -19,6 +19,7 @@ What the launcher sets (names in reap_swap/plugins.py):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -261,11 +262,11 @@ def check_host_memory(
     if available is None:
         log.warning("reap-swap: cannot read MemAvailable from %s; host memory not checked", meminfo)
         return
-    in_flight, what = shape.layer_expert_bytes, "one layer being re-homed"
-    if drained and exact and uva_tp is not None:
-        in_flight = min(in_flight, RELEASE_BLOCK_BYTES)
-        what = f"one {in_flight / 2**30:.1f} GiB block of a layer being re-homed, --reap-exact-pinning"
-    need = HostMemoryNeed(shape.total_expert_bytes, in_flight, available, pinned, what)
+    need = HostMemoryNeed(shape.total_expert_bytes, shape.layer_expert_bytes, available, pinned)
+    if drained and exact and uva_tp is not None:  # one block of the layer in flight, not the layer
+        block = min(need.layer_bytes, RELEASE_BLOCK_BYTES)
+        what = f"one {block / 2**30:.1f} GiB block of a layer being re-homed, --reap-exact-pinning"
+        need = dataclasses.replace(need, layer_bytes=block, in_flight=what)
     why = need.refusal()
     if why:
         raise LaunchError(why)

@@ -96,14 +96,13 @@ json.dump({'stock-gpu': d['stock-gpu']}, open('$R/cache/gpu_e2e.json', 'w'))"
   timeout ${CACHE_CAP:-330} $PY scripts/gpu_e2e.py --model /tmp/model --out $R/cache --moe-probe \
     --arms ${CACHE_ARMS:-reap-cache,reap-plan25} ${CACHE_EXTRA:-} > $R/cache.log 2>&1
 }
-ph_quant() {
-  timeout ${QUANT_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/quant --jobs ${QUANT_JOBS:-3} \
-    --cases ${QUANT_CASES:-fp8-block,fp8-tensor,ct-fp8,fp8-online} ${QUANT_EXTRA:-} > $R/quant.log 2>&1
+quant_phase() {  # NAME KNOB_PREFIX DEFAULT_JOBS DEFAULT_CASES: gpu_quant_e2e.py into $R/NAME, knobs PREFIX_*
+  local cap=${2}_CAP jobs=${2}_JOBS cases=${2}_CASES extra=${2}_EXTRA
+  timeout ${!cap:-420} $PY scripts/gpu_quant_e2e.py --out $R/$1 --jobs ${!jobs:-$3} \
+    --cases ${!cases:-$4} ${!extra:-} > $R/$1.log 2>&1
 }
-ph_quant2() {
-  timeout ${QUANT2_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/quant2 --jobs ${QUANT2_JOBS:-1} \
-    --cases ${QUANT2_CASES:-awq,gptq,ct-w4a16} ${QUANT2_EXTRA:-} > $R/quant2.log 2>&1
-}
+ph_quant() { quant_phase quant QUANT 3 fp8-block,fp8-tensor,ct-fp8,fp8-online; }
+ph_quant2() { quant_phase quant2 QUANT2 1 awq,gptq,ct-w4a16; }
 ph_qwen() {
   QWEN_CAP=${QWEN_CAP:-560} FIELD_PLAN=.kit/strict30-v2-plan.json DEADLINE=${QWEN_CAP:-560} \
     bash scripts/gpu_families.sh lane_a_only --out $R/fam > $R/qwen.log 2>&1
