@@ -35,6 +35,16 @@ EXACT_PINNING_MIN_BYTES = 64 << 20
 # so the host holds one block twice, not one layer: run 17 (H200, 2026-12-03), the DeepSeek-V3 layer shape
 # at depth 6 (63 GiB of experts) peaked at 68.4 GiB in use against 102.3 GiB without it (run 16)
 RELEASE_BLOCK_BYTES = 512 << 20
+# --reap-exact-pinning auto turns it on where vLLM's rounded copies plus one layer in flight would hold more
+# than this multiple of the expert bytes (issue 15 item 4: ~1.2x): the DeepSeek-V3 layer shape at depth 6
+# predicts 1.48x (run 16 measured 1.44x in use), Mixtral-8x7B 1.17x (1.14x), Qwen3.5-35B-A3B 1.02x (1.01x)
+EXACT_PINNING_AUTO_RATIO = 1.2
+
+
+def exact_pinning_pays(pinned_bytes: int, expert_bytes: int, layer_bytes: int) -> bool:
+    """Would vLLM's pinned copies (`uva_pinned_bytes`) plus one layer being re-homed hold more than
+    `EXACT_PINNING_AUTO_RATIO` x the expert bytes? (`--reap-exact-pinning auto`)"""
+    return max(pinned_bytes, expert_bytes) + layer_bytes > EXACT_PINNING_AUTO_RATIO * expert_bytes
 
 
 def mem_available_bytes(meminfo: str) -> int | None:

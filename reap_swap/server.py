@@ -29,10 +29,12 @@ from reap_swap.budget_startup import BudgetRefused, arm_refusal_file, read_refus
 from reap_swap.compat import runner as vllm_runner
 from reap_swap.compat import serve as vllm_serve
 from reap_swap.host_memory import (
+    EXACT_PINNING_AUTO_RATIO,
     EXACT_PINNING_MIN_BYTES,
     RELEASE_BLOCK_BYTES,
     HostMemoryNeed,
     alloc_conf,
+    exact_pinning_pays,
     mem_available_bytes,
     round_threshold_bytes,
     uva_pinned_bytes,
@@ -157,6 +159,8 @@ def install(args: argparse.Namespace, settings: Settings, plan) -> None:
     args.worker_extension_cls = WORKER_EXTENSION_CLS
     extra = dict(getattr(args, "additional_config", None) or {})
     extra[ADDITIONAL_CONFIG_KEY] = settings.to_worker_config(plan_identity=plan.identity)
+    # exact pinning "auto" is off unless the UVA path below turns it on (resolve_exact_pinning)
+    extra[ADDITIONAL_CONFIG_KEY]["exact_pinning"] = settings.exact_pinning is True
     args.additional_config = extra
 
 
@@ -206,7 +210,11 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
         return
     if not vllm_serve.cpu_offload_chosen(args):
         tp = int(getattr(args, "tensor_parallel_size", None) or 1)
-        check_host_memory(shape, uva_tp=tp, exact=settings.exact_pinning, drained=drains_in_blocks(settings))
+        exact = resolve_exact_pinning(settings, shape, tp)
+        reap_config = (getattr(args, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
+        if isinstance(reap_config, dict):  # what the workers read (install() wrote False for auto)
+            reap_config["exact_pinning"] = exact
+        check_host_memory(shape, uva_tp=tp, exact=exact, drained=drains_in_blocks(settings, exact))
         gib = shape.total_expert_bytes / 2**30 + 0.5
         vllm_serve.offload_experts_to_uva(args, gib)
         log.info(
@@ -227,11 +235,41 @@ def check_device_load(shape, args: argparse.Namespace, why: str) -> None:
         raise LaunchError(refusal)
 
 
-def drains_in_blocks(settings) -> bool:
+def resolve_exact_pinning(settings, shape, tp: int) -> bool:
+    """`--reap-exact-pinning` on this UVA launch: the setting when given; for auto, on where the re-home
+    drains (`drains_in_blocks`) and vLLM's rounded copies plus one layer in flight would hold more than
+    1.2x the experts (`host_memory.exact_pinning_pays`), with the numbers in the log either way."""
+    if settings.exact_pinning != "auto":
+        return bool(settings.exact_pinning)
+    if not drains_in_blocks(settings, exact=True):
+        log.info(
+            "reap-swap: --reap-exact-pinning auto: off (grouped units and the device cache give vLLM's copy "
+            "back after the whole layer, so exact pinning would save only the rounding)"
+        )
+        return False
+    fmt, threshold = shape.expert_format, round_threshold_bytes(alloc_conf(os.environ))
+    pinned = uva_pinned_bytes(fmt.w13, fmt.w2, shape.num_experts, len(shape.moe_layers), tp, threshold)
+    experts, layer = shape.total_expert_bytes, shape.layer_expert_bytes
+    on = exact_pinning_pays(pinned, experts, layer)
+    log.info(
+        "reap-swap: --reap-exact-pinning auto: %s (vLLM's pinned copies %.1f GiB + one %.1f GiB layer in flight "
+        "= %.2fx the %.1f GiB of experts; on above %.1fx)",
+        "on" if on else "off",
+        max(pinned, experts) / 2**30,
+        layer / 2**30,
+        (max(pinned, experts) + layer) / max(experts, 1),
+        experts / 2**30,
+        EXACT_PINNING_AUTO_RATIO,
+    )
+    return on
+
+
+def drains_in_blocks(settings, exact: bool | None = None) -> bool:
     """The re-home gives vLLM's exact-pinned copy back block by block (RELEASE_BLOCK_BYTES): only on the
     private-unit path (residency/engine.py `_rehome_plain`); grouped units and the device cache release a
     layer's copy after the whole layer."""
-    return bool(settings.exact_pinning) and settings.group_size == "1" and settings.cache_device == "off"
+    exact = settings.exact_pinning is True if exact is None else exact  # `exact`: the launch's resolved value
+    return exact and settings.group_size == "1" and settings.cache_device == "off"
 
 
 def check_host_memory(

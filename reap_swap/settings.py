@@ -24,7 +24,7 @@ launch script that still passes it keeps working; a retired flag never reaches v
 | REAP_CACHE_RECORD_STEPS     | --reap-cache-record-steps N   | keep the last N steps' routing the cache saw (0 = off), read back by GET /reap/cache/trace |
 | REAP_GROUP_SIZE             | --reap-group-size auto,1,2,4,8 | EXPERIMENTAL (CUDA; FP8 block at auto = b 2 and bf16 = b 1 served identical to stock on the H200, run 11): experts in mapping units of b physically adjacent experts in a plan-chosen order, ids remapped after counting (residency/grouped_engine.py); auto = the smallest b wasting < 12 % (FP8 on Triton: 2, bf16: 1); default 1 = private units, today's engine unchanged; refused with --reap-cache-device on and with --reap-budget auto/GiB; INT4 (Marlin / moe_wna16) layers bind in identity-order contiguous groups (consecutive expert ids, no permutation: AWQ, GPTQ and CT W4A16 at auto = b 8 served identical to stock on the H200, run 16; the permuted order was not bitwise, run 12) |
 | REAP_SWAP_UNVERIFIED_INT4_GROUPS | --reap-unverified-int4-groups | RETIRED (run 16, 2026-12-03): identity-order INT4 groups are the default; still accepted, ignored with a warning (RETIRED below) |
-| REAP_SWAP_EXACT_PINNING     | --reap-exact-pinning          | UNVERIFIED IN A SERVER (CUDA, UVA offload): page-lock vLLM's host copies of large expert tensors with cudaHostRegister at their exact size instead of pin_memory(), which PyTorch rounds up to a power of two (Kimi-K2: 96 GiB pinned for 63; research.md "Pinned rounding"); at the re-home the engine unregisters the copy, copies it in ~512 MiB blocks of experts, allocating each block's host units just before and returning the block's source pages to the kernel just after, so the host holds one block twice rather than one layer (compat/pinning.py drain; the mechanism with the project's rehome on the H200, research-notes/pinned-round/drain_probe.json; the grouped and device-cache paths return the copy after the layer); the launcher's host check counts exact bytes |
+| REAP_SWAP_EXACT_PINNING     | --reap-exact-pinning          | auto (default), 1 or 0 (CUDA, UVA offload): page-lock vLLM's host copies of large expert tensors with cudaHostRegister at their exact size instead of pin_memory(), which PyTorch rounds up to a power of two (Kimi-K2: 96 GiB pinned for 63; research.md "Pinned rounding"); at the re-home the engine unregisters the copy, copies it in ~512 MiB blocks of experts, allocating each block's host units just before and returning the block's source pages to the kernel just after, so the host holds one block twice rather than one layer (compat/pinning.py drain; the grouped and device-cache paths return the copy after the layer); the launcher's host check counts exact bytes. auto: on for private units without the device cache where the rounded copies plus one layer in flight would exceed 1.2x the expert bytes (the DeepSeek-V3 / Kimi layer shapes), off elsewhere (Qwen3.5, Mixtral, GPT-OSS stay on the path they were verified on); the flag forces it on. In a server on the H200 (runs 17-18): the DeepSeek-V3 layer shape at depth 6 held 0.95x experts + dense in use (1.44x without), text and MoE digests equal to stock at every point, swaps at 54 GB/s |
 | REAP_CACHE_SHADOW           | --reap-cache-shadow off,out,bytes | debug (CUDA device cache): every cached MoE step also runs the uncached kernel and compares on the device (out), and checks every slot's bytes (bytes, slow); results in /reap/status cache.shadow (residency/device_cache_shadow.py) |
 
 Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
@@ -92,14 +92,28 @@ class Settings(BaseModel):
     cache_record_steps: int = Field(default=0, ge=0)
     cache_shadow: Literal["off", "out", "bytes"] = "off"  # debug shadow of the device cache
     group_size: Literal["auto", "1", "2", "4", "8"] = "1"  # grouped units (issue 16); experimental
-    exact_pinning: bool = (
-        False  # cudaHostRegister vLLM's UVA expert copies (compat/pinning.py); not in a server yet
-    )
+    # cudaHostRegister vLLM's UVA expert copies (compat/pinning.py); auto: the launcher decides
+    # (server.resolve_exact_pinning), the workers only ever see True or False
+    exact_pinning: Literal["auto"] | bool = "auto"
 
     @field_validator("group_size", mode="before")
     @classmethod
     def _group_size(cls, v: Any) -> Any:
         return v if isinstance(v, bool) else str(v).strip().lower()
+
+    @field_validator("exact_pinning", mode="before")
+    @classmethod
+    def _exact_pinning(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            return v
+        text = str(v).strip().lower()
+        if text == "auto":
+            return "auto"
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("", "0", "false", "no", "off"):
+            return False
+        raise ValueError("expected auto, on (1, true) or off (0, false)")
 
     @field_validator("cache_slots", mode="before")
     @classmethod
@@ -251,8 +265,9 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         {
             "action": "store_const",
             "const": True,
-            "help": "UNVERIFIED IN A SERVER: pin vLLM's UVA expert copies at their exact size (cudaHostRegister) "
-            "instead of PyTorch's power-of-two blocks (research.md 'Pinned rounding')",
+            "help": "pin vLLM's UVA expert copies at their exact size (cudaHostRegister) instead of PyTorch's "
+            "power-of-two blocks (research.md 'Pinned rounding'); default auto: on where the rounded copies plus "
+            "a layer in flight would hold more than 1.2x the expert bytes; REAP_SWAP_EXACT_PINNING=0 turns it off",
         },
     ),
 }
@@ -408,7 +423,7 @@ def _parse_env(name: str, env: str, raw: str) -> Any:
     """Environment strings -> the field's type (pydantic's lax parsing: 1/0, true/false, yes/no)."""
     if Settings.model_fields[name].annotation is bool and raw.strip() == "":
         return False
-    if name == "cache_slots":  # "auto" or N: its field validator parses and names the error
+    if name in ("cache_slots", "exact_pinning"):  # "auto" or a value: the field validator parses it
         return raw.strip()
     try:
         return TypeAdapter(Settings.model_fields[name].annotation).validate_python(raw.strip())

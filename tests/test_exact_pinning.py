@@ -319,3 +319,113 @@ def test_drain_really_gives_back_a_torch_tensors_copied_experts(monkeypatch):
     assert bool((flat[:lo] == 3).all()) and int(flat[lo : 3 * (10 << 18)].count_nonzero()) == 0
     assert bool((t[4:] == 3).all())
     assert pinning.release([ptr], unregister=lambda p: 1 / 0) == 80 << 20
+
+
+# --reap-exact-pinning auto (the default since run 18): on where vLLM's rounded copies plus a layer in flight
+# would hold more than 1.2x the experts, on the draining path only
+
+
+def _v3_depth6():
+    shape = read_model_shape(DATA / "deepseek_v3_bf16_depth5_config.json")
+    return dataclasses.replace(shape, num_layers=6, moe_layers=(3, 4, 5))
+
+
+@pytest.mark.parametrize(
+    ("shape_of", "on"),
+    [
+        (_v3_depth6, True),  # 72 + 21 GiB for 63: 1.48x (run 16 measured 1.44x in use without it)
+        (lambda: read_model_shape(DATA / "kimi_k2_bf16_depth3_config.json"), True),  # 96 + 31.5 for 63
+        (lambda: read_model_shape(DATA / "mixtral_8x7b_config.json"), False),  # 96 + 2.6 for 84: 1.17x
+        (lambda: read_model_shape(DATA / "qwen3_5_moe_35b_a3b_config.json"), False),  # 60 + 1.5 for 60
+        (lambda: read_model_shape(DATA / "gpt_oss_20b_bf16_config.json"), False),  # 36 + 1.5 for 35.6
+    ],
+)
+def test_auto_pays_for_the_v3_and_kimi_shapes_only(shape_of, on):
+    from reap_swap.host_memory import exact_pinning_pays, uva_pinned_bytes
+
+    s = shape_of()
+    fmt = s.expert_format
+    pinned = uva_pinned_bytes(fmt.w13, fmt.w2, s.num_experts, len(s.moe_layers))
+    assert exact_pinning_pays(pinned, s.total_expert_bytes, s.layer_expert_bytes) is on
+
+
+@pytest.mark.parametrize(
+    ("env", "flag", "want"),
+    [
+        ({}, False, "auto"),
+        ({}, True, True),
+        ({"REAP_SWAP_EXACT_PINNING": "0"}, True, False),
+        ({"REAP_SWAP_EXACT_PINNING": "1"}, False, True),
+        ({"REAP_SWAP_EXACT_PINNING": "auto"}, True, "auto"),
+        ({"REAP_SWAP_EXACT_PINNING": "off"}, False, False),
+        ({"REAP_SWAP_EXACT_PINNING": ""}, False, False),
+    ],
+)
+def test_the_setting_is_auto_by_default_and_the_environment_wins(env, flag, want):
+    from reap_swap.settings import resolve, split_argv
+
+    flags, _ = split_argv(["--reap-plan", "p.json", *(["--reap-exact-pinning"] if flag else [])])
+    assert resolve(flags, env).settings.exact_pinning == want
+
+
+def test_a_bad_value_is_refused_by_name():
+    from reap_swap.settings import SettingsError, resolve
+
+    with pytest.raises(SettingsError, match="REAP_SWAP_EXACT_PINNING"):
+        resolve({"plan_file": "p.json"}, {"REAP_SWAP_EXACT_PINNING": "sometimes"})
+
+
+def _uva_launch(monkeypatch, shape, env=None, **knobs):
+    """gpu_engine_args on the UVA path with real Settings: what the workers are told, what the host check
+    counted."""
+    import argparse
+
+    from reap_swap.settings import ADDITIONAL_CONFIG_KEY, resolve
+
+    settings = resolve({"plan_file": "p.json", **knobs}, env or {}).settings
+    vs = server.vllm_serve
+    monkeypatch.setattr(vs, "platform_name", lambda: "cuda")
+    monkeypatch.setattr(vs, "moe_backend_is_default", lambda a: False)
+    monkeypatch.setattr(vs, "cpu_offload_chosen", lambda a: False)
+    monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib: None)
+    monkeypatch.setattr(server.vllm_runner, "offload_ignored_reason", lambda *a: None)
+    checked = []
+    monkeypatch.setattr(server, "check_host_memory", lambda s, **kw: checked.append(kw))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    args = argparse.Namespace(quantization=None, additional_config=None)
+    server.install(args, settings, SimpleNamespace(identity="x"))
+    told_before = args.additional_config[ADDITIONAL_CONFIG_KEY]["exact_pinning"]
+    server.gpu_engine_args(settings, args, shape)
+    return told_before, args.additional_config[ADDITIONAL_CONFIG_KEY]["exact_pinning"], checked[0]
+
+
+def test_auto_turns_it_on_for_the_v3_shape_and_tells_the_workers(monkeypatch, caplog):
+    with caplog.at_level("INFO"):
+        before, told, checked = _uva_launch(monkeypatch, _v3_depth6())
+    assert (before, told) == (False, True)  # install() never passes "auto" on
+    assert checked == {"uva_tp": 1, "exact": True, "drained": True}
+    assert "--reap-exact-pinning auto: on" in caplog.text and "1.48x" in caplog.text
+
+
+def test_auto_leaves_it_off_where_rounding_costs_little(monkeypatch):
+    _, told, checked = _uva_launch(monkeypatch, read_model_shape(DATA / "mixtral_8x7b_config.json"))
+    assert told is False and checked == {"uva_tp": 1, "exact": False, "drained": False}
+
+
+def test_auto_is_off_for_grouped_units_and_the_environment_can_turn_it_off(monkeypatch):
+    _, told, checked = _uva_launch(monkeypatch, _v3_depth6(), group_size="2")
+    assert told is False and checked["exact"] is False
+    _, told, _ = _uva_launch(monkeypatch, _v3_depth6(), env={"REAP_SWAP_EXACT_PINNING": "0"})
+    assert told is False
+    _, told, checked = _uva_launch(
+        monkeypatch, read_model_shape(DATA / "mixtral_8x7b_config.json"), exact_pinning=True
+    )
+    assert told is True and checked == {"uva_tp": 1, "exact": True, "drained": True}
+
+
+def test_an_unresolved_auto_in_a_config_means_off(monkeypatch):
+    monkeypatch.setattr(
+        pinning, "current_additional_config", lambda: {"reap_swap": {"exact_pinning": "auto"}}
+    )
+    assert pinning.wanted() is False

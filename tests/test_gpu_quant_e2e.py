@@ -115,6 +115,42 @@ def test_stock_served_twice_tells_nondeterminism_from_a_reap_difference():
     assert qe.case_row(same)["verdict"] == "PASS"
 
 
+def _probe_at(**digests):
+    return {
+        "status": 200,
+        "ranks": [{"inputs": {"seed": 0}, "layers": {"l0": {"1": "a", "8": "b", **digests}}}],
+    }
+
+
+def test_digests_that_differ_only_where_the_reap_process_varies_by_itself_are_kernel_nondet():
+    """Run 18 (INT4 Marlin, m = 64): reap's own 0 and 0-after probes (same set, one process) differ at size 64,
+    and every stock-vs-reap difference is at size 64: KERNEL-NONDET, with the differing digests in the note;
+    a difference at another size, or one where reap is self-consistent, stays FAIL."""
+    res = _fake(True)
+    res["stock"]["moe_probe"] = _probe_at(**{"64": "s"})
+    res["reap"]["phases"]["0"]["moe_probe"] = _probe_at(**{"64": "r1"})
+    res["reap"]["phases"]["25"]["moe_probe"] = _probe_at(**{"64": "s"})
+    res["reap"]["phases"]["0-after"] = {
+        "greedy": _greedy("b"), "moe_probe": _probe_at(**{"64": "r2"}),
+        "swap": {"status": 200, "bytes_copied": 0, "expected_bytes": 0, "client_ms": 1.0},
+    }  # fmt: skip
+    row = qe.case_row(res)
+    assert row["reap_repeat"] == {"differ": ["l0@64"], "tokens": ["64"]}
+    assert row["verdict"] == "KERNEL-NONDET" and not row["pass"]
+    assert "reap 0 vs 0-after (same set, one process) differ at ['l0@64']" in qe.markdown(
+        {"cases": {"c": res}}
+    )
+    res["reap"]["phases"]["25"]["moe_probe"] = _probe_at(**{"64": "s", "8": "other"})  # also at size 8
+    assert qe.case_row(res)["verdict"] == "FAIL"
+    res["reap"]["phases"]["25"]["moe_probe"] = _probe_at(**{"64": "s"})
+    res["reap"]["phases"]["0-after"]["moe_probe"] = _probe_at(**{"64": "r1"})  # reap self-consistent
+    row = qe.case_row(res)
+    assert row["reap_repeat"]["differ"] == [] and row["verdict"] == "FAIL"
+    res["reap"]["phases"]["25"]["greedy"] = _greedy("z")  # text differs too: never excused
+    res["reap"]["phases"]["0-after"]["moe_probe"] = _probe_at(**{"64": "r2"})
+    assert qe.case_row(res)["verdict"] == "FAIL"
+
+
 def test_complete_checkpoints_are_reused(tmp_path, monkeypatch):
     a = qe.parse_args(
         ["--out", str(tmp_path), "--tiny", "--cases", "bf16,fp8-online,awq", "--ckpt-jobs", "1"]

@@ -22,7 +22,10 @@ Verified where: the mechanism on the H200 with torch 2.11 without vLLM (research
 exact RSS, device pointer = host pointer, a kernel and a CUDA-graph replay read through the view,
 unregister and free return the memory; view_probe, then run 16's drain_probe with the engine's own
 `rehome` and a real host-backed range, and loader_probe: the loader's copies into a registration); the
-patch against a stand-in offloader on the CPU (tests/test_exact_pinning.py). **Not run in a server yet.**
+patch against a stand-in offloader on the CPU (tests/test_exact_pinning.py); in a server on vLLM 0.26.0
+(H200, runs 17-18: the DeepSeek-V3 layer shape at depth 6, eager: host memory in use 0.95x experts + dense,
+text and MoE digests equal to stock at 0 / 25 / 50 / 100 % and back, swaps moving bytes at 54 GB/s).
+The launcher turns it on by default where it pays (`server.resolve_exact_pinning`).
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ def wanted() -> bool:
 
     cfg = current_additional_config()
     reap = cfg.get(ADDITIONAL_CONFIG_KEY) if isinstance(cfg, dict) else None
-    return bool(isinstance(reap, dict) and reap.get("exact_pinning"))
+    # `is True`: an unresolved "auto" (a config not written by the launcher) means off
+    return bool(isinstance(reap, dict) and reap.get("exact_pinning") is True)
 
 
 def install(uva: Any = None) -> str | None:
