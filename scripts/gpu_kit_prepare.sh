@@ -3,9 +3,11 @@
 #   .kit/part-NN, SHA256SUMS, MANIFEST.txt, tools/   ../shared/gpu-kit/build.sh (vLLM 0.26.0 wheels, 48 MiB parts)
 #   .kit/extra/                                    orjson (scripts/gpu_extra_wheels.sh)
 #   .kit/qNN/pNN.{a..f}, .kit/q04/p04.{a,b}         the parts in call-sized pieces: a device call carries
-#                                                  64 MiB with the tracked tree (56.4 MB, 58.7 MB in 4 KiB
-#                                                  blocks in run 17: fifths of 10 MB no longer fit, sixths
-#                                                  of 8.4 MB do), so each call ships one piece into /tmp/kit/h/
+#                                                  64 MiB with the working tree (60.5 MB in 4 KiB blocks after
+#                                                  run 17, 48.6 MB of it research-notes/), so with the whole tree
+#                                                  each call ships one piece into /tmp/kit/h/. Run 18 shipped
+#                                                  whole parts instead (5 calls, not 26): research-notes/ moved
+#                                                  out of the working tree for the lease (no GPU phase reads it)
 #   .kit/probewheels/                              what reap_swap's pure modules import beyond torch (pydantic,
 #                                                  jsonschema, orjson, ...): a probe on a machine without the kit
 # Idempotent: an existing build is reused. Prints the pieces in shipping order.
@@ -29,6 +31,9 @@ if [ ! -d .kit/probewheels ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 -d .kit/probewheels attrs tqdm idna typing_extensions
 fi
-echo "ship in this order (call 1 also carries .kit/tools .kit/MANIFEST.txt .kit/SHA256SUMS):"
+echo "whole parts (run 18): mv research-notes /tmp/rn_hold for the lease (move it back after), then carry"
+echo "  .kit/tools .kit/MANIFEST.txt .kit/SHA256SUMS .kit/part-00; .kit/part-01; .kit/part-02; .kit/part-03;"
+echo "  install call: .kit/part-04 .kit/extra (copy SHA256SUMS into each /tmp/kit/part-NN)"
+echo "or, with the whole tree, pieces in this order (call 1 also carries .kit/tools .kit/MANIFEST.txt .kit/SHA256SUMS):"
 ls .kit/q0[0-3]/p* .kit/q04/p04.a
 echo "install call: carry .kit/q04/p04.b .kit/extra; cat h/pNN.{a..f} and h/p04.a + .kit/q04/p04.b into part-NN/"
