@@ -188,8 +188,10 @@ mixtral_full() {
 #   kimi_deep kimi_k2_bf16_depth3_config.json at KIMI_LAYERS=2: 1 dense + 1 MoE layer of 384 x 84 MiB =
 #             31.5 GiB, pinned as 32 + 16 = 48 GiB, host ~83 GiB (depth 3 pins 96 GiB for 63: the
 #             launcher refuses it on this host)
+# Since run 18 the launcher's default (REAP_SWAP_EXACT_PINNING auto) turns exact pinning on for both shapes
+# (v3_deep measured 67.9 GiB in use with it); REAP_SWAP_EXACT_PINNING=0 in the environment gives run 16's path.
 # Knobs (PREFIX = V3DEEP or KIMI): PREFIX_EXACT=1 (the reap arm with REAP_SWAP_EXACT_PINNING=1: vLLM's copies
-# registered at their exact size, ~88 GiB predicted for v3_deep; the family is named ..._exact), PREFIX_STOCK_CAP (240 s), PREFIX_GRAPHS=1 (CUDA graphs; default eager),
+# registered at their exact size, whatever auto decides; the family is named ..._exact), PREFIX_STOCK_CAP (240 s), PREFIX_GRAPHS=1 (CUDA graphs; default eager),
 # PREFIX_PROMPTS (4), PREFIX_DECODE (32), PREFIX_REPEATS (1), PREFIX_REAP_HBM_GIB (75: nvidia-smi free
 # before reap starts, <= 90 s wait).
 _deep_knob() {  # PREFIX NAME DEFAULT: ${PREFIX_NAME:-DEFAULT}
