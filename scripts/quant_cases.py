@@ -207,21 +207,25 @@ def _refusal_note(row: dict) -> str | None:
 
 
 def _verdict(row: dict) -> str:
-    """PASS / FAIL, or STOCK-NONDET where stock served twice already differs from itself."""
+    """PASS / FAIL, STOCK-NONDET where stock served twice already differs from itself, or KERNEL-NONDET where
+    everything passes but MoE digests that differ only at probe sizes where one reap process varies by itself."""
     if row["errors"] or row["timed_out"] or "text_differs" not in row:
         return "FAIL"
-    same = not row["text_differs"] and not row["probe_differs"] and not row["swap_errors"]
-    if row["binds"]:
-        ok = same and not row["bytes_mismatch"] and bool(row["unit_mib"]) and not row["refused_layers"]
-    else:  # refused formats: up on the stock path, every layer's refusal recorded, no layer re-homed
-        ok = same and bool(row["refused_layers"]) and not row["layers_rehomed"]
-    if ok:
+
+    def passes(digests_equal: bool) -> bool:
+        same = not row["text_differs"] and digests_equal and not row["swap_errors"]
+        if row["binds"]:
+            return same and not row["bytes_mismatch"] and bool(row["unit_mib"]) and not row["refused_layers"]
+        # refused formats: up on the stock path, every layer's refusal recorded, no layer re-homed
+        return same and bool(row["refused_layers"]) and not row["layers_rehomed"]
+
+    if passes(not row["probe_differs"]):
         return "PASS"
     repeat = row.get("stock_repeat")
+    same = not row["text_differs"] and not row["probe_differs"] and not row["swap_errors"]
     if not same and repeat is not None and not repeat["deterministic"]:
         return "STOCK-NONDET"  # reap cannot be held to bitwise equality with a stock that varies
-    rest_ok = not row["text_differs"] and not row["swap_errors"] and not row.get("bytes_mismatch")
-    if row["probe_differs"] and row.get("probe_diffs_kernel_nondet") and rest_ok:
+    if row.get("probe_diffs_kernel_nondet") and passes(True):
         return "KERNEL-NONDET"  # digests differ only at probe sizes where one reap process varies by itself
     return "FAIL"
 
