@@ -247,8 +247,7 @@ def resolve_exact_pinning(settings, shape, tp: int) -> bool:
             "back after the whole layer, so exact pinning would save only the rounding)"
         )
         return False
-    fmt, threshold = shape.expert_format, round_threshold_bytes(alloc_conf(os.environ))
-    pinned = uva_pinned_bytes(fmt.w13, fmt.w2, shape.num_experts, len(shape.moe_layers), tp, threshold)
+    pinned = vllm_pinned_bytes(shape, tp, exact=False)
     experts, layer = shape.total_expert_bytes, shape.layer_expert_bytes
     on = exact_pinning_pays(pinned, experts, layer)
     log.info(
@@ -262,6 +261,15 @@ def resolve_exact_pinning(settings, shape, tp: int) -> bool:
         EXACT_PINNING_AUTO_RATIO,
     )
     return on
+
+
+def vllm_pinned_bytes(shape, tp: int, exact: bool) -> int:
+    """What vLLM's UVA offload pins for the experts (host_memory.uva_pinned_bytes) under the allocator
+    settings of this environment; `exact`: copies from EXACT_PINNING_MIN_BYTES are registered at their size."""
+    fmt, threshold = shape.expert_format, round_threshold_bytes(alloc_conf(os.environ))
+    if exact:  # --reap-exact-pinning: large copies are registered at their size (compat/pinning.py)
+        threshold = EXACT_PINNING_MIN_BYTES if threshold is None else min(threshold, EXACT_PINNING_MIN_BYTES)
+    return uva_pinned_bytes(fmt.w13, fmt.w2, shape.num_experts, len(shape.moe_layers), tp, threshold)
 
 
 def drains_in_blocks(settings, exact: bool | None = None) -> bool:
@@ -283,16 +291,7 @@ def check_host_memory(
     `uva_tp`: vLLM's UVA offload pins the experts (per TP rank, rounded by PyTorch's pinned allocator);
     None: only the engine's own exact host copies. `drained` (`drains_in_blocks`): one block in flight,
     not one layer."""
-    pinned = None
-    if uva_tp is not None:
-        fmt, threshold = shape.expert_format, round_threshold_bytes(alloc_conf(os.environ))
-        if exact:  # --reap-exact-pinning: large copies are registered at their size (compat/pinning.py)
-            threshold = (
-                EXACT_PINNING_MIN_BYTES if threshold is None else min(threshold, EXACT_PINNING_MIN_BYTES)
-            )
-        pinned = uva_pinned_bytes(
-            fmt.w13, fmt.w2, shape.num_experts, len(shape.moe_layers), uva_tp, threshold
-        )
+    pinned = None if uva_tp is None else vllm_pinned_bytes(shape, uva_tp, exact)
     try:
         available = mem_available_bytes(meminfo.read_text())
     except OSError:
