@@ -59,9 +59,15 @@ def _rank0(probe: dict | None) -> dict | None:
     return ranks[0] if ranks and not ranks[0].get("error") else None
 
 
-def _phase_checks(stock: dict, phases: dict) -> tuple[list[str], list[str]]:
-    """Phases whose greedy text / MoE digests differ from stock's (or could not be compared)."""
-    bad_text, bad_probe = [], []
+def _probe_size(digest_name: str) -> str:
+    """'model.layers.6.mlp.experts@64' -> '64' (compare_probes' names: layer@probe size)."""
+    return digest_name.rsplit("@", 1)[1]
+
+
+def _phase_checks(stock: dict, phases: dict) -> tuple[list[str], list[str], set[str] | None]:
+    """Phases whose greedy text / MoE digests differ from stock's (or could not be compared), and the probe
+    sizes at which digests differ (None when some phase's probe could not be compared)."""
+    bad_text, bad_probe, sizes = [], [], set()
     ref_p = _rank0(stock.get("moe_probe"))
     for label, ph in phases.items():
         c = compare(stock["greedy"], ph.get("greedy") or [])
@@ -71,7 +77,11 @@ def _phase_checks(stock: dict, phases: dict) -> tuple[list[str], list[str]]:
         cp = compare_probes(ref_p, got) if ref_p and got else {"comparable": False}
         if not cp.get("comparable") or cp["equal"] != cp["of"]:
             bad_probe.append(label)
-    return bad_text, bad_probe
+        if not cp.get("comparable"):
+            sizes = None
+        elif sizes is not None:
+            sizes |= {_probe_size(d) for d in cp["differ"]}
+    return bad_text, bad_probe, sizes
 
 
 def _swap_stats(phases: dict) -> dict:
@@ -123,18 +133,7 @@ def _reap_repeat(phases: dict) -> dict | None:
     cp = compare_probes(a, b) if a and b else {"comparable": False}
     if not cp.get("comparable"):
         return None
-    return {"differ": cp["differ"], "tokens": sorted({d.rsplit("@", 1)[1] for d in cp["differ"]}, key=int)}
-
-
-def _digest_diffs_within(stock: dict, phases: dict, tokens: list[str]) -> bool:
-    """Does every stock-vs-reap digest difference lie at a probe size in `tokens`?"""
-    ref = _rank0(stock.get("moe_probe"))
-    for ph in phases.values():
-        got = _rank0(ph.get("moe_probe"))
-        cp = compare_probes(ref, got) if ref and got else {"comparable": False}
-        if not cp.get("comparable") or any(d.rsplit("@", 1)[1] not in tokens for d in cp["differ"]):
-            return False
-    return True
+    return {"differ": cp["differ"], "tokens": sorted({_probe_size(d) for d in cp["differ"]}, key=int)}
 
 
 def _eager_pair(res: dict) -> dict | None:
@@ -184,12 +183,10 @@ def case_row(res: dict) -> dict:
     row["stock_repeat"] = _stock_repeat(stock, stock2)
     row["eager_pair"] = _eager_pair(res)
     if stock.get("greedy") and reap.get("phases"):
-        row["text_differs"], row["probe_differs"] = _phase_checks(stock, reap["phases"])
+        row["text_differs"], row["probe_differs"], sizes = _phase_checks(stock, reap["phases"])
         row["reap_repeat"] = _reap_repeat(reap["phases"])
-        nondet = (row["reap_repeat"] or {}).get("tokens") or []
-        row["probe_diffs_kernel_nondet"] = bool(nondet) and _digest_diffs_within(
-            stock, reap["phases"], nondet
-        )
+        nondet = set((row["reap_repeat"] or {}).get("tokens") or [])
+        row["probe_diffs_kernel_nondet"] = bool(nondet) and sizes is not None and sizes <= nondet
         row.update(_swap_stats(reap["phases"]))
         if any(p.get("decode_1") for p in reap["phases"].values()):  # --decode-tokens
             row["bound"] = bound_rows(reap["phases"], stock)
@@ -212,17 +209,20 @@ def _verdict(row: dict) -> str:
     if row["errors"] or row["timed_out"] or "text_differs" not in row:
         return "FAIL"
 
-    def passes(digests_equal: bool) -> bool:
-        same = not row["text_differs"] and digests_equal and not row["swap_errors"]
-        if row["binds"]:
-            return same and not row["bytes_mismatch"] and bool(row["unit_mib"]) and not row["refused_layers"]
-        # refused formats: up on the stock path, every layer's refusal recorded, no layer re-homed
-        return same and bool(row["refused_layers"]) and not row["layers_rehomed"]
+    text_and_swaps = not row["text_differs"] and not row["swap_errors"]
+    same = text_and_swaps and not row["probe_differs"]
 
-    if passes(not row["probe_differs"]):
+    def passes(digests_equal: bool) -> bool:
+        if not (text_and_swaps and digests_equal):
+            return False
+        if row["binds"]:
+            return not row["bytes_mismatch"] and bool(row["unit_mib"]) and not row["refused_layers"]
+        # refused formats: up on the stock path, every layer's refusal recorded, no layer re-homed
+        return bool(row["refused_layers"]) and not row["layers_rehomed"]
+
+    if passes(same):
         return "PASS"
     repeat = row.get("stock_repeat")
-    same = not row["text_differs"] and not row["probe_differs"] and not row["swap_errors"]
     if not same and repeat is not None and not repeat["deterministic"]:
         return "STOCK-NONDET"  # reap cannot be held to bitwise equality with a stock that varies
     if row.get("probe_diffs_kernel_nondet") and passes(True):
