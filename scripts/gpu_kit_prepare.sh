@@ -7,7 +7,8 @@
 #                                                  run 17, 48.6 MB of it research-notes/), so with the whole tree
 #                                                  each call ships one piece into /tmp/kit/h/. Run 18 shipped
 #                                                  whole parts instead (5 calls, not 26): research-notes/ moved
-#                                                  out of the working tree for the lease (no GPU phase reads it)
+#                                                  out of the working tree for the lease (scripts/gpu_lease_tree.sh
+#                                                  hold; it keeps the files a phase reads, scripts/gpu_inputs.txt)
 #   .kit/probewheels/                              what reap_swap's pure modules import beyond torch (pydantic,
 #                                                  jsonschema, orjson, ...): a probe on a machine without the kit
 # Idempotent: an existing build is reused. Prints the pieces in shipping order.
@@ -31,7 +32,7 @@ if [ ! -d .kit/probewheels ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 -d .kit/probewheels attrs tqdm idna typing_extensions
 fi
-echo "whole parts (run 18): mv research-notes /tmp/rn_hold for the lease (move it back after), then carry"
+echo "whole parts (run 18): bash scripts/gpu_lease_tree.sh hold for the lease (restore after), then carry"
 echo "  .kit/tools .kit/MANIFEST.txt .kit/SHA256SUMS .kit/part-00; .kit/part-01; .kit/part-02; .kit/part-03;"
 echo "  install call: .kit/part-04 .kit/extra (copy SHA256SUMS into each /tmp/kit/part-NN)"
 echo "or, with the whole tree, pieces in this order (call 1 also carries .kit/tools .kit/MANIFEST.txt .kit/SHA256SUMS):"

@@ -182,13 +182,28 @@ pack() {
     -C /tmp run 2>/dev/null && mv "$OUT/run.tgz.tmp" "$OUT/run.tgz"
 }
 
+missing_inputs() {  # scripts/gpu_inputs.txt: a phase's input absent from the tree refuses the start, by name
+  local phase path ok=0 g
+  while read -r phase path; do
+    case "$phase" in ''|'#'*) continue ;; esac
+    for g in ${PHASES:-tests}; do
+      case "+$g+" in *"+$phase+"*)
+        [ -e "$path" ] || { echo "gpu_run.sh: phase $phase reads $path, which this tree lacks" \
+          "(research-notes/ moved out for the lease? scripts/gpu_lease_tree.sh hold keeps it)" >&2; ok=1; } ;;
+      esac
+    done
+  done < scripts/gpu_inputs.txt
+  return $ok
+}
+
 case "${1:-}" in
   start)  # the session runs from a private copy of the tree: every device call re-syncs the repo root, and
     # run 17's stock arm, started just as the next `wait` call synced it, found no scripts/gpu_families.py
+    missing_inputs || exit 2
     mkdir -p $R
     T=${RUN_TREE:-/tmp/runtree}
     rm -rf "$T" && mkdir -p "$T"
-    tar -c --exclude=./.git --exclude=./.venv --exclude='./.kit/[qs]0*' --exclude='./.kit/part-*' . | tar -x -C "$T"
+    tar -c --exclude=./.git --exclude='./.venv*' --exclude='./.kit/[qs]0*' --exclude='./.kit/part-*' . | tar -x -C "$T"
     (cd "$T" && setsid nohup bash scripts/gpu_run.sh session > $R/main.log 2>&1 < /dev/null &)
     sleep 2; step start "background run started: PHASES=${PHASES:-tests}"
     ;;

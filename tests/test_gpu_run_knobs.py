@@ -109,3 +109,78 @@ def test_start_runs_the_session_from_a_private_copy_of_the_tree(tmp_path):
     assert f"session tree: {tree}" in log and "phase quant exit 0" in log
     assert (tree / "scripts" / "gpu_quant_e2e.py").is_file()
     assert "DRY scripts/gpu_quant_e2e.py" in (run_dir / "dry.log").read_text()
+
+
+def small_tree(tmp_path: Path) -> Path:
+    """A working tree with the run scripts only, plus a git-ignored-style venv the copy must leave out."""
+    tree = tmp_path / "repo"
+    (tree / "scripts").mkdir(parents=True)
+    for name in ("gpu_run.sh", "gpu_inputs.txt", "gpu_lease_tree.sh", "dry_py.sh"):
+        (tree / "scripts" / name).write_bytes((ROOT / "scripts" / name).read_bytes())
+    (tree / ".venv-vllm026" / "lib").mkdir(parents=True)
+    (tree / ".venv-vllm026" / "lib" / "big.so").write_bytes(b"x" * 1024)
+    return tree
+
+
+def test_start_leaves_every_venv_out_of_the_session_copy(tmp_path):
+    # CI at f5700e7: the checkout's .venv-vllm026 (GBs, the 0.26.0 e2e leg's venv) went into RUN_TREE and
+    # `start` ran past this file's 60 s timeout; only ./.venv was excluded
+    tree, run_dir, copy = small_tree(tmp_path), tmp_path / "run", tmp_path / "copy"
+    env = {
+        **os.environ, "DRY": "1", "DRY_PYTHON": sys.executable, "RUN_DIR": str(run_dir),
+        "RUN_TREE": str(copy), "PHASES": "quant",
+    }  # fmt: skip
+    subprocess.run(["bash", "scripts/gpu_run.sh", "start"], cwd=tree, env=env, check=True, timeout=60)
+    assert (copy / "scripts" / "gpu_run.sh").is_file()
+    assert not (copy / ".venv-vllm026").exists()
+    for _ in range(100):
+        if (run_dir / "all.done").exists():
+            break
+        time.sleep(0.2)
+
+
+def test_start_refuses_a_phase_whose_input_the_tree_lacks(tmp_path):
+    tree, run_dir = small_tree(tmp_path), tmp_path / "run"
+    env = {**os.environ, "DRY": "1", "RUN_DIR": str(run_dir), "RUN_TREE": str(tmp_path / "copy"),
+           "PHASES": "quant+cache skewbench guards"}  # fmt: skip
+    res = subprocess.run(
+        ["bash", "scripts/gpu_run.sh", "start"], cwd=tree, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 2
+    assert "phase skewbench reads research-notes/h200-2026-11-30/skew.plan.json" in res.stderr
+    assert "phase cache reads research-notes/h200-2026-12-01/run8-gpu_e2e.json" in res.stderr
+    assert "guards" not in res.stderr and not run_dir.exists() and not (tmp_path / "copy").exists()
+    # the same tree with the inputs present starts
+    for rel in (
+        "research-notes/h200-2026-11-30/skew.plan.json",
+        "research-notes/h200-2026-12-01/run8-gpu_e2e.json",
+    ):
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text("{}")
+    env["PHASES"] = "skewbench"
+    env["DRY_PYTHON"] = sys.executable
+    subprocess.run(["bash", "scripts/gpu_run.sh", "start"], cwd=tree, env=env, check=True, timeout=60)
+    for _ in range(100):
+        if (run_dir / "all.done").exists():
+            break
+        time.sleep(0.2)
+    assert "DRY scripts/gpu_skew_bench.py" in (run_dir / "dry.log").read_text()
+
+
+def test_lease_tree_holds_research_notes_but_keeps_what_phases_read(tmp_path):
+    tree, hold = small_tree(tmp_path), tmp_path / "hold"
+    notes = tree / "research-notes"
+    for rel in ("h200-2026-11-30/skew.plan.json", "h200-2026-12-01/run8-gpu_e2e.json", "big/raw.log"):
+        (notes / rel).parent.mkdir(parents=True, exist_ok=True)
+        (notes / rel).write_text(rel)
+    env = {**os.environ, "HOLD": str(hold)}
+    subprocess.run(["bash", "scripts/gpu_lease_tree.sh", "hold"], cwd=tree, env=env, check=True)
+    kept = sorted(str(p.relative_to(notes)) for p in notes.rglob("*") if p.is_file())
+    assert kept == ["h200-2026-11-30/skew.plan.json", "h200-2026-12-01/run8-gpu_e2e.json"]
+    assert (hold / "big" / "raw.log").read_text() == "big/raw.log"
+    again = subprocess.run(
+        ["bash", "scripts/gpu_lease_tree.sh", "hold"], cwd=tree, env=env, capture_output=True
+    )
+    assert again.returncode == 2  # a second hold would lose the first
+    subprocess.run(["bash", "scripts/gpu_lease_tree.sh", "restore"], cwd=tree, env=env, check=True)
+    assert (notes / "big" / "raw.log").is_file() and not hold.exists()
