@@ -14,8 +14,7 @@ from pydantic import BaseModel, Field
 
 from reap_swap.bench_config import BUDGET_ARMS, CACHE_ARMS, NO_CUDA, BenchConfig, BenchError, has_flag
 from reap_swap.bench_report import GIB, uva_offloaded_bytes
-from reap_swap.memory_split import swap_cache_split
-from reap_swap.quant_budget import pool_slots
+from reap_swap.memory_split import plan_swap_split
 
 
 def derived_plan(plan_path: Path, budget_bytes: int, outdir: Path, shape) -> Path:
@@ -144,19 +143,15 @@ def _split_for_swaps(spec: RunSpec, plan, shape) -> None:
     ``--reap-cache-slots auto`` the tail takes everything beyond the core and the device refuses
     every swap that adds an expert: research.md "acctail")."""
     per_expert = int(plan.per_expert_bytes)
-    budget = spec.budget_bytes if spec.budget_bytes is not None else int(plan.swappable_budget_bytes)
-    pool = pool_slots(budget, per_expert)
-    layers = len(plan.layers)
-    core = int(plan.core_bytes()) // per_expert
-    per_layer, kept, why = swap_cache_split(pool, core, layers, int(shape.top_k))
-    if why:
-        spec.skip_reason = f"plan-swap+cache: {why}"
+    split = plan_swap_split(plan, int(shape.top_k), spec.budget_bytes)
+    if split.why:
+        spec.skip_reason = f"plan-swap+cache: {split.why}"
         return
-    spec.argv += ["--reap-cache-slots", str(per_layer * layers)]
-    spec.swap_budget_bytes = kept * per_expert
+    spec.argv += ["--reap-cache-slots", str(split.cache_slots)]
+    spec.swap_budget_bytes = split.kept * per_expert
     spec.notes.append(
-        f"--reap-cache-slots {per_layer * layers}: a tail of {per_layer} per layer; the client selects "
-        f"within the swap table's {kept} of {pool} slots ({kept * per_expert / GIB:.3f} GiB)"
+        f"--reap-cache-slots {split.cache_slots}: a tail of {split.per_layer} per layer; the client selects "
+        f"within the swap table's {split.kept} of {split.pool} slots ({split.kept * per_expert / GIB:.3f} GiB)"
     )
 
 

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from reap_swap.quant_budget import pool_slots
 
 GIB = 2**30
 # KV tokens per sequence are rounded up to this many: vLLM 0.26.0 picks the attention backend's block
@@ -436,3 +439,30 @@ def swap_cache_split(
             ),
         )
     return per_layer, int(pool_slots) - per_layer * layers, None
+
+
+@dataclass(frozen=True)
+class PlanSwapSplit:
+    """swap_cache_split on a plan's pool: what ``--reap-cache-slots swaps`` serves and the bench's
+    ``plan-swap+cache`` arm passes (``cache_slots`` = layers x per_layer; per-request swaps fit K)."""
+
+    pool: int  # the engine's pool slots (quant_budget.pool_slots of the budget)
+    core: int  # the plan core's slots
+    layers: int
+    per_layer: int  # cache tail slots per layer
+    kept: int  # K, the swap table the lending leaves
+    why: str | None  # no room for both (per_layer 0, kept = pool)
+
+    @property
+    def cache_slots(self) -> int:
+        return self.per_layer * self.layers
+
+
+def plan_swap_split(plan: Any, top_k: int, budget_bytes: int | None = None) -> PlanSwapSplit:
+    """The split of ``plan``'s pool (its budget, or ``budget_bytes``) as engine._ensure_pool sizes it."""
+    per_expert = int(plan.per_expert_bytes)
+    budget = int(plan.swappable_budget_bytes) if budget_bytes is None else int(budget_bytes)
+    pool = pool_slots(budget, per_expert)
+    core = int(plan.core_bytes()) // per_expert  # the plan core's slots (the swap table pins it)
+    per_layer, kept, why = swap_cache_split(pool, core, len(plan.layers), int(top_k))
+    return PlanSwapSplit(pool, core, len(plan.layers), per_layer, kept, why)

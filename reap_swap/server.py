@@ -40,7 +40,7 @@ from reap_swap.host_memory import (
     uva_pinned_bytes,
 )
 from reap_swap.logs import get_logger
-from reap_swap.memory_split import inactive_note, launch_check
+from reap_swap.memory_split import inactive_note, launch_check, plan_swap_split
 from reap_swap.plugins import WORKER_EXTENSION_CLS, vllm_plugins_allowlist
 from reap_swap.quant_budget import device_load_refusal, hbm_first_load_refusal, served_quant
 from reap_swap.settings import (
@@ -352,6 +352,7 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     check_topology(args)
     shape, plan, cartridges = load_validated_plan(settings, args)
     arrange_torchvision(args, shape.architecture)
+    settings = resolve_cache_slots(settings, plan, shape)
     log_settings(Resolved(settings, resolved.sources, resolved.overrides))
     log.info(
         "reap-swap plan %s: %s, %d layers, %d cartridge(s), identity %s",
@@ -365,6 +366,29 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     gpu_engine_args(settings, args, shape, plan.swappable_budget_bytes)
     check_budget(settings, plan)
     return args, cmd
+
+
+def resolve_cache_slots(settings: Settings, plan, shape) -> Settings:
+    """``--reap-cache-slots swaps`` -> the slot count the workers get: a cache tail of
+    min(2 x top_k, half of what lies beyond the plan core) per layer, so per-request swaps keep the
+    swap table K = pool - layers x tail (memory_split.plan_swap_split, the bench's plan-swap+cache);
+    refused, with the numbers, when the plan's pool has no room for both."""
+    if settings.cache_slots != "swaps":
+        return settings
+    split = plan_swap_split(plan, int(shape.top_k))
+    if split.why:
+        raise LaunchError(f"--reap-cache-slots swaps: {split.why}; raise the plan's budget or use auto")
+    log.info(
+        "reap-swap: --reap-cache-slots swaps = %d: a cache tail of %d slots per layer (%d layers); "
+        "per-request swaps may fill %d of the pool's %d slots (the plan core holds %d)",
+        split.cache_slots,
+        split.per_layer,
+        split.layers,
+        split.kept,
+        split.pool,
+        split.core,
+    )
+    return settings.model_copy(update={"cache_slots": split.cache_slots})
 
 
 def check_budget(settings: Settings, plan) -> None:

@@ -18,7 +18,7 @@ launch script that still passes it keeps working; a retired flag never reaches v
 | REAP_BUDGET                 | --reap-budget auto|plan|GIB   | HBM expert pool: plan (default: the plan's budget), auto (what memory leaves after weights, activations and the KV target, up to all experts), or a GiB cap on that; with auto/GiB every swap keeps the pool full (core + active set + the plan's fill-order prefix); accounting residency uses the plan's budget as that pool |
 | REAP_KV_TOKENS              | --reap-kv-tokens N            | KV target in tokens for budget auto/GiB (default --max-model-len x --max-num-seqs as vLLM resolves them: vLLM 0.26 defaults max_num_seqs to 1024 on a >= 70 GiB GPU, so pass this or --max-num-seqs; a refusal names the N that fits) |
 | REAP_CACHE                  | --reap-cache lfu,lru,off      | the per-layer expert cache beside the pinned set (default lfu: the plan-core-seeded LFU, decay 0.8, that `reap-swap simulate` found best online; research.md, issue 17); in accounting residency the policy runs as state only |
-| REAP_CACHE_SLOTS            | --reap-cache-slots N,auto      | cache slots beyond the pinned set, over all layers (auto: what the pool budget leaves after the plan core; reap_swap.cache_accounting.tail_slots) |
+| REAP_CACHE_SLOTS            | --reap-cache-slots N,auto,swaps | cache slots beyond the pinned set, over all layers (auto: what the pool budget leaves after the plan core; reap_swap.cache_accounting.tail_slots; swaps: a tail of min(2 x top_k, half of what lies beyond the core) per layer, so per-request swaps keep the rest: memory_split.plan_swap_split, resolved by the launcher) |
 | REAP_CACHE_SEED             | --reap-cache-seed pinned,seeded | CUDA device cache: pinned (default, core+dlfu: the plan core pinned by the engine, the cache on the tail) or seeded (dlfu-seeded, accounting mode's policy: each layer's core + tail share is cache slots seeded with the core, evictable; a per-request swap pins its set inside them, a set wider than a layer's share is refused naming the layer; residency/device_cache_seeded.py). On CUDA seeded is REFUSED by default since H200 run 12 (text unequal to stock) and pinned is served, saying why (REAP_SWAP_UNVERIFIED_SEEDED_CACHE below); in accounting residency seeded runs lfu as the same integer dlfu-seeded |
 | REAP_SWAP_UNVERIFIED_SEEDED_CACHE | --reap-unverified-seeded-cache | serve --reap-cache-seed seeded on CUDA although H200 run 12 measured its text unequal to stock (without it CUDA falls back to pinned and says why; research.md "seedfix"): for the next GPU verification only |
 | REAP_CACHE_RECORD_STEPS     | --reap-cache-record-steps N   | keep the last N steps' routing the cache saw (0 = off), read back by GET /reap/cache/trace |
@@ -85,7 +85,8 @@ class Settings(BaseModel):
         return parse_budget(self.budget)
 
     cache: Literal["lfu", "lru", "off"] = "lfu"
-    cache_slots: Literal["auto"] | int = "auto"
+    # "swaps": the launcher resolves it to an integer (server.resolve_cache_slots); workers never see it
+    cache_slots: Literal["auto", "swaps"] | int = "auto"
     cache_device: Literal["on", "off"] = "off"  # the CUDA device cache (issue 17); off until measured
     cache_seed: Literal["pinned", "seeded"] = "pinned"  # device cache: core+dlfu | dlfu-seeded
     cache_seed_unverified: bool = False  # serve seeded on CUDA despite run 12 (GPU verification only)
@@ -119,10 +120,10 @@ class Settings(BaseModel):
     @classmethod
     def _cache_slots(cls, v: Any) -> Any:
         text = str(v).strip().lower()
-        if text == "auto":
-            return "auto"
+        if text in ("auto", "swaps"):
+            return text
         if isinstance(v, bool) or not text.isdigit():
-            raise ValueError("expected auto or an integer >= 0 (cache slots beyond the pinned set)")
+            raise ValueError("expected auto, swaps or an integer >= 0 (cache slots beyond the pinned set)")
         return int(text)
 
     def log_line(self) -> str:
@@ -134,7 +135,13 @@ class Settings(BaseModel):
 
     @classmethod
     def from_worker_config(cls, cfg: Mapping[str, Any]) -> Settings:
-        return cls(**{k: v for k, v in cfg.items() if k in cls.model_fields})
+        settings = cls(**{k: v for k, v in cfg.items() if k in cls.model_fields})
+        if settings.cache_slots == "swaps":  # needs the plan and the model's top_k: the launcher's
+            raise ValueError(
+                "cache_slots 'swaps' reached a worker unresolved: start the server with "
+                "`python -m reap_swap.server`, which turns --reap-cache-slots swaps into a slot count"
+            )
+        return settings
 
     def accounting_reason(self, platform: str) -> str | None:
         """Why swaps on `platform` only record the resident set (accounting), or None when the
@@ -208,7 +215,10 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
     "cache_slots": (
         "REAP_CACHE_SLOTS",
         "--reap-cache-slots",
-        {"metavar": "N|auto", "help": "cache slots beyond the pinned set over all layers (auto)"},
+        {
+            "metavar": "N|auto|swaps",
+            "help": "cache slots beyond the pinned set over all layers (auto; swaps: leave per-request swaps room)",
+        },
     ),
     "cache_device": (
         "REAP_CACHE_DEVICE",
@@ -393,12 +403,33 @@ def resolve(
         raise SettingsError(f"{origin}: {err['msg']} (got {err.get('input')!r})") from None
     if settings.router_masks:
         raise SettingsError(ROUTER_MASKS_REFUSED)
-    group = group_size_conflict(settings, sources)
-    if group:
-        raise SettingsError(group)
+    conflict = group_size_conflict(settings, sources) or cache_slots_conflict(settings, sources)
+    if conflict:
+        raise SettingsError(conflict)
     if settings.plan_file is None:
         raise SettingsError("no plan: set REAP_PLAN_FILE or pass --reap-plan PATH")
     return Resolved(settings=settings, sources=sources, overrides=overrides)
+
+
+def cache_slots_conflict(settings: Settings, sources: Mapping[str, str] | None = None) -> str | None:
+    """Why --reap-cache-slots swaps cannot be combined with the other settings (None: it can). The
+    split (memory_split.plan_swap_split) is the pinned form's, on the plan's pool."""
+    if settings.cache_slots != "swaps":
+        return None
+    origin = "REAP_CACHE_SLOTS" if (sources or {}).get("cache_slots") == "env" else "--reap-cache-slots"
+    if settings.cache == "off":
+        return f"{origin} swaps with --reap-cache off: there is no cache tail to size"
+    if settings.cache_seed == "seeded":
+        return (
+            f"{origin} swaps with --reap-cache-seed seeded: that form pins a swap inside the layer's cache "
+            "slots, so it needs no room beside them; use auto or N"
+        )
+    if settings.budget != "plan":
+        return (
+            f"{origin} swaps with --reap-budget {settings.budget}: the split is computed on the plan's pool "
+            "before the engine starts; use --reap-budget plan or give N"
+        )
+    return None
 
 
 def group_size_conflict(settings: Settings, sources: Mapping[str, str] | None = None) -> str | None:

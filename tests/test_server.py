@@ -114,3 +114,27 @@ def test_main_exit_codes_for_refusals(tiny, monkeypatch, capsys):
     monkeypatch.delenv("REAP_MAX_LOADED_CARTRIGDES")
     assert server.main([str(tiny / "model"), "--api-server-count", "2"]) == 1
     assert "--api-server-count" in capsys.readouterr().err
+
+
+def test_prepare_hands_the_workers_a_slot_count_for_cache_slots_swaps(tiny, monkeypatch):
+    from reap_swap.memory_split import plan_swap_split
+    from reap_swap.model_shape import read_model_shape
+    from reap_swap.plan import load_plan
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    args, _ = server.prepare(
+        [
+            str(tiny / "model"),
+            "--reap-plan",
+            str(tiny / "plan.json"),
+            "--reap-cache-slots",
+            "swaps",
+            "--enforce-eager",
+        ]
+    )
+    cfg = args.additional_config[ADDITIONAL_CONFIG_KEY]
+    shape = read_model_shape(str(tiny / "model"))
+    split = plan_swap_split(load_plan(str(tiny / "plan.json"), shape), int(shape.top_k))
+    assert split.why is None and split.per_layer >= 1 and split.kept > split.core
+    assert cfg["cache_slots"] == split.cache_slots  # an int: the workers never see "swaps"
+    assert Settings.from_worker_config(cfg).cache_slots == split.cache_slots
