@@ -138,7 +138,7 @@ def _stock_uva(spec: RunSpec, stock: list[str], shape, total_expert_bytes: int, 
 
 
 def _split_for_swaps(spec: RunSpec, plan, shape) -> None:
-    """plan-swap+cache: an explicit tail (memory_split.swap_cache_split) and the client's selection
+    """plan-swap+cache: ``--reap-cache-slots swaps`` (memory_split.plan_swap_split) and the client's selection
     budget cut to the swap table K that leaves, so the per-request swaps fit (with the default
     ``--reap-cache-slots auto`` the tail takes everything beyond the core and the device refuses
     every swap that adds an expert: research.md "acctail")."""
@@ -147,10 +147,10 @@ def _split_for_swaps(spec: RunSpec, plan, shape) -> None:
     if split.why:
         spec.skip_reason = f"plan-swap+cache: {split.why}"
         return
-    spec.argv += ["--reap-cache-slots", str(split.cache_slots)]
+    spec.argv += ["--reap-cache-slots", "swaps"]  # the server resolves it to the same split (launcher)
     spec.swap_budget_bytes = split.kept * per_expert
     spec.notes.append(
-        f"--reap-cache-slots {split.cache_slots}: a tail of {split.per_layer} per layer; the client selects "
+        f"--reap-cache-slots swaps = {split.cache_slots}: a tail of {split.per_layer} per layer; the client selects "
         f"within the swap table's {split.kept} of {split.pool} slots ({split.kept * per_expert / GIB:.3f} GiB)"
     )
 

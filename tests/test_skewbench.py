@@ -57,7 +57,8 @@ def test_plan_swap_cache_leaves_the_swaps_room_beside_the_tail(tmp_path):
     from reap_swap.memory_split import swap_cache_split
 
     spec = _reap_spec(tmp_path, "plan-swap+cache", "cuda")  # pool 100, core 10, 2 layers: 45 beyond each
-    assert spec.argv[-2:] == ["--reap-cache-slots", "8"] and spec.swap_budget_bytes == 92
+    assert spec.argv[-2:] == ["--reap-cache-slots", "swaps"] and spec.swap_budget_bytes == 92
+    assert any(n.startswith("--reap-cache-slots swaps = 8: a tail of 4 per layer") for n in spec.notes)
     assert spec.client_budget_bytes == 92 and spec.budget_bytes is None and spec.skip_reason is None
     assert (
         _reap_spec(tmp_path, "plan-swap+cache", "cpu").swap_budget_bytes == 92
