@@ -388,10 +388,14 @@ def swap_table_refusal(
     seeded device's C_l)."""
     split = f"{layers} layers x {per_layer} = {lent}" if layers and per_layer is not None else f"{lent}"
     over = f" of {layers} layers" if layers and per_layer is None else ""
+    # swaps (cache_slots_conflict) sizes the pinned form's tail only; the seeded form refuses it
+    remedy = (
+        "a smaller --reap-cache-slots N" if per_layer is None else "--reap-cache-slots swaps or a smaller N"
+    )
     return (
         f"resident set needs {needed} expert slots but the swap table has {swap_slots} (overflow "
         f"{needed - swap_slots} experts): the HBM pool of {swap_slots + lent} slots less {split} lent "
-        f"to the cache tails{over}; a smaller --reap-cache-slots N leaves more room for swaps"
+        f"to the cache tails{over}; {remedy} leaves more room for swaps"
     )
 
 

@@ -140,7 +140,7 @@ def test_boundary_through_worker_core(slots, k):
         assert str(exc.value) == (
             f"resident set needs {k + 1} expert slots but the swap table has {k} (overflow 1 experts): "
             f"the HBM pool of 32 slots less 4 layers x {n} = {32 - k} lent to the cache tails; "
-            "a smaller --reap-cache-slots N leaves more room for swaps"
+            "--reap-cache-slots swaps or a smaller N leaves more room for swaps"
         )
         assert (exc.value.needed, exc.value.capacity) == (k + 1, k)
         assert (core.backend.resident(), acc.status(), core.read_counters(reset=False)) == before
@@ -219,8 +219,8 @@ def test_refused_swap_is_500_worker_failed_and_state_kept():
         assert err["type"] == "worker_failed" and err["rolled_back"] is True and err["field"] is None
         assert (
             "PoolCapacityError: resident set needs 62 expert slots but the swap table has 54 (overflow 8 "
-            "experts): the HBM pool of 62 slots less 4 layers x 2 = 8 lent to the cache tails; a smaller "
-            "--reap-cache-slots N leaves more room for swaps"
+            "experts): the HBM pool of 62 slots less 4 layers x 2 = 8 lent to the cache tails; "
+            "--reap-cache-slots swaps or a smaller N leaves more room for swaps"
         ) in err["message"]
         after = c.get("/reap/status").json()
         assert after["signature"] == before["signature"] == err["signature"]

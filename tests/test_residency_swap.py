@@ -198,7 +198,7 @@ def test_a_table_beside_lent_cache_tails_says_so_when_it_refuses():
     assert err.value.capacity == 4 and err.value.overflow == 1
     assert str(err.value) == (
         "resident set needs 5 expert slots but the swap table has 4 (overflow 1 experts): the HBM pool "
-        "of 16 slots less 4 layers x 3 = 12 lent to the cache tails; a smaller --reap-cache-slots N "
+        "of 16 slots less 4 layers x 3 = 12 lent to the cache tails; --reap-cache-slots swaps or a smaller N "
         "leaves more room for swaps"
     )
     with pytest.raises(PoolCapacityError) as err:  # seeded: the layers lend different counts C_l
