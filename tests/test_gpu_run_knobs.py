@@ -92,6 +92,14 @@ def test_quant2_runs_a_second_configuration_after_quant(tmp_path):
     assert "/quant2 --jobs 1 --cases awq,gptq --layers 12 --reap-group-size auto" in cmds[1]
 
 
+def wait_for_session(run_dir: Path, tries: int = 100) -> None:
+    """Until the background session `start` launched marks all.done (0.2 s a try)."""
+    for _ in range(tries):
+        if (run_dir / "all.done").exists():
+            break
+        time.sleep(0.2)
+
+
 def test_start_runs_the_session_from_a_private_copy_of_the_tree(tmp_path):
     # run 17: a `wait` call re-synced the repo root while the session started a phase, and the phase's
     # script was missing for that moment; the session now runs from RUN_TREE, which no call touches
@@ -101,10 +109,7 @@ def test_start_runs_the_session_from_a_private_copy_of_the_tree(tmp_path):
         "RUN_TREE": str(tree), "PYTHONPATH": str(ROOT), "PHASES": "quant",
     }  # fmt: skip
     subprocess.run(["bash", "scripts/gpu_run.sh", "start"], cwd=ROOT, env=env, check=True, timeout=60)
-    for _ in range(300):
-        if (run_dir / "all.done").exists():
-            break
-        time.sleep(0.2)
+    wait_for_session(run_dir, tries=300)
     log = (run_dir / "main.log").read_text()
     assert f"session tree: {tree}" in log and "phase quant exit 0" in log
     assert (tree / "scripts" / "gpu_quant_e2e.py").is_file()
@@ -133,10 +138,7 @@ def test_start_leaves_every_venv_out_of_the_session_copy(tmp_path):
     subprocess.run(["bash", "scripts/gpu_run.sh", "start"], cwd=tree, env=env, check=True, timeout=60)
     assert (copy / "scripts" / "gpu_run.sh").is_file()
     assert not (copy / ".venv-vllm026").exists()
-    for _ in range(100):
-        if (run_dir / "all.done").exists():
-            break
-        time.sleep(0.2)
+    wait_for_session(run_dir)
 
 
 def test_start_refuses_a_phase_whose_input_the_tree_lacks(tmp_path):
@@ -160,10 +162,7 @@ def test_start_refuses_a_phase_whose_input_the_tree_lacks(tmp_path):
     env["PHASES"] = "skewbench"
     env["DRY_PYTHON"] = sys.executable
     subprocess.run(["bash", "scripts/gpu_run.sh", "start"], cwd=tree, env=env, check=True, timeout=60)
-    for _ in range(100):
-        if (run_dir / "all.done").exists():
-            break
-        time.sleep(0.2)
+    wait_for_session(run_dir)
     assert "DRY scripts/gpu_skew_bench.py" in (run_dir / "dry.log").read_text()
 
 
