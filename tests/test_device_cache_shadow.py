@@ -86,3 +86,27 @@ def test_shadow_ignores_nan_in_both_outputs_but_counts_one_sided_nan():
     rep = sh.report()
     assert rep["mismatched_steps"] == 1 and rep["first_step"] == 1, rep
     assert rep["max_abs_diff"] == float("inf"), rep
+
+
+def test_slot_check_reads_no_id_on_the_host():
+    """slots_hold_their_experts: an empty slot (-1) is skipped, a wrong byte is caught, and the id is
+    gathered as a tensor (run 20: indexing with a 0-dim tensor synced, failing graph capture)."""
+    units = torch.arange(11 * 16, dtype=torch.int64).reshape(11, 16) % 251
+    slot_expert = torch.tensor([5, -1, 2])
+    units[8].copy_(units[5])
+    units[10].copy_(units[2])
+    assert bool(shadow_mod.slots_hold_their_experts(units, slot_expert, 8))
+    units[10, 3] += 1
+    assert not bool(shadow_mod.slots_hold_their_experts(units, slot_expert, 8))
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):  # what .item() and a 0-dim tensor index dispatch to
+        seen = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            HostReads.seen += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    with HostReads():
+        shadow_mod.slots_hold_their_experts(units, slot_expert, 8)
+    assert HostReads.seen == 0

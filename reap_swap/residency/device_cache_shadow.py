@@ -89,9 +89,12 @@ def slots_hold_their_experts(
     units: torch.Tensor, slot_expert: torch.Tensor, num_experts: int
 ) -> torch.Tensor:
     """bool 0-dim: every occupied slot's unit equals its expert's unit (fixed shapes; one slot at a
-    time, so the temporary is one unit, not N)."""
+    time, so the temporary is one unit, not N). No host sync, so it is captured in CUDA graphs: the
+    expert's unit is gathered with index_select on a 1-element id (indexing with a 0-dim tensor
+    reads the id on the host, which run 20 found failing vLLM's graph capture)."""
     ok = torch.ones((), dtype=torch.bool, device=units.device)
     for s in range(slot_expert.shape[0]):
-        e = slot_expert[s]
-        ok = ok & ((units[e.clamp(min=0)] == units[num_experts + s]).all() | (e < 0))
+        e = slot_expert[s : s + 1]
+        held = units.index_select(0, e.clamp(min=0))[0]
+        ok = ok & ((held == units[num_experts + s]).all() | (e[0] < 0))
     return ok
