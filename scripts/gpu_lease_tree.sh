@@ -12,7 +12,8 @@ case "${1:-}" in
     [ -e "$HOLD" ] && { echo "$HOLD exists: restore first" >&2; exit 2; }
     mv research-notes "$HOLD"
     grep -v '^#' scripts/gpu_inputs.txt | awk '$2 ~ /^research-notes\// {print $2}' | sort -u | while read -r f; do
-      mkdir -p "$(dirname "$f")" && cp "$HOLD/${f#research-notes/}" "$f"
+      if [ -f "$HOLD/${f#research-notes/}" ]; then mkdir -p "$(dirname "$f")" && cp "$HOLD/${f#research-notes/}" "$f"
+      else echo "not in research-notes/: $f (gpu_run.sh start refuses the phase that reads it)" >&2; fi
     done
     echo "held research-notes/ in $HOLD; kept: $(find research-notes -type f | tr '\n' ' ')"
     ;;
