@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# gpu_run.sh's `extra` phase for run 20 (issue 17): why plan-cache at 25 % is not bitwise equal to stock.
-# Runs 12 and 19 both measured plan-cache@25 with 7/8 tokens and 0/8 bitwise logprobs against the
-# resident arm (d first logprob up to 1.6e-2), while every other arm, resident-2 and plan-cache@50 were
-# bitwise. Four bench jobs on run 19's skewed model and 25 % plan, started together, each one server:
-#   shadow      plan-cache, REAP_CACHE_SHADOW=bytes: every cached MoE step beside the uncached kernel,
-#               every slot's bytes checked (reap_status.cache.shadow in bench.json): the cache's fault?
-#   cache       plan-cache as in run 19 (control: does it reproduce?)
-#   detcache    plan-cache, TORCHINDUCTOR_DETERMINISTIC=1 (run 12's hypothesis: per-process autotune)
-#   detres      resident, TORCHINDUCTOR_DETERMINISTIC=1 (the reference for detcache)
+# gpu_run.sh's `extra` phase (issue 17): plan-cache at 25 % beside stock, with and without Inductor's
+# on-device autotuning. Run 20 (this script at 4689d30: jobs cache, detcache, detres, shadow=bytes) found
+# plan-cache@25 bitwise equal to stock under TORCHINDUCTOR_DETERMINISTIC=1 and moving per process without
+# it; its `bytes` shadow failed vLLM's graph capture (fixed in 551953d). This version (lease C2 of
+# research.md "Next leases (after run 20)") asks whether the moving process's MoE layers still equal their
+# uncached kernel at every step, and repeats the deterministic pair. Jobs (DIAG_JOBS picks, all by default),
+# each one `reap-swap bench` server on run 19's skewed model and 25 % plan, started together:
+#   shadowout   plan-cache, REAP_CACHE_SHADOW=out: the uncached kernel beside every cached step (cheap)
+#   shadowbytes plan-cache, REAP_CACHE_SHADOW=bytes: also every slot's bytes every step (the capture fix)
+#   detcache    plan-cache, TORCHINDUCTOR_DETERMINISTIC=1 (a second sample of run 20's bitwise result)
+#   detres      resident, TORCHINDUCTOR_DETERMINISTIC=1 (its reference)
+# reap_status.cache.shadow in each bench.json holds the shadow's per-layer report.
 # Usage: bash scripts/gpu_extra_phase.sh OUTDIR   (needs /tmp/model; makes /tmp/skew)
 set -u
 O=${1:?outdir}; mkdir -p "$O"
@@ -18,13 +21,14 @@ ENGINE=(--dtype bfloat16 --max-model-len 2048 --max-num-seqs 8 --gpu-memory-util
         --kv-cache-memory-bytes 2147483648 --moe-backend triton)
 job() {  # NAME ARMS ENV...
   local name=$1 arms=$2; shift 2
+  case " ${DIAG_JOBS:-shadowout shadowbytes detcache detres} " in *" $name "*) ;; *) return 0 ;; esac
   env "$@" timeout --kill-after=20 ${DIAG_CAP:-460} $PY -m reap_swap.cli bench --model /tmp/skew --plan $PLAN \
     --prompts data/corpus/heldout.jsonl --batch 8 --repeats 1 --no-progress --startup-timeout 400 \
     --budget-gib 3.375 --out "$O/$name" --arms "$arms" -- "${ENGINE[@]}" > "$O/$name.log" 2>&1
   echo "$(date +%T) $name exit $?" >> "$O/jobs.log"
 }
-job shadow plan-cache REAP_CACHE_SHADOW=bytes &
-job cache plan-cache X=1 &
+job shadowout plan-cache REAP_CACHE_SHADOW=out &
+job shadowbytes plan-cache REAP_CACHE_SHADOW=bytes &
 job detcache plan-cache TORCHINDUCTOR_DETERMINISTIC=1 &
 job detres resident TORCHINDUCTOR_DETERMINISTIC=1 &
 wait
