@@ -8,7 +8,8 @@ back through `swap.apply_swap` as for private units. `resident()` answers the lo
 that are really in HBM (the wanted ones and their passengers: `residents_of`), so applying
 `resident()` again is a no-op and the fault seam's undo restores the same groups. Status says per
 layer: layout, b, why, strides, resident groups and the HBM they take.
-Status: CPU-tested over a fake store (tests/test_group_wiring.py); NOT run on a GPU.
+Status: CPU-tested over a fake store (tests/test_group_wiring.py); served on the H200 (research.md
+run 11: FP8 block b = 2; runs 16 and 18: INT4 identity-order groups of 8), text identical to stock.
 """
 
 from __future__ import annotations
