@@ -211,6 +211,9 @@ case "${1:-}" in
   wait)  # packs $OUT/run.tgz every 60 s too, so a call cut short still brings results back
     limit=${2:-530}; t0=$(date +%s); last=0
     mkdir -p "$OUT"
+    # A machine lent fresh (the last one went back after its idle release) has no run: waiting would
+    # burn the whole limit on nothing (run 21 lost 540 s so). Say so and stop.
+    [ -e $R/main.log ] || { echo "no run on this machine ($R/main.log missing): it was lent fresh; ship and start again" >&2; exit 3; }
     while [ ! -e $R/all.done ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
       sleep 10
       [ $(( $(date +%s) - last )) -ge 60 ] && { pack; last=$(date +%s); }

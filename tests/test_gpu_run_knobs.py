@@ -183,3 +183,21 @@ def test_lease_tree_holds_research_notes_but_keeps_what_phases_read(tmp_path):
     assert again.returncode == 2  # a second hold would lose the first
     subprocess.run(["bash", "scripts/gpu_lease_tree.sh", "restore"], cwd=tree, env=env, check=True)
     assert (notes / "big" / "raw.log").is_file() and not hold.exists()
+
+
+def test_wait_on_a_machine_without_a_run_stops_at_once(tmp_path):
+    # run 21: the second call landed on a freshly lent machine (the last one went back after its idle
+    # release) and `wait 540` waited the whole limit on a run that was not there
+    env = {**os.environ, "RUN_DIR": str(tmp_path / "run"), "OUT": str(tmp_path / "out")}
+    t0 = time.monotonic()
+    p = subprocess.run(
+        ["bash", "scripts/gpu_run.sh", "wait", "30"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=25,
+    )
+    assert p.returncode == 3, p.stderr
+    assert "main.log missing" in p.stderr and "lent fresh" in p.stderr
+    assert time.monotonic() - t0 < 10
