@@ -6,7 +6,8 @@ The bench of research.md run 4 (scripts/gpu_swap_bench.py's bench_swaps): Qwen3-
 layers (E=128, H=2048, I=768, bf16), 8 layers, a pool for every expert (1024 slots); each sample
 evicts everything (no copy), then times swap-in of 10 % of the pool, a 1 GiB delta and 100 % of
 the pool (bytes = the 9 MiB payload per expert). Arms: --publish-every values (0 = off, the run-4
-path; 8 = the default). After the last repeat the chunked arm's 100 % swap is checked bitwise
+path; 8 = the default; -1 = swap.PUBLISH_WHEN_IDLE, publishing only before a wait on a copy still in
+flight, added after run 22 saw fixed chunks slow the admit loop). After the last repeat the chunked arm's 100 % swap is checked bitwise
 against the original weights of layer 0 (the bytes really landed where the kernel reads).
 Two ceilings per repeat (`--raw`, on by default): arm "raw" issues the same host-backed unit ->
 pool-staging copies on one stream with one synchronize (no remaps, events, publishes: what the
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when n
 from reap_swap.bench_report import ratio  # noqa: E402
 from reap_swap.guard_report import swap_summary  # noqa: E402
 from reap_swap.residency.engine import standalone_state  # noqa: E402
-from reap_swap.residency.swap import PUBLISH_EVERY, apply_swap  # noqa: E402
+from reap_swap.residency.swap import PUBLISH_EVERY, PUBLISH_WHEN_IDLE, apply_swap  # noqa: E402
 
 CANDIDATE = 8  # the chunk size the A/B checks against the 50 GB/s guard (swap.PUBLISH_EVERY, on since run 12)
 from reap_swap.residency import vmm  # noqa: E402
@@ -121,12 +122,15 @@ def run(num_layers: int, repeats: int, arms: list, raw: bool = True) -> tuple[li
                          {k: round(v * 1e3, 2) if k != "publish_chunks" else v for k, v in phases.items()})  # fmt: skip
                 if rep:
                     samples.append(row)
-    chunked = max(arms)
-    apply_swap(st.table, VmmStore(st, 0), {})
-    apply_swap(st.table, VmmStore(st, chunked), _target(keys))
-    torch.cuda.synchronize()
-    check = {"arm": chunked, "w13_equal": bool(torch.equal(views[0][0], ref[0])),
-             "w2_equal": bool(torch.equal(views[0][1], ref[1]))}  # fmt: skip
+    checks = []  # the largest chunk and, when it ran, publishing when idle: the bytes landed
+    for arm in sorted({max(arms), *(a for a in arms if a == PUBLISH_WHEN_IDLE)}, reverse=True):
+        apply_swap(st.table, VmmStore(st, 0), {})
+        apply_swap(st.table, VmmStore(st, arm), _target(keys))
+        torch.cuda.synchronize()
+        checks.append({"arm": arm, "w13_equal": bool(torch.equal(views[0][0], ref[0])),
+                       "w2_equal": bool(torch.equal(views[0][1], ref[1]))})  # fmt: skip
+    check = {**checks[0], "w13_equal": all(c["w13_equal"] for c in checks),
+             "w2_equal": all(c["w2_equal"] for c in checks), "arms": checks}  # fmt: skip
     apply_swap(st.table, VmmStore(st, 0), {})
     pcie = _pcie_1gib(repeats) if raw else None
     if pcie:
@@ -148,7 +152,11 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--publish-every", default=f"0,{CANDIDATE},32", help="arms: comma-separated, 0 = off")
+    ap.add_argument(
+        "--publish-every",
+        default=f"0,{CANDIDATE},32,{PUBLISH_WHEN_IDLE}",
+        help=f"arms: comma-separated, 0 = off, {PUBLISH_WHEN_IDLE} = when idle",
+    )
     ap.add_argument(
         "--no-raw", dest="raw", action="store_false", help="skip the raw-copy and 1 GiB pinned ceilings"
     )

@@ -133,6 +133,67 @@ def test_faulty_store_passes_publish_every_through():
     _check_consistent(table, store)
 
 
+class IdleStore(InFlightStore):
+    """publish_every = PUBLISH_WHEN_IDLE: `copy_landed` says the copy started i-th (i in
+    `landed_at`) has landed before its wait."""
+
+    def __init__(self, num_slots: int, landed_at: set[int] | None = None):
+        super().__init__(num_slots, swap.PUBLISH_WHEN_IDLE)
+        self.landed_at = landed_at or set()
+        self.started: list[tuple[int, int]] = []
+
+    def start_copy(self, layer, expert, slot):
+        self.started.append((layer, expert))
+        return super().start_copy(layer, expert, slot)
+
+    def copy_landed(self, token):
+        return self.started.index(token[:2]) in self.landed_at
+
+
+def test_idle_publishing_publishes_before_each_wait_on_a_copy_still_in_flight():
+    table, store = SlotTable(24), IdleStore(24)  # no copy has landed when its wait comes
+    result = apply_swap(table, store, _admit_n(6))
+    # nothing pending before the first wait; then one publish before each later wait
+    assert result.phases["publish_chunks"] == 5 and len(store.publishes) == 6
+    assert [p["units"] for p in store.publishes[:-1]] == [{(0, e)} for e in range(5)]
+    assert all(p["in_flight"] for p in store.publishes[:-1])  # while copies were still in flight
+    kinds = [e[0] for e in store.events]
+    assert kinds.index("publish") > kinds.index("landed")
+    _check_consistent(table, store)
+
+
+def test_idle_publishing_waits_for_no_copy_that_has_landed():
+    table, store = SlotTable(24), IdleStore(24, landed_at=set(range(1, 20)))  # only the first was late
+    result = apply_swap(table, store, _admit_n(20))
+    assert result.phases["publish_chunks"] == 0  # the CPU never idled with remaps pending
+    everything = {(l, e) for l, es in _admit_n(20).items() for e in es}
+    assert len(store.publishes) == 1 and store.publishes[0]["units"] == everything
+    table, store = SlotTable(24), IdleStore(24, landed_at={1, 2, 4, 5})  # late at 0, 3, 6 and 7
+    apply_swap(table, store, _admit_n(8))
+    assert [len(p["units"]) for p in store.publishes] == [3, 3, 1, 1]  # before 3, 6, 7; the final
+    _check_consistent(table, store)
+
+
+def test_idle_publishing_without_copy_landed_publishes_only_at_the_end():
+    table, store = SlotTable(24), InFlightStore(24, swap.PUBLISH_WHEN_IDLE)
+    result = apply_swap(table, store, _admit_n(20))
+    assert result.phases["publish_chunks"] == 0 and len(store.publishes) == 1
+    _check_consistent(table, store)
+
+
+@pytest.mark.parametrize("fail_at", [2, 4])
+def test_idle_publishing_failure_rolls_back(fail_at):
+    table, store = SlotTable(10), IdleStore(10)
+    apply_swap(table, store, {0: set(range(6))})
+    before = table.resident()
+    store.fail_at_map = store.maps + fail_at
+    with pytest.raises(SwapStepFailed) as err:
+        apply_swap(table, store, {0: {0}, 1: set(range(8))})
+    assert err.value.rolled_back and table.resident() == before
+    assert store.events[-1] == ("publish",) and not store.unpublished
+    _check_consistent(table, store)
+
+
 targets = st.dictionaries(
     st.integers(0, LAYERS - 1), st.frozensets(st.integers(0, EXPERTS - 1), max_size=EXPERTS), max_size=LAYERS
 )

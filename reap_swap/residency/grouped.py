@@ -136,6 +136,9 @@ class GroupedStore:
     def wait_copy(self, token: Any) -> None:
         token.synchronize()
 
+    def copy_landed(self, token: Any) -> bool:
+        return bool(token.query())
+
     def map_slot(self, layer: int, group: int, slot: int) -> None:
         for name, rng in self.st.layers[layer].ranges.items():
             rng.map_device(group, self.st.pools[name].slot_handle(slot), defer_access=True)

@@ -36,6 +36,9 @@ class VmmStore:
     def wait_copy(self, token: Any) -> None:
         token.synchronize()
 
+    def copy_landed(self, token: Any) -> bool:
+        return bool(token.query())
+
     def map_slot(self, layer: int, expert: int, slot: int) -> None:
         self.st.layers[layer].rng.map_device(expert, self.st.pool.slot_handle(slot), defer_access=True)
 
