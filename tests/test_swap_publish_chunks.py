@@ -162,6 +162,17 @@ def test_idle_publishing_publishes_before_each_wait_on_a_copy_still_in_flight():
     _check_consistent(table, store)
 
 
+def test_idle_publishing_hides_the_evictions_behind_the_first_copy():
+    table, store = SlotTable(12), IdleStore(12, landed_at=set(range(100)))
+    apply_swap(table, store, {0: set(range(6))})
+    store.publishes.clear()
+    store.landed_at, store.started = set(), []
+    apply_swap(table, store, {1: set(range(6))})  # evict 0.0-0.5, admit 1.0-1.5
+    assert store.publishes[0]["units"] == {(0, e) for e in range(6)}  # before the first wait
+    assert store.publishes[0]["in_flight"] == {(1, e) for e in range(6)}
+    _check_consistent(table, store)
+
+
 def test_idle_publishing_waits_for_no_copy_that_has_landed():
     table, store = SlotTable(24), IdleStore(24, landed_at=set(range(1, 20)))  # only the first was late
     result = apply_swap(table, store, _admit_n(20))

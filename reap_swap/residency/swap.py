@@ -104,7 +104,7 @@ def _admit(table: SlotTable, store: ExpertStore, plan: SwapPlan, tokens: dict, r
     landed = getattr(store, "copy_landed", None)
     if every < 0 and landed is None:
         every = 0
-    chunks, overlapped, pending = 0, 0.0, 0
+    chunks, overlapped, pending = 0, 0.0, len(plan.evict)  # the evictions' remaps await a publish too
     last = len(plan.admit) - 1
 
     def publish_pending() -> None:
