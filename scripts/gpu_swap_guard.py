@@ -7,8 +7,9 @@ layers (E=128, H=2048, I=768, bf16), 8 layers, a pool for every expert (1024 slo
 evicts everything (no copy), then times swap-in of 10 % of the pool, a 1 GiB delta and 100 % of
 the pool (bytes = the 9 MiB payload per expert). Arms: --publish-every values (0 = off, the run-4
 path; 8 = the default; -1 = swap.PUBLISH_WHEN_IDLE, publishing only before a wait on a copy still in
-flight, added after run 22 saw fixed chunks slow the admit loop). After the last repeat the chunked arm's 100 % swap is checked bitwise
-against the original weights of layer 0 (the bytes really landed where the kernel reads).
+flight, added after run 22 saw fixed chunks slow the admit loop). After the last repeat the largest
+chunk's 100 % swap, and the idle arm's when it ran, are checked bitwise against the original weights
+of layer 0 (the bytes really landed where the kernel reads).
 Two ceilings per repeat (`--raw`, on by default): arm "raw" issues the same host-backed unit ->
 pool-staging copies on one stream with one synchronize (no remaps, events, publishes: what the
 copy engine does for this access pattern), and `pcie_1gib` times one 1 GiB pinned-tensor copy

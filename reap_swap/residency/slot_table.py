@@ -121,9 +121,8 @@ class SlotTable:
             raise PoolCapacityError(len(wanted), self.num_slots)
         current = set(self._where)
         evict = tuple(SlotStep(layer, e, self._where[(layer, e)]) for layer, e in sorted(current - wanted))
-        free_after = sorted(
-            [*(s.slot for s in evict), *self._free]
-        )  # lowest slot first: a deterministic layout
+        # lowest slot first: a deterministic layout
+        free_after = sorted([*(s.slot for s in evict), *self._free])
         admit_keys = sorted(wanted - current)
         admit = tuple(SlotStep(layer, e, free_after[i]) for i, (layer, e) in enumerate(admit_keys))
         return SwapPlan(evict=evict, admit=admit, reused=len(current & wanted))
