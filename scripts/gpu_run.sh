@@ -49,7 +49,7 @@
 #             --cases awq,gptq,ct-w4a16 --reap-group-size auto (~8 min, small models: fits beside cache)
 #   swapguard only the swap half of guards (gpu_swap_guard.py, no server, ~1-2 min): alone
 #   guards    issue 17's guards, alone (<= 10.5 min, ~9): scripts/gpu_swap_guard.py (1 GiB swap >= 50 GB/s,
-#             publish_every 0 vs 8 vs 32, ~1-2 min) then scripts/gpu_guards.py (stock vs reap-swap all
+#             publish_every 0 vs 8 vs -1 (idle) vs -2 (ahead), ~1-2 min) then scripts/gpu_guards.py (stock vs reap-swap all
 #             resident vs + the device cache ENGAGED on an 8-slot tail per layer beyond every expert,
 #             GUARD_SERVES x GUARD_ROUNDS x GUARD_TOKENS (2 x 12 x 512), single stream, GUARD_CAP s;
 #             ~150-200 s a serve: the issue's >= 5 serves want GUARD_SERVES=5 GUARD_CAP=1000)
@@ -138,7 +138,9 @@ ph_hybridauto() {  # hybridkv: the KV target from vLLM's own hybrid grouping; on
     --out $R/hybridauto --arms ${HYB_ARMS:-auto@0.5,auto@0.85} --startup-s ${HYB_STARTUP:-540} \
     --extra "--max-model-len 4096 --max-num-seqs 8 ${HYB_EXTRA:-}" > $R/hybridauto.log 2>&1
 }
-swap_guard() { timeout 150 $PY scripts/gpu_swap_guard.py --out $R/guards > "$1" 2>&1; }  # the swap A/B, log $1
+swap_guard() {  # the swap A/B, log $1; SWAPGUARD_EXTRA e.g. "--repeats 9" (then SWAPGUARD_CAP ~220)
+  timeout ${SWAPGUARD_CAP:-150} $PY scripts/gpu_swap_guard.py --out $R/guards ${SWAPGUARD_EXTRA:-} > "$1" 2>&1
+}
 ph_guards() {  # swap A/B first (no server), then the decode guard's servers side by side
   swap_guard $R/guards.log
   timeout --kill-after=30 ${GUARD_CAP:-480} $PY scripts/gpu_guards.py --model /tmp/model --out $R/guards \

@@ -7,16 +7,18 @@ layers (E=128, H=2048, I=768, bf16), 8 layers, a pool for every expert (1024 slo
 evicts everything (no copy), then times swap-in of 10 % of the pool, a 1 GiB delta and 100 % of
 the pool (bytes = the 9 MiB payload per expert). Arms: --publish-every values (0 = off, the run-4
 path; 8 = the default; -1 = swap.PUBLISH_WHEN_IDLE, publishing only before a wait on a copy still in
-flight, added after run 22 saw fixed chunks slow the admit loop). After the last repeat the largest
-chunk's 100 % swap, and the idle arm's when it ran, are checked bitwise against the original weights
-of layer 0 (the bytes really landed where the kernel reads).
+flight, and -2 = swap.PUBLISH_AHEAD, copies reading the masters' second mapping so that every remap
+and one publish run while the copies are in flight; both added after run 22 saw fixed chunks slow a
+CPU-bound admit loop). After the last repeat the largest chunk's 100 % swap, and the idle and ahead
+arms' when they ran, are checked bitwise against the original weights of layer 0 (the bytes really
+landed where the kernel reads).
 Two ceilings per repeat (`--raw`, on by default): arm "raw" issues the same host-backed unit ->
 pool-staging copies on one stream with one synchronize (no remaps, events, publishes: what the
 copy engine does for this access pattern), and `pcie_1gib` times one 1 GiB pinned-tensor copy
 (the link itself). If raw is below 50 GB/s for the 1 GiB delta, the guard's target is above what
 the copies alone reach here; `gbps_vs_raw` says how much of it the swap path keeps.
 Needs torch and cuda-python only (no vLLM). Runtime ~1-2 min on the H200 (setup pins ~10 GB).
-Usage: python3 scripts/gpu_swap_guard.py --out DIR [--repeats 5] [--publish-every 0,8,32]
+Usage: python3 scripts/gpu_swap_guard.py --out DIR [--repeats 5] [--publish-every 0,8,-1,-2]
 Writes DIR/swap_guard.json (raw samples + summary) and DIR/swap_guard.log.
 """
 
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, when n
 from reap_swap.bench_report import ratio  # noqa: E402
 from reap_swap.guard_report import swap_summary  # noqa: E402
 from reap_swap.residency.engine import standalone_state  # noqa: E402
-from reap_swap.residency.swap import PUBLISH_EVERY, PUBLISH_WHEN_IDLE, apply_swap  # noqa: E402
+from reap_swap.residency.swap import PUBLISH_AHEAD, PUBLISH_EVERY, PUBLISH_WHEN_IDLE, apply_swap  # noqa: E402
 
 CANDIDATE = 8  # the chunk size the A/B checks against the 50 GB/s guard (swap.PUBLISH_EVERY, on since run 12)
 from reap_swap.residency import vmm  # noqa: E402
@@ -123,8 +125,10 @@ def run(num_layers: int, repeats: int, arms: list, raw: bool = True) -> tuple[li
                          {k: round(v * 1e3, 2) if k != "publish_chunks" else v for k, v in phases.items()})  # fmt: skip
                 if rep:
                     samples.append(row)
-    checks = []  # the largest chunk and, when it ran, publishing when idle: the bytes landed
-    for arm in sorted({max(arms), *(a for a in arms if a == PUBLISH_WHEN_IDLE)}, reverse=True):
+    checks = []  # the largest chunk and, when they ran, publishing when idle and ahead: the bytes landed
+    for arm in sorted(
+        {max(arms), *(a for a in arms if a in (PUBLISH_WHEN_IDLE, PUBLISH_AHEAD))}, reverse=True
+    ):
         apply_swap(st.table, VmmStore(st, 0), {})
         apply_swap(st.table, VmmStore(st, arm), _target(keys))
         torch.cuda.synchronize()
@@ -155,8 +159,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
         "--publish-every",
-        default=f"0,{CANDIDATE},32,{PUBLISH_WHEN_IDLE}",
-        help=f"arms: comma-separated, 0 = off, {PUBLISH_WHEN_IDLE} = when idle",
+        default=f"0,{CANDIDATE},{PUBLISH_WHEN_IDLE},{PUBLISH_AHEAD}",
+        help=f"arms: comma-separated, 0 = off, {PUBLISH_WHEN_IDLE} = when idle, {PUBLISH_AHEAD} = remap ahead",
     )
     ap.add_argument(
         "--no-raw", dest="raw", action="store_false", help="skip the raw-copy and 1 GiB pinned ceilings"

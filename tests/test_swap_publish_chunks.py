@@ -226,3 +226,100 @@ def test_chunked_swaps_keep_table_and_store_consistent(num_slots, every, sequenc
             assert err.rolled_back
         assert table.used <= num_slots and not store.unpublished
         _check_consistent(table, store)
+
+
+class AheadStore(InFlightStore):
+    """publish_every = PUBLISH_AHEAD with copies that read the masters' second mapping: a remap
+    may come before its copy lands (the copy's source is not the remapped unit), a publish may
+    cover admissions still in flight; a kernel may read nothing until every copy landed, and a
+    quiesce (device synchronize) lands every copy in flight."""
+
+    copies_read_masters = True
+
+    def __init__(self, num_slots: int, fail_at_map: int | None = None):
+        super().__init__(num_slots, swap.PUBLISH_AHEAD, fail_at_map)
+        self.remapped_in_flight = 0
+
+    def quiesce(self):
+        self.in_flight.clear()
+        super().quiesce()
+
+    def map_slot(self, layer, expert, slot):
+        self.remapped_in_flight += (layer, expert) in self.in_flight
+        FakeStore.map_slot(self, layer, expert, slot)
+
+    def publish(self):
+        self.publishes.append({"units": set(self.unpublished), "in_flight": set(self.in_flight)})
+        FakeStore.publish(self)
+
+    def read(self, layer, expert):
+        assert not self.in_flight, f"kernel read while copies are in flight: {self.in_flight}"
+        return super().read(layer, expert)
+
+
+def test_ahead_remaps_and_publishes_every_admission_while_the_copies_run():
+    table, store = SlotTable(24), AheadStore(24)
+    result = apply_swap(table, store, _admit_n(20))
+    everything = {(l, e) for l, es in _admit_n(20).items() for e in es}
+    assert store.remapped_in_flight == 20  # no remap waited for its copy
+    assert result.phases["publish_chunks"] == 1 and len(store.publishes) == 2
+    assert store.publishes[0] == {"units": everything, "in_flight": everything}
+    kinds = [e[0] for e in store.events]
+    assert kinds.index("landed") > kinds.index("publish")  # the waits come after the publish
+    assert kinds.count("landed") == 20 and not store.in_flight  # the swap returns after every copy
+    assert store.publishes[-1]["units"] == set()  # the final publish has nothing left
+    _check_consistent(table, store)
+
+
+def test_ahead_publishes_the_evictions_with_the_admissions():
+    table, store = SlotTable(12), AheadStore(12)
+    apply_swap(table, store, {0: set(range(6))})
+    store.publishes.clear()
+    apply_swap(table, store, {1: set(range(6))})  # evict 0.0-0.5, admit 1.0-1.5
+    assert store.publishes[0]["units"] == {(0, e) for e in range(6)} | {(1, e) for e in range(6)}
+    _check_consistent(table, store)
+
+
+def test_ahead_without_master_copies_waits_and_publishes_only_at_the_end():
+    table, store = SlotTable(24), InFlightStore(24, swap.PUBLISH_AHEAD)  # its copies read the units
+    result = apply_swap(table, store, _admit_n(20))  # InFlightStore asserts no remap before landing
+    assert result.phases["publish_chunks"] == 0 and len(store.publishes) == 1
+    _check_consistent(table, store)
+
+
+@pytest.mark.parametrize("fail_at", [1, 4, 8])
+def test_ahead_failure_rolls_back_after_the_copies_land(fail_at):
+    table, store = SlotTable(10), AheadStore(10)
+    apply_swap(table, store, {0: set(range(6))})
+    before = table.resident()
+    store.fail_at_map = store.maps + fail_at
+    with pytest.raises(SwapStepFailed) as err:
+        apply_swap(table, store, {0: {0}, 1: set(range(8))})
+    assert err.value.rolled_back and table.resident() == before
+    assert store.events[-1] == ("publish",) and not store.unpublished and not store.in_flight
+    _check_consistent(table, store)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 12), st.lists(targets, min_size=1, max_size=5), st.integers(0, 9))
+def test_ahead_swaps_keep_table_and_store_consistent(num_slots, sequence, fail_after):
+    table, store = SlotTable(num_slots), AheadStore(num_slots, fail_at_map=fail_after + 1)
+    for target in sequence:
+        if sum(len(v) for v in target.values()) > num_slots:
+            continue
+        try:
+            apply_swap(table, store, target)
+        except SwapStepFailed as err:
+            assert err.rolled_back
+        assert table.used <= num_slots and not store.unpublished and not store.in_flight
+        _check_consistent(table, store)
+
+
+def test_a_cache_range_mirrors_only_its_expert_units():
+    from reap_swap.residency.device_cache_range import CacheRange
+
+    rng = CacheRange(num_units=10, unit_bytes=2**21, device=0, num_slots=4)
+    rng.handles = list(range(10))  # 6 host masters, 4 HBM slot units
+    assert rng.host_masters() == 6
+    rng.handles = list(range(3))  # a range still growing
+    assert rng.host_masters() == 3

@@ -55,8 +55,13 @@ class CacheRange(vmm.MixedRange):
     def num_experts(self) -> int:
         return self.num_units - self.num_slots
 
+    def host_masters(self) -> int:
+        """Only the E expert units have host masters; the slot units are HBM."""
+        return min(len(self.handles), self.num_experts)
+
     def release(self) -> None:
         drv = vmm._drv
+        self._release_mirror()
         for unit, handle in enumerate(self.handles):
             try:
                 drv.cuMemUnmap(self.unit_address(unit), self.unit_bytes)

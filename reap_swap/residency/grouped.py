@@ -28,9 +28,9 @@ import torch
 
 from reap_swap.group_layout import GroupLayout, Permutation, group_target, layer_status, set_cost
 
-from . import vmm
+from . import swap, vmm
 from .slot_table import SlotTable
-from .swap import PUBLISH_EVERY, SwapResult, apply_swap
+from .swap import PUBLISH_AHEAD, SwapResult, apply_swap
 
 
 @dataclass
@@ -110,9 +110,11 @@ def remap_ids(layer: GroupedLayer, topk_ids: torch.Tensor) -> torch.Tensor:
 class GroupedStore:
     """swap.ExpertStore over groups: `expert` is a physical group id, a slot holds one group."""
 
-    def __init__(self, st: GroupedState, publish_every: int = PUBLISH_EVERY) -> None:
+    def __init__(self, st: GroupedState, publish_every: int | None = None) -> None:
         self.st = st
-        self.publish_every = publish_every  # swap.py: overlapped publishes (0: only at the end)
+        # swap.py: overlapped publishes (0: only at the end); None: swap.PUBLISH_EVERY, read now
+        self.publish_every = swap.PUBLISH_EVERY if publish_every is None else publish_every
+        self.copies_read_masters = publish_every == PUBLISH_AHEAD  # as VmmStore
         first = next(iter(st.layers.values()), None)
         self.bytes_per_expert = first.layout.group_payload_bytes if first else 0  # per group
 
@@ -126,7 +128,8 @@ class GroupedStore:
     def start_copy(self, layer: int, group: int, slot: int) -> Any:
         entry, stream = self.st.layers[layer], self.st.copy_stream
         for i, name in enumerate(entry.layout.names):
-            src = entry.ranges[name].unit_address(group)
+            rng = entry.ranges[name]
+            src = rng.master_address(group) if self.copies_read_masters else rng.unit_address(group)
             dst = self.st.pools[name].unit_address(slot)
             vmm.copy_async(dst, src, entry.layout.payload(i), stream.cuda_stream)
         event = torch.cuda.Event()

@@ -2,9 +2,10 @@
 
 The order is the issue's contract: validate (capacity) before anything moves; release the evicted
 experts first, so HBM use never exceeds the pool; copy the admitted experts host->device; publish
-each one (remap) once its copy has landed. The host copy is the master, so an eviction copies
-nothing. Every expert is at every moment backed by either its host master or a slot holding the
-same bytes, so a forward pass that runs after a failure still reads correct weights; the table is
+each one (remap) once its copy has landed (or, remapping ahead, before: below). The host copy is
+the master, so an eviction copies nothing. Whenever a kernel may run, every expert is backed by
+either its host master or a slot holding the same bytes, so a forward pass that runs after a
+failure still reads correct weights (a failed swap waits for its copies: quiesce); the table is
 committed step by step, so it says what the device really holds. On a failure the swap is rolled
 back to the previous resident set (re-copying what the failed swap overwrote), and the error is
 re-raised.
@@ -26,6 +27,14 @@ early is read by nothing until the swap returns. Not promised by the CUDA docs: 
 does not block until the copies end ("any CUDA API call may block or synchronize", driver API
 sync notes); it would then show as publish_overlapped ~ the copy time and no gain in the A/B of
 scripts/gpu_swap_guard.py. `publish_every = 0` turns it off.
+
+Remapping ahead (`publish_every = PUBLISH_AHEAD`, stores with `copies_read_masters`): the copies
+read each host master at a second mapping of its allocation (vmm.MixedRange.master_address) that
+no remap touches, so an admission need not wait for its copy before its unit is remapped. Every
+remap and one publish then run while the copies are in flight, and the swap ends by waiting for
+them: the CPU's work hides behind the copies instead of following the last one. Between a remap
+and the landing of its copy the unit is mapped to a slot still being written; no kernel reads it
+then (quiesce: none runs until the swap returns, and it returns only after every copy landed).
 """
 
 from __future__ import annotations
@@ -48,6 +57,11 @@ PUBLISH_EVERY = 8
 # copies' 17.6 (1 GiB delta, 43.4 GB/s, the copies alone 51.5): fixed chunks added CPU work to a loop
 # that was already at the copies' pace. A store without copy_landed publishes only at the end.
 PUBLISH_WHEN_IDLE = -1
+# publish_every value: remap every admission as soon as its copy is issued, publish once, then wait
+# for the copies (module docstring). Only for a store whose copies read the masters' second mapping
+# (`copies_read_masters`); any other store publishes only at the end. Added after run 22's CPU-bound
+# admit loop: at 1 GiB the remaps and publishes (~17 ms of CPU work) fit inside the copies' 19 ms.
+PUBLISH_AHEAD = -2
 
 
 class ExpertStore(Protocol):
@@ -68,7 +82,8 @@ class ExpertStore(Protocol):
         """Block until the copy behind `token` has landed."""
 
     # optional: copy_landed(token) -> bool, whether the copy has landed without waiting (used only
-    # with publish_every = PUBLISH_WHEN_IDLE)
+    # with publish_every = PUBLISH_WHEN_IDLE); copies_read_masters: bool, True when a copy reads a
+    # mapping of the master that map_slot/map_host leave alone (needed by PUBLISH_AHEAD)
 
     def map_slot(self, layer: int, expert: int, slot: int) -> None:
         """Back the expert by HBM slot `slot` (readable by kernels after publish())."""
@@ -102,8 +117,8 @@ def _admit(table: SlotTable, store: ExpertStore, plan: SwapPlan, tokens: dict, r
     why that is safe). Records the overlapped publishes' count and time in result.phases."""
     every = int(getattr(store, "publish_every", PUBLISH_EVERY) or 0)
     landed = getattr(store, "copy_landed", None)
-    if every < 0 and landed is None:
-        every = 0
+    if every < 0 and (landed is None or every != PUBLISH_WHEN_IDLE):
+        every = 0  # idle publishing needs copy_landed; PUBLISH_AHEAD here: a store without master copies
     chunks, overlapped, pending = 0, 0.0, len(plan.evict)  # the evictions' remaps await a publish too
     last = len(plan.admit) - 1
 
@@ -128,6 +143,28 @@ def _admit(table: SlotTable, store: ExpertStore, plan: SwapPlan, tokens: dict, r
     result.phases["publish_chunks"] = float(chunks)
 
 
+def _admit_ahead(
+    table: SlotTable, store: ExpertStore, plan: SwapPlan, tokens: dict, result: SwapResult
+) -> None:
+    """PUBLISH_AHEAD: remap and commit every admission while the copies run, publish once, then
+    wait for every copy (the module docstring says why no kernel sees a slot mid-copy)."""
+    for step in plan.admit:
+        store.map_slot(step.layer, step.expert, step.slot)
+        table.commit_admit(step)
+        result.bytes_copied += store.bytes_per_expert
+    t = time.perf_counter()
+    store.publish()
+    result.phases["publish_overlapped"] = time.perf_counter() - t
+    result.phases["publish_chunks"] = 1.0
+    for step in plan.admit:  # one stream: in order, each wait after the first is short
+        store.wait_copy(tokens[step])
+
+
+def _remaps_ahead(store: ExpertStore) -> bool:
+    every = int(getattr(store, "publish_every", PUBLISH_EVERY) or 0)
+    return every == PUBLISH_AHEAD and bool(getattr(store, "copies_read_masters", False))
+
+
 def _execute(table: SlotTable, store: ExpertStore, plan: SwapPlan) -> SwapResult:
     result = SwapResult(plan=plan)
     t0 = time.perf_counter()
@@ -147,7 +184,7 @@ def _execute(table: SlotTable, store: ExpertStore, plan: SwapPlan) -> SwapResult
         for step in plan.admit:
             if step not in tokens:
                 tokens[step] = store.start_copy(step.layer, step.expert, step.slot)
-        _admit(table, store, plan, tokens, result)
+        (_admit_ahead if _remaps_ahead(store) else _admit)(table, store, plan, tokens, result)
         t4 = time.perf_counter()
     finally:
         # no kernel runs during a swap, so access is set per run of remapped units (in chunks

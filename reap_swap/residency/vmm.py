@@ -189,6 +189,8 @@ class MixedRange(_UnitRange):
 
     backing: list[Any] = field(default_factory=list)
     pending_access: set[int] = field(default_factory=set)  # remapped units awaiting flush_access()
+    mirror_base: int = 0  # a second reservation where the host masters stay mapped (master_address)
+    mirrored: int = 0  # units [0, mirrored) are mapped there
 
     @classmethod
     def create_host_backed(
@@ -202,6 +204,55 @@ class MixedRange(_UnitRange):
         """Allocate the host units [allocated so far, upto) of a range created with `allocate`
         (a re-home in blocks: each block's host bytes just before it is copied)."""
         self._allocate_upto(upto)
+
+    def host_masters(self) -> int:
+        """How many units have a host master allocated (all of them, once the range is built)."""
+        return len(self.handles)
+
+    def master_address(self, unit: int) -> int:
+        """Where unit's host master is always mapped, whatever backs the unit itself.
+
+        A copy that reads its source here may run while `unit_address(unit)` is remapped to a
+        slot (swap.PUBLISH_AHEAD). The second mapping is made on first use, for every master
+        allocated by then (no memory, only address space; an allocation may be mapped at several
+        addresses), and extended when the range has grown."""
+        if unit >= self.mirrored:
+            self._mirror_upto(self.host_masters())
+        if not 0 <= unit < self.mirrored:
+            raise IndexError(f"unit {unit} has no host master (masters: {self.mirrored})")
+        return self.mirror_base + unit * self.unit_bytes
+
+    def _mirror_upto(self, upto: int) -> None:
+        first = self.mirrored
+        if upto <= first:
+            return
+        try:
+            if not self.mirror_base:
+                self.mirror_base = int(_check(_drv.cuMemAddressReserve(self.nbytes, 0, 0, 0)))
+            for unit in range(first, upto):
+                _check(
+                    _drv.cuMemMap(
+                        self.mirror_base + unit * self.unit_bytes, self.unit_bytes, 0, self.handles[unit], 0
+                    )
+                )
+                self.mirrored = unit + 1
+            size = (upto - first) * self.unit_bytes
+            _check(
+                _drv.cuMemSetAccess(
+                    self.mirror_base + first * self.unit_bytes, size, [_access_desc(self.device)], 1
+                )
+            )
+        except Exception:
+            self._release_mirror()  # all or nothing: master_address never returns an unreadable address
+            raise
+
+    def _release_mirror(self) -> None:
+        """Unmap the second mapping of the masters and free its reservation (the allocations stay)."""
+        for unit in range(self.mirrored):
+            _drv.cuMemUnmap(self.mirror_base + unit * self.unit_bytes, self.unit_bytes)
+        if self.mirror_base:
+            _drv.cuMemAddressFree(self.mirror_base, self.nbytes)
+        self.mirror_base, self.mirrored = 0, 0
 
     def as_bytes(self) -> torch.Tensor:
         """A uint8 CUDA tensor over the whole range (the caller views/strides it)."""
@@ -253,6 +304,7 @@ class MixedRange(_UnitRange):
         return calls
 
     def release(self) -> None:
+        self._release_mirror()
         super().release()
         self.backing.clear()
 

@@ -6,16 +6,19 @@ from typing import Any
 
 import torch
 
-from . import vmm
-from .swap import PUBLISH_EVERY
+from . import swap, vmm
+from .swap import PUBLISH_AHEAD
 
 
 class VmmStore:
     """Evict = map the host master back; admit = copy host -> slot, then map the slot."""
 
-    def __init__(self, st: Any, publish_every: int = PUBLISH_EVERY) -> None:  # st: engine.EngineState
+    def __init__(self, st: Any, publish_every: int | None = None) -> None:  # st: engine.EngineState
         self.st = st
-        self.publish_every = publish_every  # swap.py: overlapped publishes (0: only at the end)
+        # swap.py: overlapped publishes (0: only at the end); None: swap.PUBLISH_EVERY, read now
+        self.publish_every = swap.PUBLISH_EVERY if publish_every is None else publish_every
+        # remapping ahead needs copies that read the masters where no remap touches them
+        self.copies_read_masters = publish_every == PUBLISH_AHEAD
         # only the payload moves: the unit's padding to the mapping granularity is never read
         self.bytes_per_expert = next(iter(st.layers.values())).expert_bytes if st.layers else 0
 
@@ -27,7 +30,8 @@ class VmmStore:
 
     def start_copy(self, layer: int, expert: int, slot: int) -> Any:
         pool, stream = self.st.pool, self.st.copy_stream
-        src = self.st.layers[layer].rng.unit_address(expert)
+        rng = self.st.layers[layer].rng
+        src = rng.master_address(expert) if self.copies_read_masters else rng.unit_address(expert)
         vmm.copy_async(pool.unit_address(slot), src, self.bytes_per_expert, stream.cuda_stream)
         event = torch.cuda.Event()
         event.record(stream)

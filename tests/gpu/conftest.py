@@ -24,3 +24,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
             if reason:
                 item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
+
+
+@pytest.fixture(autouse=True)
+def _publish_every_from_the_environment(monkeypatch):
+    """GPU_TEST_PUBLISH_EVERY=-2 runs every GPU test's swaps with that swap.PUBLISH_EVERY (the
+    stores read it when built): one lease checks a publishing mode across the engine's tests
+    before it becomes the default. Tests only; the package never reads it (and the launcher refuses
+    unknown REAP_* variables, hence the name)."""
+    import os
+
+    value = os.environ.get("GPU_TEST_PUBLISH_EVERY")
+    if value:
+        from reap_swap.residency import swap
+
+        monkeypatch.setattr(swap, "PUBLISH_EVERY", int(value))
