@@ -96,8 +96,11 @@ def test_the_first_chunk_also_publishes_the_swaps_evictions():
 
 def test_default_publish_every_applies_to_a_store_without_the_attribute(monkeypatch):
     table, store = SlotTable(24), FakeStore(24)  # no publish_every: swap.PUBLISH_EVERY
-    assert swap.PUBLISH_EVERY == 8  # on by default since the H200 A/B (run 12)
+    assert swap.PUBLISH_EVERY == swap.PUBLISH_AHEAD  # the default since the H200 A/B of run 23
+    result = apply_swap(table, store, _admit_n(20))  # its copies read the units: only the final publish
+    assert result.phases["publish_chunks"] == 0 and store.events.count(("publish",)) == 1
     monkeypatch.setattr(swap, "PUBLISH_EVERY", 0)  # off: only the final publish
+    table, store = SlotTable(24), FakeStore(24)
     result = apply_swap(table, store, _admit_n(20))
     assert result.phases["publish_chunks"] == 0 and store.events.count(("publish",)) == 1
     monkeypatch.setattr(swap, "PUBLISH_EVERY", 8)
@@ -259,6 +262,7 @@ class AheadStore(InFlightStore):
 
 def test_ahead_remaps_and_publishes_every_admission_while_the_copies_run():
     table, store = SlotTable(24), AheadStore(24)
+    del store.publish_every  # the default applies: a store with master copies remaps ahead
     result = apply_swap(table, store, _admit_n(20))
     everything = {(l, e) for l, es in _admit_n(20).items() for e in es}
     assert store.remapped_in_flight == 20  # no remap waited for its copy

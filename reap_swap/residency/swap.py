@@ -46,22 +46,24 @@ from typing import Any, Protocol
 
 from .slot_table import SlotTable, SwapPlan
 
-# landed admissions between overlapped publishes; 0 = publish only at the end (run 4's behaviour).
-# 8 from scripts/gpu_swap_guard.py's A/B on the H200 (run 12, arms interleaved, 5 repeats, medians):
-# 1 GiB delta 44.2 -> 48.9 GB/s, 100 % pool 44.6 -> 53.1 GB/s, publish tail 3.5 -> 0.3 ms; 32 was
-# no better (49.7 / 51.8 GB/s); the bytes landed bitwise.
-PUBLISH_EVERY = 8
-# publish_every value for an experiment (not the default): publish what is pending only while the CPU
-# would otherwise wait, i.e. just before waiting on a copy that has not landed yet (the store's
-# copy_landed). Run 22 (H200, 2026-12-04) saw the chunked arm's admit loop take 20.1 ms against the
-# copies' 17.6 (1 GiB delta, 43.4 GB/s, the copies alone 51.5): fixed chunks added CPU work to a loop
-# that was already at the copies' pace. A store without copy_landed publishes only at the end.
+# publish_every > 0: landed admissions between overlapped publishes; 0 = publish only at the end
+# (run 4's behaviour). 8 was the default from run 12 to run 23 (scripts/gpu_swap_guard.py's A/B on the
+# H200: 1 GiB delta 44.2 -> 48.9 GB/s against 0, publish tail 3.5 -> 0.3 ms; 32 no better).
+# publish_every value PUBLISH_WHEN_IDLE: publish what is pending only while the CPU would otherwise
+# wait, i.e. just before waiting on a copy that has not landed yet (the store's copy_landed). Run 22
+# (H200, 2026-12-04) saw the chunked arm's admit loop take 20.1 ms against the copies' 17.6 (1 GiB
+# delta, 43.4 GB/s, the copies alone 51.5): fixed chunks added CPU work to a loop that was already at
+# the copies' pace. A store without copy_landed publishes only at the end.
 PUBLISH_WHEN_IDLE = -1
-# publish_every value: remap every admission as soon as its copy is issued, publish once, then wait
-# for the copies (module docstring). Only for a store whose copies read the masters' second mapping
-# (`copies_read_masters`); any other store publishes only at the end. Added after run 22's CPU-bound
-# admit loop: at 1 GiB the remaps and publishes (~17 ms of CPU work) fit inside the copies' 19 ms.
+# publish_every value PUBLISH_AHEAD: remap every admission as soon as its copy is issued, publish once,
+# then wait for the copies (module docstring). Only for a store whose copies read the masters' second
+# mapping (`copies_read_masters`); any other store publishes only at the end.
 PUBLISH_AHEAD = -2
+# The default since run 23 (H200, 2026-12-04, five guard sessions on one lease, arms interleaved,
+# 7-9 repeats each, medians): 1 GiB delta 53.4 / 49.0 / 52.7 / 49.9 / 52.3 GB/s remapping ahead vs
+# 52.5 / 47.7 / 51.8 / 49.0 / 51.7 in chunks of 8 (ahead faster in every session, by 0.6 to 1.3) and
+# 53.5-54.2 for the copies alone; bytes bitwise, the engine's GPU tests passed with it (58 tests).
+PUBLISH_EVERY = PUBLISH_AHEAD
 
 
 class ExpertStore(Protocol):
