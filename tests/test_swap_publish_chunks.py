@@ -26,6 +26,10 @@ class InFlightStore(FakeStore):
         self.in_flight: set[tuple[int, int]] = set()
         self.publishes: list[dict] = []
 
+    def quiesce(self):  # a device synchronize: every copy still in flight lands
+        self.in_flight.clear()
+        super().quiesce()
+
     def start_copy(self, layer, expert, slot):
         token = super().start_copy(layer, expert, slot)
         self.in_flight.add((layer, expert))
@@ -195,19 +199,6 @@ def test_idle_publishing_without_copy_landed_publishes_only_at_the_end():
     _check_consistent(table, store)
 
 
-@pytest.mark.parametrize("fail_at", [2, 4])
-def test_idle_publishing_failure_rolls_back(fail_at):
-    table, store = SlotTable(10), IdleStore(10)
-    apply_swap(table, store, {0: set(range(6))})
-    before = table.resident()
-    store.fail_at_map = store.maps + fail_at
-    with pytest.raises(SwapStepFailed) as err:
-        apply_swap(table, store, {0: {0}, 1: set(range(8))})
-    assert err.value.rolled_back and table.resident() == before
-    assert store.events[-1] == ("publish",) and not store.unpublished
-    _check_consistent(table, store)
-
-
 targets = st.dictionaries(
     st.integers(0, LAYERS - 1), st.frozensets(st.integers(0, EXPERTS - 1), max_size=EXPERTS), max_size=LAYERS
 )
@@ -218,34 +209,36 @@ targets = st.dictionaries(
 def test_chunked_swaps_keep_table_and_store_consistent(num_slots, every, sequence, fail_after):
     """Any chunk size, any swap sequence, one remap failure somewhere: table == device, every
     expert reads its own bytes, HBM use within the pool, nothing left unpublished."""
-    table, store = SlotTable(num_slots), InFlightStore(num_slots, every)
+    store = InFlightStore(num_slots, every)
     store.fail_at_map = fail_after + 1
+    _swap_through(SlotTable(num_slots), store, sequence)
+
+
+def _swap_through(table: SlotTable, store: InFlightStore, sequence) -> None:
+    """Apply every target that fits; after each, a failed swap has rolled back, the table equals
+    the device, HBM use is within the pool, nothing is unpublished and no copy is in flight
+    (InFlightStore keeps in flight only what the swap never waited for)."""
     for target in sequence:
-        if sum(len(v) for v in target.values()) > num_slots:
+        if sum(len(v) for v in target.values()) > table.num_slots:
             continue
         try:
             apply_swap(table, store, target)
         except SwapStepFailed as err:
             assert err.rolled_back
-        assert table.used <= num_slots and not store.unpublished
+        assert table.used <= table.num_slots and not store.unpublished and not store.in_flight
         _check_consistent(table, store)
 
 
 class AheadStore(InFlightStore):
     """publish_every = PUBLISH_AHEAD with copies that read the masters' second mapping: a remap
     may come before its copy lands (the copy's source is not the remapped unit), a publish may
-    cover admissions still in flight; a kernel may read nothing until every copy landed, and a
-    quiesce (device synchronize) lands every copy in flight."""
+    cover admissions still in flight; a kernel may read nothing until every copy landed."""
 
     copies_read_masters = True
 
     def __init__(self, num_slots: int, fail_at_map: int | None = None):
         super().__init__(num_slots, swap.PUBLISH_AHEAD, fail_at_map)
         self.remapped_in_flight = 0
-
-    def quiesce(self):
-        self.in_flight.clear()
-        super().quiesce()
 
     def map_slot(self, layer, expert, slot):
         self.remapped_in_flight += (layer, expert) in self.in_flight
@@ -291,32 +284,28 @@ def test_ahead_without_master_copies_waits_and_publishes_only_at_the_end():
     _check_consistent(table, store)
 
 
-@pytest.mark.parametrize("fail_at", [1, 4, 8])
-def test_ahead_failure_rolls_back_after_the_copies_land(fail_at):
-    table, store = SlotTable(10), AheadStore(10)
+@pytest.mark.parametrize(
+    ("make", "fail_at"),
+    [(IdleStore, 2), (IdleStore, 4), (AheadStore, 1), (AheadStore, 4), (AheadStore, 8)],
+    ids=["idle-2", "idle-4", "ahead-1", "ahead-4", "ahead-8"],
+)
+def test_idle_or_ahead_failure_rolls_back_after_the_copies_land(make, fail_at):
+    table, store = SlotTable(10), make(10)
     apply_swap(table, store, {0: set(range(6))})
     before = table.resident()
     store.fail_at_map = store.maps + fail_at
     with pytest.raises(SwapStepFailed) as err:
         apply_swap(table, store, {0: {0}, 1: set(range(8))})
     assert err.value.rolled_back and table.resident() == before
-    assert store.events[-1] == ("publish",) and not store.unpublished and not store.in_flight
+    assert store.events[-1] == ("publish",) and not store.unpublished
+    assert not store.in_flight  # the rollback's quiesce landed every copy of the failed swap
     _check_consistent(table, store)
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 12), st.lists(targets, min_size=1, max_size=5), st.integers(0, 9))
 def test_ahead_swaps_keep_table_and_store_consistent(num_slots, sequence, fail_after):
-    table, store = SlotTable(num_slots), AheadStore(num_slots, fail_at_map=fail_after + 1)
-    for target in sequence:
-        if sum(len(v) for v in target.values()) > num_slots:
-            continue
-        try:
-            apply_swap(table, store, target)
-        except SwapStepFailed as err:
-            assert err.rolled_back
-        assert table.used <= num_slots and not store.unpublished and not store.in_flight
-        _check_consistent(table, store)
+    _swap_through(SlotTable(num_slots), AheadStore(num_slots, fail_at_map=fail_after + 1), sequence)
 
 
 def test_a_cache_range_mirrors_only_its_expert_units():
