@@ -34,9 +34,10 @@ Swap capacity (``check_swap``, before WorkerCore lets the backend apply): the CU
 the same flags (``swap_capacity``). With ``--reap-cache-device on`` the pinned form's swap table is
 K = the pool less the lent tail (memory_split.swap_slots_after_lending, CacheConfig.split's rule):
 a wider resident set is refused with CUDA's PoolCapacityError and its very sentence
-(memory_split.swap_table_refusal: K, the pool, layers x N lent, the remedy); the seeded device (with
---reap-unverified-seeded-cache) refuses a layer's set wider than its slots (SeededCapacityError).
-With the device off (CUDA's default) or lru the CUDA server lends nothing: the whole pool.
+(memory_split.swap_table_refusal: K, the pool, layers x N lent, the remedy); with
+--reap-cache-seed seeded (served on CUDA whenever asked since run 23) the seeded device refuses a
+layer's set wider than its slots (SeededCapacityError). With the device off (CUDA's default), lru,
+or a split the device would refuse, the CUDA server lends nothing: the whole pool.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from reap_swap.cache_policy.mechanism import LayerCounts
-from reap_swap.cache_policy.replay import _policy, layer_slots
+from reap_swap.cache_policy.replay import _policy, layer_slots, seeded_split
 from reap_swap.cache_policy.stepper import LayerCache
 from reap_swap.logs import get_logger
 from reap_swap.memory_split import (
@@ -117,7 +118,7 @@ def device_tail(plan, setting: int | str, pool_tail_slots=None) -> tuple[int, st
 
 
 def swap_capacity(
-    plan, name: str, setting, pool_tail_slots, cache_device: str, seed_unverified: bool
+    plan, name: str, setting, pool_tail_slots, cache_device: str
 ) -> tuple[int | None, bool, str, tuple[int, int] | None]:
     """(K or None for the whole pool, per-layer C_l check, how, the lending (layers, N per layer)
     beside K for the refusal's sentence): the swap capacity of the CUDA server started with the
@@ -126,9 +127,10 @@ def swap_capacity(
     --reap-cache-device off (CUDA's default) or lru (refused by name there): the CUDA server lends
     nothing, its swap table is the whole pool (the plan budget, checked by the API process).
     lfu, seed pinned, device on: K = the pool less the lent tail (CacheConfig.split's rule).
-    lfu, seed seeded, device on: with --reap-unverified-seeded-cache each layer's C_l (the seeded
-    device pins a swap inside its cache slots); without it CUDA serves the pinned form instead
-    (device_cache_serving.seeded_refusal), so K by the pinned rule."""
+    lfu, seed seeded, device on: each layer's C_l (the seeded device, which CUDA serves whenever
+    asked since run 23, pins a swap inside the layer's cache slots; SeededCapacityError), unless
+    the device would refuse its split (replay.seeded_split: core + tail beyond the pool), which
+    lends nothing: the whole pool. Either form refused by the device: the whole pool."""
     if cache_device != "on":
         return (
             None,
@@ -142,26 +144,34 @@ def swap_capacity(
     if name not in (DEVICE_FORM, "dlfu-seeded"):
         whole = f"{name}: the CUDA device has no such cache and lends nothing: the whole pool"
         return None, False, whole, None
-    if name == "dlfu-seeded" and seed_unverified:
+    if name == "dlfu-seeded":
+        pool, _source = device_pool(plan, setting, pool_tail_slots)
+        _slots, refusal = seeded_split(pool, {l: frozenset(p.core) for l, p in plan.layers.items()}, setting)
+        if refusal:
+            return _device_refused(refusal)
         seeded = "--reap-cache-seed seeded on the device: each layer's set within its cache slots"
         return None, True, seeded, None
     per_layer, _source, refusal, kept, pool = device_tail(plan, setting, pool_tail_slots)
     if refusal:
-        return (
-            None,
-            False,
-            f"the CUDA device cache would be refused ({refusal}): nothing lent, the whole pool",
-            None,
-        )
-    served = "" if name == DEVICE_FORM else " (CUDA serves the pinned form for --reap-cache-seed seeded)"
+        return _device_refused(refusal)
     return (
         kept,
         False,
         (
             f"the pool of {pool} slots less {len(plan.layers)} layers x {per_layer} lent to the cache tail, "
-            f"as the CUDA device splits it{served}"
+            "as the CUDA device splits it"
         ),
         (len(plan.layers), per_layer),
+    )
+
+
+def _device_refused(refusal: str) -> tuple[None, bool, str, None]:
+    """swap_capacity where the CUDA device would refuse the cache: nothing lent, the whole pool."""
+    return (
+        None,
+        False,
+        f"the CUDA device cache would be refused ({refusal}): nothing lent, the whole pool",
+        None,
     )
 
 
@@ -209,12 +219,11 @@ class CacheAccounting:
         pool_tail_slots=None,
         seed: str = "pinned",
         cache_device: str = "off",
-        seed_unverified: bool = False,
     ) -> CacheAccounting:
         """``layers``: counted plan layer -> its number of experts; ``uncounted``: layer -> why not;
         ``seed``: --reap-cache-seed (lfu: pinned runs the device's core+dlfu, seeded dlfu-seeded);
-        ``cache_device`` / ``seed_unverified``: --reap-cache-device, --reap-unverified-seeded-cache,
-        which decide the swap capacity the CUDA server would have (swap_capacity)."""
+        ``cache_device``: --reap-cache-device, which with ``seed`` decides the swap capacity the
+        CUDA server would have (swap_capacity)."""
         name, note = accounting_policy(setting, seed)
         device_form = name == DEVICE_FORM
         tail_note = None
@@ -249,7 +258,7 @@ class CacheAccounting:
         acc = cls(name, caches, slots, tail, f"{source}; per layer {how}", top_k, refused, record)
         acc.device_form, acc.note, acc.tail_note = device_form, note, tail_note
         acc.swap_slots, acc.seeded_swaps, acc.swap_source, acc.swap_lent = swap_capacity(
-            plan, name, slots_setting, pool_tail_slots, cache_device, seed_unverified
+            plan, name, slots_setting, pool_tail_slots, cache_device
         )
         for l, why in sorted(refused.items()):
             log.error("reap-swap cache: layer %d not engaged: %s", l, why)

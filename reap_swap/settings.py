@@ -19,8 +19,8 @@ launch script that still passes it keeps working; a retired flag never reaches v
 | REAP_KV_TOKENS              | --reap-kv-tokens N            | KV target in tokens for budget auto/GiB (default --max-model-len x --max-num-seqs as vLLM resolves them: vLLM 0.26 defaults max_num_seqs to 1024 on a >= 70 GiB GPU, so pass this or --max-num-seqs; a refusal names the N that fits) |
 | REAP_CACHE                  | --reap-cache lfu,lru,off      | the per-layer expert cache beside the pinned set (default lfu: the plan-core-seeded LFU, decay 0.8, that `reap-swap simulate` found best online; research.md, issue 17); in accounting residency the policy runs as state only |
 | REAP_CACHE_SLOTS            | --reap-cache-slots N,auto,swaps | cache slots beyond the pinned set, over all layers (auto: what the pool budget leaves after the plan core; reap_swap.cache_accounting.tail_slots; swaps: a tail of min(2 x top_k, half of what lies beyond the core) per layer, so per-request swaps keep the rest: memory_split.plan_swap_split, resolved by the launcher) |
-| REAP_CACHE_SEED             | --reap-cache-seed pinned,seeded | CUDA device cache: pinned (default, core+dlfu: the plan core pinned by the engine, the cache on the tail) or seeded (dlfu-seeded, accounting mode's policy: each layer's core + tail share is cache slots seeded with the core, evictable; a per-request swap pins its set inside them, a set wider than a layer's share is refused naming the layer; residency/device_cache_seeded.py). On CUDA seeded is REFUSED by default since H200 run 12 (text unequal to stock) and pinned is served, saying why (REAP_SWAP_UNVERIFIED_SEEDED_CACHE below); in accounting residency seeded runs lfu as the same integer dlfu-seeded |
-| REAP_SWAP_UNVERIFIED_SEEDED_CACHE | --reap-unverified-seeded-cache | serve --reap-cache-seed seeded on CUDA although H200 run 12 measured its text unequal to stock (without it CUDA falls back to pinned and says why; research.md "seedfix"): for the next GPU verification only |
+| REAP_CACHE_SEED             | --reap-cache-seed pinned,seeded | CUDA device cache: pinned (default, core+dlfu: the plan core pinned by the engine, the cache on the tail) or seeded (dlfu-seeded, accounting mode's policy: each layer's core + tail share is cache slots seeded with the core, evictable; a per-request swap pins its set inside them, a set wider than a layer's share is refused naming the layer; residency/device_cache_seeded.py). On CUDA seeded is served whenever asked since H200 run 23 (two serves bitwise equal to stock at every logprob; run 12's difference, which had it refused, was not reproduced, its cause not identified); in accounting residency seeded runs lfu as the same integer dlfu-seeded |
+| REAP_SWAP_UNVERIFIED_SEEDED_CACHE | --reap-unverified-seeded-cache | RETIRED (run 23, 2026-12-04): --reap-cache-seed seeded is served on CUDA without it; still accepted, ignored with a warning (RETIRED below) |
 | REAP_CACHE_RECORD_STEPS     | --reap-cache-record-steps N   | keep the last N steps' routing the cache saw (0 = off), read back by GET /reap/cache/trace |
 | REAP_GROUP_SIZE             | --reap-group-size auto,1,2,4,8 | EXPERIMENTAL (CUDA; FP8 block at auto = b 2 and bf16 = b 1 served identical to stock on the H200, run 11): experts in mapping units of b physically adjacent experts in a plan-chosen order, ids remapped after counting (residency/grouped_engine.py); auto = the smallest b wasting < 12 % (FP8 on Triton: 2, bf16: 1); default 1 = private units, today's engine unchanged; refused with --reap-cache-device on and with --reap-budget auto/GiB; INT4 (Marlin / moe_wna16) layers bind in identity-order contiguous groups (consecutive expert ids, no permutation: AWQ, GPTQ and CT W4A16 at auto = b 8 served identical to stock on the H200, run 16; the permuted order was not bitwise, run 12) |
 | REAP_SWAP_UNVERIFIED_INT4_GROUPS | --reap-unverified-int4-groups | RETIRED (run 16, 2026-12-03): identity-order INT4 groups are the default; still accepted, ignored with a warning (RETIRED below) |
@@ -89,7 +89,6 @@ class Settings(BaseModel):
     cache_slots: Literal["auto", "swaps"] | int = "auto"
     cache_device: Literal["on", "off"] = "off"  # the CUDA device cache (issue 17); off until measured
     cache_seed: Literal["pinned", "seeded"] = "pinned"  # device cache: core+dlfu | dlfu-seeded
-    cache_seed_unverified: bool = False  # serve seeded on CUDA despite run 12 (GPU verification only)
     cache_record_steps: int = Field(default=0, ge=0)
     cache_shadow: Literal["off", "out", "bytes"] = "off"  # debug shadow of the device cache
     group_size: Literal["auto", "1", "2", "4", "8"] = "1"  # grouped units (issue 16); experimental
@@ -235,17 +234,7 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         {
             "choices": ["pinned", "seeded"],
             "help": "CUDA device cache: plan core pinned beside the cache (pinned, default) or seeded "
-            "into its slots, evictable (seeded: dlfu-seeded, accounting's policy; refused on CUDA "
-            "since run 12 unless --reap-unverified-seeded-cache)",
-        },
-    ),
-    "cache_seed_unverified": (
-        "REAP_SWAP_UNVERIFIED_SEEDED_CACHE",
-        "--reap-unverified-seeded-cache",
-        {
-            "action": "store_const",
-            "const": True,
-            "help": "CUDA: serve --reap-cache-seed seeded although run 12 refuted it (verification only)",
+            "into its slots, evictable (seeded: dlfu-seeded, accounting's policy)",
         },
     ),
     "cache_record_steps": (
@@ -289,12 +278,19 @@ INT4_GROUPS_DEFAULT = (
     "(2026-12-03: AWQ, GPTQ and CT W4A16 served identical to stock); the setting is no longer needed "
     "and is ignored"
 )
+SEEDED_CACHE_SERVED = (
+    "--reap-cache-seed seeded is served on CUDA whenever asked since H200 run 23 (2026-12-04: two "
+    "serves bitwise equal to stock at every logprob; run 12's difference was not reproduced); the "
+    "setting is no longer needed and is ignored"
+)
 # Retired settings, the one place: flag (takes no value) or environment variable -> why it is
 # ignored. split_argv strips the flag (vLLM never sees it) and resolve does not count the variable
 # as unknown; each one given is logged once as a warning.
 RETIRED: dict[str, str] = {
     "--reap-unverified-int4-groups": INT4_GROUPS_DEFAULT,
     "REAP_SWAP_UNVERIFIED_INT4_GROUPS": INT4_GROUPS_DEFAULT,
+    "--reap-unverified-seeded-cache": SEEDED_CACHE_SERVED,
+    "REAP_SWAP_UNVERIFIED_SEEDED_CACHE": SEEDED_CACHE_SERVED,
 }
 
 

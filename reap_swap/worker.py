@@ -107,7 +107,6 @@ def build_cache(runtime: WorkerRuntime, layers: dict, uncounted: dict, backend) 
         pool_tail_slots=pool,
         seed=getattr(settings, "cache_seed", "pinned"),
         cache_device=getattr(settings, "cache_device", "off"),
-        seed_unverified=bool(getattr(settings, "cache_seed_unverified", False)),
     )
 
 

@@ -25,8 +25,8 @@ Arms (each: start a server, measure, stop; results merged into OUT/gpu_e2e.json)
                   core + tail share is cache slots seeded with the core, evictable): the plain client,
                   then swaps pinned inside the slots (core + q/2, core + q per layer: the whole share),
                   one layer one past its share (refused by name), back to the core; greedy text and
-                  cache status at each (refused on CUDA since run 12: the arm passes
-                  --reap-unverified-seeded-cache itself)
+                  cache status at each (served on CUDA whenever asked since run 23; refused there
+                  from run 12 until then)
   reap-tp         (with --tp 2) reap-swap, core 25 %, pool 50 %: per-rank status, counters vs
                   routed experts, swap to 50 %, a failure injected on rank 1 mid-swap (both ranks
                   must stay on the previous set), swaps back, greedy text throughout
@@ -524,7 +524,7 @@ def arm_cache_seeded(reap, out, shape, res, flags):
     r = res.setdefault(name, {})
     with plain_client_served(name, reap, out, r, flags) as srv:
         r["status_plain"] = status(srv).get("cache")
-        r["seed"] = (r["status_plain"] or {}).get("seed")  # served seeded? (refused without the opt-in)
+        r["seed"] = (r["status_plain"] or {}).get("seed")  # the form asked and served
         if (r["seed"] or {}).get("served") not in (None, "seeded"):
             log(name, "WARNING: the server did not serve seeded:", json.dumps(r["seed"]))
         q = shape["experts"] // 4  # the core is 0..q-1; the pool's per-layer share is 2q
@@ -655,8 +655,7 @@ def main():
             elif arm == "reap-cache-seeded":
                 flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
                 flags += ["--reap-cache-shadow", args.cache_shadow] if args.cache_shadow != "off" else []
-                # the arm verifies seeded, which CUDA refuses by default since run 12 (seedfix)
-                flags += ["--reap-cache-seed", "seeded", "--reap-unverified-seeded-cache"]
+                flags += ["--reap-cache-seed", "seeded"]  # served on CUDA since run 23
                 arm_cache_seeded(reap, out, shape, results, flags)
             elif arm == "reap-plan25":
                 arm_plain_client(arm, reap, out, shape, results, ["--reap-cache", "off"])

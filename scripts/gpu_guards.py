@@ -81,16 +81,7 @@ def commands(
         "reap": [*server, str(plan), "--reap-cache", "off"],
         CACHE_ARM: [*server, str(tail_plan), *CACHE_FLAGS, tail]
         if seed == "pinned"
-        # seeded is refused on CUDA since run 12 (research.md seedfix): this variant times it anyway
-        else [
-            *server,
-            str(plan),
-            *CACHE_FLAGS,
-            "auto",
-            "--reap-cache-seed",
-            "seeded",
-            "--reap-unverified-seeded-cache",
-        ],
+        else [*server, str(plan), *CACHE_FLAGS, "auto", "--reap-cache-seed", "seeded"],
     }
 
 

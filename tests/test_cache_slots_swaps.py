@@ -69,9 +69,7 @@ def test_the_launcher_resolves_swaps_to_the_bench_split_and_both_residencies_kee
         Settings(plan_file=MINI, cache_slots="swaps", cache_device="on"), plan, MINI_SHAPE
     )
     assert settings.cache_slots == split.cache_slots == 4
-    s = SimpleNamespace(
-        cache="lfu", cache_slots=settings.cache_slots, cache_device="on", cache_seed="pinned", cache_seed_unverified=False
-    )  # fmt: skip
+    s = SimpleNamespace(cache="lfu", cache_slots=settings.cache_slots, cache_device="on", cache_seed="pinned")
     acc = accounting(plan, s)
     assert acc.reason is None and acc.swap_slots == split.kept == cuda_swap_slots(plan, s) == 28
     auto = SimpleNamespace(
@@ -87,9 +85,7 @@ def test_the_tail_is_at_most_two_top_k_and_half_of_what_lies_beyond(budget, core
     plan = _fake_plan(budget, cores, experts=64)
     split = plan_swap_split(plan, top_k)
     assert split.per_layer == per_layer and split.kept == budget - per_layer * len(cores)
-    s = SimpleNamespace(
-        cache="lfu", cache_slots=split.cache_slots, cache_device="on", cache_seed="pinned", cache_seed_unverified=False
-    )  # fmt: skip
+    s = SimpleNamespace(cache="lfu", cache_slots=split.cache_slots, cache_device="on", cache_seed="pinned")
     assert accounting(plan, s).swap_slots == cuda_swap_slots(plan, s) == split.kept
 
 

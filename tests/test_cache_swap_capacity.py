@@ -1,7 +1,8 @@
 """Accounting mode's swap capacity is the CUDA server's (issue 17, branch acctail): with the device's
 pinned form lent a tail (--reap-cache lfu, --reap-cache-device on), the swap table keeps
 K = pool - layers x N and a swap wider than K is refused before anything changes, with CUDA's
-numbers and sentence (PoolCapacityError, memory_split.swap_table_refusal); the seeded device refuses a layer's set wider than its C_l slots
+numbers and sentence (PoolCapacityError, memory_split.swap_table_refusal); the seeded device (served
+on CUDA whenever asked since run 23) refuses a layer's set wider than its C_l slots
 (SeededCapacityError, the same text); with the device cache off (CUDA's default) or lru the CUDA
 server lends nothing and the whole pool stays the capacity. CPU only: the CUDA side is the pure
 code CUDA runs (cache_config_for, CacheConfig.split, SlotTable.plan), no GPU."""
@@ -35,17 +36,15 @@ from tests import test_cache_device_form as device_form  # noqa: E402
 MINI = "plans/reap-mini-moe.plan.json"
 
 
-def settings(slots, device="on", seed="pinned", unverified=False, cache="lfu"):
-    return SimpleNamespace(
-        cache=cache, cache_slots=slots, cache_device=device, cache_seed=seed, cache_seed_unverified=unverified
-    )
+def settings(slots, device="on", seed="pinned", cache="lfu"):
+    return SimpleNamespace(cache=cache, cache_slots=slots, cache_device=device, cache_seed=seed)
 
 
 def accounting(plan, s, layers=None):
     layers = layers or {l: p.num_experts for l, p in plan.layers.items()}
     return CacheAccounting.build(
         plan, s.cache, s.cache_slots, layers, {}, top_k=2, seed=s.cache_seed,
-        cache_device=s.cache_device, seed_unverified=s.cache_seed_unverified,
+        cache_device=s.cache_device,
     )  # fmt: skip
 
 
@@ -70,19 +69,44 @@ CASES = [*device_form.CASES, (64, {0: 8, 1: 7, 2: 5, 3: 4})]  # + the mini model
 @pytest.mark.parametrize("budget, cores", CASES)
 @pytest.mark.parametrize("slots", ["auto", 0, 1, 3, 4, 6, 8, 10, 13, 30, 40, 48, 200])
 def test_swap_slots_are_the_cuda_tables(budget, cores, slots):
-    """Parity: accounting's K == the CUDA SlotTable's size (CacheConfig.split) for every plan and
-    setting where the device lends (pinned; seeded falls back to pinned on CUDA without the opt-in)."""
+    """Parity, pinned form: accounting's K == the CUDA SlotTable's size (CacheConfig.split) for
+    every plan and setting where the device lends."""
     plan = fake_plan(budget, cores)
-    for seed in ("pinned", "seeded"):
-        s = settings(slots, seed=seed)
-        acc, k = accounting(plan, s), cuda_swap_slots(plan, s)
-        if acc.reason is not None:  # the device refuses the cache: nothing lent, the whole pool
-            assert k == budget and acc.swap_slots is None, (acc.reason, k)
-            continue
-        if seed == "seeded" and acc.swap_slots is None:  # pinned rule refused; dlfu-seeded still runs
-            assert k == budget
-            continue
-        assert acc.swap_slots == k, (seed, acc.swap_slots, k, acc.swap_source)
+    s = settings(slots)
+    acc, k = accounting(plan, s), cuda_swap_slots(plan, s)
+    if acc.reason is not None:  # the device refuses the cache: nothing lent, the whole pool
+        assert k == budget and acc.swap_slots is None, (acc.reason, k)
+        return
+    assert acc.swap_slots == k and not acc.seeded_swaps, (acc.swap_slots, k, acc.swap_source)
+
+
+@pytest.mark.parametrize("budget, cores", CASES)
+@pytest.mark.parametrize("slots", ["auto", 0, 1, 3, 4, 6, 8, 10, 13, 30, 40, 48, 200])
+def test_seeded_swap_capacity_is_the_cuda_seeded_devices(budget, cores, slots):
+    """Parity, seeded form (served on CUDA whenever asked since run 23, no opt-in): where the CUDA
+    split (CacheConfig.split_seeded) lends, accounting checks each layer's set against the C_l the
+    device lends it (its share, at most the layer's E: rehome_layer), and the swap table keeps only
+    the pool's rest; where the device refuses the split (core + tail beyond the pool), nothing is
+    lent on either side: the whole pool, no per-layer check."""
+    plan = fake_plan(budget, cores)
+    s = settings(slots, seed="seeded")
+    acc = accounting(plan, s)
+    cfg, why = cache_config_for(s, plan)
+    assert why is None and cfg.seed_core
+    k = swap_table(cfg, budget, plan).num_slots
+    assert acc.reason is None and acc.policy == "dlfu-seeded"
+    if cfg.refusal:
+        assert k == budget and acc.swap_slots is None and not acc.seeded_swaps
+        assert (
+            acc.swap_source
+            == f"the CUDA device cache would be refused ({cfg.refusal}): nothing lent, the whole pool"
+        )
+        acc.check_swap({l: frozenset(range(16)) for l in plan.layers})  # any set: no per-layer check
+        return
+    assert acc.seeded_swaps and acc.swap_slots is None, acc.swap_source
+    lent = {l: min(n, plan.layers[l].num_experts) for l, n in cfg.layer_slots.items()}
+    assert lent == acc.slots, (lent, acc.slots)
+    assert k == budget - sum(cfg.layer_slots.values())
 
 
 @pytest.mark.parametrize("slots", ["auto", 4, 8])
@@ -154,14 +178,14 @@ def test_boundary_through_worker_core(slots, k):
 
 
 def test_seeded_device_refuses_a_layer_wider_than_its_slots():
-    """--reap-cache-seed seeded with the opt-in: each layer's C_l (the CUDA split_seeded's), a set
-    wider than C_l refused naming the layer with the text the device's SeededPins.plan raises
+    """--reap-cache-seed seeded (no opt-in since run 23): each layer's C_l (the CUDA split_seeded's),
+    a set wider than C_l refused naming the layer with the text the device's SeededPins.plan raises
     (real DeviceCache state on CPU tensors), state unchanged; exactly C_l fits."""
     from reap_swap.residency.device_cache import DeviceCache
     from reap_swap.residency.device_cache_seeded import SeededPins
 
     plan = load_plan(MINI)
-    s = settings(4, seed="seeded", unverified=True)
+    s = settings(4, seed="seeded")
     acc = accounting(plan, s)
     assert acc.policy == "dlfu-seeded" and acc.seeded_swaps and acc.swap_slots is None
     cfg, _ = cache_config_for(s, plan)
@@ -186,14 +210,64 @@ def test_seeded_device_refuses_a_layer_wider_than_its_slots():
     assert "error" not in core.apply({"resident": wire.encode_resident_sets(wide)})
 
 
-def test_seeded_without_opt_in_is_the_pinned_table():
-    """CUDA serves the pinned form for seeded without the opt-in (seedfix): K by the pinned rule."""
+def _fill(plan, slots: dict) -> dict:
+    """Each layer's core plus its lowest other experts, ``slots[l]`` in all."""
+    out = {}
+    for l, p in plan.layers.items():
+        rest = [e for e in range(p.num_experts) if e not in p.core]
+        out[l] = sorted(p.core) + rest[: slots[l] - len(p.core)]
+    return out
+
+
+def test_seeded_auto_swaps_fill_each_layers_slots_where_the_pinned_table_holds_only_the_core():
+    """The mini plan (pool 32, core 24) at --reap-cache-slots auto: the pinned form's table is the
+    core (K = 24), so no swap beyond it fits; seeded (its CUDA refusal lifted in run 23) lends every
+    pool slot as C_l = {10, 9, 7, 6}, and a swap filling each layer's slots is applied, as CUDA's
+    seeded device plans it; one more expert on a layer is refused naming that layer."""
+    from reap_swap.residency.device_cache import DeviceCache
+    from reap_swap.residency.device_cache_seeded import SeededPins
+
     plan = load_plan(MINI)
-    acc = accounting(plan, settings(4, seed="seeded"))
-    assert acc.policy == "dlfu-seeded" and not acc.seeded_swaps and acc.swap_slots == 28
-    assert "CUDA serves the pinned form" in acc.swap_source
-    with pytest.raises(PoolCapacityError):
-        acc.check_swap({l: frozenset(v) for l, v in _with(plan, 5).items()})
+    s = settings("auto", seed="seeded")
+    acc = accounting(plan, s)
+    assert acc.seeded_swaps and acc.swap_slots is None and "within its cache slots" in acc.swap_source
+    cfg, _ = cache_config_for(s, plan)
+    assert cfg.split(32, 4, {l: p.core for l, p in plan.layers.items()}) == 0  # every slot lent
+    assert cfg.layer_slots == acc.slots == {0: 10, 1: 9, 2: 7, 3: 6}
+    full = _fill(plan, acc.slots)  # 32 experts, 8 beyond the core
+    pinned = accounting(plan, settings("auto"))
+    assert pinned.swap_slots == 24
+    with pytest.raises(PoolCapacityError):  # the pinned form: beyond K
+        pinned.check_swap({l: frozenset(v) for l, v in full.items()})
+    caches = SimpleNamespace(
+        layers={l: SimpleNamespace(cache=DeviceCache(16, n, "cpu")) for l, n in cfg.layer_slots.items()}
+    )
+    SeededPins(caches, None, None).plan(full)  # CUDA's seeded device admits it
+    core = _core(plan, acc)
+    assert "error" not in core.apply({"resident": wire.encode_resident_sets(full)})
+    assert core.backend.resident() == {l: frozenset(v) for l, v in full.items()}
+    assert all(acc.caches[l].pinned == frozenset(full[l]) for l in plan.layers)
+    wide = _fill(plan, {**acc.slots, 3: 7})
+    reply = core.apply({"resident": wire.encode_resident_sets(wide)})
+    assert "SeededCapacityError" in reply["error"] and "layer 3: a swap set of 7 experts" in reply["error"]
+    assert core.backend.resident() == {l: frozenset(v) for l, v in full.items()}  # unchanged
+
+
+def test_seeded_split_the_device_refuses_lends_nothing_so_the_whole_pool():
+    """--reap-cache-slots 10 seeded on the mini plan: core 24 + 10 > the pool's 32, so the CUDA
+    device refuses the split (nothing lent, its swap table the whole pool) and accounting holds
+    swaps to the pool only: a layer far beyond its would-be C_l fits."""
+    plan = load_plan(MINI)
+    s = settings(10, seed="seeded")
+    cfg, _ = cache_config_for(s, plan)
+    assert cuda_swap_slots(plan, s) == 32
+    cfg.split(32, 4, {l: p.core for l, p in plan.layers.items()})
+    assert cfg.refusal == "--reap-cache-seed seeded: core + tail = 34 slots > the pool's 32"
+    acc = accounting(plan, s)
+    assert acc.swap_slots is None and not acc.seeded_swaps and cfg.refusal in acc.swap_source
+    wide = _fill(plan, {0: 16, 1: 7, 2: 5, 3: 4})  # layer 0 every expert: 32, the pool
+    acc.check_swap({l: frozenset(v) for l, v in wide.items()})
+    assert SlotTable(32).plan(wide).admit
 
 
 def test_refused_swap_is_500_worker_failed_and_state_kept():
@@ -230,6 +304,41 @@ def test_refused_swap_is_500_worker_failed_and_state_kept():
         r = c.post("/swap_active_set", json={"request_id": "k", "active_set": fit})
         assert r.status_code == 200, r.text
         assert r.json()["validation"]["resident_experts"] == 54
+
+
+def test_seeded_refused_swap_is_500_worker_failed_naming_the_layer():
+    """The e2e seeded server's capacity over HTTP (the tiny e2e plan, --reap-cache-slots 10 seeded:
+    C_l = 7, 7, 6, 6): every slice -> 500 worker_failed naming layer 0 (SeededCapacityError),
+    rolled back, signature and cache unchanged; layer 3's 2-expert slice (exactly its 6) -> 200."""
+    engine = FakeEngine(tp_size=1)
+    for w in engine.workers:
+        w.core.cache = accounting(TINY, settings(10, seed="seeded"))
+        assert w.core.cache.seeded_swaps and w.core.cache.slots == {0: 7, 1: 7, 2: 6, 3: 6}
+    ctl = SwapController(TINY, engine.rpc, cartridges={})
+    asyncio.run(ctl.start())
+    app = FastAPI()
+    endpoint_plugin().attach_router(app)
+    app.state.reap, app.state.reap_api_keys = ctl, api_key_digests(SimpleNamespace(api_key=None))
+    every = {f"layer_{l}": [s.slice_id for s in p.slices] for l, p in TINY.layers.items()}
+    with TestClient(app) as c:
+        before = c.get("/reap/status").json()
+        assert before["cache"]["seeded_swaps"] and before["cache"].get("swap_slots") is None
+        cache_before = engine.workers[0].core.cache.status()
+        r = c.post("/swap_active_set", json={"request_id": "wide", "active_set": every})
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "worker_failed" and err["rolled_back"] is True
+        assert (
+            "SeededCapacityError: layer 0: a swap set of 16 experts is wider than the layer's 7 cache "
+            "slots (--reap-cache-seed seeded pins a swap inside them; overflow 9 experts)"
+        ) in err["message"]
+        assert c.get("/reap/status").json()["signature"] == before["signature"] == err["signature"]
+        assert engine.workers[0].core.cache.status() == cache_before
+        fit = {"layer_3": [x.slice_id for x in TINY.layers[3].slices if len(x.experts) == 2]}
+        r = c.post("/swap_active_set", json={"request_id": "k", "active_set": fit})
+        assert r.status_code == 200, r.text
+        assert r.json()["validation"]["resident_experts"] == 18
+        assert engine.workers[0].core.cache.caches[3].pinned == TINY.core_sets()[3] | {12, 13}
 
 
 def test_cache_refused_when_the_table_cannot_hold_the_core():

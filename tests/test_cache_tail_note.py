@@ -99,6 +99,6 @@ def test_device_view_no_note_before_the_split_for_seeded_or_refused():
     refused = cache_config_for(_settings(), DEVICE_PLAN)[0]
     refused.split(3, 2, {0: [0, 1], 1: [2]})  # every pooled slot pinned: refused
     assert refused.refusal and DeviceCacheView(refused, 2).tail_note() is None
-    seeded = cache_config_for(_settings(cache_seed="seeded", cache_seed_unverified=True), DEVICE_PLAN)[0]
-    seeded.split(9, 2, {0: [0, 1], 1: [2]})
+    seeded = cache_config_for(_settings(cache_seed="seeded"), DEVICE_PLAN)[0]  # served, no opt-in (run 23)
+    assert seeded.split(9, 2, {0: [0, 1], 1: [2]}) == 0 and seeded.seed_core and seeded.refusal is None
     assert DeviceCacheView(seeded, 2).tail_note() is None

@@ -1,7 +1,9 @@
 """The device cache's serving shell on CPU tensors: settings -> CacheConfig (default off on CUDA,
-lru refused by name, N over layers / auto), the status and totals in cache_accounting's shape,
-on_swap after a swap (pinned experts leave the slots)."""
+lru refused by name, N over layers / auto, seeded served whenever asked and its retired opt-in
+ignored), the status and totals in cache_accounting's shape, on_swap after a swap (pinned experts
+leave the slots)."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -64,51 +66,87 @@ def test_view_status_totals_and_on_swap():
     assert 5 not in cfg.caches.layers[0].cache.slot_expert.tolist()
 
 
-def _seeded(**kw):  # --reap-cache-seed seeded with the opt-in (the mechanics tests below)
-    return _s(cache_seed="seeded", cache_seed_unverified=True, **kw)
+def _seeded(**kw):  # --reap-cache-seed seeded (served on CUDA whenever asked since run 23)
+    return _s(cache_seed="seeded", **kw)
 
 
-@pytest.mark.parametrize("env", [None, "0", "false"])
-def test_seeded_is_refused_on_cuda_without_the_opt_in(caplog, env):
-    """Run 12 (H200): seeded served text unequal to stock, so without REAP_SWAP_UNVERIFIED_SEEDED_CACHE=1
-    the server serves the pinned form (core+dlfu) and says why in the log and in /reap/status."""
-    from reap_swap.residency.device_cache_serving import SEEDED_OPT_IN
-    from reap_swap.settings import resolve
+SEEDED_ENV = {"REAP_PLAN_FILE": "p.json", "REAP_CACHE_SEED": "seeded", "REAP_CACHE_DEVICE": "on"}
 
-    environ = {"REAP_PLAN_FILE": "p.json", "REAP_CACHE_SEED": "seeded", "REAP_CACHE_DEVICE": "on"}
-    if env is not None:
-        environ[SEEDED_OPT_IN] = env
-    settings = resolve({}, environ).settings
-    assert settings.cache_seed == "seeded" and not settings.cache_seed_unverified
-    with caplog.at_level("ERROR", logger="reap_swap.cache"):
+
+def test_seeded_is_served_on_cuda_without_any_opt_in(caplog):
+    """Run 23 (H200): two serves of seeded bitwise equal to stock at every logprob, so
+    --reap-cache-seed seeded builds the seeded CacheConfig on CUDA whenever asked: no fallback to
+    the pinned form, no refusal or UNVERIFIED line in the log, /reap/status cache.seed says so."""
+    from reap_swap.settings import Settings, resolve
+
+    assert "cache_seed_unverified" not in Settings.model_fields
+    settings = resolve({}, SEEDED_ENV).settings
+    assert settings.cache_seed == "seeded"
+    with caplog.at_level("DEBUG", logger="reap_swap.cache"):
         cfg, why = cache_config_for(settings, PLAN)
-    assert why is None and not cfg.seed_core and cfg.layer_slots is None and cfg.auto  # pinned form
-    assert "refused on CUDA" in cfg.seed_refusal and "run 12" in cfg.seed_refusal
-    assert SEEDED_OPT_IN in cfg.seed_refusal and "seedfix" in cfg.seed_refusal
-    assert any("refused on CUDA" in r.getMessage() for r in caplog.records)
-    assert cfg.split(11, 2, {0: [0, 1], 1: [2]}) == 3 and cfg.slots_per_layer == 4  # as pinned auto
+    assert why is None and cfg.seed_core and cfg.auto and cfg.layer_slots == {}
+    assert not hasattr(cfg, "seed_refusal")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [
+        r.getMessage() for r in caplog.records
+    ]
+    assert cfg.split(11, 2, {0: [0, 1], 1: [2]}) == 0 and cfg.layer_slots == {0: 6, 1: 5}  # seeded's split
     st = DeviceCacheView(cfg).status()
-    assert st["policy"] == "core+dlfu"
-    assert st["seed"] == {"requested": "seeded", "served": "pinned", "refused": cfg.seed_refusal}
+    assert st["policy"] == "dlfu-seeded" and "whole pool" in st["tail_source"]
+    assert st["seed"] == {"requested": "seeded", "served": "seeded"}
     pinned = cache_config_for(_s(cache_seed="pinned"), PLAN)[0]
-    assert pinned.seed_refusal is None
+    assert not pinned.seed_core
     assert DeviceCacheView(pinned).status()["seed"] == {"requested": "pinned", "served": "pinned"}
+    default = cache_config_for(resolve({}, {**SEEDED_ENV, "REAP_CACHE_SEED": "pinned"}).settings, PLAN)[0]
+    assert not default.seed_core and resolve({}, {"REAP_PLAN_FILE": "p.json"}).settings.cache_seed == "pinned"
 
 
-@pytest.mark.parametrize("how", ["env", "flag"])
-def test_seeded_opt_in_serves_seeded_and_says_unverified(how):
+@pytest.mark.parametrize("value", ["1", "0", ""])
+def test_the_retired_seeded_opt_in_variable_is_accepted_ignored_and_warned(caplog, value):
+    """REAP_SWAP_UNVERIFIED_SEEDED_CACHE (retired in run 23): no error, a warning naming it and why,
+    and the same settings and the same served seeded form as without it."""
     from reap_swap.settings import resolve
 
-    environ = {"REAP_PLAN_FILE": "p.json", "REAP_CACHE_SEED": "seeded", "REAP_CACHE_DEVICE": "on"}
-    if how == "env":
-        settings = resolve({}, {**environ, "REAP_SWAP_UNVERIFIED_SEEDED_CACHE": "1"}).settings
-    else:
-        settings = resolve({"cache_seed_unverified": True}, environ).settings
-    assert settings.cache_seed_unverified
+    env = "REAP_SWAP_UNVERIFIED_SEEDED_CACHE"
+    with caplog.at_level("WARNING", logger="reap_swap.settings"):
+        r = resolve({}, {**SEEDED_ENV, env: value})
+    assert r.settings == resolve({}, SEEDED_ENV).settings
+    warned = [rec.getMessage() for rec in caplog.records if env in rec.getMessage()]
+    assert len(warned) == 1 and "is retired" in warned[0]
+    assert "served on CUDA whenever asked since H200 run 23" in warned[0] and "ignored" in warned[0]
+    assert "cache_seed_unverified" not in r.sources
+    assert cache_config_for(r.settings, PLAN)[0].seed_core
+
+
+def test_the_retired_seeded_opt_in_flag_is_accepted_ignored_warned_and_kept_from_vllm(caplog):
+    from reap_swap.settings import RETIRED, resolve, split_argv
+
+    flag = "--reap-unverified-seeded-cache"
+    assert "run 23" in RETIRED[flag] and "2026-12-04" in RETIRED[flag]
+    argv = [
+        "org/m",
+        "--reap-plan",
+        "p.json",
+        "--reap-cache-device",
+        "on",
+        flag,
+        "--reap-cache-seed",
+        "seeded",
+    ]
+    with caplog.at_level("WARNING", logger="reap_swap.settings"):
+        ns, vllm_argv = split_argv([*argv, "--port", "8000"])
+    assert vllm_argv == ["org/m", "--port", "8000"]  # vLLM never sees the retired flag
+    warned = [r.getMessage() for r in caplog.records if flag in r.getMessage()]
+    assert len(warned) == 1 and "run 23" in warned[0] and "no longer needed" in warned[0]
+    settings = resolve(ns, {}).settings
+    assert (
+        settings
+        == resolve({"plan_file": "p.json", "cache_device": "on", "cache_seed": "seeded"}, {}).settings
+    )
+    assert "cache_seed_unverified" not in settings.to_worker_config()
     cfg, why = cache_config_for(settings, PLAN)
-    assert why is None and cfg.seed_core and cfg.seed_refusal is None
-    seed = DeviceCacheView(cfg).status()["seed"]
-    assert seed == {"requested": "seeded", "served": "seeded", "unverified": True}
+    assert why is None and cfg.seed_core  # seeded, as without the flag
+    # with the default (pinned) it is ignored too: the flag never turned seeded on by itself
+    assert resolve(split_argv(["--reap-plan", "p.json", flag])[0], {}).settings.cache_seed == "pinned"
 
 
 def test_seeded_config_splits_like_accounting_mode():

@@ -26,9 +26,7 @@ def test_the_seeded_arm_serves_seeded_and_sends_its_swaps(monkeypatch, tmp_path)
     shape = {"experts": 16, "moe_layers": [1, 3]}
     res = {}
     reap = ["python", "-m", "reap_swap.server", str(Path("/m"))]
-    e2e.arm_cache_seeded(
-        reap, tmp_path, shape, res, ["--reap-cache-seed", "seeded", "--reap-unverified-seeded-cache"]
-    )
+    e2e.arm_cache_seeded(reap, tmp_path, shape, res, ["--reap-cache-seed", "seeded"])
     argv = calls[1][1]
     assert argv[argv.index("--reap-cache-seed") + 1] == "seeded"
     swaps = [(c[1], c[2]) for c in calls if c[0] == "swap"]
@@ -42,6 +40,47 @@ def test_the_seeded_arm_serves_seeded_and_sends_its_swaps(monkeypatch, tmp_path)
     assert (
         r["plain"] == {"rid": "plain", "moe_probe": None} and r["s-full"]["cache"]["policy"] == "dlfu-seeded"
     )
+
+
+def test_main_serves_the_seeded_arm_without_any_opt_in(monkeypatch, tmp_path):
+    """--arms reap-cache-seeded: the server gets the device cache with --reap-cache-seed seeded and
+    no --reap-unverified-seeded-cache (retired in run 23: CUDA serves seeded whenever asked); the
+    launcher's own parse of that argv gives the seeded settings, and nothing reap's reaches vLLM."""
+    import sys
+
+    from reap_swap.settings import resolve, split_argv
+
+    e2e = load_script("gpu_e2e")
+    served = []
+
+    @contextmanager
+    def server(name, argv, out, env=None, port=None):
+        served.append(argv)
+        yield type("S", (), {"startup_s": 1.0, "command": argv, "url": "http://x"})()
+
+    monkeypatch.setattr(e2e, "Server", server)
+    monkeypatch.setattr(e2e, "make_plan", lambda *a, **k: None)
+    monkeypatch.setattr(e2e, "model_shape", lambda model: {"experts": 16, "moe_layers": [1, 3]})
+    seed = {"requested": "seeded", "served": "seeded"}
+    monkeypatch.setattr(e2e, "status", lambda srv: {"cache": {"policy": "dlfu-seeded", "seed": seed}})
+    monkeypatch.setattr(e2e, "open_request", lambda srv, rid: None)
+    monkeypatch.setattr(e2e, "measure", lambda srv, rid, d1=None, d8=None: {"rid": rid})
+    monkeypatch.setattr(e2e, "moe_probe", lambda srv, label: None)
+    monkeypatch.setattr(e2e, "swap", lambda *a: {"status": 200})
+    argv = ["gpu_e2e.py", "--model", str(tmp_path), "--out", str(tmp_path), "--arms", "reap-cache-seeded"]
+    monkeypatch.setattr(sys, "argv", argv)
+    e2e.main()
+    (cmd,) = served
+    assert "--reap-unverified-seeded-cache" not in cmd
+    assert cmd[cmd.index("--reap-cache-seed") + 1] == "seeded"
+    ns, vllm_argv = split_argv(cmd[cmd.index("reap_swap.server") + 1 :])
+    assert not [a for a in vllm_argv if a.startswith("--reap-")]
+    settings = resolve(ns, {}).settings
+    assert (settings.cache, settings.cache_device, settings.cache_seed) == ("lfu", "on", "seeded")
+    import json
+
+    r = json.loads((tmp_path / "gpu_e2e.json").read_text())["reap-cache-seeded"]
+    assert "error" not in r and r["seed"] == seed
 
 
 def test_the_nocore_arm_serves_the_pinned_cache_on_an_empty_core(monkeypatch, tmp_path):

@@ -34,7 +34,6 @@ def _setup(tmp_path, slots_per_layer=2, seed="pinned"):
         cache_device=argv[argv.index("--reap-cache-device") + 1],
         cache_slots=argv[argv.index("--reap-cache-slots") + 1],
         cache_seed=argv[argv.index("--reap-cache-seed") + 1] if "--reap-cache-seed" in argv else "pinned",
-        cache_seed_unverified="--reap-unverified-seeded-cache" in argv,  # seeded: refused on CUDA without it
         cache_shadow="off",
     )
     if settings.cache_slots != "auto":
@@ -72,6 +71,17 @@ def test_seeded_variant_makes_every_slot_a_cache_slot(tmp_path):
     shape, plan, settings = _setup(tmp_path, seed="seeded")
     cfg, why = cache_config_for(settings, plan)
     assert why is None and cfg.seed_core and cfg.auto
+    # the launcher's own parse of the arm's argv (no opt-in since run 23) gives the same seeded form
+    from reap_swap.settings import resolve, split_argv
+
+    argv = load_script("gpu_guards").commands(tmp_path / "model", tmp_path, 2.0, 0.3, seed="seeded")[
+        "reap-cache"
+    ]
+    ns, vllm_argv = split_argv(argv[argv.index("reap_swap.server") + 1 :])
+    assert not [a for a in vllm_argv if a.startswith("--reap-")]
+    launched = resolve(ns, {}).settings
+    assert launched.cache_seed == "seeded" and launched.cache_device == "on"
+    assert cache_config_for(launched, plan)[0].seed_core
     slots = pool_slots(plan.swappable_budget_bytes, plan.per_expert_bytes)
     kept = cfg.split(slots, len(plan.layers), {l: p.core for l, p in plan.layers.items()})
     assert cfg.refusal is None and kept == 0

@@ -281,13 +281,8 @@ def test_guard_seeded_cache_arm_uses_the_all_resident_plan(tmp_path):
     cmds = guards.commands(model, tmp_path, kv_gib=2.0, util=0.3, seed="seeded")
     cache = cmds["reap-cache"]
     assert cache[cache.index("--reap-plan") + 1] == str(tmp_path / "plan-all-resident.json")
-    assert cache[-5:] == [
-        "--reap-cache-slots",
-        "auto",
-        "--reap-cache-seed",
-        "seeded",
-        "--reap-unverified-seeded-cache",
-    ]
+    assert cache[-4:] == ["--reap-cache-slots", "auto", "--reap-cache-seed", "seeded"]
+    assert "--reap-unverified-seeded-cache" not in cache  # retired in run 23: seeded needs no opt-in
     a = SimpleNamespace(cache_seed="seeded", cache_slots_per_layer=8)
     assert guards.expected_slots(a, model) == read_model_shape(model).num_experts
     assert guards.expected_slots(SimpleNamespace(cache_seed="pinned", cache_slots_per_layer=8), model) == 8

@@ -156,3 +156,17 @@ def test_retired_settings_are_one_table_of_flags_and_variables_each_with_its_rea
         assert sum(name in m and RETIRED[name] in m for m in messages) == 1, name
     with pytest.raises(SettingsError, match="REAP_TYPO"):  # the unknown-variable check still holds
         resolve(ns, {**{e: "1" for e in envs}, "REAP_TYPO": "1"})
+
+
+def test_the_seeded_cache_opt_in_is_retired_since_run_23():
+    """REAP_SWAP_UNVERIFIED_SEEDED_CACHE / --reap-unverified-seeded-cache: retired (CUDA serves
+    --reap-cache-seed seeded whenever asked since run 23), no setting behind them; a worker config
+    that still carries the old field loads without it."""
+    from reap_swap.settings import FLAG_NAMES, RETIRED
+
+    for name in ("REAP_SWAP_UNVERIFIED_SEEDED_CACHE", "--reap-unverified-seeded-cache"):
+        assert name in RETIRED and name not in ENV_NAMES + FLAG_NAMES
+        assert "run 23" in RETIRED[name] and "ignored" in RETIRED[name]
+    assert "cache_seed_unverified" not in Settings.model_fields
+    old = {"plan_file": "p.json", "cache_seed": "seeded", "cache_seed_unverified": True}
+    assert Settings.from_worker_config(old) == Settings(plan_file="p.json", cache_seed="seeded")

@@ -3,6 +3,8 @@ a fake store that models in-flight copies (no GPU): order, counts, and failure b
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,8 +102,9 @@ def test_the_first_chunk_also_publishes_the_swaps_evictions():
 
 def test_default_publish_every_applies_to_a_store_without_the_attribute(monkeypatch):
     table, store = SlotTable(24), FakeStore(24)  # no publish_every: swap.PUBLISH_EVERY
-    assert swap.PUBLISH_EVERY == swap.PUBLISH_AHEAD  # the default since the H200 A/B of run 23
-    result = apply_swap(table, store, _admit_n(20))  # its copies read the units: only the final publish
+    assert swap.PUBLISH_EVERY == 8  # on by default since the H200 A/B (run 12)
+    monkeypatch.setattr(swap, "PUBLISH_EVERY", swap.PUBLISH_AHEAD)  # its copies read the units:
+    result = apply_swap(table, store, _admit_n(20))  # so only the final publish
     assert result.phases["publish_chunks"] == 0 and store.events.count(("publish",)) == 1
     monkeypatch.setattr(swap, "PUBLISH_EVERY", 0)  # off: only the final publish
     table, store = SlotTable(24), FakeStore(24)
@@ -255,7 +258,6 @@ class AheadStore(InFlightStore):
 
 def test_ahead_remaps_and_publishes_every_admission_while_the_copies_run():
     table, store = SlotTable(24), AheadStore(24)
-    del store.publish_every  # the default applies: a store with master copies remaps ahead
     result = apply_swap(table, store, _admit_n(20))
     everything = {(l, e) for l, es in _admit_n(20).items() for e in es}
     assert store.remapped_in_flight == 20  # no remap waited for its copy
@@ -308,11 +310,128 @@ def test_ahead_swaps_keep_table_and_store_consistent(num_slots, sequence, fail_a
     _swap_through(SlotTable(num_slots), AheadStore(num_slots, fail_at_map=fail_after + 1), sequence)
 
 
-def test_a_cache_range_mirrors_only_its_expert_units():
+class FakeDriver:
+    """The few driver calls the masters' second mapping makes, recorded; `fail_map_at` makes the
+    cuMemMap of that address fail (CUDA_ERROR_OUT_OF_MEMORY = 2)."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.fail_map_at: int | None = None
+        self.CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
+        self.CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+
+    def CUmemAccessDesc(self):  # noqa: N802 - the driver's name
+        return SimpleNamespace(location=SimpleNamespace(type=None, id=None), flags=None)
+
+    def cuMemAddressReserve(self, size, *_):  # noqa: N802
+        self.calls.append(("reserve", size))
+        return (0, 1 << 40)
+
+    def cuMemMap(self, addr, size, offset, handle, flags):  # noqa: N802
+        if addr == self.fail_map_at:
+            return (2,)
+        self.calls.append(("map", addr, handle))
+        return (0,)
+
+    def cuMemSetAccess(self, addr, size, desc, count):  # noqa: N802
+        self.calls.append(("access", addr, size))
+        return (0,)
+
+    def cuMemUnmap(self, addr, size):  # noqa: N802
+        self.calls.append(("unmap", addr))
+        return (0,)
+
+    def cuMemAddressFree(self, addr, size):  # noqa: N802
+        self.calls.append(("free", addr, size))
+        return (0,)
+
+    def cuGetErrorName(self, err):  # noqa: N802
+        return (0, b"CUDA_ERROR_OUT_OF_MEMORY")
+
+
+def test_a_cache_range_mirrors_only_its_expert_units(monkeypatch):
+    from reap_swap.residency import vmm
     from reap_swap.residency.device_cache_range import CacheRange
 
-    rng = CacheRange(num_units=10, unit_bytes=2**21, device=0, num_slots=4)
-    rng.handles = list(range(10))  # 6 host masters, 4 HBM slot units
-    assert rng.host_masters() == 6
-    rng.handles = list(range(3))  # a range still growing
-    assert rng.host_masters() == 3
+    drv = FakeDriver()
+    monkeypatch.setattr(vmm, "_drv", drv)
+    unit = 2**21
+    rng = CacheRange(num_units=10, unit_bytes=unit, device=0, num_slots=4)
+    rng.handles = [f"h{u}" for u in range(10)]  # 6 host masters, then 4 HBM slot units (lent handles)
+    assert rng.master_address(5) == (1 << 40) + 5 * unit
+    assert [c[2] for c in drv.calls if c[0] == "map"] == [f"h{u}" for u in range(6)]  # no slot unit
+    assert ("access", 1 << 40, 6 * unit) in drv.calls
+    with pytest.raises(IndexError):
+        rng.master_address(6)  # a slot unit has no master
+    rng._release_mirror()
+    assert [c for c in drv.calls if c[0] == "unmap"] == [("unmap", (1 << 40) + u * unit) for u in range(6)]
+    assert drv.calls[-1] == ("free", 1 << 40, 10 * unit) and rng.mirrored == 0
+
+
+def test_a_failed_mirror_extension_keeps_the_units_mapped_before_it(monkeypatch):
+    """A range that grew after its masters were mirrored: extending the mirror fails at unit 6, so
+    units 4 and 5 (mapped by this call) are unmapped again, units 0-3 (which copies may be reading)
+    stay, and the reservation stays."""
+    from reap_swap.residency import vmm
+
+    drv = FakeDriver()
+    monkeypatch.setattr(vmm, "_drv", drv)
+    unit = 2**21
+    rng = vmm.MixedRange(num_units=8, unit_bytes=unit, device=0)
+    rng.handles = [f"h{u}" for u in range(4)]
+    rng.master_address(3)
+    rng.handles += [f"h{u}" for u in range(4, 8)]  # grew
+    drv.fail_map_at = (1 << 40) + 6 * unit
+    with pytest.raises(RuntimeError, match="CUDA driver error 2"):
+        rng.master_address(7)
+    assert rng.mirrored == 4 and rng.mirror_base == 1 << 40
+    assert [c for c in drv.calls if c[0] in ("unmap", "free")] == [
+        ("unmap", (1 << 40) + 4 * unit),
+        ("unmap", (1 << 40) + 5 * unit),
+    ]
+
+
+@pytest.mark.parametrize("default", [8, swap.PUBLISH_AHEAD])
+def test_the_cuda_stores_follow_the_default_when_built_without_an_argument(monkeypatch, default):
+    """What production builds (VmmStore(st), GroupedStore(st)): the mode is the default's, and so is
+    where the copies read. Run 23's GPU tests set the default and the stores ignored it."""
+    from reap_swap.residency.grouped import GroupedStore
+    from reap_swap.residency.vmm_store import VmmStore
+
+    monkeypatch.setattr(swap, "PUBLISH_EVERY", default)
+    for store in (VmmStore(SimpleNamespace(layers={})), GroupedStore(SimpleNamespace(layers={}))):
+        assert store.publish_every == default
+        assert store.copies_read_masters == (default == swap.PUBLISH_AHEAD)
+        assert swap._remaps_ahead(store) == (default == swap.PUBLISH_AHEAD)
+    explicit = VmmStore(SimpleNamespace(layers={}), swap.PUBLISH_AHEAD)
+    assert swap._remaps_ahead(explicit) and not swap._remaps_ahead(VmmStore(SimpleNamespace(layers={}), 8))
+
+
+class TwiceFailingAheadStore(AheadStore):
+    """Fails the n-th remap of the swap and the m-th of its rollback."""
+
+    def __init__(self, num_slots: int, fail_at: set[int]):
+        super().__init__(num_slots)
+        self.fail_at = fail_at
+
+    def map_slot(self, layer, expert, slot):
+        if self.maps + 1 in self.fail_at:
+            self.maps += 1
+            raise RuntimeError("injected remap failure")
+        super().map_slot(layer, expert, slot)
+
+
+def test_ahead_swap_whose_rollback_fails_too_lands_its_copies_before_publishing():
+    """No rollback restores the set, so nothing else quiesces: the swap itself lands every copy
+    before its final publish makes the remapped units readable, and the next kernel reads whole
+    experts (the table says what the device holds)."""
+    table, store = SlotTable(10), TwiceFailingAheadStore(10, set())
+    apply_swap(table, store, {0: set(range(6))})
+    store.fail_at = {store.maps + 3, store.maps + 5}  # the 3rd remap of the swap, the 2nd of its rollback
+    with pytest.raises(SwapStepFailed) as err:
+        apply_swap(table, store, {0: {0}, 1: set(range(8))})
+    assert not err.value.rolled_back
+    kinds = [e[0] for e in store.events]
+    assert kinds[-2:] == ["quiesce", "publish"]  # the rollback's copies landed, then the publish
+    assert not store.in_flight and not store.unpublished
+    _check_consistent(table, store)

@@ -159,6 +159,24 @@ def layer_slots(
     return {l: min(num_experts, s) for l, s in slots.items()}, how
 
 
+def seeded_split(
+    pool_slots: int, core: Mapping[int, frozenset[int]], tail: int | str
+) -> tuple[dict[int, int], str | None]:
+    """``--reap-cache-seed seeded``'s cache slots per layer, C_l = layer_slots(core + tail, ...,
+    "core+tail") uncapped (``tail`` "auto": the whole pool), and why the device refuses them (None:
+    it lends them): the core does not fit, or core + tail exceeds the pool. The CUDA device's split
+    (device_cache_engine.CacheConfig.split_seeded) and accounting mode's swap capacity
+    (cache_accounting.swap_capacity) both run it."""
+    total = pool_slots if tail == "auto" else sum(len(c) for c in core.values()) + int(tail)
+    slots, how = layer_slots(total, sorted(core), core, "core+tail", 1 << 30)
+    want = sum(slots.values())
+    if not core or how != "core+tail":
+        return slots, f"--reap-cache-seed seeded: the plan core does not fit the {total} slots ({how})"
+    if want > pool_slots:
+        return slots, f"--reap-cache-seed seeded: core + tail = {want} slots > the pool's {pool_slots}"
+    return slots, None
+
+
 def _probe_sets(
     plan: Plan, trace: Trace, counts: Mapping[int, object], budget_bytes: int, slots: Mapping[int, int]
 ) -> dict[int, dict[int, frozenset[int]]]:

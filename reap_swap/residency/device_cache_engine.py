@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from reap_swap.cache_policy.replay import layer_slots
+from reap_swap.cache_policy.replay import seeded_split
 from reap_swap.compat import moe_cache
 from reap_swap.memory_split import pinned_tail_split, swap_slots_after_lending
 
@@ -40,7 +40,6 @@ class CacheConfig:
     layer_slots: dict[int, int] | None = None  # seeded: layer -> its C_l (set by split)
     tail_total: int = 0  # seeded, --reap-cache-slots N: N (the tail beyond the core, all layers)
     lent_slots: dict[int, int] = field(default_factory=dict)  # layer -> slots lent to it
-    seed_refusal: str | None = None  # --reap-cache-seed seeded asked but refused on CUDA (pinned served)
     slots_setting: int | str | None = None  # --reap-cache-slots as given (split's rule: pinned_tail_split)
     pool_slots: int | None = None  # the pool split() divided (pinned form; for /reap/status's tail_note)
     pinned_slots: int = 0  # the plan core split() left to the swap table (pinned form)
@@ -51,17 +50,14 @@ class CacheConfig:
         return self.slots_per_layer
 
     def split_seeded(self, pool_slots: int, core) -> int:
-        """--reap-cache-seed seeded: C_l per layer as accounting mode computes it; K = the rest."""
+        """--reap-cache-seed seeded: C_l per layer as accounting mode computes it (replay.seeded_split,
+        which accounting's swap capacity runs too); K = the rest."""
         core = {l: frozenset(c) for l, c in (core or {}).items()}
-        total = pool_slots if self.auto else sum(len(c) for c in core.values()) + self.tail_total
-        self.layer_slots, how = layer_slots(total, sorted(core), core, "core+tail", 1 << 30)
-        want = sum(self.layer_slots.values())
+        self.layer_slots, refusal = seeded_split(pool_slots, core, "auto" if self.auto else self.tail_total)
         self.slots_per_layer = min(self.layer_slots.values(), default=0)
-        if not core or how != "core+tail":
-            self.refusal = f"--reap-cache-seed seeded: the plan core does not fit the {total} slots ({how})"
-        elif want > pool_slots:
-            self.refusal = f"--reap-cache-seed seeded: core + tail = {want} slots > the pool's {pool_slots}"
-        return pool_slots if self.refusal else pool_slots - want
+        if refusal:
+            self.refusal = refusal
+        return pool_slots if self.refusal else pool_slots - sum(self.layer_slots.values())
 
     def split(self, pool_slots: int, num_layers: int, pinned=None) -> int:
         """Slots kept for swaps (K); records a refusal when the lending does not fit. ``pinned``:

@@ -1,5 +1,5 @@
-"""Per-request swaps with the seeded device cache (``--reap-cache-seed seeded``, issue 17; refused on
-CUDA since H200 run 12 unless --reap-unverified-seeded-cache: device_cache_serving.seeded_refusal).
+"""Per-request swaps with the seeded device cache (``--reap-cache-seed seeded``, issue 17; served on
+CUDA whenever asked since H200 run 23, refused there from run 12 until then: device_cache_serving).
 
 With ``seed_core`` the plan core is not pinned by the engine: each cached layer gets its whole
 share C of the pool (core + tail, accounting's ``replay.layer_slots(..., "core+tail")``) as cache
@@ -21,9 +21,9 @@ only the pool's remainder. A per-request swap's set P of a cached layer is there
 - A set wider than C is refused by name before anything moves (SeededCapacityError, a
   PoolCapacityError; the worker's apply error, so the HTTP answer is 500 worker_failed naming the
   layer, with the previous set re-applied -- a no-op: only the workers know C). Accounting mode
-  refuses the same set with the same error when run with --reap-cache-device on and
-  --reap-unverified-seeded-cache (cache_accounting.check_swap, branch acctail); otherwise it grows
-  that layer's capacity to |P| (LayerCache.pin); research.md "seedserve" lists every difference.
+  refuses the same set with the same error when run with --reap-cache-device on
+  (cache_accounting.check_swap, branch acctail); otherwise it grows that layer's capacity to |P|
+  (LayerCache.pin); research.md "seedserve" lists every difference.
 
 Between steps only (the worker RPC; cuda_backend.apply quiesces first). Pure torch on the units
 view: runs on CPU tensors with a fake range (tests/test_device_cache_seeded.py) and on CUDA.

@@ -13,12 +13,13 @@ the tail. ``--reap-cache lru`` on CUDA is refused by name (not implemented on th
 arithmetic): every layer's core + tail share is cache slots seeded with the core, evictable, and
 a per-request swap pins its set inside them (device_cache_seeded.py).
 
-``--reap-cache-seed seeded`` is REFUSED on CUDA by default (branch seedfix): H200 run 12
-(2026-12-01, vLLM 0.26.0) served it with greedy logprobs that differ from stock on 3 of 8 prompts
-(research.md "seedfix"); the server falls back to the pinned form (``core+dlfu``, bitwise equal to
-stock in the same run) and says why in the log and in /reap/status (``cache.seed``). The env
-``REAP_SWAP_UNVERIFIED_SEEDED_CACHE=1`` (``--reap-unverified-seeded-cache``,
-settings.cache_seed_unverified) serves it anyway: for the next GPU verification only.
+``--reap-cache-seed seeded`` is served on CUDA whenever asked (the default stays ``pinned``). It
+was refused there from H200 run 12 (2026-12-01: greedy logprobs unequal to stock on 3 of 8
+prompts) until run 23 (2026-12-04, vLLM 0.26.0, code at 098e293): two serves of the same model,
+plan and pool, one with TORCHINDUCTOR_DETERMINISTIC=1, were bitwise equal to stock at every
+logprob in every phase (plain client, swaps pinned inside the slots, back to the core), the cache
+engaged. Run 12's difference was not reproduced in those 2 serves at 098e293, and its cause was
+not identified (research.md "Run 23"). /reap/status ``cache.seed`` says the form asked and served.
 CPU accounting mode (state only, no bytes) keeps running ``dlfu-seeded`` (cache_accounting.py).
 
 The pinned form with fewer than 2 x top_k tail slots per layer logs one WARNING and shows
@@ -42,24 +43,6 @@ from .device_cache_shadow import shadow_mode
 
 log = get_logger("reap_swap.cache")
 
-SEEDED_OPT_IN = "REAP_SWAP_UNVERIFIED_SEEDED_CACHE"  # settings.cache_seed_unverified (GPU verification only)
-SEEDED_CUDA_REFUSAL = (
-    "--reap-cache-seed seeded refused on CUDA: its greedy output differed from stock vLLM on the H200 "
-    "(run 12, 2026-12-01, vLLM 0.26.0, 12-layer mk_model, plan 25 %, 64 slots/layer: logprobs of "
-    "prompts 0, 4, 7 of 8 first differ at decode steps 12, 11, 4, by 0.05, 9e-5, 1.5e-4; tokens "
-    "differ on 2; "
-    "research.md 'seedfix'); serving the pinned form (core+dlfu, bitwise equal to stock in the same "
-    f"run) instead. {SEEDED_OPT_IN}=1 (--reap-unverified-seeded-cache) serves seeded anyway, for GPU "
-    "verification only"
-)
-
-
-def seeded_refusal(settings: Any) -> str | None:
-    """Why ``--reap-cache-seed seeded`` falls back to pinned on CUDA (None: not asked, or opted in)."""
-    if getattr(settings, "cache_seed", "pinned") != "seeded":
-        return None
-    return None if getattr(settings, "cache_seed_unverified", False) else SEEDED_CUDA_REFUSAL
-
 
 def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str | None]:
     """(config, None) when the device cache should engage, else (None, why not)."""
@@ -80,18 +63,11 @@ def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str 
             shadow,
         )
     caches = DeviceCaches(decay=0.8, fused=True, shadow=shadow)
-    refused = seeded_refusal(settings)
-    if refused is not None:
-        log.error("reap-swap cache: %s", refused)
-    elif getattr(settings, "cache_seed", "pinned") == "seeded":
-        log.warning(
-            "reap-swap cache: %s=1: serving --reap-cache-seed seeded, UNVERIFIED on CUDA", SEEDED_OPT_IN
-        )
+    if getattr(settings, "cache_seed", "pinned") == "seeded":
         tail = 0 if auto else int(settings.cache_slots)
         return CacheConfig(caches, 0, seed_core=True, auto=auto, layer_slots={}, tail_total=tail), None
     cfg = CacheConfig(caches, slots_per_layer=per_layer, seed_core=False, auto=auto)
     cfg.slots_setting = settings.cache_slots  # split: memory_split.pinned_tail_split, as accounting
-    cfg.seed_refusal = refused
     return cfg, None
 
 
@@ -190,11 +166,9 @@ class DeviceCacheView:
 
 
 def _seed_status(cfg: CacheConfig) -> dict[str, Any]:
-    """/reap/status cache.seed: the form served, and why seeded was refused (if it was asked)."""
+    """/reap/status cache.seed: the form asked and served (the same on CUDA since run 23)."""
     served = "seeded" if cfg.seed_core else "pinned"
-    if cfg.seed_refusal:
-        return {"requested": "seeded", "served": served, "refused": cfg.seed_refusal}
-    return {"requested": served, "served": served, **({"unverified": True} if cfg.seed_core else {})}
+    return {"requested": served, "served": served}
 
 
 def _tail_source(cfg: CacheConfig) -> str:

@@ -6,7 +6,7 @@ The seam is a backend wrapper inside the worker (`FaultInjectingBackend`), so no
 signature carries a fault: armed, it fails the next non-dry-run apply once. Over the accounting
 backend it fails before the resident set changes; over the CUDA backend it wraps the backend's
 ExpertStore for that one apply so that `map_slot` raises after `after_admissions` admissions
-were published, which makes apply_swap's own local rollback run for real. A swap with too few
+were remapped (published too, unless the swap remaps ahead: swap.PUBLISH_AHEAD), which makes apply_swap's own local rollback run for real. A swap with too few
 admissions to fail mid-way is undone and fails after it, so an armed fault always fails the call.
 """
 

@@ -114,7 +114,7 @@ class GroupedStore:
         self.st = st
         # swap.py: overlapped publishes (0: only at the end); None: swap.PUBLISH_EVERY, read now
         self.publish_every = swap.PUBLISH_EVERY if publish_every is None else publish_every
-        self.copies_read_masters = publish_every == PUBLISH_AHEAD  # as VmmStore
+        self.copies_read_masters = self.publish_every == PUBLISH_AHEAD  # as VmmStore
         first = next(iter(st.layers.values()), None)
         self.bytes_per_expert = first.layout.group_payload_bytes if first else 0  # per group
 

@@ -5,8 +5,10 @@ experts first, so HBM use never exceeds the pool; copy the admitted experts host
 each one (remap) once its copy has landed (or, remapping ahead, before: below). The host copy is
 the master, so an eviction copies nothing. Whenever a kernel may run, every expert is backed by
 either its host master or a slot holding the same bytes, so a forward pass that runs after a
-failure still reads correct weights (a failed swap waits for its copies: quiesce); the table is
-committed step by step, so it says what the device really holds. On a failure the swap is rolled
+failure still reads correct weights (a swap that remapped ahead and fails lands its copies, a
+quiesce, before it publishes); the table is committed step by step, so once a swap returns or
+raises it says what the device holds (remapping ahead, it lists admissions while their copies are
+still in flight, which nothing reads until they land). On a failure the swap is rolled
 back to the previous resident set (re-copying what the failed swap overwrote), and the error is
 re-raised.
 
@@ -16,7 +18,8 @@ tail (3 ms of 21 ms for 1 GiB, run 4). So every `publish_every` admissions whose
 landed and been remapped, while later copies are still in flight, the store publishes what is
 pending so far (those admissions and the swap's evictions); the final publish handles the rest.
 Why this is safe while copies run: a copy reads the *source* expert's unit of a MixedRange (a
-host-backed unit not yet remapped, so not pending and not touched by the publish) and writes a
+host-backed unit not yet remapped, so not pending and not touched by the publish; remapping ahead,
+the master's second mapping, which no remap or publish touches) and writes a
 slot's *staging* address in the DeviceSlotPool (a reservation of its own, mapped and made
 accessible once at startup, never changed). cuMemSetAccess acts only on the virtual-address
 range it is given (shared/notes/cuda-vmm.md, step 4: access is set "for that subrange"), here
@@ -34,7 +37,8 @@ no remap touches, so an admission need not wait for its copy before its unit is 
 remap and one publish then run while the copies are in flight, and the swap ends by waiting for
 them: the CPU's work hides behind the copies instead of following the last one. Between a remap
 and the landing of its copy the unit is mapped to a slot still being written; no kernel reads it
-then (quiesce: none runs until the swap returns, and it returns only after every copy landed).
+then (quiesce: none runs until the swap returns, and it returns only after every copy landed;
+when a step fails, the swap quiesces before its final publish, so a raise lands every copy too).
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ from typing import Any, Protocol
 from .slot_table import SlotTable, SwapPlan
 
 # publish_every > 0: landed admissions between overlapped publishes; 0 = publish only at the end
-# (run 4's behaviour). 8 was the default from run 12 to run 23 (scripts/gpu_swap_guard.py's A/B on the
-# H200: 1 GiB delta 44.2 -> 48.9 GB/s against 0, publish tail 3.5 -> 0.3 ms; 32 no better).
+# (run 4's behaviour). 8, the default since run 12 (scripts/gpu_swap_guard.py's A/B on the H200:
+# 1 GiB delta 44.2 -> 48.9 GB/s against 0, publish tail 3.5 -> 0.3 ms; 32 no better).
 # publish_every value PUBLISH_WHEN_IDLE: publish what is pending only while the CPU would otherwise
 # wait, i.e. just before waiting on a copy that has not landed yet (the store's copy_landed). Run 22
 # (H200, 2026-12-04) saw the chunked arm's admit loop take 20.1 ms against the copies' 17.6 (1 GiB
@@ -59,11 +63,12 @@ PUBLISH_WHEN_IDLE = -1
 # then wait for the copies (module docstring). Only for a store whose copies read the masters' second
 # mapping (`copies_read_masters`); any other store publishes only at the end.
 PUBLISH_AHEAD = -2
-# The default since run 23 (H200, 2026-12-04, five guard sessions on one lease, arms interleaved,
-# 7-9 repeats each, medians): 1 GiB delta 53.4 / 49.0 / 52.7 / 49.9 / 52.3 GB/s remapping ahead vs
-# 52.5 / 47.7 / 51.8 / 49.0 / 51.7 in chunks of 8 (ahead faster in every session, by 0.6 to 1.3) and
-# 53.5-54.2 for the copies alone; bytes bitwise, the engine's GPU tests passed with it (58 tests).
-PUBLISH_EVERY = PUBLISH_AHEAD
+# Run 23 (H200, 2026-12-04, five guard sessions on one lease, arms interleaved, 7-9 repeats each,
+# medians) measured remapping ahead at 53.4 / 49.0 / 52.7 / 49.9 / 52.3 GB/s for the 1 GiB delta vs
+# 52.5 / 47.7 / 51.8 / 49.0 / 51.7 in chunks of 8 (faster in every session, by 0.6 to 1.3) and
+# 53.8-54.2 for the copies alone, bytes bitwise. It stays opt-in until the engine's GPU tests and a
+# server have swapped with it (run 23's did not: the stores ignored the default, fixed since).
+PUBLISH_EVERY = 8
 
 
 class ExpertStore(Protocol):
@@ -94,7 +99,8 @@ class ExpertStore(Protocol):
         """Make every remap so far readable (the CUDA store sets access per run of units); called
         at the end of every swap, also of one that failed mid-way, and every `publish_every`
         landed admissions while later copies are in flight (a store may set `publish_every`;
-        absent, PUBLISH_EVERY; 0 = only at the end)."""
+        absent, PUBLISH_EVERY; 0 = only at the end; PUBLISH_AHEAD: once, before the waits, for a
+        store with `copies_read_masters`, else only at the end)."""
 
 
 class SwapStepFailed(RuntimeError):
@@ -176,6 +182,7 @@ def _execute(table: SlotTable, store: ExpertStore, plan: SwapPlan) -> SwapResult
     # and the admission remaps of experts whose copies have already landed. A slot freed by an
     # eviction is written only after that eviction, so a failure never leaves a stale mapping.
     free_now = set(range(table.num_slots)) - {table.slot_of(s.layer, s.expert) for s in plan.evict}
+    ahead = _remaps_ahead(store)
     try:
         tokens = {s: store.start_copy(s.layer, s.expert, s.slot) for s in plan.admit if s.slot in free_now}
         t2 = time.perf_counter()
@@ -186,8 +193,12 @@ def _execute(table: SlotTable, store: ExpertStore, plan: SwapPlan) -> SwapResult
         for step in plan.admit:
             if step not in tokens:
                 tokens[step] = store.start_copy(step.layer, step.expert, step.slot)
-        (_admit_ahead if _remaps_ahead(store) else _admit)(table, store, plan, tokens, result)
+        (_admit_ahead if ahead else _admit)(table, store, plan, tokens, result)
         t4 = time.perf_counter()
+    except BaseException:
+        if ahead:  # units remapped ahead may point at slots still being written: land every copy
+            store.quiesce()  # before the publish below makes them readable (also if no rollback follows)
+        raise
     finally:
         # no kernel runs during a swap, so access is set per run of remapped units (in chunks
         # while copies are in flight, the rest here) -- and also when a step failed: every remap

@@ -242,8 +242,13 @@ class MixedRange(_UnitRange):
                     self.mirror_base + first * self.unit_bytes, size, [_access_desc(self.device)], 1
                 )
             )
-        except Exception:
-            self._release_mirror()  # all or nothing: master_address never returns an unreadable address
+        except Exception:  # undo this call's units only: copies may be reading the earlier ones
+            for unit in range(first, self.mirrored):
+                _drv.cuMemUnmap(self.mirror_base + unit * self.unit_bytes, self.unit_bytes)
+            self.mirrored = first
+            if first == 0 and self.mirror_base:
+                _drv.cuMemAddressFree(self.mirror_base, self.nbytes)
+                self.mirror_base = 0
             raise
 
     def _release_mirror(self) -> None:
@@ -287,9 +292,10 @@ class MixedRange(_UnitRange):
     def flush_access(self) -> int:
         """Make every remapped unit readable: one cuMemSetAccess per run of adjacent units.
 
-        swap.py also calls this while later copies are in flight: only pending units (remapped,
-        their own copies landed) are touched, never the host-backed units those copies read nor
-        the pool's staging addresses they write (a separate reservation)."""
+        swap.py also calls this while later copies are in flight: only pending units (remapped;
+        their own copies landed, or, remapping ahead, still in flight into a slot nothing reads
+        before the swap returns) are touched, never the units or master mappings those copies read
+        nor the pool's staging addresses they write (a separate reservation)."""
         if not self.pending_access:
             return 0
         calls = 0

@@ -11,14 +11,15 @@ from .swap import PUBLISH_AHEAD
 
 
 class VmmStore:
-    """Evict = map the host master back; admit = copy host -> slot, then map the slot."""
+    """Evict = map the host master back; admit = copy host -> slot and map the slot (after the
+    copy landed, or remapping ahead before: swap.py)."""
 
     def __init__(self, st: Any, publish_every: int | None = None) -> None:  # st: engine.EngineState
         self.st = st
         # swap.py: overlapped publishes (0: only at the end); None: swap.PUBLISH_EVERY, read now
         self.publish_every = swap.PUBLISH_EVERY if publish_every is None else publish_every
         # remapping ahead needs copies that read the masters where no remap touches them
-        self.copies_read_masters = publish_every == PUBLISH_AHEAD
+        self.copies_read_masters = self.publish_every == PUBLISH_AHEAD
         # only the payload moves: the unit's padding to the mapping granularity is never read
         self.bytes_per_expert = next(iter(st.layers.values())).expert_bytes if st.layers else 0
 

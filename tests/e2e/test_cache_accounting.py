@@ -17,11 +17,12 @@ layers lends 2 each, the remainder 2 is not lent, so the simulator's budget is c
 ``--reap-cache-seed seeded`` ``dlfu-seeded`` on core + TAIL slots spread over the layers.
 
 Swap capacity (acctail): the servers run with ``--reap-cache-device on``, so accounting holds swaps
-to the CUDA server's swap table with the same flags, K = the pool (62) less 4 layers x 2 lent = 54:
-after the equality checks, a swap of all 62 plan experts is refused (500 worker_failed naming
-CUDA's numbers, rolled back, resident set and cache unchanged) and one of exactly 54 is applied.
-(The seeded server without --reap-unverified-seeded-cache: CUDA would serve the pinned form, the
-same K.)
+to the CUDA server's capacity with the same flags. Pinned form: its swap table, K = the pool (62)
+less 4 layers x 2 lent = 54: after the equality checks, a swap of all 62 plan experts is refused
+(500 worker_failed naming CUDA's numbers, rolled back, resident set and cache unchanged) and one of
+exactly 54 is applied. Seeded form (served on CUDA whenever asked since run 23): each layer's set
+within its C_l cache slots (core + TAIL spread: 7, 7, 6, 6), so the same wide swap is refused
+naming its first layer too wide (SeededCapacityError) and one within every layer's slots applied.
 
 Step semantics pinned: requests one at a time, prefix caching off (no prompt token skipped),
 prompts far below the batched-token budget (one prefill step, no chunking), ``ignore_eos`` and a
@@ -180,25 +181,46 @@ def test_cache_accounting_equals_simulate(cache_api, recount, tiny_moe):
 
 
 def refused_for_capacity(api, plan):
-    """A swap wider than the swap table K: refused as CUDA refuses it, nothing changes; K fits."""
+    """A swap wider than the swap capacity (pinned: the table's K; seeded: a layer's C_l cache
+    slots): refused as CUDA refuses it, nothing changes; exactly K (pinned) or a set within every
+    layer's slots (seeded) is applied."""
     before, cache = status(api), status(api)["cache"]
-    assert cache["swap_slots"] == SWAP_SLOTS, cache
     every = {f"layer_{l}": [s.slice_id for s in p.slices] for l, p in plan.layers.items()}
     r = api.post("/swap_active_set", json={"request_id": "too-wide", "active_set": every})
     assert r.status_code == 500, r.text
     err = r.json()["error"]
     assert err["type"] == "worker_failed" and err["field"] is None and err["rolled_back"] is True, err
-    assert (
-        f"PoolCapacityError: resident set needs 62 expert slots but the swap table has {SWAP_SLOTS} "
-        f"(overflow {62 - SWAP_SLOTS} experts): the HBM pool of 62 slots less 4 layers x 2 = "
-        f"{62 - SWAP_SLOTS} lent to the cache tails; --reap-cache-slots swaps or a smaller N leaves more room"
-    ) in err["message"], err
+    if cache["seeded_swaps"]:
+        assert cache.get("swap_slots") is None, cache  # None is dropped on the wire
+        slots = {int(l): v["slots"] for l, v in cache["layers"].items()}
+        assert slots == {0: 7, 1: 7, 2: 6, 3: 6}, slots  # core 4 each + TAIL 10 spread
+        width = {l: len(set(p.core).union(*(s.experts for s in p.slices))) for l, p in plan.layers.items()}
+        layer = min(l for l in plan.layers if width[l] > slots[l])
+        assert (
+            f"SeededCapacityError: layer {layer}: a swap set of {width[layer]} experts is wider than the "
+            f"layer's {slots[layer]} cache slots"
+        ) in err["message"], err
+    else:
+        assert cache["swap_slots"] == SWAP_SLOTS, cache
+        assert (
+            f"PoolCapacityError: resident set needs 62 expert slots but the swap table has {SWAP_SLOTS} "
+            f"(overflow {62 - SWAP_SLOTS} experts): the HBM pool of 62 slots less 4 layers x 2 = "
+            f"{62 - SWAP_SLOTS} lent to the cache tails; --reap-cache-slots swaps or a smaller N leaves more room"
+        ) in err["message"], err
     after = status(api)
     assert after["signature"] == before["signature"] == err["signature"]
     keys = ("resident", "pinned", "tail_slots", "counts")
     assert {l: {k: v[k] for k in keys} for l, v in after["cache"]["layers"].items()} == {
         l: {k: v[k] for k in keys} for l, v in cache["layers"].items()
     }
+    if cache["seeded_swaps"]:  # 4-expert slices overflow layers 0-2 (4 + 4 > 7, 6); layer 3's
+        # 2-expert slice fills its 6 slots exactly: 16 core + 2 = 18, applied
+        fit = {"layer_3": [s.slice_id for s in plan.layers[3].slices if len(s.experts) == 2]}
+        assert len(plan.layers[3].core) + 2 == slots[3]
+        r = api.post("/swap_active_set", json={"request_id": "within-slots", "active_set": fit})
+        assert r.status_code == 200, r.text
+        assert r.json()["validation"]["resident_experts"] == 18
+        return
     # 16 core + every slice of layers 0-2 (36) + layer 3's 2-expert slice = 54 = K: applied
     fit = dict(every, layer_3=[s.slice_id for s in plan.layers[3].slices if len(s.experts) == 2])
     r = api.post("/swap_active_set", json={"request_id": "exactly-k", "active_set": fit})

@@ -77,7 +77,7 @@ def test_failure_after_overlapped_publishes_rolls_back(layer, every):
     before = st.table.resident()
     store = SwapFault(rank=0, after_admissions=20).wrap(
         VmmStore(st, every)
-    )  # 5 chunks published (4), then fail
+    )  # 20 remapped (every=4: 5 chunks published), then fail
     with pytest.raises(SwapStepFailed) as failed:
         apply_swap(st.table, store, {0: list(range(40, 100))})
     assert failed.value.rolled_back and st.table.resident() == before
