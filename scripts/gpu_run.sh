@@ -9,7 +9,8 @@
 #   tests     pytest tests/gpu (TESTS_K: a -k filter)
 #   budget    --reap-budget auto at two --gpu-memory-utilization values (gpu_budget_auto.py: alone)
 #   cache     the device cache in the server for a plain client (gpu_e2e.py reap-cache vs reap-plan25;
-#             CACHE_ARMS, CACHE_CAP, CACHE_EXTRA e.g. "--cache-shadow out")
+#             CACHE_ARMS, CACHE_CAP, CACHE_EXTRA e.g. "--cache-shadow out"; CACHE_STOCK=auto (run 8's H200 stock
+#             text on an H200, else a stock-gpu serve first: run 24's H100 did not reproduce H200 bits) | run8 | serve)
 #   quant     quantized formats end to end (gpu_quant_e2e.py, QUANT_CASES; QUANT_EXTRA: more of its
 #             flags, e.g. "--decode-tokens 64 --serial-arms --case-timeout 600" with QUANT_JOBS=1 and a
 #             QUANT_CAP of at least cases x case-timeout + ~60 s: serial cases add up)
@@ -48,6 +49,8 @@
 #   int4      issue 16's INT4 groups (int4perm: identity order, the default): tests/gpu/test_int4_groups.py (INT4_KERNEL=0: skipped), then gpu_quant_e2e.py
 #             --cases awq,gptq,ct-w4a16 --reap-group-size auto (~8 min, small models: fits beside cache)
 #   swapguard only the swap half of guards (gpu_swap_guard.py, no server, ~1-2 min): alone
+#   vmmprobe  where a swap's driver time goes (gpu_vmm_probe.py: unmap/map/access per unit, one unmap over
+#             a run, remaps from threads, copies with remaps running; no server, < 1 min): alone
 #   guards    issue 17's guards, alone (<= 10.5 min, ~9): scripts/gpu_swap_guard.py (1 GiB swap >= 50 GB/s,
 #             publish_every 0 vs 8 vs -1 (idle) vs -2 (ahead), ~1-2 min) then scripts/gpu_guards.py (stock vs reap-swap all
 #             resident vs + the device cache ENGAGED on an 8-slot tail per layer beyond every expert,
@@ -90,11 +93,19 @@ gpu_e2e.make_plan(Path('/tmp/model'), 0.25, 8, Path('$R/budget.plan.json'), budg
     --arms ${BUDGET_ARMS:-auto@0.08,auto@0.14,cap@0.14,refused} > $R/budget.log 2>&1
 }
 ph_cache() {
-  mkdir -p $R/cache  # stock-gpu's greedy text from run 8 (same kit, same seeded mk_model, same flags)
-  $PY -c "import json; d=json.load(open('research-notes/h200-2026-12-01/run8-gpu_e2e.json')); \
+  mkdir -p $R/cache
+  local arms=${CACHE_ARMS:-reap-cache,reap-plan25} card
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  if [ "${CACHE_STOCK:-auto}" = run8 ] || { [ "${CACHE_STOCK:-auto}" = auto ] && [[ $card == *H200* ]]; }; then
+    # stock-gpu's greedy text from run 8 (same kit, same seeded mk_model, same flags), recorded on an H200
+    $PY -c "import json; d=json.load(open('research-notes/h200-2026-12-01/run8-gpu_e2e.json')); \
 json.dump({'stock-gpu': d['stock-gpu']}, open('$R/cache/gpu_e2e.json', 'w'))"
+  else  # another card picks other fused-MoE tile configs, so other bits (run 24, H100): serve stock here first
+    case ",$arms," in *,stock-gpu,*) ;; *) arms=stock-gpu,$arms ;; esac
+  fi
+  echo "cache: card ${card:-?}, arms $arms" > $R/cache.log
   timeout ${CACHE_CAP:-330} $PY scripts/gpu_e2e.py --model /tmp/model --out $R/cache --moe-probe \
-    --arms ${CACHE_ARMS:-reap-cache,reap-plan25} ${CACHE_EXTRA:-} > $R/cache.log 2>&1
+    --arms $arms ${CACHE_EXTRA:-} >> $R/cache.log 2>&1
 }
 quant_phase() {  # NAME KNOB_PREFIX DEFAULT_JOBS DEFAULT_CASES: gpu_quant_e2e.py into $R/NAME, knobs PREFIX_*
   local cap=${2}_CAP jobs=${2}_JOBS cases=${2}_CASES extra=${2}_EXTRA
@@ -147,6 +158,7 @@ ph_guards() {  # swap A/B first (no server), then the decode guard's servers sid
     --serves ${GUARD_SERVES:-2} --rounds ${GUARD_ROUNDS:-12} --tokens ${GUARD_TOKENS:-512} --deadline $(( ${GUARD_CAP:-480} - 40 )) >> $R/guards.log 2>&1
 }
 ph_swapguard() { swap_guard $R/swapguard.log; }  # guards' swap half only
+ph_vmmprobe() { timeout ${VMMPROBE_CAP:-120} $PY scripts/gpu_vmm_probe.py --out $R/vmmprobe > $R/vmmprobe.log 2>&1; }
 ph_int4() {  # int4perm: identity-order INT4 groups (the default), kernel test then the server e2e (~8 min)
   # INT4_KERNEL=0 skips the kernel test (run 14 ran it: 161 s) and serves the e2e only
   [ "${INT4_KERNEL:-1}" = 1 ] && \

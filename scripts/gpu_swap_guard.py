@@ -6,8 +6,8 @@ The bench of research.md run 4 (scripts/gpu_swap_bench.py's bench_swaps): Qwen3-
 layers (E=128, H=2048, I=768, bf16), 8 layers, a pool for every expert (1024 slots); each sample
 evicts everything (no copy), then times swap-in of 10 % of the pool, a 1 GiB delta and 100 % of
 the pool (bytes = the 9 MiB payload per expert). Arms: --publish-every values (0 = off, the run-4
-path; 8 = the default; -1 = swap.PUBLISH_WHEN_IDLE, publishing only before a wait on a copy still in
-flight, and -2 = swap.PUBLISH_AHEAD (opt-in; run 23: the fastest arm), copies reading the masters' second mapping so that every remap
+path; 8 = the default of runs 12-23; -1 = swap.PUBLISH_WHEN_IDLE, publishing only before a wait on a copy still in
+flight, and -2 = swap.PUBLISH_AHEAD (run 23: the fastest arm; the default since run 24), copies reading the masters' second mapping so that every remap
 and one publish run while the copies are in flight; both added after run 22 saw fixed chunks slow a
 CPU-bound admit loop). After the last repeat the largest chunk's 100 % swap, and the idle and ahead
 arms' when they ran, are checked bitwise against the original weights of layer 0 (the bytes really
@@ -39,7 +39,7 @@ from reap_swap.guard_report import swap_summary  # noqa: E402
 from reap_swap.residency.engine import standalone_state  # noqa: E402
 from reap_swap.residency.swap import PUBLISH_AHEAD, PUBLISH_EVERY, PUBLISH_WHEN_IDLE, apply_swap  # noqa: E402
 
-CANDIDATE = PUBLISH_EVERY  # the arm the guard (>= 50 GB/s) is judged on: the default (8)
+CANDIDATE = PUBLISH_EVERY  # the arm the guard (>= 50 GB/s) is judged on: the default
 from reap_swap.residency import vmm  # noqa: E402
 from reap_swap.residency.vmm_store import VmmStore  # noqa: E402
 
@@ -159,7 +159,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
         "--publish-every",
-        default=f"0,8,{PUBLISH_WHEN_IDLE},{PUBLISH_AHEAD}",  # 8: the default
+        default=f"0,8,{PUBLISH_WHEN_IDLE},{PUBLISH_AHEAD}",  # -2: the default
         help=f"arms: comma-separated, 0 = off, {PUBLISH_WHEN_IDLE} = when idle, {PUBLISH_AHEAD} = remap ahead",
     )
     ap.add_argument(

@@ -201,3 +201,29 @@ def test_wait_on_a_machine_without_a_run_stops_at_once(tmp_path):
     assert p.returncode == 3, p.stderr
     assert "main.log missing" in p.stderr and "lent fresh" in p.stderr
     assert time.monotonic() - t0 < 10
+
+
+def _fake_card(tmp_path: Path, name: str) -> str:
+    """A PATH whose nvidia-smi names `name` (and reports 0 MiB in use to any other query)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(parents=True, exist_ok=True)
+    smi = bindir / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\ncase "$*" in *name*) echo "{name}" ;; *) echo 0 ;; esac\n')
+    smi.chmod(0o755)
+    return f"{bindir}:{os.environ['PATH']}"
+
+
+def test_cache_phase_serves_stock_first_on_a_card_other_than_the_h200(tmp_path):
+    # run 24: run 8's stock text is an H200's; an H100 serves other bits at every residency
+    path = _fake_card(tmp_path / "h100", "NVIDIA H100 80GB HBM3")
+    lines = dry_session(tmp_path / "h100", "cache", CACHE_ARMS="reap-sweep", PATH=path)
+    assert "--arms stock-gpu,reap-sweep" in _line(lines, "scripts/gpu_e2e.py")
+    assert not any("run8-gpu_e2e.json" in x for x in lines)
+    path = _fake_card(tmp_path / "h200", "NVIDIA H200")
+    lines = dry_session(tmp_path / "h200", "cache", CACHE_ARMS="reap-sweep", PATH=path)
+    assert "--arms reap-sweep " in _line(lines, "scripts/gpu_e2e.py") + " "
+    assert any("run8-gpu_e2e.json" in x for x in lines)
+    lines = dry_session(
+        tmp_path / "given", "cache", CACHE_ARMS="stock-gpu,reap-sweep", PATH=path, CACHE_STOCK="serve"
+    )
+    assert "--arms stock-gpu,reap-sweep " in _line(lines, "scripts/gpu_e2e.py") + " "

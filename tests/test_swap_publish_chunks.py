@@ -102,9 +102,8 @@ def test_the_first_chunk_also_publishes_the_swaps_evictions():
 
 def test_default_publish_every_applies_to_a_store_without_the_attribute(monkeypatch):
     table, store = SlotTable(24), FakeStore(24)  # no publish_every: swap.PUBLISH_EVERY
-    assert swap.PUBLISH_EVERY == 8  # on by default since the H200 A/B (run 12)
-    monkeypatch.setattr(swap, "PUBLISH_EVERY", swap.PUBLISH_AHEAD)  # its copies read the units:
-    result = apply_swap(table, store, _admit_n(20))  # so only the final publish
+    assert swap.PUBLISH_EVERY == swap.PUBLISH_AHEAD  # the default since run 24; this store's copies
+    result = apply_swap(table, store, _admit_n(20))  # read the units themselves: only the final publish
     assert result.phases["publish_chunks"] == 0 and store.events.count(("publish",)) == 1
     monkeypatch.setattr(swap, "PUBLISH_EVERY", 0)  # off: only the final publish
     table, store = SlotTable(24), FakeStore(24)
