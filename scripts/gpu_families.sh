@@ -98,7 +98,7 @@ qwen_stock() {  # needs no pinned memory: starts before the micro-bench
 qwen_reap() {  # the critical path: every step is saved as it ends, so a cut run keeps the first ones
   local q; q=$(qwen_args) || return
   while [ ! -e "$S/qwen35/meta.json" ] && [ "$(left)" -ge 60 ]; do sleep 1; done
-  arm qwen35 reap "$(left)" $q --host-guard-gib 2.5
+  arm qwen35 reap "$(left)" $q --host-guard-gib 2.5 ${QWEN_REAP_EXTRA:+--reap-extra "$QWEN_REAP_EXTRA"}
   while [ ! -e "$S/qwen_stock.done" ] && [ "$(left)" -ge 0 ]; do sleep 2; done
   $PY scripts/gpu_families.py --name qwen35 --out "$S" --arms merge > /dev/null 2>&1
 }

@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -227,3 +229,19 @@ def test_cache_phase_serves_stock_first_on_a_card_other_than_the_h200(tmp_path):
         tmp_path / "given", "cache", CACHE_ARMS="stock-gpu,reap-sweep", PATH=path, CACHE_STOCK="serve"
     )
     assert "--arms stock-gpu,reap-sweep " in _line(lines, "scripts/gpu_e2e.py") + " "
+
+
+def test_qwen_reap_extra_reaches_the_reap_server_arm(tmp_path):
+    # run 24's next lease: the device cache on full-size Qwen3.5 needs reap-server flags in the qwen phase
+    plan = ROOT.parent / "shared" / "fixtures" / "strict30-v2-plan.json"
+    if not plan.exists():
+        pytest.skip("the field plan is not on this machine")
+    lines = dry_session(
+        tmp_path, "qwen", QWEN_REAP_EXTRA="--reap-cache lfu --reap-cache-device on", QWEN_CAP="120"
+    )
+    reap = [x for x in lines if "--arms reap" in x and "--name qwen35" in x]
+    assert reap and reap[0].endswith("--reap-extra --reap-cache lfu --reap-cache-device on"), reap
+    stock = [x for x in lines if "--arms stock" in x]
+    assert stock and "--reap-extra" not in stock[0]
+    log = (tmp_path / "fam" / "qwen35-reap.log").read_text()
+    assert "unrecognized arguments" not in log and "Traceback" not in log, log[-2000:]
