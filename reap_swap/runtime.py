@@ -78,6 +78,7 @@ class WorkerRuntime:
             )
             return None
         from reap_swap.residency.device_cache_serving import cache_config_for
+        from reap_swap.residency.swap import publish_every_of
 
         cache, self.cache_reason = cache_config_for(self.settings, self.plan)
         self.engine = CudaEngine(
@@ -85,6 +86,7 @@ class WorkerRuntime:
             self.refusals,
             cache=cache,
             group_size=self.settings.group_size,
+            publish_every=publish_every_of(self.settings.swap_publish),
         )
         if self.settings.budget != "plan":  # --reap-budget auto | GiB (residency/budget.py)
             from reap_swap.residency.budget import BudgetHook

@@ -25,6 +25,7 @@ launch script that still passes it keeps working; a retired flag never reaches v
 | REAP_GROUP_SIZE             | --reap-group-size auto,1,2,4,8 | EXPERIMENTAL (CUDA; FP8 block at auto = b 2 and bf16 = b 1 served identical to stock on the H200, run 11): experts in mapping units of b physically adjacent experts in a plan-chosen order, ids remapped after counting (residency/grouped_engine.py); auto = the smallest b wasting < 12 % (FP8 on Triton: 2, bf16: 1); default 1 = private units, today's engine unchanged; refused with --reap-cache-device on and with --reap-budget auto/GiB; INT4 (Marlin / moe_wna16) layers bind in identity-order contiguous groups (consecutive expert ids, no permutation: AWQ, GPTQ and CT W4A16 at auto = b 8 served identical to stock on the H200, run 16; the permuted order was not bitwise, run 12) |
 | REAP_SWAP_UNVERIFIED_INT4_GROUPS | --reap-unverified-int4-groups | RETIRED (run 16, 2026-12-03): identity-order INT4 groups are the default; still accepted, ignored with a warning (RETIRED below) |
 | REAP_SWAP_EXACT_PINNING     | --reap-exact-pinning          | auto (default), 1 or 0 (CUDA, UVA offload): page-lock vLLM's host copies of large expert tensors with cudaHostRegister at their exact size instead of pin_memory(), which PyTorch rounds up to a power of two (Kimi-K2: 96 GiB pinned for 63; research.md "Pinned rounding"); at the re-home the engine unregisters the copy, copies it in ~512 MiB blocks of experts, allocating each block's host units just before and returning the block's source pages to the kernel just after, so the host holds one block twice rather than one layer (compat/pinning.py drain; the grouped and device-cache paths return the copy after the layer); the launcher's host check counts exact bytes. auto: on for private units without the device cache where the rounded copies plus one layer in flight would exceed 1.2x the expert bytes (the DeepSeek-V3 / Kimi layer shapes), off elsewhere (Qwen3.5, Mixtral, GPT-OSS stay on the path they were verified on); the flag forces it on. In a server on the H200 (runs 17-18): the DeepSeek-V3 layer shape at depth 6 held 0.95x experts + dense in use (1.44x without), text and MoE digests equal to stock at every point, swaps at 54 GB/s |
+| REAP_SWAP_PUBLISH           | --reap-swap-publish ahead,idle,end,N | CUDA swaps: when remapped units are made accessible (residency/swap.py). ahead (default since H100 run 24): copies read a second mapping of each host master, so every remap and one publish run while the copies are in flight; idle: publish only while waiting on a copy; end: once after the last copy (run 4's path); N: every N landed copies (8 was the default of runs 12-23) |
 | REAP_CACHE_SHADOW           | --reap-cache-shadow off,out,bytes | debug (CUDA device cache): every cached MoE step also runs the uncached kernel and compares on the device (out), and checks every slot's bytes (bytes, slow); results in /reap/status cache.shadow (residency/device_cache_shadow.py) |
 
 Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
@@ -95,6 +96,8 @@ class Settings(BaseModel):
     # cudaHostRegister vLLM's UVA expert copies (compat/pinning.py); auto: the launcher decides
     # (server.resolve_exact_pinning), the workers only ever see True or False
     exact_pinning: Literal["auto"] | bool = "auto"
+    # when a swap makes its remapped units accessible (residency/swap.py); ahead: the default since run 24
+    swap_publish: Literal["ahead", "idle", "end"] | int = "ahead"
 
     @field_validator("group_size", mode="before")
     @classmethod
@@ -114,6 +117,16 @@ class Settings(BaseModel):
         if text in ("", "0", "false", "no", "off"):
             return False
         raise ValueError("expected auto, on (1, true) or off (0, false)")
+
+    @field_validator("swap_publish", mode="before")
+    @classmethod
+    def _swap_publish(cls, v: Any) -> Any:
+        text = str(v).strip().lower()
+        if text in ("ahead", "idle", "end"):
+            return text
+        if isinstance(v, bool) or not text.isdigit() or int(text) < 1:
+            raise ValueError("expected ahead, idle, end or an integer N >= 1 (publish every N landed copies)")
+        return int(text)
 
     @field_validator("cache_slots", mode="before")
     @classmethod
@@ -267,6 +280,16 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
             "help": "pin vLLM's UVA expert copies at their exact size (cudaHostRegister) instead of PyTorch's "
             "power-of-two blocks (research.md 'Pinned rounding'); default auto: on where the rounded copies plus "
             "a layer in flight would hold more than 1.2x the expert bytes; REAP_SWAP_EXACT_PINNING=0 turns it off",
+        },
+    ),
+    "swap_publish": (
+        "REAP_SWAP_PUBLISH",
+        "--reap-swap-publish",
+        {
+            "metavar": "ahead|idle|end|N",
+            "help": "CUDA swaps: when remapped units are made accessible (default ahead: every remap and one "
+            "publish while the copies are in flight; idle: publish while waiting on a copy; end: after the "
+            "last copy; N: every N landed copies, the default of runs 12-23 was 8)",
         },
     ),
 }

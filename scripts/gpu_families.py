@@ -300,7 +300,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "decode spread 12.9-16.9 tok/s on one server at zero misses (run 14, V2-Lite)")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=0, help="greedy/decode prompts: the first N of 8 (0: all)")
     ap.add_argument("--engine", help="replace the engine arguments (a shell-quoted string)")
-    ap.add_argument("--reap-extra", default="", help="more reap-server flags, e.g. '--reap-cache lfu --reap-cache-device on'")
+    ap.add_argument(
+        "--reap-extra",
+        default="",
+        help="more reap-server flags, e.g. '--reap-cache lfu --reap-cache-device on'",
+    )
     ap.add_argument("--count-lengths", type=fc.parse_ints, default=(),
                     help="prompt lengths of the exact-count cases (e.g. 1,15,16,17,38; the count arm: "
                     "these by default)")  # fmt: skip

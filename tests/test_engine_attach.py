@@ -198,3 +198,22 @@ def test_attach_releases_the_exact_pinned_copies_after_pointing_the_parameters(m
     released = [i for i, c in enumerate(calls) if c[0] == "release"]
     assert released and released[0] > max(marks) and calls[released[0]][1] == [w13.data_ptr()]
     assert st.exact_pinned_released == w13.nbytes and not pinning._registered
+
+
+def test_the_servers_swap_publish_setting_reaches_the_engine_state_and_its_store(monkeypatch):
+    """--reap-swap-publish 8 (run 24's way back to chunks): the worker runtime builds the engine with
+    it, the engine's state carries it, and a store built as production builds it (VmmStore(st)) uses it."""
+    from reap_swap.residency.swap import PUBLISH_AHEAD
+    from reap_swap.residency.vmm_store import VmmStore
+    from reap_swap.runtime import WorkerRuntime
+    from reap_swap.settings import Settings
+
+    monkeypatch.setattr(engine_mod.vmm, "ensure_available", lambda device: 2 << 20)
+    monkeypatch.setattr(engine_mod.torch.cuda, "Stream", lambda device=None: "stream")
+    monkeypatch.setattr(engine_mod.torch.cuda, "current_device", lambda: 0)
+    for setting, value in (("8", 8), ("ahead", PUBLISH_AHEAD)):
+        runtime = WorkerRuntime(config={}, settings=Settings(plan_file="p", swap_publish=setting), plan=None)
+        eng = runtime.cuda_engine("cuda")
+        st = eng._state_for(layer(0))
+        assert (eng.publish_every, st.publish_every, VmmStore(st).publish_every) == (value, value, value)
+        assert VmmStore(st).copies_read_masters == (value == PUBLISH_AHEAD)

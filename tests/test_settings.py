@@ -71,6 +71,9 @@ def test_unknown_reap_variable_is_refused_with_the_known_names():
         ({"REAP_MAX_LOADED_CARTRIDGES": "0"}, "REAP_MAX_LOADED_CARTRIDGES"),
         ({"REAP_MAX_LOADED_CARTRIDGES": "many"}, "REAP_MAX_LOADED_CARTRIDGES"),
         ({"REAP_RESIDENCY": "gpu"}, "REAP_RESIDENCY"),
+        ({"REAP_SWAP_PUBLISH": "fast"}, "REAP_SWAP_PUBLISH"),
+        ({"REAP_SWAP_PUBLISH": "0"}, "REAP_SWAP_PUBLISH"),
+        ({"REAP_SWAP_PUBLISH": "-2"}, "REAP_SWAP_PUBLISH"),
     ],
 )
 def test_bad_values_name_the_variable(env, needle):
@@ -170,3 +173,18 @@ def test_the_seeded_cache_opt_in_is_retired_since_run_23():
     assert "cache_seed_unverified" not in Settings.model_fields
     old = {"plan_file": "p.json", "cache_seed": "seeded", "cache_seed_unverified": True}
     assert Settings.from_worker_config(old) == Settings(plan_file="p.json", cache_seed="seeded")
+
+
+@pytest.mark.parametrize(
+    "raw,value", [(None, "ahead"), ("ahead", "ahead"), ("IDLE", "idle"), ("end", "end"), ("8", 8)]
+)
+def test_swap_publish_names_a_mode_or_a_chunk_size_and_reaches_the_workers(raw, value):
+    """--reap-swap-publish / REAP_SWAP_PUBLISH (run 24): ahead by default; the worker config carries it."""
+    from reap_swap.residency.swap import PUBLISH_AHEAD, PUBLISH_WHEN_IDLE, publish_every_of
+
+    ns, _ = split_argv(["m", "--reap-plan", "p.json", *(["--reap-swap-publish", raw] if raw else [])])
+    settings = resolve(ns, {}).settings
+    assert settings.swap_publish == value
+    worker = Settings.from_worker_config(settings.to_worker_config())
+    expected = {"ahead": PUBLISH_AHEAD, "idle": PUBLISH_WHEN_IDLE, "end": 0}.get(value, value)
+    assert publish_every_of(worker.swap_publish) == expected

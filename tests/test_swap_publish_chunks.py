@@ -434,3 +434,20 @@ def test_ahead_swap_whose_rollback_fails_too_lands_its_copies_before_publishing(
     assert kinds[-2:] == ["quiesce", "publish"]  # the rollback's copies landed, then the publish
     assert not store.in_flight and not store.unpublished
     _check_consistent(table, store)
+
+
+def test_the_cuda_stores_take_the_servers_setting_from_their_state(monkeypatch):
+    """--reap-swap-publish reaches the stores through the engine's state (EngineState /
+    GroupedState.publish_every); a store's own argument still wins, and a state without one
+    follows swap.PUBLISH_EVERY."""
+    from reap_swap.residency.grouped import GroupedState, GroupedStore
+    from reap_swap.residency.vmm_store import VmmStore
+
+    for cls in (VmmStore, GroupedStore):
+        chunked = cls(SimpleNamespace(layers={}, publish_every=8))
+        assert chunked.publish_every == 8 and not chunked.copies_read_masters
+        assert cls(SimpleNamespace(layers={}, publish_every=0), swap.PUBLISH_AHEAD).copies_read_masters
+        monkeypatch.setattr(swap, "PUBLISH_EVERY", swap.PUBLISH_WHEN_IDLE)
+        assert cls(SimpleNamespace(layers={}, publish_every=None)).publish_every == swap.PUBLISH_WHEN_IDLE
+        monkeypatch.undo()
+    assert GroupedState(device=0, granularity=2 << 20).publish_every is None

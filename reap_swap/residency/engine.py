@@ -86,6 +86,7 @@ class EngineState:
     exact_pinned_released: int = 0  # bytes of --reap-exact-pinning copies unregistered after re-homing
     grouped: grouped_units.GroupedState | None = None  # --reap-group-size b > 1 layers (grouped_engine)
     layouts: dict[int, dict] = field(default_factory=dict)  # per layer: layout, b, why (/reap/status)
+    publish_every: int | None = None  # --reap-swap-publish as swap.py's value; None: swap.PUBLISH_EVERY
 
     @property
     def kept_hbm_bytes(self) -> int:
@@ -194,8 +195,10 @@ class CudaEngine:
         refusals: LayerRefusals,
         cache: Any | None = None,
         group_size: str = "1",
+        publish_every: int | None = None,
     ) -> None:
         self.plan = plan
+        self.publish_every = publish_every  # --reap-swap-publish (swap.publish_every_of); None: the default
         self.refusals = refusals
         self.cache = cache  # device_cache_engine.CacheConfig (issue 17), None: no device cache
         self.group_size = str(group_size)  # --reap-group-size: "1" (default) is today's private units
@@ -221,7 +224,13 @@ class CudaEngine:
             granularity = vmm.ensure_available(device)
             plan = self.plan
             budget = int(plan.swappable_budget_bytes) if plan is not None else 0
-            self.state = EngineState(device=device, plan=plan, budget_bytes=budget, granularity=granularity)
+            self.state = EngineState(
+                device=device,
+                plan=plan,
+                budget_bytes=budget,
+                granularity=granularity,
+                publish_every=self.publish_every,
+            )
             self.state.copy_stream = torch.cuda.Stream(device=device)
             if getattr(self, "on_state", None) is not None:  # --reap-budget auto | GiB
                 self.on_state(self.state, layer, len(self._quant_configs))  # hooked MoE layers

@@ -52,6 +52,8 @@ class GroupedLayer:
 class GroupedState:
     device: int
     granularity: int
+    # the engine's --reap-swap-publish (swap.publish_mode); None: the default
+    publish_every: int | None = None
     layers: dict[int, GroupedLayer] = field(default_factory=dict)
     pools: dict[str, vmm.DeviceSlotPool] = field(default_factory=dict)  # tensor -> group slots
     table: SlotTable | None = None  # (layer, group) -> slot
@@ -112,8 +114,8 @@ class GroupedStore:
 
     def __init__(self, st: GroupedState, publish_every: int | None = None) -> None:
         self.st = st
-        # swap.py: overlapped publishes (0: only at the end); None: swap.PUBLISH_EVERY, read now
-        self.publish_every = swap.PUBLISH_EVERY if publish_every is None else publish_every
+        # swap.py: overlapped publishes (0: only at the end); None: the state's, else swap.PUBLISH_EVERY
+        self.publish_every = swap.publish_mode(publish_every, st)
         self.copies_read_masters = self.publish_every == PUBLISH_AHEAD  # as VmmStore
         first = next(iter(st.layers.values()), None)
         self.bytes_per_expert = first.layout.group_payload_bytes if first else 0  # per group

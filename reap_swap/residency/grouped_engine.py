@@ -131,7 +131,9 @@ def layout_problem(st: Any, layout: GroupLayout, perm: Permutation) -> str | Non
 def ensure_pools(st: Any, layout: GroupLayout, private_unit_bytes: int, groups_per_layer: int) -> None:
     """The grouped state and its per-tensor pools, sized in groups, on the first grouped layer."""
     if st.grouped is None:
-        st.grouped = grouped.GroupedState(device=st.device, granularity=st.granularity)
+        st.grouped = grouped.GroupedState(
+            device=st.device, granularity=st.granularity, publish_every=st.publish_every
+        )
         st.grouped.copy_stream = st.copy_stream
     gs = st.grouped
     if gs.pools:

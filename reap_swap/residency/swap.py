@@ -72,6 +72,22 @@ PUBLISH_AHEAD = -2
 # 53.1-53.4 GB/s in five, 49.8 in one whose copies alone ran at 50.1). A store whose copies do not
 # read the masters' second mapping publishes only at the end instead (_remaps_ahead).
 PUBLISH_EVERY = PUBLISH_AHEAD
+# --reap-swap-publish names (settings.py) -> publish_every values; an integer N >= 1 is chunks of N
+PUBLISH_MODES = {"ahead": PUBLISH_AHEAD, "idle": PUBLISH_WHEN_IDLE, "end": 0}
+
+
+def publish_every_of(setting: str | int) -> int:
+    """The publish_every value of a --reap-swap-publish setting (already validated by settings.py)."""
+    return PUBLISH_MODES[setting] if isinstance(setting, str) else int(setting)
+
+
+def publish_mode(explicit: int | None, state: Any) -> int:
+    """A store's publish_every: its own argument, else its state's (the server's --reap-swap-publish,
+    which the engine puts there), else PUBLISH_EVERY, read now (tests change it)."""
+    if explicit is not None:
+        return explicit
+    chosen = getattr(state, "publish_every", None)
+    return PUBLISH_EVERY if chosen is None else int(chosen)
 
 
 class ExpertStore(Protocol):

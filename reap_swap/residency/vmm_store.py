@@ -16,8 +16,8 @@ class VmmStore:
 
     def __init__(self, st: Any, publish_every: int | None = None) -> None:  # st: engine.EngineState
         self.st = st
-        # swap.py: overlapped publishes (0: only at the end); None: swap.PUBLISH_EVERY, read now
-        self.publish_every = swap.PUBLISH_EVERY if publish_every is None else publish_every
+        # swap.py: overlapped publishes (0: only at the end); None: the state's, else swap.PUBLISH_EVERY
+        self.publish_every = swap.publish_mode(publish_every, st)
         # remapping ahead needs copies that read the masters where no remap touches them
         self.copies_read_masters = self.publish_every == PUBLISH_AHEAD
         # only the payload moves: the unit's padding to the mapping granularity is never read
