@@ -93,11 +93,13 @@ def probe(n: int, repeats: int) -> dict:
         _map_all(base, host)
     except RuntimeError as exc:
         out["unmap_run"] = {"accepted": False, "error": str(exc)}
-    # threads: the same remaps split over k threads
+    # threads: the same remaps split over k threads, of accessible mappings as in a swap (run 24's
+    # version unmapped mappings without access, ~5 us each instead of ~70: not what a swap pays)
     out["threads"] = {}
     for k in (1, 2, 4):
         walls = []
         for _ in range(repeats):
+            _set_access(base, n)
             parts = [range(i, n, k) for i in range(k)]
             ts = [threading.Thread(target=_remap, args=(base, p, dev)) for p in parts]
             t = time.perf_counter()
