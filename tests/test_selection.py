@@ -359,6 +359,7 @@ def test_refresh_swaps_in_what_the_running_request_misses_within_the_limit():
     assert unused is not None and unused.slices == {other: ("a",)}  # c was barely used: a replaces it
 
 
+@pytest.mark.skipif(not FIXTURE.exists(), reason=f"shared fixture missing: {FIXTURE}")
 def test_fixture_plan_selection_within_budget_and_deterministic():
     plan = load_plan(FIXTURE)
     for prompt in (PY, PROSE, "", SHELL):
