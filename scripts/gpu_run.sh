@@ -6,7 +6,7 @@
 # servers fit together: fixed KV bytes, small --gpu-memory-utilization); between groups every
 # leftover server is killed and the HBM must be free again (run 9b's lesson). Phases:
 #   dcache    the device cache's policy-step timing (scripts/bench_device_cache.py), alone
-#   tests     pytest tests/gpu (TESTS_K: a -k filter)
+#   tests     pytest tests/gpu (TESTS_K: a -k filter; TESTS_CAP s, 420: the whole suite wants ~540)
 #   budget    --reap-budget auto at two --gpu-memory-utilization values (gpu_budget_auto.py: alone)
 #   cache     the device cache in the server for a plain client (gpu_e2e.py reap-cache vs reap-plan25;
 #             CACHE_ARMS, CACHE_CAP, CACHE_EXTRA e.g. "--cache-shadow out"; CACHE_STOCK=auto (run 8's H200 stock
@@ -85,7 +85,7 @@ leftovers() {  # stop any server a timed-out phase left behind, then wait until 
 
 ph_dcache() { timeout 240 $PY scripts/bench_device_cache.py --log-dir $R/dcache > $R/dcache.log 2>&1; }
 ph_tests() {
-  timeout 420 $PY -m pytest -q -rsx tests/gpu -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > $R/tests.log 2>&1
+  timeout ${TESTS_CAP:-420} $PY -m pytest -q -rsx tests/gpu -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} > $R/tests.log 2>&1
 }
 ph_budget() {
   $PY -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import gpu_e2e; \

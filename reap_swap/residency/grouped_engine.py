@@ -50,7 +50,7 @@ from reap_swap.group_layout import (
 )
 from reap_swap.quant_budget import pool_slots
 
-from . import grouped, vmm
+from . import grouped, swap, vmm
 from .slot_table import SlotTable
 
 logger = logging.getLogger("reap_swap.residency")
@@ -233,6 +233,9 @@ def _convert(st, layer, index, bound, layout, perm, why) -> None:
             core = set(identity_fill(core, layout.group_size))
         current[index] = core
         grouped.apply_logical(gs, current, count=False)
+    if swap.publish_mode(None, gs) == swap.PUBLISH_AHEAD:
+        for name, rng in ranges.items():
+            vmm.map_masters_at_load(rng, f"layer {index} {name}")
     del tensors
     st.exact_pinned_released += vllm_pinning.release(exact)
     torch.cuda.empty_cache()

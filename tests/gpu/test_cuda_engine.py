@@ -153,3 +153,32 @@ def test_runtime_close_releases_the_pool():
     runtime.close()
     assert runtime.engine.state is None
     assert torch.cuda.mem_get_info()[0] >= free_before + 4 * 4 * 2**20  # the 4 slots of 4 MiB came back
+
+
+@pytest.mark.parametrize("publish", [-2, 8])  # -2: swap.PUBLISH_AHEAD (the default since run 24)
+def test_a_layer_without_a_core_gets_its_masters_second_mapping_at_load(publish):
+    """Remapping ahead reads the masters at a second mapping; a layer whose plan core is empty
+    made it only in its first request-time swap (run 24: that swap took 211 ms more). Now the
+    load makes it, with the masters' bytes there; without remapping ahead nothing is mapped."""
+    from reap_swap.residency.cuda_backend import CudaResidency
+    from reap_swap.residency.engine import CudaEngine
+    from reap_swap.residency.refusals import LayerRefusals
+    from reap_swap.residency.vmm import _ArrayInterface
+
+    engine = CudaEngine(_plan([0], core=[], budget_experts=4), LayerRefusals(), publish_every=publish)
+    layer = Layer(0)
+    w13, w2 = layer.w13_weight.detach().clone(), layer.w2_weight.detach().clone()
+    engine.hook_layer(layer, 0)
+    layer.quant_method.process_weights_after_loading(layer)
+    try:
+        rng = engine.state.layers[0].rng
+        assert engine.state.table.resident() == {0: frozenset()}
+        assert rng.mirrored == (E if publish == -2 else 0)
+        if publish == -2:
+            mirror = torch.as_tensor(_ArrayInterface(rng.mirror_base, rng.nbytes), device="cuda")
+            assert torch.equal(mirror, rng.as_bytes())  # every master's bytes at the second mapping
+        out = CudaResidency(engine).apply({0: {0, 1, 2, 3}})
+        assert out["admitted"] == 4 and rng.mirrored == (E if publish == -2 else 0)
+        assert torch.equal(layer.w13_weight, w13) and torch.equal(layer.w2_weight, w2)
+    finally:
+        engine.release()

@@ -91,6 +91,7 @@ def _engine(vk, fmt, group_size):
     ("fmt", "group_size", "b"), [("fp8-block", "auto", 2), ("fp8-block", "4", 4), ("bf16", "2", 2)]
 )
 def test_grouped_engine_serves_bitwise_across_swaps(vk, fmt, group_size, b):
+    from reap_swap.residency import swap
     from reap_swap.residency.grouped_backend import GroupedResidency
     from tests.gpu.test_quant_engine import run_experts
 
@@ -102,6 +103,10 @@ def test_grouped_engine_serves_bitwise_across_swaps(vk, fmt, group_size, b):
         backend = GroupedResidency(engine)  # the worker's constructor: pointer checks
         status = backend.status()
         assert status["layout"] == "grouped" and status["group_size"] == b, status
+        if swap.publish_mode(None, gs) == swap.PUBLISH_AHEAD:  # the masters' second mapping, made at load
+            assert all(
+                r.mirrored == r.host_masters() > 0 for g in gs.layers.values() for r in g.ranges.values()
+            )
         inputs = [_routing(vk, m, seed=m) for m in (1, 8, 64)]
         refs = {l: [run_experts(vk, fmt, stock[l], *xi) for xi in inputs] for l in layers}
         rnd = random.Random(5).sample(range(E), E // 2)
