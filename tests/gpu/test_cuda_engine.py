@@ -172,7 +172,7 @@ def test_a_layer_without_a_core_gets_its_masters_second_mapping_at_load(publish)
     layer.quant_method.process_weights_after_loading(layer)
     try:
         rng = engine.state.layers[0].rng
-        assert engine.state.table.resident() == {0: frozenset()}
+        assert not engine.state.table.resident().get(0)  # the table lists only layers with residents
         assert rng.mirrored == (E if publish == -2 else 0)
         if publish == -2:
             mirror = torch.as_tensor(_ArrayInterface(rng.mirror_base, rng.nbytes), device="cuda")
