@@ -127,6 +127,9 @@ def _recording_engine(monkeypatch, cache=None, core=(1, 2)):
         lambda t, lay, dev, on_copied=None: calls.append(("rehome", sorted(t))) or ("rng", 7, dict(t)),
     )
     monkeypatch.setattr(engine_mod, "swap_state", lambda st_, cur: calls.append(("swap", cur)))
+    monkeypatch.setattr(
+        engine_mod.vmm, "map_masters_at_load", lambda rng, what: calls.append(("mirror", rng, what))
+    )
     monkeypatch.setattr(engine_mod.vllm_moe, "mark_uva_offloaded", lambda p: calls.append(("mark", p.shape)))
     monkeypatch.setattr(engine_mod.vllm_moe, "release_cached_pinned_memory", lambda: "released")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty",)))
@@ -142,16 +145,19 @@ def _recording_engine(monkeypatch, cache=None, core=(1, 2)):
     return eng, st, calls
 
 
+@pytest.mark.parametrize("publish", [None, 8])  # None: swap.PUBLISH_EVERY (ahead): masters mirrored at load
 @pytest.mark.parametrize("cache", [None, "core+dlfu", "dlfu-seeded"])
-def test_attach_rehomes_points_the_parameters_and_seeds_the_core_in_order(monkeypatch, cache):
+def test_attach_rehomes_points_the_parameters_and_seeds_the_core_in_order(monkeypatch, cache, publish):
     cfg = None if cache is None else SimpleNamespace(seed_core=cache == "dlfu-seeded")
     eng, st, calls = _recording_engine(monkeypatch, cache=cfg)
+    st.publish_every = publish
     m = layer(0)
     eng.attach_after_load(m, 0)
     assert eng.refusals.reasons == {} and m._reap_vmm
     unit = st.layers[0].unit_bytes
     moved = [("cache_rehome", 0, unit)] if cfg else [("rehome", ["w13_weight", "w2_weight"])]
     seeded = [] if cache == "dlfu-seeded" else [("swap", {0: {1, 2}})]
+    mirrored = [("mirror", "crng" if cfg else "rng", "layer 0")] if publish is None else []
     engaged = [("engage", 0, "crng", 9, "ext")] if cfg else []
     assert calls == [
         ("pool", unit, cfg),
@@ -159,6 +165,7 @@ def test_attach_rehomes_points_the_parameters_and_seeds_the_core_in_order(monkey
         ("mark", (E, 2 * I, H)),
         ("mark", (E, H, I)),
         *seeded,
+        *mirrored,
         *engaged,
         ("empty",),
     ]

@@ -58,6 +58,10 @@ class FakeRange:
     def release(self):
         self.released = True
 
+    def map_masters(self):  # the engine maps the masters' second mapping at load (remapping ahead)
+        self.masters_mapped = self.num_units
+        return self.num_units
+
 
 class FakePool(FakeRange):
     @classmethod
@@ -297,6 +301,10 @@ def test_fp8_layers_attach_in_groups_of_two_and_compute_what_stock_computes(cpu_
     assert eng.refusals.reasons == {} and st.layers == {} and st.pool is None  # no private pool
     gs = st.grouped
     assert sorted(gs.layers) == [0, 1]
+    # remapping ahead (the default) reads the masters' second mapping: made at load, per tensor range
+    assert all(
+        getattr(r, "masters_mapped", 0) == r.num_units for g in gs.layers.values() for r in g.ranges.values()
+    )
     lay0 = gs.layers[0].layout
     assert (lay0.group_size, lay0.strides, lay0.unit_bytes) == (2, (3 * MIB, 2 * MIB), (6 * MIB, 4 * MIB))
     # pool: 6 expert slots of 6 MiB = 36 MiB -> 3 groups of 10 MiB

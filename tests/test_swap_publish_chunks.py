@@ -390,6 +390,32 @@ def test_a_failed_mirror_extension_keeps_the_units_mapped_before_it(monkeypatch)
     ]
 
 
+def test_masters_mapped_at_load_and_a_refusal_only_logged(monkeypatch, caplog):
+    """engine._seed / grouped_engine.attach map the masters' second mapping when a layer loads
+    (run 25: a first swap from an empty core no longer pays it). Every master is mapped once; a
+    driver refusal there is logged and undone, and the first swap's master_address tries again."""
+    from reap_swap.residency import vmm
+
+    drv = FakeDriver()
+    monkeypatch.setattr(vmm, "_drv", drv)
+    unit = 2**21
+    rng = vmm.MixedRange(num_units=4, unit_bytes=unit, device=0)
+    rng.handles = [f"h{u}" for u in range(4)]
+    assert rng.map_masters() == 4 and rng.map_masters() == 4
+    assert [c[2] for c in drv.calls if c[0] == "map"] == ["h0", "h1", "h2", "h3"]  # once each
+
+    failing = vmm.MixedRange(num_units=4, unit_bytes=unit, device=0)
+    failing.handles = [f"g{u}" for u in range(4)]
+    drv.calls.clear()
+    drv.fail_map_at = (1 << 40) + 2 * unit
+    with caplog.at_level("WARNING", logger=vmm.logger.name):
+        vmm.map_masters_at_load(failing, "layer 3")
+    assert "layer 3: the masters' second mapping failed at load" in caplog.text
+    assert failing.mirrored == 0 and failing.mirror_base == 0  # undone, reservation freed
+    drv.fail_map_at = None
+    assert failing.master_address(2) == (1 << 40) + 2 * unit  # the swap maps it after all
+
+
 @pytest.mark.parametrize("default", [8, swap.PUBLISH_AHEAD])
 def test_the_cuda_stores_follow_the_default_when_built_without_an_argument(monkeypatch, default):
     """What production builds (VmmStore(st), GroupedStore(st)): the mode is the default's, and so is
