@@ -169,9 +169,22 @@ ph_int4() {  # int4perm: identity-order INT4 groups (the default), kernel test t
 }
 ph_extra() { [ -f scripts/gpu_extra_phase.sh ] && bash scripts/gpu_extra_phase.sh $R/extra > $R/extra.log 2>&1; }
 
+keep_earlier() {  # a phase repeated in one PHASES list ("swapguard tests swapguard", run 25) overwrote the
+  # earlier one's log and output folder: move them to NAME.runN first (swapguard writes into guards/)
+  local p=$1 n=1 out
+  [ -e "$R/$p.log" ] || return 0
+  while [ -e "$R/$p.run$n.log" ]; do n=$((n + 1)); done
+  mv "$R/$p.log" "$R/$p.run$n.log"
+  for out in "$R/$p" $([ "$p" = swapguard ] && echo "$R/guards"); do
+    if [ -e "$out" ]; then mv "$out" "$out.run$n"; fi
+  done
+  step run "phase $p ran before in this run: its log and output kept as $p.run$n"
+}
+
 group() {  # "a+b+c": the phases side by side, then the leftover check
   local pids=() p
   for p in ${1//+/ }; do
+    keep_earlier "$p"
     step run "phase $p"
     ( ph_$p; step run "phase $p exit $?"; tail -4 $R/$p.log 2>/dev/null | cut -c1-300 ) &
     pids+=($!)

@@ -245,3 +245,18 @@ def test_qwen_reap_extra_reaches_the_reap_server_arm(tmp_path):
     assert stock and "--reap-extra" not in stock[0]
     log = (tmp_path / "fam" / "qwen35-reap.log").read_text()
     assert "unrecognized arguments" not in log and "Traceback" not in log, log[-2000:]
+
+
+def test_a_repeated_phase_keeps_the_earlier_runs_log_and_output(tmp_path):
+    # run 25: "swapguard tests swapguard" left only the second guard's swapguard.log and guards/
+    guards = tmp_path / "guards"
+    guards.mkdir(parents=True)
+    (guards / "swap_guard.json").write_text("first")
+    (tmp_path / "swapguard.log").write_text("first guard")
+    dry_session(tmp_path, "swapguard tests swapguard")
+    assert (tmp_path / "swapguard.run1.log").read_text() == "first guard"
+    assert (tmp_path / "guards.run1" / "swap_guard.json").read_text() == "first"
+    assert (tmp_path / "swapguard.run2.log").exists() and (tmp_path / "swapguard.log").exists()
+    assert not (tmp_path / "tests.run1.log").exists()  # a phase run once is left where it was
+    main = (tmp_path / "dry.log").read_text()
+    assert main.count("scripts/gpu_swap_guard.py") == 2
