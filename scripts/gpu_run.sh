@@ -170,15 +170,18 @@ ph_int4() {  # int4perm: identity-order INT4 groups (the default), kernel test t
 ph_extra() { [ -f scripts/gpu_extra_phase.sh ] && bash scripts/gpu_extra_phase.sh $R/extra > $R/extra.log 2>&1; }
 
 keep_earlier() {  # a phase repeated in one PHASES list ("swapguard tests swapguard", run 25) overwrote the
-  # earlier one's log and output folder: move them to NAME.runN first (swapguard writes into guards/)
-  local p=$1 n=1 out
-  [ -e "$R/$p.log" ] || return 0
-  while [ -e "$R/$p.run$n.log" ]; do n=$((n + 1)); done
-  mv "$R/$p.log" "$R/$p.run$n.log"
-  for out in "$R/$p" $([ "$p" = swapguard ] && echo "$R/guards"); do
-    if [ -e "$out" ]; then mv "$out" "$out.run$n"; fi
+  # earlier one's log and output folder: move them to NAME.runN first, N unused by any phase (guards and
+  # swapguard share guards/). Phases writing into the shared fam/ (the families lane) are not covered.
+  local p=$1 n=1 path found=()
+  for path in "$R/$p.log" "$R/$p" $(case $p in guards | swapguard) echo "$R/guards" ;; esac); do
+    [ -e "$path" ] && [[ " ${found[*]} " != *" $path "* ]] && found+=("$path")
   done
-  step run "phase $p ran before in this run: its log and output kept as $p.run$n"
+  [ ${#found[@]} -gt 0 ] || return 0
+  while compgen -G "$R/*.run$n*" > /dev/null; do n=$((n + 1)); done
+  for path in "${found[@]}"; do
+    case $path in *.log) mv "$path" "${path%.log}.run$n.log" ;; *) mv "$path" "$path.run$n" ;; esac
+  done
+  step run "phase $p: the earlier output kept as .run$n (${found[*]##*/})"
 }
 
 group() {  # "a+b+c": the phases side by side, then the leftover check

@@ -260,3 +260,13 @@ def test_a_repeated_phase_keeps_the_earlier_runs_log_and_output(tmp_path):
     assert not (tmp_path / "tests.run1.log").exists()  # a phase run once is left where it was
     main = (tmp_path / "dry.log").read_text()
     assert main.count("scripts/gpu_swap_guard.py") == 2
+
+
+def test_guards_after_swapguard_keeps_the_shared_guards_folder(tmp_path):
+    # guards and swapguard both write guards/: the later phase keeps the earlier one's folder
+    (tmp_path / "guards").mkdir(parents=True)
+    (tmp_path / "guards" / "swap_guard.json").write_text("swapguard's")
+    (tmp_path / "swapguard.log").write_text("x")
+    dry_session(tmp_path, "guards", GUARD_CAP="60")
+    assert (tmp_path / "guards.run1" / "swap_guard.json").read_text() == "swapguard's"
+    assert (tmp_path / "swapguard.log").read_text() == "x"  # another phase's log is not touched

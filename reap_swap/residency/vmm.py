@@ -387,7 +387,7 @@ def map_masters_at_load(rng: MixedRange, what: str) -> None:
     space: where the driver refuses, the first swap tries again, so a failure is only logged."""
     try:
         rng.map_masters()
-    except Exception as exc:  # noqa: BLE001 - an optimisation: a swap maps on first use instead
+    except RuntimeError as exc:  # a driver error (_check); a swap maps on first use instead
         logger.warning(
             "reap-swap: %s: the masters' second mapping failed at load (%s); a swap makes it", what, exc
         )
