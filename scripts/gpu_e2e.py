@@ -589,6 +589,11 @@ def main():
         "--quantization",
         help="vLLM --quantization for every arm (e.g. fp8: online FP8 of a bf16 checkpoint, issue 16)",
     )
+    ap.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="--no-enable-prefix-caching for every arm: the brief's condition for text equality (run 25 ran with it on)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny decode measurements (smoke tests)")
     ap.add_argument("--moe-probe", action="store_true", help="record bitwise MoE-layer output digests")
     ap.add_argument(
@@ -619,6 +624,7 @@ def main():
         + (["--tensor-parallel-size", str(args.tp)] if args.tp > 1 else [])
         + (["--pipeline-parallel-size", str(args.pp)] if args.pp > 1 else [])
         + (["--quantization", args.quantization] if args.quantization else [])
+        + (["--no-enable-prefix-caching"] if args.no_prefix_caching else [])
     )
     vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)] + common
     reap = [sys.executable, "-m", "reap_swap.server", str(model)] + common

@@ -4,6 +4,7 @@ sequence of swaps it sends (plain client, core + q/2, core + q, one layer too wi
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from script_modules import load_script
 
 
@@ -42,7 +43,8 @@ def test_the_seeded_arm_serves_seeded_and_sends_its_swaps(monkeypatch, tmp_path)
     )
 
 
-def test_main_serves_the_seeded_arm_without_any_opt_in(monkeypatch, tmp_path):
+@pytest.mark.parametrize("flag", [[], ["--no-prefix-caching"]])
+def test_main_serves_the_seeded_arm_without_any_opt_in(monkeypatch, tmp_path, flag):
     """--arms reap-cache-seeded: the server gets the device cache with --reap-cache-seed seeded and
     no --reap-unverified-seeded-cache (retired in run 23: CUDA serves seeded whenever asked); the
     launcher's own parse of that argv gives the seeded settings, and nothing reap's reaches vLLM."""
@@ -67,10 +69,21 @@ def test_main_serves_the_seeded_arm_without_any_opt_in(monkeypatch, tmp_path):
     monkeypatch.setattr(e2e, "measure", lambda srv, rid, d1=None, d8=None: {"rid": rid})
     monkeypatch.setattr(e2e, "moe_probe", lambda srv, label: None)
     monkeypatch.setattr(e2e, "swap", lambda *a: {"status": 200})
-    argv = ["gpu_e2e.py", "--model", str(tmp_path), "--out", str(tmp_path), "--arms", "reap-cache-seeded"]
+    argv = [
+        "gpu_e2e.py",
+        "--model",
+        str(tmp_path),
+        "--out",
+        str(tmp_path),
+        "--arms",
+        "reap-cache-seeded",
+        *flag,
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     e2e.main()
     (cmd,) = served
+    # run 25 compared text with prefix caching on; the brief's condition is off: the flag reaches the engine
+    assert ("--no-enable-prefix-caching" in cmd) == bool(flag)
     assert "--reap-unverified-seeded-cache" not in cmd
     assert cmd[cmd.index("--reap-cache-seed") + 1] == "seeded"
     ns, vllm_argv = split_argv(cmd[cmd.index("reap_swap.server") + 1 :])
