@@ -43,7 +43,7 @@ from . import grouped as grouped_units
 from .binding import BoundLayer, LayerSizes, bind_module, has_w13_tensor, meta_tensors
 from .refusals import LayerRefusals
 from .slot_table import SlotTable
-from .swap import PUBLISH_AHEAD, apply_swap, publish_mode
+from .swap import apply_swap, publish_mode, reads_masters
 from .unit_layout import UnitLayout, plan_unit
 from .vmm_store import VmmStore
 
@@ -361,7 +361,7 @@ class CudaEngine:
             current = {l: set(v) for l, v in st.table.resident().items()}
             current[index] = set(st.plan.layers[index].core)
             swap_state(st, current)
-        if publish_mode(None, st) == PUBLISH_AHEAD:
+        if reads_masters(publish_mode(None, st)):  # what VmmStore(st) will copy from
             vmm.map_masters_at_load(st.layers[index].rng, f"layer {index}")
         if cached:
             device_cache_engine.engage(self.cache, st, layer, index, cached[0], cached[1], cached[4])

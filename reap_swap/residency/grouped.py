@@ -30,7 +30,7 @@ from reap_swap.group_layout import GroupLayout, Permutation, group_target, layer
 
 from . import swap, vmm
 from .slot_table import SlotTable
-from .swap import PUBLISH_AHEAD, SwapResult, apply_swap
+from .swap import SwapResult, apply_swap
 
 
 @dataclass
@@ -116,7 +116,7 @@ class GroupedStore:
         self.st = st
         # swap.py: overlapped publishes (0: only at the end); None: the state's, else swap.PUBLISH_EVERY
         self.publish_every = swap.publish_mode(publish_every, st)
-        self.copies_read_masters = self.publish_every == PUBLISH_AHEAD  # as VmmStore
+        self.copies_read_masters = swap.reads_masters(self.publish_every)
         first = next(iter(st.layers.values()), None)
         self.bytes_per_expert = first.layout.group_payload_bytes if first else 0  # per group
 

@@ -233,7 +233,7 @@ def _convert(st, layer, index, bound, layout, perm, why) -> None:
             core = set(identity_fill(core, layout.group_size))
         current[index] = core
         grouped.apply_logical(gs, current, count=False)
-    if swap.publish_mode(None, gs) == swap.PUBLISH_AHEAD:
+    if swap.reads_masters(swap.publish_mode(None, gs)):  # what GroupedStore(gs) will copy from
         for name, rng in ranges.items():
             vmm.map_masters_at_load(rng, f"layer {index} {name}")
     del tensors

@@ -90,6 +90,13 @@ def publish_mode(explicit: int | None, state: Any) -> int:
     return PUBLISH_EVERY if chosen is None else int(chosen)
 
 
+def reads_masters(publish_every: int) -> bool:
+    """Whether a store in this mode copies from the masters' second mapping (vmm.MixedRange.
+    master_address): remapping ahead remaps the units themselves while the copies run. The stores
+    and the load (which makes that mapping beforehand) decide by this one rule."""
+    return publish_every == PUBLISH_AHEAD
+
+
 class ExpertStore(Protocol):
     """The data path: where an expert's bytes live and how they move (CUDA VMM, or a test fake)."""
 

@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from . import swap, vmm
-from .swap import PUBLISH_AHEAD
 
 
 class VmmStore:
@@ -19,7 +18,7 @@ class VmmStore:
         # swap.py: overlapped publishes (0: only at the end); None: the state's, else swap.PUBLISH_EVERY
         self.publish_every = swap.publish_mode(publish_every, st)
         # remapping ahead needs copies that read the masters where no remap touches them
-        self.copies_read_masters = self.publish_every == PUBLISH_AHEAD
+        self.copies_read_masters = swap.reads_masters(self.publish_every)
         # only the payload moves: the unit's padding to the mapping granularity is never read
         self.bytes_per_expert = next(iter(st.layers.values())).expert_bytes if st.layers else 0
 

@@ -103,7 +103,7 @@ def test_grouped_engine_serves_bitwise_across_swaps(vk, fmt, group_size, b):
         backend = GroupedResidency(engine)  # the worker's constructor: pointer checks
         status = backend.status()
         assert status["layout"] == "grouped" and status["group_size"] == b, status
-        if swap.publish_mode(None, gs) == swap.PUBLISH_AHEAD:  # the masters' second mapping, made at load
+        if swap.reads_masters(swap.publish_mode(None, gs)):  # the masters' second mapping, made at load
             assert all(
                 r.mirrored == r.host_masters() > 0 for g in gs.layers.values() for r in g.ranges.values()
             )
