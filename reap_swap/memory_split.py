@@ -150,6 +150,31 @@ def kv_target(max_model_len: int, max_num_seqs: int, kv_tokens: int | None) -> t
     return int(kv_tokens), 1
 
 
+# ----------------------------------------------------------------------------- the pool at load
+
+
+def pool_refusal(
+    *, what: str, pool_bytes: int, free: int, total: int, device: int, driver_error: str | None = None
+) -> str | None:
+    """At the first layer's attach: None when the HBM pool of `pool_bytes` fits the device's free
+    memory (`free`, the whole device: other processes count), else the refusal with the numbers.
+    `driver_error`: the driver refused an allocation although the check passed (fragmentation, a
+    neighbour allocating meanwhile). Run 26 (H100, 2026-12-06): a stock server holding 65 GiB
+    beside reap-swap left 10 GiB, and the pool's cuMemCreate ended the load in a traceback."""
+    if driver_error is None and pool_bytes <= free:
+        return None
+    why = (
+        f"the CUDA driver refused it ({driver_error}) with {gib(free)} GiB free before the reservation"
+        if driver_error
+        else f"cuda:{device} has {gib(free)} GiB free of {gib(total)} GiB"
+    )
+    return (
+        f"the HBM pool ({what}) needs {gib(pool_bytes)} GiB but {why} (this process's weights and "
+        "any other process on the GPU hold the rest); free the GPU or serve a plan with a smaller "
+        "budget (reap-swap plan --budget-gib)"
+    )
+
+
 # ----------------------------------------------------------------------------- the pool's growth
 
 

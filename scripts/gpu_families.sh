@@ -103,6 +103,24 @@ qwen_reap() {  # the critical path: every step is saved as it ends, so a cut run
   $PY scripts/gpu_families.py --name qwen35 --out "$S" --arms merge > /dev/null 2>&1
 }
 
+hbm_gib() {  # the first GPU's memory in GiB (0 when nvidia-smi is missing)
+  local mib; mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  echo $(( ${mib:-0} / 1024 ))
+}
+
+qwen_one_after_the_other() {  # a card under SIDE_BY_SIDE_GIB (an H100's 80 GB): stock holds every
+  # expert in HBM (65 GiB on run 26's H100), so reap-swap's pool (the plan's budget) did not fit beside
+  # it and the reap arm's load was refused. Here the reap arm runs first (the critical one), stock after;
+  # 3/5 of the lane to reap (on the H200, side by side, reap took ~500 s and stock ~330 s).
+  local q; q=$(qwen_args) || { step qwen35 "no field plan (set FIELD_PLAN)"; return; }
+  step qwen35 "$(hbm_gib) GiB card: reap first, then stock (side by side needs ${SIDE_BY_SIDE_GIB:-120})"
+  prep qwen35 $q
+  arm qwen35 reap "$(( $(left) * 3 / 5 ))" $q --host-guard-gib 2.5 \
+    ${QWEN_REAP_EXTRA:+--reap-extra "$QWEN_REAP_EXTRA"}
+  arm qwen35 stock "$(left)" $q --host-guard-gib 4
+  $PY scripts/gpu_families.py --name qwen35 --out "$S" --arms merge > /dev/null 2>&1
+}
+
 V2=(--config tests/data/deepseek_v2_lite_config.json --eager --kv-gib 0.5 --host-guard-gib 5)
 
 chain_c() {
@@ -253,7 +271,8 @@ case "${1:-}" in
   session) lane ;;
   lane_a_only)  # gpu_followups.sh (run 8's lease): only Qwen3.5, side by side, in the foreground
     mkdir -p "$S"; rm -f "$S/qwen_stock.done"
-    qwen_stock & qwen_reap; wait ;;
+    if [ "$(hbm_gib)" -ge "${SIDE_BY_SIDE_GIB:-120}" ]; then qwen_stock & qwen_reap; wait
+    else qwen_one_after_the_other; fi ;;
   v2lite_only)  # gpu_run.sh's v2lite phase: full-size DeepSeek-V2-Lite alone, reap and stock side by side
     mkdir -p "$S"; pair deepseek_v2_lite "$(left)" "${V2[@]}" ;;
   v3_only)  # gpu_run.sh's v3layer phase: the DeepSeek-V3 / Kimi-K2 layer shape, reap and stock side by side

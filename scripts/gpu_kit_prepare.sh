@@ -17,6 +17,10 @@ cd "$(dirname "$0")/.."
 grep -qxF /.kit/ .git/info/exclude 2>/dev/null || echo /.kit/ >> .git/info/exclude
 [ -f .kit/part-00/vllm-kit.tar.part00 ] || PART_SIZE=48M ../shared/gpu-kit/build.sh .kit
 ls .kit/extra/orjson-*.whl > /dev/null 2>&1 || bash scripts/gpu_extra_wheels.sh > /dev/null
+# the field plan the qwen / families / count phases read (scripts/gpu_inputs.txt); run 26's first start
+# was refused for want of it
+[ -f .kit/strict30-v2-plan.json ] || cp ../shared/fixtures/strict30-v2-plan.json .kit/ 2>/dev/null \
+  || echo "no ../shared/fixtures/strict30-v2-plan.json: the qwen, families and count phases will be refused" >&2
 for n in 00 01 02 03; do
   [ -f .kit/q$n/p$n.f ] || (rm -rf .kit/q$n && mkdir -p .kit/q$n && cd .kit/q$n && split -n 6 -a 1 ../part-$n/vllm-kit.tar.part$n p$n.)
 done
@@ -34,7 +38,7 @@ if [ ! -d .kit/probewheels ]; then
 fi
 echo "whole parts (run 18): bash scripts/gpu_lease_tree.sh hold for the lease (restore after), then carry"
 echo "  .kit/tools .kit/MANIFEST.txt .kit/SHA256SUMS .kit/part-00; .kit/part-01; .kit/part-02; .kit/part-03;"
-echo "  install call: .kit/part-04 .kit/extra (copy SHA256SUMS into each /tmp/kit/part-NN)"
+echo "  install call: .kit/part-04 .kit/extra .kit/strict30-v2-plan.json (copy SHA256SUMS into each /tmp/kit/part-NN)"
 echo "or, with the whole tree, pieces in this order (call 1 also carries .kit/tools .kit/MANIFEST.txt .kit/SHA256SUMS):"
 ls .kit/q0[0-3]/p* .kit/q04/p04.a
 echo "install call: carry .kit/q04/p04.b .kit/extra; cat h/pNN.{a..f} and h/p04.a + .kit/q04/p04.b into part-NN/"

@@ -17,7 +17,8 @@
 #   quant2    a second quant configuration after the first (QUANT2_CASES, QUANT2_EXTRA, QUANT2_JOBS, QUANT2_CAP;
 #             results in $R/quant2): e.g. online FP8 without groups, then INT4 with --reap-group-size auto
 #   qwen      full-size Qwen3.5-35B-A3B, field plan, reap-swap and stock side by side (QWEN_CAP s each;
-#             QWEN_REAP_EXTRA: more reap-server flags, e.g. "--reap-cache lfu --reap-cache-device on")
+#             QWEN_REAP_EXTRA: more reap-server flags, e.g. "--reap-cache lfu --reap-cache-device on");
+#             on a card under 120 GiB (H100) one after the other, reap first: give QWEN_CAP=900 there
 #   families  the whole families lane (gpu_families.sh, FAM_DEADLINE)
 #   v2lite    full-size DeepSeek-V2-Lite, reap-swap and stock side by side, eager
 #   v3layer   the DeepSeek-V3 / Kimi-K2 layer shape at depth 2, reap-swap and stock side by side, eager (HBM ~73 GiB)

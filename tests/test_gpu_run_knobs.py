@@ -237,7 +237,7 @@ def test_qwen_reap_extra_reaches_the_reap_server_arm(tmp_path):
     if not plan.exists():
         pytest.skip("the field plan is not on this machine")
     lines = dry_session(
-        tmp_path, "qwen", QWEN_REAP_EXTRA="--reap-cache lfu --reap-cache-device on", QWEN_CAP="120"
+        tmp_path, "qwen", QWEN_REAP_EXTRA="--reap-cache lfu --reap-cache-device on", QWEN_CAP="300"
     )
     reap = [x for x in lines if "--arms reap" in x and "--name qwen35" in x]
     assert reap and reap[0].endswith("--reap-extra --reap-cache lfu --reap-cache-device on"), reap
@@ -245,6 +245,43 @@ def test_qwen_reap_extra_reaches_the_reap_server_arm(tmp_path):
     assert stock and "--reap-extra" not in stock[0]
     log = (tmp_path / "fam" / "qwen35-reap.log").read_text()
     assert "unrecognized arguments" not in log and "Traceback" not in log, log[-2000:]
+
+
+def _qwen_arms(tmp_path: Path, hbm_mib: int | None) -> tuple[list[str], str]:
+    """The qwen phase's gpu_families.py arms in call order, and the lane's log; `hbm_mib`: what a
+    fake nvidia-smi reports as the card's memory (None: no nvidia-smi, as on this machine)."""
+    knobs = {"QWEN_CAP": "900"}
+    if hbm_mib is not None:
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir(parents=True)
+        (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho {hbm_mib}\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+        knobs["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
+    run = tmp_path / "run"
+    lines = dry_session(run, "qwen", **knobs)
+    arms = [x.split("--arms ")[1].split()[0] for x in lines if "--name qwen35" in x and "--arms " in x]
+    return arms, (run / "qwen.log").read_text()
+
+
+def test_qwen_on_a_card_under_120_gib_serves_reap_first_then_stock(tmp_path):
+    # run 26 (H100 80 GB): stock held 65 GiB beside reap-swap, whose plan's pool then did not fit
+    if not (ROOT.parent / "shared" / "fixtures" / "strict30-v2-plan.json").exists():
+        pytest.skip("the field plan is not on this machine")
+    arms, log = _qwen_arms(tmp_path / "h100", 81559)
+    assert arms == ["prepare", "reap", "stock", "merge"], log
+    assert "79 GiB card: reap first, then stock" in log
+    caps = [int(x.split("(cap ")[1].split("s)")[0]) for x in log.splitlines() if "start (cap" in x]
+    assert len(caps) == 2 and caps[0] >= 500 and caps[1] >= 300, log  # both arms fit QWEN_CAP=900
+    arms, log = _qwen_arms(tmp_path / "none", None)  # no nvidia-smi: the careful order too
+    assert arms == ["prepare", "reap", "stock", "merge"], log
+
+
+def test_qwen_on_an_h200_serves_both_side_by_side(tmp_path):
+    if not (ROOT.parent / "shared" / "fixtures" / "strict30-v2-plan.json").exists():
+        pytest.skip("the field plan is not on this machine")
+    arms, log = _qwen_arms(tmp_path, 143771)
+    assert sorted(arms) == ["merge", "prepare", "reap", "stock"] and arms[-1] == "merge", log
+    assert "reap first" not in log
 
 
 def test_a_repeated_phase_keeps_the_earlier_runs_log_and_output(tmp_path):

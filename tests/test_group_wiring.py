@@ -123,6 +123,7 @@ def cpu_vmm(monkeypatch):
     monkeypatch.setattr(vmm, "DeviceSlotPool", FakePool)
     monkeypatch.setattr(grouped, "GroupedStore", CpuGroupStore)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (1 << 40, 1 << 40))  # pool_reserve
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
     monkeypatch.setattr(engine_mod.vllm_moe, "release_cached_pinned_memory", lambda: None)
     monkeypatch.setattr(grouped_engine.vllm_moe, "release_cached_pinned_memory", lambda: None)

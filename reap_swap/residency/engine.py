@@ -38,7 +38,7 @@ from reap_swap.compat import pinning as vllm_pinning
 from reap_swap.host_memory import RELEASE_BLOCK_BYTES
 from reap_swap.quant_budget import pool_slots
 
-from . import device_cache_engine, grouped_engine, vmm
+from . import device_cache_engine, grouped_engine, pool_reserve, vmm
 from . import grouped as grouped_units
 from .binding import BoundLayer, LayerSizes, bind_module, has_w13_tensor, meta_tensors
 from .refusals import LayerRefusals
@@ -397,7 +397,8 @@ def _ensure_pool(st: EngineState, unit_bytes: int, cache: Any | None = None) -> 
     per_expert = int(st.plan.per_expert_bytes) if st.plan is not None else unit_bytes
     num_slots = pool_slots(st.budget_bytes, max(per_expert, 1))  # the plan's experts (quant_budget)
     t0 = time.perf_counter()
-    st.pool = vmm.DeviceSlotPool.create(num_slots, unit_bytes, st.device)
+    what = f"{num_slots} expert slots of {unit_bytes / 2**20:.2f} MiB, the plan's budget"
+    (st.pool,) = pool_reserve.reserve_pools(what, [(num_slots, unit_bytes)], st.device)
     # slots [K, num_slots) are lent to device caches (issue 17); the table's refusal names them
     st.table = device_cache_engine.swap_table(cache, num_slots, st.plan)
     logger.info(

@@ -50,7 +50,7 @@ from reap_swap.group_layout import (
 )
 from reap_swap.quant_budget import pool_slots
 
-from . import grouped, swap, vmm
+from . import grouped, pool_reserve, swap, vmm
 from .slot_table import SlotTable
 
 logger = logging.getLogger("reap_swap.residency")
@@ -143,14 +143,9 @@ def ensure_pools(st: Any, layout: GroupLayout, private_unit_bytes: int, groups_p
     expert_slots = pool_slots(st.budget_bytes, max(per_expert, 1))  # what the private pool would get
     layers = len(plan.layers) if plan is not None else 1
     slots = group_pool_slots(expert_slots, private_unit_bytes, layout, layers * groups_per_layer)
-    try:
-        for i, name in enumerate(layout.names):
-            gs.pools[name] = vmm.DeviceSlotPool.create(slots, layout.unit_bytes[i], st.device)
-    except Exception:
-        for pool in gs.pools.values():
-            pool.release()
-        gs.pools.clear()
-        raise
+    what = f"{slots} group slots of b = {layout.group_size}, the plan's budget"
+    pools = pool_reserve.reserve_pools(what, [(slots, unit) for unit in layout.unit_bytes], st.device)
+    gs.pools.update(zip(layout.names, pools))
     gs.table = SlotTable(slots)
     logger.info(
         "reap-swap: reserved grouped HBM pools of %d group slots (b = %d, %.2f GiB; the private pool "

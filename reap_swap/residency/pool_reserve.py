@@ -1,0 +1,57 @@
+"""Reserving the HBM pool at load, or refusing with the numbers (never a driver traceback).
+
+The pool is the plan's budget in HBM, reserved at the first MoE layer's attach inside vLLM's
+load_model. Where the device's free memory cannot hold it (another server on the GPU, a budget
+sized for a larger card), the load stops with one line the launcher prints
+(memory_split.pool_refusal, budget_startup.record_refusal) and nothing stays reserved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from reap_swap.budget_startup import record_refusal
+from reap_swap.memory_split import BudgetError, pool_refusal
+
+from . import vmm
+
+
+class PoolRefused(BudgetError):
+    """The HBM pool does not fit this device now; the message carries the numbers."""
+
+
+def reserve_pools(
+    what: str,
+    sizes: Sequence[tuple[int, int]],
+    device: int,
+    mem_get_info: Callable[[int], tuple[int, int]] | None = None,
+) -> list[vmm.DeviceSlotPool]:
+    """One DeviceSlotPool per (slots, unit_bytes) in `sizes`, or PoolRefused with none kept.
+    `mem_get_info`: (free, total) bytes of a device, torch.cuda.mem_get_info unless given."""
+    need = sum(int(slots) * int(unit) for slots, unit in sizes)
+    free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
+    _refuse_if(pool_refusal(what=what, pool_bytes=need, free=free, total=total, device=device))
+    pools: list[vmm.DeviceSlotPool] = []
+    try:
+        for slots, unit in sizes:
+            pools.append(vmm.DeviceSlotPool.create(int(slots), int(unit), device))
+    except RuntimeError as exc:
+        for pool in pools:
+            pool.release()
+        if "OUT_OF_MEMORY" not in str(exc):
+            raise
+        _refuse_if(
+            pool_refusal(
+                what=what, pool_bytes=need, free=free, total=total, device=device, driver_error=str(exc)
+            ),
+            exc,
+        )
+    return pools
+
+
+def _refuse_if(message: str | None, cause: BaseException | None = None) -> None:
+    if message:
+        record_refusal(message)  # the launcher prints it as its one error line
+        raise PoolRefused(message) from cause
