@@ -81,10 +81,10 @@ def test_a_driver_oom_releases_every_pool_made_and_refuses(monkeypatch, refusal_
 
 
 def test_another_driver_error_is_raised_as_it_is(monkeypatch, refusal_file):
-    drv = OomDriver(fail_at=2, code=1)
+    drv = OomDriver(fail_at=5, code=1)  # the second pool's second unit: the first pool goes back too
     monkeypatch.setattr(vmm, "_drv", drv)
     with pytest.raises(RuntimeError, match="CUDA_ERROR_INVALID_VALUE") as exc:
-        pool_reserve.reserve_pools("t", [(3, UNIT)], 0, free_of(1))
+        pool_reserve.reserve_pools("t", [(3, UNIT), (3, UNIT)], 0, free_of(1))
     assert not isinstance(exc.value, pool_reserve.PoolRefused)
     assert drv.reserved == {} and drv.allocs == {}
     assert budget_startup.read_refusal(refusal_file) is None

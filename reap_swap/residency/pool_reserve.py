@@ -37,10 +37,10 @@ def reserve_pools(
     try:
         for slots, unit in sizes:
             pools.append(vmm.DeviceSlotPool.create(int(slots), int(unit), device))
-    except RuntimeError as exc:
+    except Exception as exc:  # any failure: the pools made so far go back, then OOM is refused by name
         for pool in pools:
             pool.release()
-        if "OUT_OF_MEMORY" not in str(exc):
+        if not isinstance(exc, RuntimeError) or "OUT_OF_MEMORY" not in str(exc):
             raise
         _refuse_if(
             pool_refusal(
