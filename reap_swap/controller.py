@@ -49,7 +49,7 @@ from reap_swap.forensics import ForensicsLog, aggregate_workers, summarize_route
 from reap_swap.lru import LRUDict
 from reap_swap.plan import Plan
 from reap_swap.pool_fill import Pool, fill_pool, pool_from_workers, resolve_swap
-from reap_swap.swap_failure import WorkerSwapFailed, ranks_named_in, stages_agree
+from reap_swap.swap_failure import WorkerSwapFailed, capacity_refusal, ranks_named_in, stages_agree
 from reap_swap.swap_report import brief, startup_resident, status_report, swap_response, timing
 
 log = logging.getLogger("reap_swap.controller")
@@ -249,6 +249,9 @@ class SwapController:
         t1 = time.perf_counter()
         results = await self._apply_on_workers(resident, dry_run=True, read_stats=False)
         message, failed_ranks = _failures(results)
+        refused = capacity_refusal(results)
+        if refused is not None:
+            raise refused
         if message:  # a dry run changes nothing: there is nothing to roll back
             raise WorkerSwapFailed(
                 "dry run failed: " + message,
@@ -282,9 +285,15 @@ class SwapController:
             failed_ranks = ranks_named_in(str(exc))
         if cause is None and not message:
             return results
-        self.failed_count += 1
-        self.metrics.swap(kind, "failed", time.perf_counter() - t0, 0)
+        # a capacity refusal moved nothing on the ranks that refused; the others (pipeline stages
+        # with room) may have applied, so the previous set is re-applied everywhere either way
         rolled, rb_err, after = await self._rollback(self.resident)
+        refused = capacity_refusal(results) if cause is None and rolled else None
+        self.metrics.swap(kind, "failed" if refused is None else "refused", time.perf_counter() - t0, 0)
+        if refused is not None:  # a client error (422), not a failed swap
+            log.warning("reap-swap: swap to %s refused: %s", signature(resident), refused)
+            raise refused
+        self.failed_count += 1
         log.error(
             "reap-swap: swap to %s failed on rank(s) %s (%s); rollback to %s %s",
             signature(resident),

@@ -15,6 +15,9 @@ Errors (JSON {"error": {"message", "type", "field", "code"}}; the message names 
   422 invalid_request       wrong types, missing or unknown fields
   422 invalid_active_set    unknown layer, out-of-plan expert, unknown sliceId
   422 budget_exceeded       keep-set larger than the budget
+  422 capacity_exceeded     keep-set wider than the workers' swap capacity (the slots the device
+                            cache's tails leave, a seeded layer's slots, the pool in groups): refused
+                            before anything moved (needed, capacity, failed_ranks)
   429 refresh_limit         decode_refresh beyond the plan's max_refreshes_per_request
   500 worker_failed         a worker call failed; the previous resident set was restored on every
                             worker (rolled_back, failed_ranks, each rank's signature in workers)
@@ -44,6 +47,7 @@ from reap_swap.logs import get_logger
 from reap_swap.plan import json_path
 from reap_swap.plugins import ENDPOINT_PLUGIN
 from reap_swap.settings import load_configured_plan, reap_config
+from reap_swap.swap_failure import CapacityExceeded
 
 log = get_logger("reap_swap.routes")
 
@@ -189,6 +193,17 @@ async def _run_swap(controller: SwapController, coro) -> Response:
         ) from None
     except ActiveSetError as exc:
         raise ReapError(422, "invalid_active_set", str(exc), exc.field) from None
+    except CapacityExceeded as exc:
+        raise ReapError(
+            422,
+            "capacity_exceeded",
+            str(exc),
+            exc.field,
+            needed=exc.needed,
+            capacity=exc.capacity,
+            failed_ranks=exc.failed_ranks,
+            signature=controller.sig,
+        ) from None
     except RefreshLimitExceeded as exc:
         raise ReapError(
             429, "refresh_limit", f"phase: {exc}", "phase", limit=exc.limit, request_id=exc.request_id

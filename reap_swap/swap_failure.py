@@ -1,4 +1,5 @@
-"""What the API process reports when a swap fails on the workers (HTTP 5xx, routes.py).
+"""What the API process reports when a swap fails on the workers (HTTP 5xx, routes.py), or when
+the workers refuse it for capacity before moving anything (HTTP 422, `CapacityExceeded`).
 
 Why its own module: routes.py maps it to a response and the controller raises it; neither the
 failure's shape nor its rank parsing is swap logic.
@@ -54,3 +55,32 @@ class WorkerSwapFailed(RuntimeError):
 def ranks_named_in(text: str) -> list[int]:
     """Ranks a failure message names ("rank 1: ..."): vLLM relays only the worker's message."""
     return sorted({int(m) for m in _RANK_RE.findall(text)})
+
+
+class CapacityExceeded(ValueError):
+    """The workers refused the resident set for capacity before anything moved: wider than the
+    swap table the device cache's lent tails leave (K), than a seeded layer's cache slots, or than
+    the pool in groups (PoolCapacityError on CUDA and in accounting mode alike). A client error:
+    the request asked for more than this server holds, as `budget_exceeded` is for the plan's
+    budget; 500 was answered before (runs to 26). ``field`` is always ``active_set``."""
+
+    field = "active_set"
+
+    def __init__(self, message: str, needed: int, capacity: int, failed_ranks: list[int]) -> None:
+        super().__init__(f"active_set: {message}")
+        self.needed, self.capacity, self.failed_ranks = needed, capacity, failed_ranks
+
+
+def capacity_refusal(replies: list) -> CapacityExceeded | None:
+    """The refusal when every failed reply (wire.ApplyReply) is a capacity refusal, else None.
+    The numbers are in the worker's units (expert slots, or group slots with --reap-group-size)."""
+    failed = [r for r in replies if r.error]
+    if not failed or any(r.capacity is None for r in failed):
+        return None
+    text = "; ".join(dict.fromkeys(r.error.split(": ", 2)[-1] for r in failed))  # one sentence per kind
+    return CapacityExceeded(
+        text,
+        max(r.capacity["needed"] for r in failed),
+        min(r.capacity["capacity"] for r in failed),
+        sorted(r.rank for r in failed),
+    )

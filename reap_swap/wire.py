@@ -93,6 +93,8 @@ class ApplyReply(WorkerHeader, ResidentSummary):
     stats: dict[str, dict] = Field(default_factory=dict)  # "<layer>" -> counters.read's answer
     error: str | None = None
     rolled_back_locally: bool | None = None  # the worker's own rollback (CUDA), when it failed
+    # a capacity refusal before anything moved (PoolCapacityError): {"needed", "capacity"} slots
+    capacity: dict[str, int] | None = None
 
 
 # -- the expert cache (reap_swap.cache_accounting) -----------------------------------------------

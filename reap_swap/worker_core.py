@@ -20,6 +20,7 @@ from reap_swap.counting import counters
 from reap_swap.logs import get_logger
 from reap_swap.plan import Plan
 from reap_swap.residency.fault import FaultInjectingBackend
+from reap_swap.residency.slot_table import PoolCapacityError
 
 log = get_logger("reap_swap.worker")
 
@@ -189,6 +190,11 @@ class WorkerCore:
                 dry_run=dry_run,
                 error=f"rank {self.rank}: {type(exc).__name__}: {exc}",
                 rolled_back_locally=getattr(exc, "rolled_back", None),
+                capacity=(
+                    {"needed": exc.needed, "capacity": exc.capacity}
+                    if isinstance(exc, PoolCapacityError)
+                    else None
+                ),
             ).model_dump(exclude_none=True)
         return wire.ApplyReply(
             **self.header(),

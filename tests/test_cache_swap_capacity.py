@@ -18,6 +18,7 @@ from reap_fakes import PLAN as TINY
 from reap_fakes import FakeEngine
 
 from reap_swap import wire
+from reap_swap.active_set import SwapRequest as SwapRequestModel
 from reap_swap.cache_accounting import CacheAccounting
 from reap_swap.controller import SwapController
 from reap_swap.plan import load_plan
@@ -270,10 +271,11 @@ def test_seeded_split_the_device_refuses_lends_nothing_so_the_whole_pool():
     assert SlotTable(32).plan(wide).admit
 
 
-def test_refused_swap_is_500_worker_failed_and_state_kept():
+def test_refused_swap_is_422_capacity_exceeded_and_state_kept():
     """Over HTTP (routes + controller + fake workers, the tiny e2e plan: pool 62, core 16,
-    --reap-cache-slots 10 lends 2 per layer, K = 54): 55+ experts -> 500 worker_failed naming the
-    numbers, rolled back, signature and cache unchanged; exactly 54 -> 200."""
+    --reap-cache-slots 10 lends 2 per layer, K = 54): 55+ experts -> 422 capacity_exceeded naming
+    active_set and the numbers (500 worker_failed until run 26), signature and cache unchanged,
+    not counted as a failed swap; exactly 54 -> 200."""
     engine = FakeEngine(tp_size=1)
     for w in engine.workers:
         w.core.cache = accounting(TINY, settings(10))
@@ -288,17 +290,19 @@ def test_refused_swap_is_500_worker_failed_and_state_kept():
         before = c.get("/reap/status").json()
         cache_before = engine.workers[0].core.cache.status()
         r = c.post("/swap_active_set", json={"request_id": "wide", "active_set": every})
-        assert r.status_code == 500, r.text
+        assert r.status_code == 422, r.text
         err = r.json()["error"]
-        assert err["type"] == "worker_failed" and err["rolled_back"] is True and err["field"] is None
-        assert (
-            "PoolCapacityError: resident set needs 62 expert slots but the swap table has 54 (overflow 8 "
+        assert err["type"] == "capacity_exceeded" and err["field"] == "active_set"
+        assert err["needed"] == 62 and err["capacity"] == 54 and err["failed_ranks"] == [0]
+        assert err["message"] == (
+            "active_set: resident set needs 62 expert slots but the swap table has 54 (overflow 8 "
             "experts): the HBM pool of 62 slots less 4 layers x 2 = 8 lent to the cache tails; "
             "--reap-cache-slots swaps or a smaller N leaves more room for swaps"
-        ) in err["message"]
+        )
         after = c.get("/reap/status").json()
         assert after["signature"] == before["signature"] == err["signature"]
         assert engine.workers[0].core.cache.status() == cache_before
+        assert ctl.failed_count == 0  # a refusal, not a failed swap
         # 16 core + 36 (every slice of layers 0-2) + layer 3's 2-expert slice = 54 = K: fits
         fit = dict(every, layer_3=[x.slice_id for x in TINY.layers[3].slices if len(x.experts) == 2])
         r = c.post("/swap_active_set", json={"request_id": "k", "active_set": fit})
@@ -306,10 +310,10 @@ def test_refused_swap_is_500_worker_failed_and_state_kept():
         assert r.json()["validation"]["resident_experts"] == 54
 
 
-def test_seeded_refused_swap_is_500_worker_failed_naming_the_layer():
+def test_seeded_refused_swap_is_422_capacity_exceeded_naming_the_layer():
     """The e2e seeded server's capacity over HTTP (the tiny e2e plan, --reap-cache-slots 10 seeded:
-    C_l = 7, 7, 6, 6): every slice -> 500 worker_failed naming layer 0 (SeededCapacityError),
-    rolled back, signature and cache unchanged; layer 3's 2-expert slice (exactly its 6) -> 200."""
+    C_l = 7, 7, 6, 6): every slice -> 422 capacity_exceeded naming layer 0 (SeededCapacityError),
+    signature and cache unchanged; layer 3's 2-expert slice (exactly its 6) -> 200."""
     engine = FakeEngine(tp_size=1)
     for w in engine.workers:
         w.core.cache = accounting(TINY, settings(10, seed="seeded"))
@@ -325,13 +329,14 @@ def test_seeded_refused_swap_is_500_worker_failed_naming_the_layer():
         assert before["cache"]["seeded_swaps"] and before["cache"].get("swap_slots") is None
         cache_before = engine.workers[0].core.cache.status()
         r = c.post("/swap_active_set", json={"request_id": "wide", "active_set": every})
-        assert r.status_code == 500, r.text
+        assert r.status_code == 422, r.text
         err = r.json()["error"]
-        assert err["type"] == "worker_failed" and err["rolled_back"] is True
-        assert (
-            "SeededCapacityError: layer 0: a swap set of 16 experts is wider than the layer's 7 cache "
+        assert err["type"] == "capacity_exceeded" and err["field"] == "active_set"
+        assert err["needed"] == 16 and err["capacity"] == 7
+        assert err["message"] == (
+            "active_set: layer 0: a swap set of 16 experts is wider than the layer's 7 cache "
             "slots (--reap-cache-seed seeded pins a swap inside them; overflow 9 experts)"
-        ) in err["message"]
+        )
         assert c.get("/reap/status").json()["signature"] == before["signature"] == err["signature"]
         assert engine.workers[0].core.cache.status() == cache_before
         fit = {"layer_3": [x.slice_id for x in TINY.layers[3].slices if len(x.experts) == 2]}
@@ -351,3 +356,71 @@ def test_cache_refused_when_the_table_cannot_hold_the_core():
     assert cfg.split(32, 4, {l: p.core for l, p in plan.layers.items()}) == 32 and cfg.refusal
     big = dataclasses.replace(plan, swappable_budget_bytes=36 * plan.per_expert_bytes)
     assert accounting(big, settings(12)).swap_slots == 24  # 36 - 12: the core exactly
+
+
+def _capacity_ctl(tp_size: int = 2, **kw) -> tuple[SwapController, dict]:
+    """A controller over `tp_size` fake ranks whose accounting caches lend 2 per layer (K = 54),
+    and the set of every slice (62 experts), too wide for K."""
+    engine = FakeEngine(tp_size=tp_size)
+    for w in engine.workers:
+        w.core.cache = accounting(TINY, settings(10))
+    ctl = SwapController(TINY, engine.rpc, cartridges={}, **kw)
+    asyncio.run(ctl.start())
+    every = {f"layer_{l}": [s.slice_id for s in p.slices] for l, p in TINY.layers.items()}
+    return ctl, every
+
+
+def test_capacity_refusal_only_when_every_failure_is_one():
+    from reap_swap.swap_failure import CapacityExceeded, capacity_refusal
+
+    def reply(rank, error=None, capacity=None):
+        return wire.ApplyReply(
+            rank=rank, tp_rank=rank, signature="s", resident_experts=1,
+            dry_run=False, error=error, capacity=capacity,
+        )  # fmt: skip
+
+    ok = reply(0)
+    wide = reply(
+        1, "rank 1: PoolCapacityError: resident set needs 9 expert slots", {"needed": 9, "capacity": 5}
+    )
+    seeded = reply(2, "rank 2: SeededCapacityError: layer 0: a swap set of 8", {"needed": 8, "capacity": 4})
+    broken = reply(3, "rank 3: SwapStepFailed: copy failed")
+    assert capacity_refusal([ok]) is None and capacity_refusal([ok, wide, broken]) is None
+    got = capacity_refusal([ok, wide, seeded])
+    assert isinstance(got, CapacityExceeded) and got.field == "active_set"
+    assert (got.needed, got.capacity, got.failed_ranks) == (9, 4, [1, 2])
+    assert str(got) == "active_set: resident set needs 9 expert slots; layer 0: a swap set of 8"
+
+
+def test_capacity_refused_on_every_tp_rank_changes_nothing_and_is_no_failure():
+    from reap_swap.swap_failure import CapacityExceeded
+
+    ctl, every = _capacity_ctl(tp_size=2)
+    before = ctl.sig
+    with pytest.raises(CapacityExceeded) as exc:
+        asyncio.run(ctl.swap(SwapRequestModel(request_id="w", active_set=every)))
+    assert exc.value.failed_ranks == [0, 1] and (exc.value.needed, exc.value.capacity) == (62, 54)
+    assert ctl.sig == before and ctl.failed_count == 0 and ctl.swap_count == 0
+
+
+def test_capacity_refusal_with_a_failed_rollback_stays_a_500():
+    from reap_swap.swap_failure import WorkerSwapFailed
+
+    ctl, every = _capacity_ctl(tp_size=1)
+
+    async def failing_rollback(old):
+        return False, "rollback broke", []
+
+    ctl._rollback = failing_rollback  # the state is unknown: not a clean refusal
+    with pytest.raises(WorkerSwapFailed) as exc:
+        asyncio.run(ctl.swap(SwapRequestModel(request_id="w", active_set=every)))
+    assert exc.value.rolled_back is False and "PoolCapacityError" in str(exc.value)
+    assert ctl.failed_count == 1
+
+
+def test_capacity_refusal_in_validate_only_mode_is_the_same_422():
+    from reap_swap.swap_failure import CapacityExceeded
+
+    ctl, every = _capacity_ctl(tp_size=1, validate_only=True)
+    with pytest.raises(CapacityExceeded, match="but the swap table has 54"):
+        asyncio.run(ctl.swap(SwapRequestModel(request_id="w", active_set=every)))

@@ -19,8 +19,8 @@ only the pool's remainder. A per-request swap's set P of a cached layer is there
   host-backed while this runs: the previous swap's set is mapped back to host first). Nothing is
   copied slot to slot, so the order of the copies does not matter.
 - A set wider than C is refused by name before anything moves (SeededCapacityError, a
-  PoolCapacityError; the worker's apply error, so the HTTP answer is 500 worker_failed naming the
-  layer, with the previous set re-applied -- a no-op: only the workers know C). Accounting mode
+  PoolCapacityError; the worker's apply error, so the HTTP answer is 422 capacity_exceeded naming
+  the layer, with the previous set re-applied -- a no-op: only the workers know C). Accounting mode
   refuses the same set with the same error when run with --reap-cache-device on
   (cache_accounting.check_swap, branch acctail); otherwise it grows that layer's capacity to |P|
   (LayerCache.pin); research.md "seedserve" lists every difference.

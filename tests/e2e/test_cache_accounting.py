@@ -19,7 +19,7 @@ layers lends 2 each, the remainder 2 is not lent, so the simulator's budget is c
 Swap capacity (acctail): the servers run with ``--reap-cache-device on``, so accounting holds swaps
 to the CUDA server's capacity with the same flags. Pinned form: its swap table, K = the pool (62)
 less 4 layers x 2 lent = 54: after the equality checks, a swap of all 62 plan experts is refused
-(500 worker_failed naming CUDA's numbers, rolled back, resident set and cache unchanged) and one of
+(422 capacity_exceeded, field active_set, naming CUDA's numbers; resident set and cache unchanged) and one of
 exactly 54 is applied. Seeded form (served on CUDA whenever asked since run 23): each layer's set
 within its C_l cache slots (core + TAIL spread: 7, 7, 6, 6), so the same wide swap is refused
 naming its first layer too wide (SeededCapacityError) and one within every layer's slots applied.
@@ -187,9 +187,9 @@ def refused_for_capacity(api, plan):
     before, cache = status(api), status(api)["cache"]
     every = {f"layer_{l}": [s.slice_id for s in p.slices] for l, p in plan.layers.items()}
     r = api.post("/swap_active_set", json={"request_id": "too-wide", "active_set": every})
-    assert r.status_code == 500, r.text
+    assert r.status_code == 422, r.text
     err = r.json()["error"]
-    assert err["type"] == "worker_failed" and err["field"] is None and err["rolled_back"] is True, err
+    assert err["type"] == "capacity_exceeded" and err["field"] == "active_set", err
     if cache["seeded_swaps"]:
         assert cache.get("swap_slots") is None, cache  # None is dropped on the wire
         slots = {int(l): v["slots"] for l, v in cache["layers"].items()}
@@ -197,13 +197,14 @@ def refused_for_capacity(api, plan):
         width = {l: len(set(p.core).union(*(s.experts for s in p.slices))) for l, p in plan.layers.items()}
         layer = min(l for l in plan.layers if width[l] > slots[l])
         assert (
-            f"SeededCapacityError: layer {layer}: a swap set of {width[layer]} experts is wider than the "
+            f"active_set: layer {layer}: a swap set of {width[layer]} experts is wider than the "
             f"layer's {slots[layer]} cache slots"
         ) in err["message"], err
     else:
         assert cache["swap_slots"] == SWAP_SLOTS, cache
+        assert (err["needed"], err["capacity"]) == (62, SWAP_SLOTS), err
         assert (
-            f"PoolCapacityError: resident set needs 62 expert slots but the swap table has {SWAP_SLOTS} "
+            f"active_set: resident set needs 62 expert slots but the swap table has {SWAP_SLOTS} "
             f"(overflow {62 - SWAP_SLOTS} experts): the HBM pool of 62 slots less 4 layers x 2 = "
             f"{62 - SWAP_SLOTS} lent to the cache tails; --reap-cache-slots swaps or a smaller N leaves more room"
         ) in err["message"], err

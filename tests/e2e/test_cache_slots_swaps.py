@@ -42,5 +42,5 @@ def test_swaps_leaves_the_swap_table_room_beside_the_tail(server_pool, tiny_moe)
         assert r.json()["validation"]["resident_experts"] == used
         every = {f"layer_{l}": [s.slice_id for s in p.slices] for l, p in plan.layers.items()}
         r = api.post("/swap_active_set", json={"request_id": "too-wide", "active_set": every})
-        assert r.status_code == 500 and r.json()["error"]["type"] == "worker_failed", r.text
+        assert r.status_code == 422 and r.json()["error"]["type"] == "capacity_exceeded", r.text
         assert f"but the swap table has {split.kept}" in r.json()["error"]["message"]
