@@ -49,6 +49,8 @@ class ActiveSetError(ValueError):
 
 
 class BudgetExceeded(ActiveSetError):
+    error_type = "budget_exceeded"  # the HTTP error's type (routes.py)
+
     def __init__(self, field: str, needed_bytes: int, budget_bytes: int):
         self.needed_bytes = needed_bytes
         self.budget_bytes = budget_bytes
@@ -58,6 +60,13 @@ class BudgetExceeded(ActiveSetError):
             f"resident set needs {needed_bytes:,} bytes, budget is {budget_bytes:,} "
             f"bytes: {self.overflow_bytes:,} bytes over",
         )
+
+    def numbers(self) -> dict[str, int]:
+        return {
+            "needed_bytes": self.needed_bytes,
+            "budget_bytes": self.budget_bytes,
+            "overflow_bytes": self.overflow_bytes,
+        }
 
 
 class RefreshLimitExceeded(ValueError):

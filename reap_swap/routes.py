@@ -181,29 +181,12 @@ def _check_auth(request: Request) -> None:
 async def _run_swap(controller: SwapController, coro) -> Response:
     try:
         return json_response(await coro)
-    except BudgetExceeded as exc:
+    except (BudgetExceeded, CapacityExceeded) as exc:  # more than the budget / the workers hold
         raise ReapError(
-            422,
-            "budget_exceeded",
-            str(exc),
-            exc.field,
-            needed_bytes=exc.needed_bytes,
-            budget_bytes=exc.budget_bytes,
-            overflow_bytes=exc.overflow_bytes,
+            422, exc.error_type, str(exc), exc.field, **exc.numbers(), signature=controller.sig
         ) from None
     except ActiveSetError as exc:
         raise ReapError(422, "invalid_active_set", str(exc), exc.field) from None
-    except CapacityExceeded as exc:
-        raise ReapError(
-            422,
-            "capacity_exceeded",
-            str(exc),
-            exc.field,
-            needed=exc.needed,
-            capacity=exc.capacity,
-            failed_ranks=exc.failed_ranks,
-            signature=controller.sig,
-        ) from None
     except RefreshLimitExceeded as exc:
         raise ReapError(
             429, "refresh_limit", f"phase: {exc}", "phase", limit=exc.limit, request_id=exc.request_id

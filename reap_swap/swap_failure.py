@@ -65,10 +65,14 @@ class CapacityExceeded(ValueError):
     budget; 500 was answered before (runs to 26). ``field`` is always ``active_set``."""
 
     field = "active_set"
+    error_type = "capacity_exceeded"  # the HTTP error's type (routes.py)
 
     def __init__(self, message: str, needed: int, capacity: int, failed_ranks: list[int]) -> None:
         super().__init__(f"active_set: {message}")
         self.needed, self.capacity, self.failed_ranks = needed, capacity, failed_ranks
+
+    def numbers(self) -> dict:
+        return {"needed": self.needed, "capacity": self.capacity, "failed_ranks": self.failed_ranks}
 
 
 def capacity_refusal(replies: list) -> CapacityExceeded | None:
