@@ -413,14 +413,15 @@ def swap_table_refusal(
     seeded device's C_l)."""
     split = f"{layers} layers x {per_layer} = {lent}" if layers and per_layer is not None else f"{lent}"
     over = f" of {layers} layers" if layers and per_layer is None else ""
-    # swaps (cache_slots_conflict) sizes the pinned form's tail only; the seeded form refuses it
-    remedy = (
-        "a smaller --reap-cache-slots N" if per_layer is None else "--reap-cache-slots swaps or a smaller N"
-    )
+    # swaps (cache_slots_conflict) sizes the pinned form's tail only; the seeded form refuses it.
+    # Said as options, not as "swaps": a server already at swaps gets this refusal too (run 26's tiny
+    # Qwen3.5 on the CPU build was told to pass the setting it ran with).
+    swaps = "" if per_layer is None else ", or swaps: min(2 x top_k, half the slots beyond the core) a layer"
     return (
         f"resident set needs {needed} expert slots but the swap table has {swap_slots} (overflow "
         f"{needed - swap_slots} experts): the HBM pool of {swap_slots + lent} slots less {split} lent "
-        f"to the cache tails{over}; {remedy} leaves more room for swaps"
+        f"to the cache tails{over}; ask for fewer experts, lend fewer (--reap-cache-slots N below "
+        f"{lent}{swaps}) or serve a plan with a larger budget"
     )
 
 

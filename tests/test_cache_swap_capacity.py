@@ -164,8 +164,9 @@ def test_boundary_through_worker_core(slots, k):
         n = (32 - k) // 4
         assert str(exc.value) == (
             f"resident set needs {k + 1} expert slots but the swap table has {k} (overflow 1 experts): "
-            f"the HBM pool of 32 slots less 4 layers x {n} = {32 - k} lent to the cache tails; "
-            "--reap-cache-slots swaps or a smaller N leaves more room for swaps"
+            f"the HBM pool of 32 slots less 4 layers x {n} = {32 - k} lent to the cache tails; ask for "
+            f"fewer experts, lend fewer (--reap-cache-slots N below {32 - k}, or swaps: min(2 x top_k, half "
+            "the slots beyond the core) a layer) or serve a plan with a larger budget"
         )
         assert (exc.value.needed, exc.value.capacity) == (k + 1, k)
         assert (core.backend.resident(), acc.status(), core.read_counters(reset=False)) == before
@@ -296,8 +297,9 @@ def test_refused_swap_is_422_capacity_exceeded_and_state_kept():
         assert err["needed"] == 62 and err["capacity"] == 54 and err["failed_ranks"] == [0]
         assert err["message"] == (
             "active_set: resident set needs 62 expert slots but the swap table has 54 (overflow 8 "
-            "experts): the HBM pool of 62 slots less 4 layers x 2 = 8 lent to the cache tails; "
-            "--reap-cache-slots swaps or a smaller N leaves more room for swaps"
+            "experts): the HBM pool of 62 slots less 4 layers x 2 = 8 lent to the cache tails; ask for "
+            "fewer experts, lend fewer (--reap-cache-slots N below 8, or swaps: min(2 x top_k, half the "
+            "slots beyond the core) a layer) or serve a plan with a larger budget"
         )
         after = c.get("/reap/status").json()
         assert after["signature"] == before["signature"] == err["signature"]
