@@ -208,9 +208,14 @@ def reap_steps(srv, plan: dict, shape: dict, res: dict, a, save) -> None:
     e2e.open_request(srv, f"p-{label}")  # the startup set, statistics reset
     entry = {"resident": fr.resident_count(plan, {}), **e2e.measure(srv, f"p-{label}", d1=a.decode, d8=None)}
     probe_and_save(srv, label, entry, res, save)
+    held = entry["resident"]
     for label, active in fr.phases(plan, shape["experts"]):
         sw = e2e.swap(srv, f"p-{label}", active)
-        entry = {"resident": fr.resident_count(plan, active), "swap": sw}
+        asked = fr.resident_count(plan, active)
+        # a refused swap (e.g. 422 capacity_exceeded beside the device cache's tails) leaves the
+        # previous set: record what is resident, not what was asked (run 26's tiny Qwen3.5)
+        held = asked if sw.get("status") == 200 else held
+        entry = {"resident": held, "asked": asked, "swap": sw}
         entry.update(e2e.measure(srv, f"p-{label}", d1=a.decode, d8=None))
         probe_and_save(srv, label, entry, res, save)
     r["status_end"] = e2e.status(srv)

@@ -151,3 +151,32 @@ def test_quant_driver_cut_by_its_cap_writes_the_summary_and_starts_no_queued_cas
     assert not doc["cases"]["awq"].get("timed_out") and doc["cases"]["gptq"]["timed_out"]
     assert doc["cases"]["gptq"]["stock"] == {"greedy": []} and doc["cases"]["ct-w4a16"]["timed_out"]
     assert (tmp_path / "quant_e2e.md").read_text().count("TIMED OUT") == 2
+
+
+def test_a_refused_residency_swap_records_the_set_still_held(monkeypatch):
+    """gpu_families.reap_steps: a swap answered 422 (capacity_exceeded beside the device cache's
+    tails, run 26's tiny Qwen3.5) leaves the previous set, so the phase's `resident` is that set and
+    `asked` what the phase wanted (before: the asked count, as if the swap had applied)."""
+    from types import SimpleNamespace
+
+    gf = load_script("gpu_families")
+    plan = {"perLayer": {}, "budget": {"per_expert_bytes": 1, "swappable_expert_budget_bytes": 100}}
+    points = [("25", {"a": 1}), ("100", {"a": 4}), ("again", {})]
+    sizes = {"{}": 0, "{'a': 1}": 8, "{'a': 4}": 32}
+    monkeypatch.setattr(gf.fr, "phases", lambda plan, experts: points)
+    monkeypatch.setattr(gf.fr, "resident_count", lambda plan, active: sizes[str(active)])
+    monkeypatch.setattr(gf.fr, "startup_label", lambda plan: "0")
+    status = {"p-25": 200, "p-100": 422, "p-again": 200}
+    fake = SimpleNamespace(
+        status=lambda srv: {}, collective_rpc=lambda srv, m: [], open_request=lambda srv, rid: None,
+        measure=lambda srv, rid, d1, d8: {}, moe_probe=lambda srv, tag: {},
+        swap=lambda srv, rid, active: {"status": status[rid]},
+    )  # fmt: skip
+    monkeypatch.setattr(gf, "e2e", fake)
+    monkeypatch.setattr(gf, "counters_under_graphs", lambda srv, shape: {})
+    monkeypatch.setattr(gf, "readme_curl", lambda srv, plan, shape: None)
+    res = {"reap": {"phases": {}}}
+    args = SimpleNamespace(count_lengths=None, count_only=False, decode=1)
+    gf.reap_steps(None, plan, {"experts": 4}, res, args, lambda: None)
+    got = {k: (p["resident"], p.get("asked")) for k, p in res["reap"]["phases"].items()}
+    assert got == {"0": (0, None), "25": (8, 8), "100": (8, 32), "again": (0, 0)}
