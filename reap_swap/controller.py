@@ -249,7 +249,7 @@ class SwapController:
         t1 = time.perf_counter()
         results = await self._apply_on_workers(resident, dry_run=True, read_stats=False)
         message, failed_ranks = _failures(results)
-        refused = capacity_refusal(results)
+        refused = capacity_refusal(results, dry_run=True)
         if refused is not None:
             raise refused
         if message:  # a dry run changes nothing: there is nothing to roll back

@@ -413,15 +413,21 @@ def swap_table_refusal(
     seeded device's C_l)."""
     split = f"{layers} layers x {per_layer} = {lent}" if layers and per_layer is not None else f"{lent}"
     over = f" of {layers} layers" if layers and per_layer is None else ""
-    # swaps (cache_slots_conflict) sizes the pinned form's tail only; the seeded form refuses it.
-    # Said as options, not as "swaps": a server already at swaps gets this refusal too (run 26's tiny
-    # Qwen3.5 on the CPU build was told to pass the setting it ran with).
-    swaps = "" if per_layer is None else ", or swaps: min(2 x top_k, half the slots beyond the core) a layer"
+    # The remedies that make this set fit, whatever the setting (run 26's tiny Qwen3.5 at `swaps` was
+    # told to pass `swaps`). Pinned: N // layers a layer is lent, so N <= lent - overflow fits; below
+    # one slot a layer the cache is refused and the whole pool swaps. Seeded: C_l = core + N spread.
+    overflow = needed - swap_slots
+    fit = lent - overflow
+    if per_layer is None:
+        lend = f"lend {overflow} fewer (--reap-cache-slots N lower by {overflow} or more)"
+    elif layers and fit < layers:
+        lend = "serve without the cache (--reap-cache off: it lends at least one slot a layer)"
+    else:
+        lend = f"lend at most {fit} (--reap-cache-slots N <= {fit})"
     return (
         f"resident set needs {needed} expert slots but the swap table has {swap_slots} (overflow "
-        f"{needed - swap_slots} experts): the HBM pool of {swap_slots + lent} slots less {split} lent "
-        f"to the cache tails{over}; ask for fewer experts, lend fewer (--reap-cache-slots N below "
-        f"{lent}{swaps}) or serve a plan with a larger budget"
+        f"{overflow} experts): the HBM pool of {swap_slots + lent} slots less {split} lent to the cache "
+        f"tails{over}; ask for at most {swap_slots} experts, {lend}, or serve a plan with a larger budget"
     )
 
 

@@ -75,16 +75,17 @@ class CapacityExceeded(ValueError):
         return {"needed": self.needed, "capacity": self.capacity, "failed_ranks": self.failed_ranks}
 
 
-def capacity_refusal(replies: list) -> CapacityExceeded | None:
-    """The refusal when every failed reply (wire.ApplyReply) is a capacity refusal, else None.
-    The numbers are in the worker's units (expert slots, or group slots with --reap-group-size)."""
+def capacity_refusal(replies: list, dry_run: bool = False) -> CapacityExceeded | None:
+    """The refusal when every reply (wire.ApplyReply) is a capacity refusal, else None: a rank that
+    applied (a pipeline stage with room) changed its set and its counters, so that swap is a 500 after
+    the rollback. In a dry run nothing changes anywhere, so the failed replies alone decide.
+    `needed` / `capacity` are the lowest failing rank's pair, in its units (expert slots, a seeded
+    layer's slots, or group slots with --reap-group-size); the message has every distinct sentence."""
     failed = [r for r in replies if r.error]
-    if not failed or any(r.capacity is None for r in failed):
+    if not failed or any(r.capacity is None for r in failed) or (len(failed) < len(replies) and not dry_run):
         return None
+    first = min(failed, key=lambda r: r.rank)
     text = "; ".join(dict.fromkeys(r.error.split(": ", 2)[-1] for r in failed))  # one sentence per kind
     return CapacityExceeded(
-        text,
-        max(r.capacity["needed"] for r in failed),
-        min(r.capacity["capacity"] for r in failed),
-        sorted(r.rank for r in failed),
+        text, first.capacity["needed"], first.capacity["capacity"], sorted(r.rank for r in failed)
     )

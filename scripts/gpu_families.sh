@@ -103,9 +103,10 @@ qwen_reap() {  # the critical path: every step is saved as it ends, so a cut run
   $PY scripts/gpu_families.py --name qwen35 --out "$S" --arms merge > /dev/null 2>&1
 }
 
-hbm_gib() {  # the first GPU's memory in GiB (0 when nvidia-smi is missing)
+hbm_gib() {  # the first GPU's memory in GiB (0 when nvidia-smi is missing or prints no number)
   local mib; mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-  echo $(( ${mib:-0} / 1024 ))
+  [[ $mib =~ ^[0-9]+$ ]] || mib=0
+  echo $(( mib / 1024 ))
 }
 
 qwen_one_after_the_other() {  # a card under SIDE_BY_SIDE_GIB (an H100's 80 GB): stock holds every

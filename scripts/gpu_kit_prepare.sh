@@ -41,4 +41,4 @@ echo "  .kit/tools .kit/MANIFEST.txt .kit/SHA256SUMS .kit/part-00; .kit/part-01;
 echo "  install call: .kit/part-04 .kit/extra .kit/strict30-v2-plan.json (copy SHA256SUMS into each /tmp/kit/part-NN)"
 echo "or, with the whole tree, pieces in this order (call 1 also carries .kit/tools .kit/MANIFEST.txt .kit/SHA256SUMS):"
 ls .kit/q0[0-3]/p* .kit/q04/p04.a
-echo "install call: carry .kit/q04/p04.b .kit/extra; cat h/pNN.{a..f} and h/p04.a + .kit/q04/p04.b into part-NN/"
+echo "install call: carry .kit/q04/p04.b .kit/extra .kit/strict30-v2-plan.json; cat h/pNN.{a..f} and h/p04.a + .kit/q04/p04.b into part-NN/"

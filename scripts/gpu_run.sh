@@ -18,7 +18,7 @@
 #             results in $R/quant2): e.g. online FP8 without groups, then INT4 with --reap-group-size auto
 #   qwen      full-size Qwen3.5-35B-A3B, field plan, reap-swap and stock side by side (QWEN_CAP s each;
 #             QWEN_REAP_EXTRA: more reap-server flags, e.g. "--reap-cache lfu --reap-cache-device on");
-#             on a card under 120 GiB (H100) one after the other, reap first: give QWEN_CAP=900 there
+#             on a card under 120 GiB (H100) one after the other, reap first, QWEN_CAP 900 by default there
 #   families  the whole families lane (gpu_families.sh, FAM_DEADLINE)
 #   v2lite    full-size DeepSeek-V2-Lite, reap-swap and stock side by side, eager
 #   v3layer   the DeepSeek-V3 / Kimi-K2 layer shape at depth 2, reap-swap and stock side by side, eager (HBM ~73 GiB)
@@ -116,8 +116,12 @@ quant_phase() {  # NAME KNOB_PREFIX DEFAULT_JOBS DEFAULT_CASES: gpu_quant_e2e.py
 }
 ph_quant() { quant_phase quant QUANT 3 fp8-block,fp8-tensor,ct-fp8,fp8-online; }
 ph_quant2() { quant_phase quant2 QUANT2 1 awq,gptq,ct-w4a16; }
-ph_qwen() {
-  QWEN_CAP=${QWEN_CAP:-560} FIELD_PLAN=.kit/strict30-v2-plan.json DEADLINE=${QWEN_CAP:-560} \
+ph_qwen() {  # side by side on an H200 (560 s); one arm after the other under 120 GiB (H100): 900 s
+  local mib cap=560
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  [[ $mib =~ ^[0-9]+$ ]] && [ "$mib" -lt $(( 120 * 1024 )) ] && cap=900
+  cap=${QWEN_CAP:-$cap}
+  QWEN_CAP=$cap FIELD_PLAN=.kit/strict30-v2-plan.json DEADLINE=$cap \
     bash scripts/gpu_families.sh lane_a_only --out $R/fam > $R/qwen.log 2>&1
 }
 ph_families() {

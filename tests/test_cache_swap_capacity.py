@@ -161,12 +161,16 @@ def test_boundary_through_worker_core(slots, k):
         with pytest.raises(PoolCapacityError) as exc:
             cuda.plan(wide)
         assert reply["error"] == f"rank 0: PoolCapacityError: {exc.value}"
-        n = (32 - k) // 4
+        n, fit = (32 - k) // 4, 32 - k - 1
+        lend = (  # fewer than one slot a layer left: only --reap-cache off makes room
+            f"lend at most {fit} (--reap-cache-slots N <= {fit})"
+            if fit >= 4
+            else "serve without the cache (--reap-cache off: it lends at least one slot a layer)"
+        )
         assert str(exc.value) == (
             f"resident set needs {k + 1} expert slots but the swap table has {k} (overflow 1 experts): "
             f"the HBM pool of 32 slots less 4 layers x {n} = {32 - k} lent to the cache tails; ask for "
-            f"fewer experts, lend fewer (--reap-cache-slots N below {32 - k}, or swaps: min(2 x top_k, half "
-            "the slots beyond the core) a layer) or serve a plan with a larger budget"
+            f"at most {k} experts, {lend}, or serve a plan with a larger budget"
         )
         assert (exc.value.needed, exc.value.capacity) == (k + 1, k)
         assert (core.backend.resident(), acc.status(), core.read_counters(reset=False)) == before
@@ -298,8 +302,8 @@ def test_refused_swap_is_422_capacity_exceeded_and_state_kept():
         assert err["message"] == (
             "active_set: resident set needs 62 expert slots but the swap table has 54 (overflow 8 "
             "experts): the HBM pool of 62 slots less 4 layers x 2 = 8 lent to the cache tails; ask for "
-            "fewer experts, lend fewer (--reap-cache-slots N below 8, or swaps: min(2 x top_k, half the "
-            "slots beyond the core) a layer) or serve a plan with a larger budget"
+            "at most 54 experts, serve without the cache (--reap-cache off: it lends at least one slot a "
+            "layer), or serve a plan with a larger budget"
         )
         after = c.get("/reap/status").json()
         assert after["signature"] == before["signature"] == err["signature"]
@@ -387,11 +391,13 @@ def test_capacity_refusal_only_when_every_failure_is_one():
     )
     seeded = reply(2, "rank 2: SeededCapacityError: layer 0: a swap set of 8", {"needed": 8, "capacity": 4})
     broken = reply(3, "rank 3: SwapStepFailed: copy failed")
-    assert capacity_refusal([ok]) is None and capacity_refusal([ok, wide, broken]) is None
-    got = capacity_refusal([ok, wide, seeded])
+    assert capacity_refusal([ok]) is None and capacity_refusal([wide, broken]) is None
+    assert capacity_refusal([ok, wide]) is None  # rank 0 applied: its set moved, so no 422
+    assert capacity_refusal([ok, wide], dry_run=True) is not None  # a dry run moved nothing anywhere
+    got = capacity_refusal([seeded, wide])
     assert isinstance(got, CapacityExceeded) and got.field == "active_set"
-    assert (got.needed, got.capacity, got.failed_ranks) == (9, 4, [1, 2])
-    assert str(got) == "active_set: resident set needs 9 expert slots; layer 0: a swap set of 8"
+    assert (got.needed, got.capacity, got.failed_ranks) == (9, 5, [1, 2])  # the lowest rank's pair
+    assert str(got) == "active_set: layer 0: a swap set of 8; resident set needs 9 expert slots"
 
 
 def test_capacity_refused_on_every_tp_rank_changes_nothing_and_is_no_failure():
@@ -426,3 +432,31 @@ def test_capacity_refusal_in_validate_only_mode_is_the_same_422():
     ctl, every = _capacity_ctl(tp_size=1, validate_only=True)
     with pytest.raises(CapacityExceeded, match="but the swap table has 54"):
         asyncio.run(ctl.swap(SwapRequestModel(request_id="w", active_set=every)))
+
+
+def test_a_capacity_refusal_on_one_pipeline_stage_while_the_other_applied_is_a_500():
+    """PP = 2, seeded caches (C_l = 7, 7, 6, 6): layer 0 (stage 0) asked wider than its 7 slots while
+    layer 3 (stage 1) changes within its 6: stage 1 applied (set and counters moved), so the answer is
+    500 worker_failed after the rollback, not 422 "before anything moved" (review of run 26's change)."""
+    from reap_swap.swap_failure import WorkerSwapFailed
+
+    engine = FakeEngine(tp_size=1, pp_size=2)
+    for w in engine.workers:
+        w.core.cache = accounting(TINY, settings(10, seed="seeded"))
+    ctl = SwapController(TINY, engine.rpc, cartridges={})
+    asyncio.run(ctl.start())
+    before = ctl.sig
+    wide = {
+        "layer_0": [s.slice_id for s in TINY.layers[0].slices],
+        "layer_3": [x.slice_id for x in TINY.layers[3].slices if len(x.experts) == 2],
+    }
+    with pytest.raises(WorkerSwapFailed) as exc:
+        asyncio.run(ctl.swap(SwapRequestModel(request_id="w", active_set=wide)))
+    assert exc.value.rolled_back is True and exc.value.failed_ranks == [0]
+    assert "SeededCapacityError: layer 0" in str(exc.value)
+    assert ctl.sig == before and ctl.failed_count == 1
+    ctl.validate_only = True  # a dry run moves nothing on either stage: the same set is a 422 there
+    from reap_swap.swap_failure import CapacityExceeded
+
+    with pytest.raises(CapacityExceeded):
+        asyncio.run(ctl.swap(SwapRequestModel(request_id="w", active_set=wide)))

@@ -247,10 +247,10 @@ def test_qwen_reap_extra_reaches_the_reap_server_arm(tmp_path):
     assert "unrecognized arguments" not in log and "Traceback" not in log, log[-2000:]
 
 
-def _qwen_arms(tmp_path: Path, hbm_mib: int | None) -> tuple[list[str], str]:
+def _qwen_arms(tmp_path: Path, hbm_mib: int | None, cap: str | None = "900") -> tuple[list[str], str]:
     """The qwen phase's gpu_families.py arms in call order, and the lane's log; `hbm_mib`: what a
     fake nvidia-smi reports as the card's memory (None: no nvidia-smi, as on this machine)."""
-    knobs = {"QWEN_CAP": "900"}
+    knobs = {"QWEN_CAP": cap} if cap else {}
     if hbm_mib is not None:
         bin_dir = tmp_path / "bin"
         bin_dir.mkdir(parents=True)
@@ -274,6 +274,9 @@ def test_qwen_on_a_card_under_120_gib_serves_reap_first_then_stock(tmp_path):
     assert len(caps) == 2 and caps[0] >= 500 and caps[1] >= 300, log  # both arms fit QWEN_CAP=900
     arms, log = _qwen_arms(tmp_path / "none", None)  # no nvidia-smi: the careful order too
     assert arms == ["prepare", "reap", "stock", "merge"], log
+    _, log = _qwen_arms(tmp_path / "default", 81559, cap=None)  # no QWEN_CAP: 900 s on this card
+    caps = [int(x.split("(cap ")[1].split("s)")[0]) for x in log.splitlines() if "start (cap" in x]
+    assert caps[0] >= 500 and sum(caps) >= 800, log
 
 
 def test_qwen_on_an_h200_serves_both_side_by_side(tmp_path):

@@ -88,3 +88,18 @@ def test_another_driver_error_is_raised_as_it_is(monkeypatch, refusal_file):
     assert not isinstance(exc.value, pool_reserve.PoolRefused)
     assert drv.reserved == {} and drv.allocs == {}
     assert budget_startup.read_refusal(refusal_file) is None
+
+
+def test_a_driver_oom_while_the_budget_grows_the_pool_is_refused_and_nothing_grows(monkeypatch, refusal_file):
+    # --reap-budget auto | GiB: residency/budget.grow_and_fill grows the pool after startup; an OOM
+    # there went through collective_rpc as a traceback (review after run 26)
+    drv = OomDriver(fail_at=4)  # the growth's second unit
+    monkeypatch.setattr(vmm, "_drv", drv)
+    (pool,) = pool_reserve.reserve_pools("t", [(2, UNIT)], 0, free_of(1))
+    with pytest.raises(pool_reserve.PoolRefused, match="3 more slots of 2.00 MiB for --reap-budget") as exc:
+        pool_reserve.grow_pool(pool, 3, 0, free_of(1))
+    assert isinstance(exc.value, BudgetError)  # what worker.reap_fill_budget answers as an error
+    assert pool.num_slots == 2 and len(drv.allocs) == 2  # all or nothing
+    assert budget_startup.read_refusal(refusal_file) == str(exc.value)
+    pool_reserve.grow_pool(pool, 2, 0, free_of(1))  # the driver has room again
+    assert pool.num_slots == 4

@@ -198,15 +198,14 @@ def test_a_table_beside_lent_cache_tails_says_so_when_it_refuses():
     assert err.value.capacity == 4 and err.value.overflow == 1
     assert str(err.value) == (
         "resident set needs 5 expert slots but the swap table has 4 (overflow 1 experts): the HBM pool "
-        "of 16 slots less 4 layers x 3 = 12 lent to the cache tails; ask for fewer experts, lend fewer "
-        "(--reap-cache-slots N below 12, or swaps: min(2 x top_k, half the slots beyond the core) a layer) "
-        "or serve a plan with a larger budget"
+        "of 16 slots less 4 layers x 3 = 12 lent to the cache tails; ask for at most 4 experts, lend at "
+        "most 11 (--reap-cache-slots N <= 11), or serve a plan with a larger budget"
     )
     with pytest.raises(PoolCapacityError) as err:  # seeded: the layers lend different counts C_l
         SlotTable(4, lent=12, lent_layers=3).plan({0: {0, 1, 2, 3, 4}})
     assert str(err.value).endswith(
-        "the HBM pool of 16 slots less 12 lent to the cache tails of 3 layers; ask for fewer experts, lend "
-        "fewer (--reap-cache-slots N below 12) or serve a plan with a larger budget"
+        "the HBM pool of 16 slots less 12 lent to the cache tails of 3 layers; ask for at most 4 experts, "
+        "lend 1 fewer (--reap-cache-slots N lower by 1 or more), or serve a plan with a larger budget"
     )
     with pytest.raises(PoolCapacityError, match="the HBM pool has 4 "):
         SlotTable(4).plan({0: {0, 1, 2, 3, 4}})  # nothing lent: CUDA's text as before

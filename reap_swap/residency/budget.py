@@ -36,6 +36,7 @@ from reap_swap.memory_split import (
     split_line,
 )
 
+from . import pool_reserve
 from .swap import apply_swap
 from .vmm_store import VmmStore
 
@@ -114,7 +115,7 @@ def grow_and_fill(st: Any, growth: Growth, extra_slots: int) -> dict:
             f"{st.pool.num_slots - 1} ({lent}) are lent to the cache tails and growing would hand them "
             "to the swap table; use --reap-budget plan with --reap-cache-device on"
         )
-    st.pool.grow(extra)
+    pool_reserve.grow_pool(st.pool, extra, st.device)  # a driver OOM: BudgetError, nothing grown
     st.table.grow(extra)
     order, source = st.plan.fill_order() if st.plan is not None else ([], "no plan")
     target = ranked_fill(order, st.table.resident(), st.table.num_slots, st.layers)

@@ -31,6 +31,8 @@ def reserve_pools(
     """One DeviceSlotPool per (slots, unit_bytes) in `sizes`, or PoolRefused with none kept.
     `mem_get_info`: (free, total) bytes of a device, torch.cuda.mem_get_info unless given."""
     need = sum(int(slots) * int(unit) for slots, unit in sizes)
+    if mem_get_info is None:
+        torch.cuda.empty_cache()  # blocks PyTorch caches but does not use would count as taken
     free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
     _refuse_if(pool_refusal(what=what, pool_bytes=need, free=free, total=total, device=device))
     pools: list[vmm.DeviceSlotPool] = []
@@ -49,6 +51,35 @@ def reserve_pools(
             exc,
         )
     return pools
+
+
+def grow_pool(
+    pool: vmm.DeviceSlotPool,
+    extra: int,
+    device: int,
+    mem_get_info: Callable[[int], tuple[int, int]] | None = None,
+) -> None:
+    """pool.grow(extra) for --reap-budget auto | GiB: the growth was sized from free memory, but a
+    driver OOM (a neighbour allocating meanwhile) is refused as reserve_pools refuses it, the pool
+    unchanged (grow is all or nothing), instead of a traceback through collective_rpc."""
+    free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
+    try:
+        pool.grow(extra)
+    except RuntimeError as exc:
+        if "OUT_OF_MEMORY" not in str(exc):
+            raise
+        what = f"{extra} more slots of {pool.unit_bytes / 2**20:.2f} MiB for --reap-budget"
+        _refuse_if(
+            pool_refusal(
+                what=what,
+                pool_bytes=extra * pool.unit_bytes,
+                free=free,
+                total=total,
+                device=device,
+                driver_error=str(exc),
+            ),  # fmt: skip
+            exc,
+        )
 
 
 def _refuse_if(message: str | None, cause: BaseException | None = None) -> None:

@@ -206,8 +206,8 @@ def refused_for_capacity(api, plan):
         assert (
             f"active_set: resident set needs 62 expert slots but the swap table has {SWAP_SLOTS} "
             f"(overflow {62 - SWAP_SLOTS} experts): the HBM pool of 62 slots less 4 layers x 2 = "
-            f"{62 - SWAP_SLOTS} lent to the cache tails; ask for fewer experts, lend fewer (--reap-cache-slots "
-            f"N below {62 - SWAP_SLOTS}, or swaps"
+            f"{62 - SWAP_SLOTS} lent to the cache tails; ask for at most {SWAP_SLOTS} experts, serve without "
+            "the cache (--reap-cache off"
         ) in err["message"], err
     after = status(api)
     assert after["signature"] == before["signature"] == err["signature"]
