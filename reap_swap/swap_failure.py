@@ -84,8 +84,6 @@ def capacity_refusal(replies: list, dry_run: bool = False) -> CapacityExceeded |
     failed = [r for r in replies if r.error]
     if not failed or any(r.capacity is None for r in failed) or (len(failed) < len(replies) and not dry_run):
         return None
-    first = min(failed, key=lambda r: r.rank)
-    text = "; ".join(dict.fromkeys(r.error.split(": ", 2)[-1] for r in failed))  # one sentence per kind
-    return CapacityExceeded(
-        text, first.capacity["needed"], first.capacity["capacity"], sorted(r.rank for r in failed)
-    )
+    first = min(failed, key=lambda r: r.rank).capacity
+    text = "; ".join(dict.fromkeys(r.capacity.message for r in failed))  # one sentence per kind
+    return CapacityExceeded(text, first.needed, first.capacity, sorted(r.rank for r in failed))

@@ -76,6 +76,14 @@ class ApplyResidency(_Model):
     read_stats: bool = False
 
 
+class CapacityRefusal(_Model):
+    """PoolCapacityError's numbers (slots, in the refusing table's units) and its sentence."""
+
+    needed: int
+    capacity: int
+    message: str
+
+
 class ApplyReply(WorkerHeader, ResidentSummary):
     dry_run: bool
     residency_mode: str | None = None
@@ -93,8 +101,7 @@ class ApplyReply(WorkerHeader, ResidentSummary):
     stats: dict[str, dict] = Field(default_factory=dict)  # "<layer>" -> counters.read's answer
     error: str | None = None
     rolled_back_locally: bool | None = None  # the worker's own rollback (CUDA), when it failed
-    # a capacity refusal before anything moved (PoolCapacityError): {"needed", "capacity"} slots
-    capacity: dict[str, int] | None = None
+    capacity: CapacityRefusal | None = None  # a capacity refusal before anything moved
 
 
 # -- the expert cache (reap_swap.cache_accounting) -----------------------------------------------

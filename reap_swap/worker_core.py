@@ -191,7 +191,7 @@ class WorkerCore:
                 error=f"rank {self.rank}: {type(exc).__name__}: {exc}",
                 rolled_back_locally=getattr(exc, "rolled_back", None),
                 capacity=(
-                    {"needed": exc.needed, "capacity": exc.capacity}
+                    {"needed": exc.needed, "capacity": exc.capacity, "message": str(exc)}
                     if isinstance(exc, PoolCapacityError)
                     else None
                 ),

@@ -109,6 +109,8 @@ hbm_gib() {  # the first GPU's memory in GiB (0 when nvidia-smi is missing or pr
   echo $(( mib / 1024 ))
 }
 
+side_by_side() { [ "$(hbm_gib)" -ge "${SIDE_BY_SIDE_GIB:-120}" ]; }
+
 qwen_one_after_the_other() {  # a card under SIDE_BY_SIDE_GIB (an H100's 80 GB): stock holds every
   # expert in HBM (65 GiB on run 26's H100), so reap-swap's pool (the plan's budget) did not fit beside
   # it and the reap arm's load was refused. Here the reap arm runs first (the critical one), stock after;
@@ -272,8 +274,9 @@ case "${1:-}" in
   session) lane ;;
   lane_a_only)  # gpu_followups.sh (run 8's lease): only Qwen3.5, side by side, in the foreground
     mkdir -p "$S"; rm -f "$S/qwen_stock.done"
-    if [ "$(hbm_gib)" -ge "${SIDE_BY_SIDE_GIB:-120}" ]; then qwen_stock & qwen_reap; wait
+    if side_by_side; then qwen_stock & qwen_reap; wait
     else qwen_one_after_the_other; fi ;;
+  side_by_side) side_by_side ;;  # exit 0 where lane_a_only serves both arms at once (gpu_run.sh's cap)
   v2lite_only)  # gpu_run.sh's v2lite phase: full-size DeepSeek-V2-Lite alone, reap and stock side by side
     mkdir -p "$S"; pair deepseek_v2_lite "$(left)" "${V2[@]}" ;;
   v3_only)  # gpu_run.sh's v3layer phase: the DeepSeek-V3 / Kimi-K2 layer shape, reap and stock side by side
@@ -298,5 +301,5 @@ case "${1:-}" in
     ls -la "${OUT:-/tmp/out}"
     ;;
   schedule) sed -n '/^# Schedule/,/^# What each/p' "$0" ;;
-  *) echo "usage: $0 all|start|lane_a_only|v2lite_only|v3_only|gptoss_full|mixtral_full|kimi_deep|v3_deep --out DIR | wait SECONDS --out DIR | schedule"; exit 2 ;;
+  *) echo "usage: $0 all|start|lane_a_only|side_by_side|v2lite_only|v3_only|gptoss_full|mixtral_full|kimi_deep|v3_deep --out DIR | wait SECONDS --out DIR | schedule"; exit 2 ;;
 esac

@@ -117,9 +117,8 @@ quant_phase() {  # NAME KNOB_PREFIX DEFAULT_JOBS DEFAULT_CASES: gpu_quant_e2e.py
 ph_quant() { quant_phase quant QUANT 3 fp8-block,fp8-tensor,ct-fp8,fp8-online; }
 ph_quant2() { quant_phase quant2 QUANT2 1 awq,gptq,ct-w4a16; }
 ph_qwen() {  # side by side on an H200 (560 s); one arm after the other under 120 GiB (H100): 900 s
-  local mib cap=560
-  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-  [[ $mib =~ ^[0-9]+$ ]] && [ "$mib" -lt $(( 120 * 1024 )) ] && cap=900
+  local cap=900
+  bash scripts/gpu_families.sh side_by_side && cap=560
   cap=${QWEN_CAP:-$cap}
   QWEN_CAP=$cap FIELD_PLAN=.kit/strict30-v2-plan.json DEADLINE=$cap \
     bash scripts/gpu_families.sh lane_a_only --out $R/fam > $R/qwen.log 2>&1

@@ -387,9 +387,13 @@ def test_capacity_refusal_only_when_every_failure_is_one():
 
     ok = reply(0)
     wide = reply(
-        1, "rank 1: PoolCapacityError: resident set needs 9 expert slots", {"needed": 9, "capacity": 5}
-    )
-    seeded = reply(2, "rank 2: SeededCapacityError: layer 0: a swap set of 8", {"needed": 8, "capacity": 4})
+        1, "rank 1: PoolCapacityError: resident set needs 9 expert slots",
+        {"needed": 9, "capacity": 5, "message": "resident set needs 9 expert slots"},
+    )  # fmt: skip
+    seeded = reply(
+        2, "rank 2: SeededCapacityError: layer 0: a swap set of 8",
+        {"needed": 8, "capacity": 4, "message": "layer 0: a swap set of 8"},
+    )  # fmt: skip
     broken = reply(3, "rank 3: SwapStepFailed: copy failed")
     assert capacity_refusal([ok]) is None and capacity_refusal([wide, broken]) is None
     assert capacity_refusal([ok, wide]) is None  # rank 0 applied: its set moved, so no 422

@@ -8,7 +8,8 @@ sized for a larger card), the load stops with one line the launcher prints
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -36,20 +37,14 @@ def reserve_pools(
     free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
     _refuse_if(pool_refusal(what=what, pool_bytes=need, free=free, total=total, device=device))
     pools: list[vmm.DeviceSlotPool] = []
-    try:
-        for slots, unit in sizes:
-            pools.append(vmm.DeviceSlotPool.create(int(slots), int(unit), device))
-    except Exception as exc:  # any failure: the pools made so far go back, then OOM is refused by name
-        for pool in pools:
-            pool.release()
-        if not isinstance(exc, RuntimeError) or "OUT_OF_MEMORY" not in str(exc):
+    with _driver_oom_refused(what, need, device, free, total):
+        try:
+            for slots, unit in sizes:
+                pools.append(vmm.DeviceSlotPool.create(int(slots), int(unit), device))
+        except Exception:  # any failure: the pools made so far go back
+            for pool in pools:
+                pool.release()
             raise
-        _refuse_if(
-            pool_refusal(
-                what=what, pool_bytes=need, free=free, total=total, device=device, driver_error=str(exc)
-            ),
-            exc,
-        )
     return pools
 
 
@@ -63,23 +58,23 @@ def grow_pool(
     driver OOM (a neighbour allocating meanwhile) is refused as reserve_pools refuses it, the pool
     unchanged (grow is all or nothing), instead of a traceback through collective_rpc."""
     free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
-    try:
+    what = f"{extra} more slots of {pool.unit_bytes / 2**20:.2f} MiB for --reap-budget"
+    with _driver_oom_refused(what, extra * pool.unit_bytes, device, free, total):
         pool.grow(extra)
+
+
+@contextmanager
+def _driver_oom_refused(what: str, need: int, device: int, free: int, total: int) -> Iterator[None]:
+    """The driver's CUDA_ERROR_OUT_OF_MEMORY inside becomes PoolRefused; other errors pass."""
+    try:
+        yield
     except RuntimeError as exc:
         if "OUT_OF_MEMORY" not in str(exc):
             raise
-        what = f"{extra} more slots of {pool.unit_bytes / 2**20:.2f} MiB for --reap-budget"
-        _refuse_if(
-            pool_refusal(
-                what=what,
-                pool_bytes=extra * pool.unit_bytes,
-                free=free,
-                total=total,
-                device=device,
-                driver_error=str(exc),
-            ),  # fmt: skip
-            exc,
+        why = pool_refusal(
+            what=what, pool_bytes=need, free=free, total=total, device=device, driver_error=str(exc)
         )
+        _refuse_if(why, exc)
 
 
 def _refuse_if(message: str | None, cause: BaseException | None = None) -> None:
