@@ -181,6 +181,7 @@ def summarize(name: str, meta: Mapping, reap: Mapping | None, stock: Mapping | N
         }
         out_phases[label] = entry
     status = reap.get("status_start") or {}
+    cache = device_cache(reap.get("status_end") or status)
     return {
         "family": name,
         "shape": meta.get("shape"),
@@ -194,8 +195,34 @@ def summarize(name: str, meta: Mapping, reap: Mapping | None, stock: Mapping | N
         "refused_layers": _refused(reap.get("worker_status")),
         "phases": out_phases,
         "stock_decode_1": _med(stock.get("decode_1")),
-        "bound": bound_rows(ph, stock) if ph else None,
+        "cache": cache,
+        "bound": None
+        if not ph
+        else {**CACHE_BOUND, "rows": {}}
+        if cache and cache["engaged"]
+        else bound_rows(ph, stock),
     }
+
+
+# /router_misses counts selections outside the pinned set; with the device cache engaged many of those hit its
+# tail, so h understates the hit rate and t_all_missed fitted on it means nothing (run 27, Qwen3.5 + cache).
+CACHE_BOUND = {
+    "skipped": "device cache engaged: h counts the pinned set only, not the cache's hits",
+    "rows": {},
+}
+
+
+def device_cache(status: Mapping) -> dict | None:
+    """The device cache's totals from /reap/status (None without a cache): its hit ratio per routed selection."""
+    c = status.get("cache")
+    if not c:
+        return None
+    t = c.get("totals") or {}
+    seen = (t.get("hits") or 0) + (t.get("misses") or 0)
+    return {
+        "engaged": bool(c.get("engaged")), "reason": c.get("reason"), "policy": c.get("policy"),
+        "layers": len(c.get("layers") or {}), "totals": t, "hit_ratio": t.get("hits", 0) / seen if seen else None,
+    }  # fmt: skip
 
 
 def _uncounted(status: Mapping) -> dict:
@@ -269,6 +296,12 @@ def family_note(f: Mapping) -> str:
         f"stock tok/s {_fmt(f.get('stock_decode_1'))}; t_resident {_fmt(b.get('t_resident_ms'), 3)} ms "
         f"({b.get('t_resident_from')}), t_all_missed {_fmt(b.get('t_all_missed_ms'), 3)} ms",
     ]
+    if dc := f.get("cache"):
+        parts.append(
+            f"device cache {'engaged' if dc['engaged'] else 'NOT engaged (' + str(dc['reason']) + ')'} on "
+            f"{dc['layers']} layers, {dc['policy']}: {_fmt(dc['hit_ratio'], 3)} of selections hit (pinned + tail); "
+            f"{(f.get('bound') or {}).get('skipped') or 'bound as usual'}"
+        )
     if f.get("uncounted_layers"):
         parts.append(f"uncounted: {str(f['uncounted_layers'])[:200]}")
     if f.get("refused_layers"):

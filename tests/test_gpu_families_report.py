@@ -163,6 +163,29 @@ def test_pin_bench_chooses_register_only_when_it_read_back_and_was_faster():
     assert pb.choose([slow, {"setting": "register8", "error": "boom"}]) == "default"
 
 
+def test_an_engaged_device_cache_skips_the_bound_and_reports_its_hits(fr):
+    # run 27 (Qwen3.5 + --reap-cache-device on): h from /router_misses counts only the pinned set, so a bound
+    # fitted on it read 1.0 / 1.03 while the tail served most of the misses
+    from reap_swap.serving import compare
+
+    cache = {"engaged": True, "reason": None, "policy": "core+dlfu", "layers": {"0": {}, "1": {}},
+             "totals": {"hits": 30, "misses": 10, "promotions": 4, "evictions": 2, "read_through_steps": 1}}  # fmt: skip
+    reap = {"phases": {"core": phase(0.8, 150.0)}, "status_end": {"cache": cache}}
+    stock = {"startup_s": 150.0, **phase(0.0, 200.0)}
+    doc = fr.summarize("qwen35", {}, reap, stock, compare)
+    assert doc["bound"]["rows"] == {} and "pinned set only" in doc["bound"]["skipped"]
+    assert doc["cache"]["hit_ratio"] == pytest.approx(0.75) and doc["cache"]["layers"] == 2
+    text = "\n".join(fr.markdown([doc]))
+    assert "| qwen35 | core | – | – | n/a | 0.200 | 150.0 | n/a | n/a |" in text
+    assert "device cache engaged on 2 layers, core+dlfu: 0.750 of selections hit" in text
+    cache["engaged"], cache["reason"] = False, "too few slots"
+    doc = fr.summarize("qwen35", {}, reap, stock, compare)
+    assert doc["bound"]["rows"]["core"]["fit"] and "NOT engaged (too few slots)" in "\n".join(
+        fr.markdown([doc])
+    )
+    assert fr.summarize("qwen35", {}, {"phases": reap["phases"]}, stock, compare)["cache"] is None
+
+
 def test_gpu_summarize_families_lists_tables_skips_and_unmerged(fr, tmp_path):
     from reap_swap.serving import compare
 

@@ -42,7 +42,7 @@ def test_a_driver_out_of_memory_is_refused_and_every_unit_released():
     slots = free // unit + 2
 
     def lie(device):  # the check passes; the driver then runs out part-way through the units
-        return (total, total)
+        return (2 * slots * unit, 2 * slots * unit)
 
     with pytest.raises(pool_reserve.PoolRefused, match="CUDA_ERROR_OUT_OF_MEMORY"):
         pool_reserve.reserve_pools("t", [(slots, unit)], 0, mem_get_info=lie)
