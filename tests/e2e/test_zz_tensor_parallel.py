@@ -27,10 +27,18 @@ def test_tp2_eager_aggregates_both_workers_without_double_counting(tp2, recount)
         assert [w["tp_rank"] for w in st["workers"]] == [0, 1] and st["workers_consistent"]
         out = swap(api, "tp2-core", {"layer_1": ["layer_1_slice_00"]})
         assert len(out["workers"]) == 2 and out["bytes_copied_per_worker"] == [0, 0]
-        keep = status(api)["layers"]
+        before = status(api)
+        keep = before["layers"]
         prompt = unique_prompt("tp2-core")
         prefill(api, prompt)
         m = misses(api, "tp2-core")
+        # the expert cache runs on each rank from its own routing, no communication: both ranks hold the same
+        # slots and totals (ranks_agree compares every layer's resident set), and the prefill's selections
+        # reached it exactly once (rank 0's totals, not the two ranks' sum)
+        cache = status(api)["cache"]
+        assert cache["engaged"] and cache["ranks_agree"], cache
+        seen = sum(cache["totals"][k] - before["cache"]["totals"][k] for k in ("hits", "misses"))
+        assert seen == len(prompt) * 2 * 4
         assert m["workers"] == 2 and m["tp_disagreement"] == []
         rc = recount.counts(prompt)
         for layer in range(4):
