@@ -95,10 +95,15 @@ qwen_stock() {  # needs no pinned memory: starts before the micro-bench
   touch "$S/qwen_stock.done"
 }
 
+qwen_reap_arm() {  # CAP QWEN_ARGS...: the reap arm with its host guard and QWEN_REAP_EXTRA (both schedules)
+  local cap=$1; shift
+  arm qwen35 reap "$cap" "$@" --host-guard-gib 2.5 ${QWEN_REAP_EXTRA:+--reap-extra "$QWEN_REAP_EXTRA"}
+}
+
 qwen_reap() {  # the critical path: every step is saved as it ends, so a cut run keeps the first ones
   local q; q=$(qwen_args) || return
   while [ ! -e "$S/qwen35/meta.json" ] && [ "$(left)" -ge 60 ]; do sleep 1; done
-  arm qwen35 reap "$(left)" $q --host-guard-gib 2.5 ${QWEN_REAP_EXTRA:+--reap-extra "$QWEN_REAP_EXTRA"}
+  qwen_reap_arm "$(left)" $q
   while [ ! -e "$S/qwen_stock.done" ] && [ "$(left)" -ge 0 ]; do sleep 2; done
   $PY scripts/gpu_families.py --name qwen35 --out "$S" --arms merge > /dev/null 2>&1
 }
@@ -118,8 +123,7 @@ qwen_one_after_the_other() {  # a card under SIDE_BY_SIDE_GIB (an H100's 80 GB):
   local q; q=$(qwen_args) || { step qwen35 "no field plan (set FIELD_PLAN)"; return; }
   step qwen35 "$(hbm_gib) GiB card: reap first, then stock (side by side needs ${SIDE_BY_SIDE_GIB:-120})"
   prep qwen35 $q
-  arm qwen35 reap "$(( $(left) * 3 / 5 ))" $q --host-guard-gib 2.5 \
-    ${QWEN_REAP_EXTRA:+--reap-extra "$QWEN_REAP_EXTRA"}
+  qwen_reap_arm "$(( $(left) * 3 / 5 ))" $q
   arm qwen35 stock "$(left)" $q --host-guard-gib 4
   $PY scripts/gpu_families.py --name qwen35 --out "$S" --arms merge > /dev/null 2>&1
 }
