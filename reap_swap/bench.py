@@ -50,7 +50,7 @@ from reap_swap.bench_config import REAP_ARMS, BenchConfig, BenchError, flag_valu
 from reap_swap.bench_env import GpuMemorySampler, MeasureLock, environment, log_numbers
 from reap_swap.bench_measure import ArmRunner, arm_strategy, served_model_id
 from reap_swap.bench_merge import compare_outputs, write_outputs
-from reap_swap.bench_report import GIB, pooled_hit_rate, summarize_runs, uva_offloaded_bytes
+from reap_swap.bench_report import GIB, cache_hit_ratio, pooled_hit_rate, summarize_runs, uva_offloaded_bytes
 
 
 @dataclass
@@ -302,8 +302,7 @@ def _hit_rate(s: _Session, spec: RunSpec, run: Mapping, log_info: Mapping) -> di
         cache = (run.get("reap_status") or {}).get("cache") or {}
         if cache.get("engaged"):
             t = cache.get("totals") or {}
-            seen = t.get("hits", 0) + t.get("misses", 0)
-            hit["cache_hit_rate"] = t.get("hits", 0) / seen if seen else None
+            hit["cache_hit_rate"] = cache_hit_ratio(t)
             hit["cache_totals"] = t  # the whole arm, warm-up included (the cache never resets)
         return {**hit, "source": f"server counters (GET /router_misses per request; residency {mode})"}
     return _derived_hit_rate(spec, s.shape, s.shape.total_expert_bytes, log_info)

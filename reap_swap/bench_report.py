@@ -42,6 +42,12 @@ def ratio(numerator: Mapping | None, denominator: Mapping | None) -> float | Non
     return numerator["median"] / denominator["median"]
 
 
+def cache_hit_ratio(totals: Mapping) -> float | None:
+    """hits / (hits + misses) of /reap/status's cache totals (None before any selection reached it)."""
+    seen = totals.get("hits", 0) + totals.get("misses", 0)
+    return totals.get("hits", 0) / seen if seen else None
+
+
 def pooled_hit_rate(requests: Sequence[Mapping]) -> dict | None:
     """Hit rate over all requests' routed selections (1 - missed / observed), plus per-request spread.
 

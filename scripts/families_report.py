@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from reap_swap.bench_report import cache_hit_ratio
 from reap_swap.probe_compare import compare_probes
 
 GIB = 2**30
@@ -215,10 +216,9 @@ def device_cache(status: Mapping) -> dict | None:
     if not c:
         return None
     t = c.get("totals") or {}
-    seen = (t.get("hits") or 0) + (t.get("misses") or 0)
     return {
         "engaged": bool(c.get("engaged")), "reason": c.get("reason"), "policy": c.get("policy"),
-        "layers": len(c.get("layers") or {}), "totals": t, "hit_ratio": t.get("hits", 0) / seen if seen else None,
+        "layers": len(c.get("layers") or {}), "totals": t, "hit_ratio": cache_hit_ratio(t),
     }  # fmt: skip
 
 

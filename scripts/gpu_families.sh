@@ -114,14 +114,15 @@ hbm_gib() {  # the first GPU's memory in GiB (0 when nvidia-smi is missing or pr
   echo $(( mib / 1024 ))
 }
 
-side_by_side() { [ "$(hbm_gib)" -ge "${SIDE_BY_SIDE_GIB:-120}" ]; }
+SIDE_BY_SIDE_GIB=${SIDE_BY_SIDE_GIB:-120}  # HBM below which the qwen lane runs its arms one after the other
+side_by_side() { [ "$(hbm_gib)" -ge "$SIDE_BY_SIDE_GIB" ]; }
 
 qwen_one_after_the_other() {  # a card under SIDE_BY_SIDE_GIB (an H100's 80 GB): stock holds every
   # expert in HBM (65 GiB on run 26's H100), so reap-swap's pool (the plan's budget) did not fit beside
   # it and the reap arm's load was refused. Here the reap arm runs first (the critical one), stock after;
   # 3/5 of the lane to reap (on the H200, side by side, reap took ~500 s and stock ~330 s).
   local q; q=$(qwen_args) || { step qwen35 "no field plan (set FIELD_PLAN)"; return; }
-  step qwen35 "$(hbm_gib) GiB card: reap first, then stock (side by side needs ${SIDE_BY_SIDE_GIB:-120})"
+  step qwen35 "$(hbm_gib) GiB card: reap first, then stock (side by side needs $SIDE_BY_SIDE_GIB)"
   prep qwen35 $q
   qwen_reap_arm "$(( $(left) * 3 / 5 ))" $q
   arm qwen35 stock "$(left)" $q --host-guard-gib 4
