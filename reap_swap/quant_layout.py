@@ -8,7 +8,9 @@ pieces are backed by pinned host memory or an HBM slot, and the unchanged kernel
 belongs to expert e whatever is resident, because the kernel indexes it by the same expert id as
 the weights. (vLLM PR #50562 broke exactly this: it moved weights into *slots* and remapped the
 routed ids to slot ids, but kept indexing the FP8 scales by expert, so slot s read expert s's
-scales -- silently wrong. With no remapping there is no second index to get out of step.)
+scales -- silently wrong. With no remapping there is no second index to get out of step. The
+device cache (issue 17) does remap ids to slot units; it gives every kept-whole side tensor N slot
+rows that follow the slots each step: residency/device_cache_side.py.)
 
 A tensor is re-homed when it is large and per-expert (the weights, packed int4 included); kept
 whole when it is small or not per-expert; refused -- by name, with the reason -- when the stride
@@ -297,7 +299,7 @@ def bind_tensor(
             p.name, role, Decision.KEEP_WHOLE, "small per-expert tensor of unknown role", slab
         )
     if role != "weight" or slab < min_rehome:
-        why = "small per-expert tensor, indexed by expert id (ids are never remapped)"
+        why = "small per-expert tensor, indexed by expert id (the device cache adds slot rows)"
         return TensorBinding(p.name, role, Decision.KEEP_WHOLE, why, slab)
     stride = _expert_stride_bytes(p)
     if stride % STRIDE_ALIGN:

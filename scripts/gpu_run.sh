@@ -50,6 +50,11 @@
 #             deterministic" for TORCHINDUCTOR_DETERMINISTIC=1 in every arm); $R/skewbench/skew_bench.md
 #   int4      issue 16's INT4 groups (int4perm: identity order, the default): tests/gpu/test_int4_groups.py (INT4_KERNEL=0: skipped), then gpu_quant_e2e.py
 #             --cases awq,gptq,ct-w4a16 --reap-group-size auto (~8 min, small models: fits beside cache)
+#   qcache    the device cache on quantized checkpoints (slot rows for per-expert scales): per format of
+#             QCACHE_FORMATS (fp8-block fp8-tensor), a 2-layer Qwen3-30B-A3B-shaped checkpoint
+#             (make_quant_checkpoint.py), then gpu_e2e.py --arms QCACHE_ARMS (stock-gpu,reap-cache,reap-cache-seeded)
+#             --moe-probe --no-prefix-caching: greedy text and MoE digests against stock, cache status; QCACHE_CAP s
+#             per format (420)
 #   swapguard only the swap half of guards (gpu_swap_guard.py, no server, ~1-2 min): alone
 #   vmmprobe  where a swap's driver time goes (gpu_vmm_probe.py: unmap/map/access per unit, one unmap over
 #             a run, remaps from threads, copies with remaps running; no server, < 1 min): alone
@@ -170,6 +175,19 @@ ph_int4() {  # int4perm: identity-order INT4 groups (the default), kernel test t
     timeout 300 $PY -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_int4_groups.py > $R/int4_kernel.log 2>&1
   timeout ${INT4_CAP:-420} $PY scripts/gpu_quant_e2e.py --out $R/int4 --cases ${INT4_CASES:-awq,gptq,ct-w4a16} \
     --reap-group-size auto --jobs 3 --stock-twice all > $R/int4.log 2>&1
+}
+ph_qcache() {  # the device cache with slot rows for FP8 scales, per format: stock vs the cache arms
+  local fmt rc=0
+  mkdir -p $R/qcache
+  for fmt in ${QCACHE_FORMATS:-fp8-block fp8-tensor}; do
+    step qcache "$fmt: checkpoint" >> $R/qcache.log
+    $PY scripts/make_quant_checkpoint.py --out $R/qcache/checkpoints --format $fmt --layers 2 \
+      --plain-attention 1 > $R/qcache/$fmt.checkpoint.log 2>&1 || { rc=1; continue; }
+    step qcache "$fmt: serve" >> $R/qcache.log
+    timeout ${QCACHE_CAP:-420} $PY scripts/gpu_e2e.py --model $R/qcache/checkpoints/$fmt --out $R/qcache/$fmt \
+      --moe-probe --no-prefix-caching --arms ${QCACHE_ARMS:-stock-gpu,reap-cache,reap-cache-seeded} >> $R/qcache.log 2>&1 || rc=1
+  done
+  return $rc
 }
 ph_extra() { [ -f scripts/gpu_extra_phase.sh ] && bash scripts/gpu_extra_phase.sh $R/extra > $R/extra.log 2>&1; }
 

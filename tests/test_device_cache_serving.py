@@ -204,3 +204,21 @@ def test_seeded_share_is_capped_at_the_layers_experts(monkeypatch):
     st.pool.slot_handle, st.device = (lambda s: s), 0
     dce.rehome_layer(cfg, st, None, 0, torch.zeros(4, 2, 2), None, 64)
     assert seen["n"] == 4 and cfg.lent_slots == {0: 4} and cfg.lent == {0: 0}
+
+
+def test_a_unit_beyond_w13_and_w2_is_refused_by_name_not_silently(monkeypatch):
+    """rehome_plain: a re-homed unit holding more than w13_weight + w2_weight (the slot copy moves
+    only those) leaves the layer on the plain engine WITH a refusal in /reap/status, and in the
+    seeded form gives its share back to the swap table as any refused layer does."""
+    from reap_swap.residency import device_cache_engine as dce
+    from reap_swap.residency.slot_table import SlotTable
+
+    cfg = cache_config_for(_seeded(), PLAN)[0]
+    k = cfg.split(11, 2, {0: [0, 1], 1: [2]})
+    st = SimpleNamespace(table=SlotTable(k), plan=PLAN, pool=SimpleNamespace(num_slots=11))
+    w = torch.zeros(4, 2, 2)
+    tensors = {"w13_weight": w, "w2_weight": w, "w13_qzeros": w}
+    bound = SimpleNamespace(aliases={}, layout=None)
+    assert dce.rehome_plain(cfg, st, None, 0, tensors, bound) is None
+    assert "w13_qzeros, w13_weight, w2_weight" in cfg.caches.refused[0]
+    assert st.table.num_slots == k + 4  # the share (6, capped at the layer's 4 experts) given back

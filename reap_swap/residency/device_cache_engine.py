@@ -93,20 +93,14 @@ def swap_table(cache: CacheConfig | None, num_slots: int, plan: Any) -> SlotTabl
 def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, unit_bytes: int):
     """(rng, range_bytes, w13 view, w2 view, ext views or None): with slot units when the cache can
     engage on this layer, else None for the caller to use engine.rehome (and a refusal recorded)."""
-    n = cfg.slots_of(index)
-    if cfg.layer_slots is not None and w13 is not None:  # as accounting's layer_slots: at most E
-        n = min(n, int(w13.shape[0]))
+    n = _layer_slots(cfg, index, w13)
     first = st.table.num_slots + sum(cfg.lent_slots.values())
     reason = cfg.refusal or ("no plan: the pool is not split" if st.plan is None else None)
     if reason is None and first + n > st.pool.num_slots:
         reason = f"pool slots {first}..{first + n - 1} do not exist (pool of {st.pool.num_slots})"
     layer_reason = None if reason else moe_cache.cache_refusal(layer)
     if reason or layer_reason:
-        cfg.caches.refuse(index, reason or layer_reason)
-        if layer_reason and cfg.layer_slots is not None and not cfg.lent_slots:
-            st.table.grow(n)  # seeded, nothing lent yet: [K, K + n) back to the swap table (its core)
-            st.table.lent = max(0, st.table.lent - n)
-            st.table.lent_layers = max(0, st.table.lent_layers - 1)
+        _refuse_layer(cfg, st, index, n, reason, layer_reason)
         return None
     handles = [st.pool.slot_handle(s) for s in range(first, first + n)]
     rng, range_bytes, (v13, v2), ext = rehome_with_slots(w13, w2, unit_bytes, n, st.device, handles)
@@ -114,9 +108,29 @@ def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, uni
     return rng, range_bytes, v13, v2, ext
 
 
+def _layer_slots(cfg: CacheConfig, index: int, w13) -> int:
+    n = cfg.slots_of(index)
+    if cfg.layer_slots is not None and w13 is not None:  # as accounting's layer_slots: at most E
+        n = min(n, int(w13.shape[0]))
+    return n
+
+
+def _refuse_layer(
+    cfg: CacheConfig, st: Any, index: int, n: int, reason: str | None, layer_reason: str | None
+):
+    """Record why the layer is not cached; a layer's own reason in the seeded form, before anything
+    was lent, gives its n slots back to the swap table (which then holds its core)."""
+    cfg.caches.refuse(index, reason or layer_reason)
+    if layer_reason and cfg.layer_slots is not None and not cfg.lent_slots:
+        st.table.grow(n)  # seeded, nothing lent yet: [K, K + n) back to the swap table (its core)
+        st.table.lent = max(0, st.table.lent - n)
+        st.table.lent_layers = max(0, st.table.lent_layers - 1)
+
+
 def rehome_plain(cfg: CacheConfig, st: Any, layer: Any, index: int, tensors, bound):
-    """rehome_layer on a plain w13/w2 layer (no side tensors, no aliases, w2 right after w13 in
-    the unit), the only kind the cache engages on; else None (engine.rehome, no refusal)."""
+    """rehome_layer on a layer whose re-homed unit is w13 then w2 and nothing else (no aliases; the
+    per-expert scales and biases stay whole and get slot rows at engage), the only kind the cache
+    engages on; else None for engine.rehome, with the refusal recorded by name."""
     w13 = tensors.get("w13_weight")
     plain = (
         set(tensors) == {"w13_weight", "w2_weight"}
@@ -124,6 +138,9 @@ def rehome_plain(cfg: CacheConfig, st: Any, layer: Any, index: int, tensors, bou
         and bound.layout.offset_of("w2_weight") == w13[0].numel() * w13.element_size()
     )
     if not plain:
+        names = ", ".join(sorted(set(tensors) | set(bound.aliases)))
+        why = f"re-homed unit holds {names}: the cache's slot units copy a w13_weight + w2_weight unit only"
+        _refuse_layer(cfg, st, index, _layer_slots(cfg, index, w13), None, why)
         return None
     return rehome_layer(cfg, st, layer, index, w13, tensors["w2_weight"], bound.layout.unit_bytes)
 

@@ -138,6 +138,7 @@ class DeviceCacheView:
                 "pinned": len(s["pinned"]),
                 "tail_slots": s["active"],
                 "resident": sorted(set(s["cached"]) | set(s["pinned"])),
+                "side_rows": s.get("side_rows", []),  # per-expert scales / biases given slot rows
                 "engaged": True,
                 **counters_of(counts[l]),
                 "counts": counts[l],
