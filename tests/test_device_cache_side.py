@@ -112,7 +112,7 @@ def test_bind_points_descriptors_at_the_extended_rows_and_the_parameter_at_rows_
     assert torch.equal(layer.w13_weight_scale_inv, before) and layer.w13_weight_scale_inv.shape[0] == E
 
 
-def _engage(monkeypatch, layer):
+def _engage(monkeypatch, layer, seed=()):
     """DeviceCaches.engage over a CPU range holding the layer's units (w13 then w2), as the engine
     re-homes them: returns the caches and the [E + N] weight views the kernel reads."""
     monkeypatch.setattr(moe_cache, "install_config_alias", lambda: "test")
@@ -127,7 +127,7 @@ def _engage(monkeypatch, layer):
     w2[:E].copy_(layer.w2_weight)
     caches = DeviceCaches()
     rng = SimpleNamespace(num_experts=E, num_slots=N, unit_bytes=unit)
-    assert caches.engage(layer, 0, rng, range_bytes, (w13, w2))
+    assert caches.engage(layer, 0, rng, range_bytes, (w13, w2), seed=seed)
     return caches
 
 
@@ -178,3 +178,13 @@ def test_without_the_refresh_slots_read_other_experts_scales(monkeypatch):
     caches = _engage(monkeypatch, layer)
     differ, slotted = _steps(layer, caches, refresh=False)
     assert slotted > 20 and differ > 0
+
+
+def test_seeded_slots_read_their_experts_rows_from_the_first_step(monkeypatch):
+    """--reap-cache-seed seeded: the startup fill puts experts into slots between steps; the first
+    forward's refresh gives those slots their rows before the kernel reads them."""
+    layer = _layer()
+    caches = _engage(monkeypatch, layer, seed=[3, 7, 9, 11])
+    assert caches.layers[0].cache.resident_experts()[0] == {3, 7, 9, 11}
+    differ, slotted = _steps(layer, caches)
+    assert slotted > 20 and differ == 0
