@@ -222,3 +222,23 @@ def test_a_unit_beyond_w13_and_w2_is_refused_by_name_not_silently(monkeypatch):
     assert dce.rehome_plain(cfg, st, None, 0, tensors, bound) is None
     assert "w13_qzeros, w13_weight, w2_weight" in cfg.caches.refused[0]
     assert st.table.num_slots == k + 4  # the share (6, capped at the layer's 4 experts) given back
+
+    aside = SimpleNamespace(aliases={}, layout=SimpleNamespace(offset_of=lambda name: 4096))
+    assert dce.rehome_plain(cfg, st, None, 1, {"w13_weight": w, "w2_weight": w}, aside) is None
+    assert "does not start right after w13_weight" in cfg.caches.refused[1]
+
+
+def test_a_non_plain_unit_under_a_refused_split_gives_nothing_back():
+    """With the whole cache refused (nothing lent), a non-plain layer records the cache's reason and
+    the swap table keeps its size."""
+    from reap_swap.residency import device_cache_engine as dce
+    from reap_swap.residency.slot_table import SlotTable
+
+    cfg = cache_config_for(_seeded(cache_slots=20), PLAN)[0]
+    k = cfg.split(11, 2, {0: [0, 1], 1: [2]})
+    assert k == 11 and cfg.refusal
+    st = SimpleNamespace(table=SlotTable(k), plan=PLAN, pool=SimpleNamespace(num_slots=11))
+    w = torch.zeros(4, 2, 2)
+    bound = SimpleNamespace(aliases={}, layout=None)
+    assert dce.rehome_plain(cfg, st, None, 0, {"w13_weight": w, "w13_qzeros": w}, bound) is None
+    assert cfg.caches.refused[0] == cfg.refusal and st.table.num_slots == 11

@@ -138,9 +138,14 @@ def rehome_plain(cfg: CacheConfig, st: Any, layer: Any, index: int, tensors, bou
         and bound.layout.offset_of("w2_weight") == w13[0].numel() * w13.element_size()
     )
     if not plain:
-        names = ", ".join(sorted(set(tensors) | set(bound.aliases)))
-        why = f"re-homed unit holds {names}: the cache's slot units copy a w13_weight + w2_weight unit only"
-        _refuse_layer(cfg, st, index, _layer_slots(cfg, index, w13), None, why)
+        names = sorted(set(tensors) | set(bound.aliases))
+        why = (
+            f"re-homed unit holds {', '.join(names)}: the cache's slot units copy a w13_weight + w2_weight unit only"
+            if names != ["w13_weight", "w2_weight"]
+            else "w2_weight does not start right after w13_weight in the unit (the slot views assume it)"
+        )
+        reason = cfg.refusal or ("no plan: the pool is not split" if st.plan is None else None)
+        _refuse_layer(cfg, st, index, _layer_slots(cfg, index, w13), reason, None if reason else why)
         return None
     return rehome_layer(cfg, st, layer, index, w13, tensors["w2_weight"], bound.layout.unit_bytes)
 
