@@ -98,7 +98,7 @@ def test_places_are_the_kernels_weight_descriptors_and_unknown_side_tensors_are_
     reason = moe_cache.cache_refusal(odd)
     assert "w13_extra" in reason and "50562" in reason and "w13_weight_scale_inv" not in reason
     with pytest.raises(ValueError, match="w13_extra"):
-        moe_cache.point_slot_rows(odd, {})
+        bind_slot_rows(odd, E, N)
 
 
 def test_bind_points_descriptors_at_the_extended_rows_and_the_parameter_at_rows_below_e():

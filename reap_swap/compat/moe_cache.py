@@ -132,15 +132,10 @@ def slot_row_places(layer: Any) -> tuple[dict[str, list[tuple[Any, str]]], list[
     return places, unbound
 
 
-def point_slot_rows(layer: Any, ext: dict[str, Any]) -> None:
+def point_slot_rows(layer: Any, places: dict[str, list[tuple[Any, str]]], ext: dict[str, Any]) -> None:
     """Put each side tensor's [E + N, ...] copy ``ext[name]`` (residency/device_cache_side.SlotRows)
-    where the kernel reads it (every weight-descriptor field ``slot_row_places`` found) and re-point
-    the layer's parameter at its rows [0, E) (one copy in HBM). Call after ``cache_refusal`` said
-    None, with a copy for every place."""
-    places, unbound = slot_row_places(layer)
-    missing = sorted(set(places) - set(ext)) + unbound
-    if missing:
-        raise ValueError(f"no slot rows for {', '.join(missing)} (cache_refusal refuses this layer)")
+    at every place ``slot_row_places`` found for it (the weight-descriptor fields the kernel reads)
+    and re-point the layer's parameter at its rows [0, E) (one copy in HBM)."""
     for name, where in places.items():
         for desc, f in where:
             setattr(desc, f, ext[name])

@@ -174,7 +174,9 @@ class DeviceCaches:
 def bind_slot_rows(layer: Any, num_experts: int, num_slots: int) -> SlotRows:
     """The layer's per-expert side tensors with N slot rows (compat.moe_cache.slot_row_places finds
     them in the kernel's weight quant config), pointed at where the kernel reads them."""
-    places, _ = moe_cache.slot_row_places(layer)
+    places, unbound = moe_cache.slot_row_places(layer)
+    if unbound:  # cache_refusal refuses such a layer before engage
+        raise ValueError(f"no slot rows for {', '.join(unbound)} (cache_refusal refuses this layer)")
     rows = SlotRows({name: getattr(layer, name).data for name in places}, num_experts, num_slots)
-    moe_cache.point_slot_rows(layer, rows.ext)
+    moe_cache.point_slot_rows(layer, places, rows.ext)
     return rows

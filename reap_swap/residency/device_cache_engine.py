@@ -95,7 +95,7 @@ def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, uni
     engage on this layer, else None for the caller to use engine.rehome (and a refusal recorded)."""
     n = _layer_slots(cfg, index, w13)
     first = st.table.num_slots + sum(cfg.lent_slots.values())
-    reason = cfg.refusal or ("no plan: the pool is not split" if st.plan is None else None)
+    reason = _cache_reason(cfg, st)
     if reason is None and first + n > st.pool.num_slots:
         reason = f"pool slots {first}..{first + n - 1} do not exist (pool of {st.pool.num_slots})"
     layer_reason = None if reason else moe_cache.cache_refusal(layer)
@@ -106,6 +106,11 @@ def rehome_layer(cfg: CacheConfig, st: Any, layer: Any, index: int, w13, w2, uni
     rng, range_bytes, (v13, v2), ext = rehome_with_slots(w13, w2, unit_bytes, n, st.device, handles)
     cfg.lent[index], cfg.lent_slots[index] = first, n
     return rng, range_bytes, v13, v2, ext
+
+
+def _cache_reason(cfg: CacheConfig, st: Any) -> str | None:
+    """Why no layer of this engine can be cached (nothing is lent then), or None."""
+    return cfg.refusal or ("no plan: the pool is not split" if st.plan is None else None)
 
 
 def _layer_slots(cfg: CacheConfig, index: int, w13) -> int:
@@ -144,7 +149,7 @@ def rehome_plain(cfg: CacheConfig, st: Any, layer: Any, index: int, tensors, bou
             if names != ["w13_weight", "w2_weight"]
             else "w2_weight does not start right after w13_weight in the unit (the slot views assume it)"
         )
-        reason = cfg.refusal or ("no plan: the pool is not split" if st.plan is None else None)
+        reason = _cache_reason(cfg, st)
         _refuse_layer(cfg, st, index, _layer_slots(cfg, index, w13), reason, None if reason else why)
         return None
     return rehome_layer(cfg, st, layer, index, w13, tensors["w2_weight"], bound.layout.unit_bytes)
