@@ -168,7 +168,8 @@ hbm_free_wait() {  # GIB SECONDS: until nvidia-smi reports GIB free (no nvidia-s
   step hbm "only ${free:-?} MiB free after $2 s (wanted $1 GiB)"
 }
 
-# GPTOSS_REPEATS: timed decode runs per point (default 1). GPTOSS_SERIAL=1: stock alone, then reap
+# GPTOSS_REPEATS: timed decode runs per point (default 1); GPTOSS_ARGS: more gpu_families.py flags (plan, depth); GPTOSS_REAP_EXTRA:
+# more reap-server flags (e.g. "--reap-cache-device on"). GPTOSS_SERIAL=1: stock alone, then reap
 # alone (as Mixtral), so neither arm's decode is timed beside the other's start-up (run 13's eager
 # 34.1 vs 24.2 tok/s pair was one run each, stock beside reap's load: research.md "eager decode gap").
 gptoss_full() {
@@ -176,6 +177,9 @@ gptoss_full() {
            --prompts "${GPTOSS_PROMPTS:-8}" --decode-tokens "${GPTOSS_DECODE:-64}"
            --decode-repeats "${GPTOSS_REPEATS:-1}")
   [ "${GPTOSS_GRAPHS:-0}" = 1 ] || g+=(--eager)
+  g+=(${GPTOSS_ARGS:-})  # more gpu_families.py flags for prep and both arms, e.g. "--plan-core 0.25 --plan-budget 0.5"
+  # GPTOSS_REAP_EXTRA: more reap-server flags (the stock arm ignores them), e.g. the device cache
+  [ -n "${GPTOSS_REAP_EXTRA:-}" ] && g+=(--reap-extra "$GPTOSS_REAP_EXTRA")
   if [ "${GPTOSS_SERIAL:-0}" = 1 ]; then
     prep gpt_oss_20b "${g[@]}"
     arm gpt_oss_20b stock "$(min "${GPTOSS_STOCK_CAP:-200}" "$(left)")" "${g[@]}"

@@ -54,7 +54,8 @@
 #             QCACHE_FORMATS (fp8-block fp8-tensor), a 2-layer Qwen3-30B-A3B-shaped checkpoint
 #             (make_quant_checkpoint.py), then gpu_e2e.py --arms QCACHE_ARMS (stock-gpu,reap-cache,reap-cache-seeded)
 #             --moe-probe --no-prefix-caching: greedy text and MoE digests against stock, cache status; QCACHE_CAP s
-#             per format (420)
+#             per format (420); QCACHE_FORMATS may name fp8-online (the bf16 checkpoint, --quantization fp8
+#             in every arm)
 #   swapguard only the swap half of guards (gpu_swap_guard.py, no server, ~1-2 min): alone
 #   vmmprobe  where a swap's driver time goes (gpu_vmm_probe.py: unmap/map/access per unit, one unmap over
 #             a run, remaps from threads, copies with remaps running; no server, < 1 min): alone
@@ -180,12 +181,15 @@ ph_qcache() {  # the device cache with slot rows for FP8 scales, per format: sto
   local fmt rc=0
   mkdir -p $R/qcache
   for fmt in ${QCACHE_FORMATS:-fp8-block fp8-tensor}; do
+    local ck=$fmt online=()  # fp8-online: the bf16 checkpoint served with vLLM's --quantization fp8 (every arm)
+    [ "$fmt" = fp8-online ] && ck=bf16 online=(--quantization fp8)
     step qcache "$fmt: checkpoint" >> $R/qcache.log
-    $PY scripts/make_quant_checkpoint.py --out $R/qcache/checkpoints --format $fmt --layers 2 \
+    $PY scripts/make_quant_checkpoint.py --out $R/qcache/checkpoints --format $ck --layers 2 \
       --plain-attention 1 > $R/qcache/$fmt.checkpoint.log 2>&1 || { rc=1; continue; }
     step qcache "$fmt: serve" >> $R/qcache.log
-    timeout ${QCACHE_CAP:-420} $PY scripts/gpu_e2e.py --model $R/qcache/checkpoints/$fmt --out $R/qcache/$fmt \
-      --moe-probe --no-prefix-caching --arms ${QCACHE_ARMS:-stock-gpu,reap-cache,reap-cache-seeded} >> $R/qcache.log 2>&1 || rc=1
+    timeout ${QCACHE_CAP:-420} $PY scripts/gpu_e2e.py --model $R/qcache/checkpoints/$ck --out $R/qcache/$fmt \
+      --moe-probe --no-prefix-caching "${online[@]}" \
+      --arms ${QCACHE_ARMS:-stock-gpu,reap-cache,reap-cache-seeded} >> $R/qcache.log 2>&1 || rc=1
   done
   return $rc
 }

@@ -322,3 +322,27 @@ def test_qcache_writes_each_format_then_serves_the_cache_arms_against_stock(tmp_
     assert f"--model {tmp_path}/qcache/checkpoints/fp8-block --out {tmp_path}/qcache/fp8-block" in e2e[0]
     one = dry_session(tmp_path / "one", "qcache", QCACHE_FORMATS="ct-fp8", QCACHE_ARMS="stock-gpu,reap-cache")
     assert _line(one, "scripts/gpu_e2e.py").endswith("--arms stock-gpu,reap-cache")
+
+
+def test_qcache_fp8_online_serves_the_bf16_checkpoint_with_online_quantization_in_every_arm(tmp_path):
+    lines = dry_session(tmp_path, "qcache", QCACHE_FORMATS="fp8-online fp8-block")
+    ckpt = [x for x in lines if x.startswith("DRY scripts/make_quant_checkpoint.py")]
+    e2e = [x for x in lines if x.startswith("DRY scripts/gpu_e2e.py")]
+    assert [x.split("--format ")[1].split()[0] for x in ckpt] == ["bf16", "fp8-block"]
+    assert f"--model {tmp_path}/qcache/checkpoints/bf16 --out {tmp_path}/qcache/fp8-online" in e2e[0]
+    assert "--no-prefix-caching --quantization fp8 --arms" in e2e[0]
+    assert "--quantization" not in e2e[1]  # a checkpoint's own format gets no online quantization
+
+
+def test_gptossfull_takes_plan_flags_and_reap_only_flags(tmp_path):
+    lines = dry_session(
+        tmp_path, "gptossfull", GPTOSS_SERIAL="1", GPTOSS_GRAPHS="1",
+        GPTOSS_ARGS="--plan-core 0.25 --plan-budget 0.5",
+        GPTOSS_REAP_EXTRA="--reap-cache lfu --reap-cache-device on",
+    )  # fmt: skip
+    fam = [x for x in lines if x.startswith("DRY scripts/gpu_families.py") and "gpt_oss_20b" in x]
+    arms = {x.split("--arms ")[1].split()[0]: x for x in fam}
+    assert {"prepare", "reap", "stock"} <= set(arms)
+    for line in (arms["prepare"], arms["reap"], arms["stock"]):
+        assert "--plan-core 0.25 --plan-budget 0.5" in line and "--eager" not in line
+    assert "--reap-extra --reap-cache lfu --reap-cache-device on" in arms["reap"]
