@@ -16,6 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.gpu.standalone import replay_against_stock, skewed_routing  # noqa: E402
+
 E, N, H, INTER, TOPK = 16, 6, 1024, 512, 2
 TRACE = "data/traces/mini-moe-heldout.npz"
 
@@ -52,10 +54,7 @@ def _cached(fm, layer, x, tw, ti, step):
 
 
 def _routing(gen, rows):
-    logits = torch.randn(rows, E, generator=gen) + torch.linspace(2, 0, E)
-    tw, ti = torch.topk(torch.softmax(logits, -1), TOPK)
-    x = torch.randn(rows, H, generator=gen).to(torch.bfloat16)
-    return x.cuda(), tw.float().cuda(), ti.to(torch.int32).cuda()
+    return skewed_routing(gen, rows, E, H, TOPK)
 
 
 def _layer_step(layer, slots=N):
@@ -127,27 +126,14 @@ def test_b_d_bitwise_equal_with_admissions_evictions_and_read_through(fm, layer)
 def test_b_bitwise_equal_under_a_captured_graph_with_new_inputs(fm, layer):
     gen = torch.Generator().manual_seed(2)
     step = _layer_step(layer)
-    rows = 8
-    x, tw, ti = _routing(gen, rows)
-    valid = torch.ones(rows, dtype=torch.bool, device="cuda")
-    _cached(fm, layer, x, tw, ti, lambda ids: ids)  # compile the kernels outside capture
-    step.copy_fn(step.units, torch.full((N,), -1, dtype=torch.int64, device="cuda"), E)
-    saved = [t.clone() for t in step.cache.state_tensors()]
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = _cached(fm, layer, x, tw, ti, lambda ids: step(ids, valid))
-    for t, v in zip(step.cache.state_tensors(), saved, strict=True):
-        t.copy_(v)
-    for t in range(60):
-        nx, ntw, nti = _routing(gen, rows)
-        x.copy_(nx)
-        tw.copy_(ntw)
-        ti.copy_(nti)
-        g.replay()
-        ref = fm.fused_experts(x, layer["w13"], layer["w2"], tw, ti)
-        assert torch.equal(out, ref), f"replay {t}"
-    r = step.cache.read_counters()
-    assert r["steps"] == 60 and r["admitted"] > N and r["evicted"] > 0, r
+    replay_against_stock(
+        step,
+        lambda: _routing(gen, 8),
+        lambda x, tw, ti, valid: _cached(fm, layer, x, tw, ti, lambda ids: ids),
+        lambda x, tw, ti, valid: _cached(fm, layer, x, tw, ti, lambda ids: step(ids, valid)),
+        lambda x, tw, ti, valid: fm.fused_experts(x, layer["w13"], layer["w2"], tw, ti),
+        "",
+    )
 
 
 def test_c_a_swap_pins_its_set_and_the_tail_yields(fm, layer):

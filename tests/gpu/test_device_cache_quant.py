@@ -15,6 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.gpu.standalone import replay_against_stock, skewed_routing  # noqa: E402
+
 E, N, H, INTER, TOPK = 16, 6, 1024, 512, 2
 BLOCK = [128, 128]
 
@@ -113,10 +115,7 @@ def _cached(fm, layer, x, tw, ids, qc):
 
 
 def _routing(gen, rows):
-    logits = torch.randn(rows, E, generator=gen) + torch.linspace(2, 0, E)
-    tw, ti = torch.topk(torch.softmax(logits, -1), TOPK)
-    x = torch.randn(rows, H, generator=gen).to(torch.bfloat16)
-    return x.cuda(), tw.float().cuda(), ti.to(torch.int32).cuda()
+    return skewed_routing(gen, rows, E, H, TOPK)
 
 
 def _run_eager(fm, layer, refresh):
@@ -152,24 +151,11 @@ def test_b_without_slot_rows_the_slots_read_other_rows(fm, layer):
 def test_c_cached_equals_stock_under_a_captured_graph(fm, layer):
     gen = torch.Generator().manual_seed(2)
     step, rows, qc, ids_of = _setup(layer)
-    n = 8
-    x, tw, ti = _routing(gen, n)
-    valid = torch.ones(n, dtype=torch.bool, device="cuda")
-    _cached(fm, layer, x, tw, ti, qc)  # compile the kernels outside capture
-    step.copy_fn(step.units, torch.full((N,), -1, dtype=torch.int64, device="cuda"), E)
-    saved = [t.clone() for t in step.cache.state_tensors()]
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = _cached(fm, layer, x, tw, ids_of(ti, valid), qc)
-    for t, v in zip(step.cache.state_tensors(), saved, strict=True):
-        t.copy_(v)
-    for t in range(60):
-        nx, ntw, nti = _routing(gen, n)
-        x.copy_(nx)
-        tw.copy_(ntw)
-        ti.copy_(nti)
-        g.replay()
-        ref = _stock(fm, layer, x, tw, ti)
-        assert torch.equal(out, ref), f"{layer['kind']}: replay {t}"
-    r = step.cache.read_counters()
-    assert r["steps"] == 60 and r["admitted"] > N and r["evicted"] > 0, r
+    replay_against_stock(
+        step,
+        lambda: _routing(gen, 8),
+        lambda x, tw, ti, valid: _cached(fm, layer, x, tw, ti, qc),
+        lambda x, tw, ti, valid: _cached(fm, layer, x, tw, ids_of(ti, valid), qc),
+        lambda x, tw, ti, valid: _stock(fm, layer, x, tw, ti),
+        f"{layer['kind']}: ",
+    )
