@@ -55,7 +55,8 @@
 #             (make_quant_checkpoint.py), then gpu_e2e.py --arms QCACHE_ARMS (stock-gpu,reap-cache,reap-cache-seeded)
 #             --moe-probe --no-prefix-caching: greedy text and MoE digests against stock, cache status; QCACHE_CAP s
 #             per format (420); QCACHE_FORMATS may name fp8-online (the bf16 checkpoint, --quantization fp8
-#             in every arm)
+#             in every arm); QCACHE_EXTRA: more gpu_e2e.py flags, e.g. "--cache-shadow out" (every cached
+#             MoE step beside the uncached one, in the server: run 29's open question)
 #   swapguard only the swap half of guards (gpu_swap_guard.py, no server, ~1-2 min): alone
 #   vmmprobe  where a swap's driver time goes (gpu_vmm_probe.py: unmap/map/access per unit, one unmap over
 #             a run, remaps from threads, copies with remaps running; no server, < 1 min): alone
@@ -188,7 +189,7 @@ ph_qcache() {  # the device cache with slot rows for FP8 scales, per format: sto
       --plain-attention 1 > $R/qcache/$fmt.checkpoint.log 2>&1 || { rc=1; continue; }
     step qcache "$fmt: serve" >> $R/qcache.log
     timeout ${QCACHE_CAP:-420} $PY scripts/gpu_e2e.py --model $R/qcache/checkpoints/$ck --out $R/qcache/$fmt \
-      --moe-probe --no-prefix-caching "${online[@]}" \
+      --moe-probe --no-prefix-caching "${online[@]}" ${QCACHE_EXTRA:-} \
       --arms ${QCACHE_ARMS:-stock-gpu,reap-cache,reap-cache-seeded} >> $R/qcache.log 2>&1 || rc=1
   done
   return $rc

@@ -332,6 +332,10 @@ def test_qcache_fp8_online_serves_the_bf16_checkpoint_with_online_quantization_i
     assert f"--model {tmp_path}/qcache/checkpoints/bf16 --out {tmp_path}/qcache/fp8-online" in e2e[0]
     assert "--no-prefix-caching --quantization fp8 --arms" in e2e[0]
     assert "--quantization" not in e2e[1]  # a checkpoint's own format gets no online quantization
+    shadow = dry_session(
+        tmp_path / "shadow", "qcache", QCACHE_FORMATS="fp8-online", QCACHE_EXTRA="--cache-shadow out"
+    )
+    assert "--quantization fp8 --cache-shadow out --arms" in _line(shadow, "scripts/gpu_e2e.py")
 
 
 def test_gptossfull_takes_plan_flags_and_reap_only_flags(tmp_path):

