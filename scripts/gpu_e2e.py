@@ -572,6 +572,13 @@ def arm_tp(reap, out, shape, res, save):
         r["status_end"] = status(srv)
 
 
+def cache_flags(shadow: str, *extra: str) -> list[str]:
+    """The reap-cache arms' server flags: the device cache (lfu, auto slots), ``extra``, and the
+    debug shadow unless ``shadow`` is off."""
+    flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto", *extra]
+    return flags + (["--reap-cache-shadow", shadow] if shadow != "off" else [])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="/tmp/model")
@@ -651,17 +658,12 @@ def main():
             elif arm == "reap-routed":
                 arm_routed(reap, out, shape, results)
             elif arm == "reap-cache":
-                flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
-                flags += ["--reap-cache-shadow", args.cache_shadow] if args.cache_shadow != "off" else []
-                arm_plain_client(arm, reap, out, shape, results, flags)
+                arm_plain_client(arm, reap, out, shape, results, cache_flags(args.cache_shadow))
             elif arm == "reap-cache-nocore":  # the pinned form with nothing pinned (cachetail, seedfix)
-                flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
-                flags += ["--reap-cache-shadow", args.cache_shadow] if args.cache_shadow != "off" else []
+                flags = cache_flags(args.cache_shadow)
                 arm_plain_client(arm, reap, out, shape, results, flags, core_fraction=0.0)
-            elif arm == "reap-cache-seeded":
-                flags = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
-                flags += ["--reap-cache-shadow", args.cache_shadow] if args.cache_shadow != "off" else []
-                flags += ["--reap-cache-seed", "seeded"]  # served on CUDA since run 23
+            elif arm == "reap-cache-seeded":  # served on CUDA since run 23
+                flags = cache_flags(args.cache_shadow, "--reap-cache-seed", "seeded")
                 arm_cache_seeded(reap, out, shape, results, flags)
             elif arm == "reap-plan25":
                 arm_plain_client(arm, reap, out, shape, results, ["--reap-cache", "off"])

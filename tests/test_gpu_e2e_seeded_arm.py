@@ -131,3 +131,12 @@ def test_the_nocore_arm_serves_the_pinned_cache_on_an_empty_core(monkeypatch, tm
 
     r = json.loads((tmp_path / "gpu_e2e.json").read_text())["reap-cache-nocore"]
     assert "error" not in r and r["plain"]["rid"] == "plain"
+
+
+def test_cache_flags_add_the_shadow_only_when_asked():
+    e2e = load_script("gpu_e2e")
+    base = ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-slots", "auto"]
+    assert e2e.cache_flags("off") == base
+    assert e2e.cache_flags("out", "--reap-cache-seed", "seeded") == [
+        *base, "--reap-cache-seed", "seeded", "--reap-cache-shadow", "out",
+    ]  # fmt: skip
