@@ -9,7 +9,9 @@ expert and selection hit rates under the three layouts the server can serve with
   (pool - core) // layers // 2) per layer, the rest of the pool kept for swaps a plain client never
   makes (``core+dlfu`` at core + n slots; memory_split.swap_cache_split via replay.servable_split);
 - ``seeded``: ``--reap-cache-seed seeded``, the whole share as evictable slots seeded with the core
-  (``dlfu-seeded`` at core+tail slots); a swap pins inside the slots, so no room is set aside.
+  (``dlfu-seeded`` at core+tail slots); a swap pins inside the slots, so no room is set aside,
+  but a set wider than one layer's share is refused: the last column counts the requests whose
+  reap-swap client set (``probe`` within the pool, no per-layer cut) would be.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/sim_default_split.py   # CPU, about a minute
 
@@ -24,7 +26,7 @@ from pathlib import Path
 import orjson
 
 from reap_swap.cache_policy.mechanism import LayerSteps
-from reap_swap.cache_policy.replay import _run_policy, servable_split, simulate
+from reap_swap.cache_policy.replay import _probe_sets, _run_policy, seeded_split, servable_split, simulate
 from reap_swap.plan import load_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,10 +54,31 @@ def plain_rows(trace, plan, budget: str) -> dict[str, dict]:
     return rows
 
 
+def seeded_refusals(trace, plan, budget_bytes: int) -> dict:
+    """How many of the trace's requests a reap-swap client (``probe`` within the whole pool, no
+    per-layer cut: the client has none) would send a set the seeded form refuses: wider than some
+    layer's share C_l (replay.seeded_split, what the CUDA device lends)."""
+    pool = budget_bytes // trace.per_expert_bytes
+    core = {l: plan.layers[l].core for l in trace.layers}
+    shares, why = seeded_split(pool, core, "auto")
+    if why:
+        return {"requests": trace.num_requests, "refused": None, "why": why}
+    counts = {l: trace.step_counts(l) for l in trace.layers}
+    sets = _probe_sets(plan, trace, counts, budget_bytes, dict.fromkeys(trace.layers, trace.num_experts))
+    firsts = sorted(next(iter(sets.values())))
+    wide = [t for t in firsts if any(len(sets[l][t]) > shares[l] for l in trace.layers)]
+    return {"requests": len(firsts), "refused": len(wide), "shares": {str(l): c for l, c in shares.items()}}
+
+
 def run() -> dict:
     reports = {}
     for name, (trace, _prior, plans) in traces().items():
-        reports[name] = {b: plain_rows(trace, load_plan(p), b) for b, p in plans.items()}
+        reports[name] = {}
+        for b, p in plans.items():
+            plan = load_plan(p)
+            rows = plain_rows(trace, plan, b)
+            rows["seeded_swaps"] = seeded_refusals(trace, plan, rows["auto"]["budget_bytes"])
+            reports[name][b] = rows
         print(f"{name}: done", file=sys.stderr)
     return reports
 
@@ -64,8 +87,8 @@ def table(reports: dict) -> str:
     lines = [
         "| trace | budget | swaps split: tail n / layer, K | "
         + " | ".join(f"{x} ({m})" for m in ("expert", "selection") for x in LAYOUTS)
-        + " | swaps − auto, expert pts |",
-        "|---|---|---|" + "---|" * (2 * len(LAYOUTS) + 1),
+        + " | swaps − auto, expert pts | seeded: client swap sets refused |",
+        "|---|---|---|" + "---|" * (2 * len(LAYOUTS) + 2),
     ]
     for name, budgets in reports.items():
         for b, rows in budgets.items():
@@ -80,7 +103,11 @@ def table(reports: dict) -> str:
             if rows["swaps"]["status"] == "ok" and rows["auto"]["status"] == "ok":
                 a, s = (rows[x]["totals"]["expert_hit_rate"] for x in ("auto", "swaps"))
                 d = f"{100 * (s - a):+.1f}"
-            lines.append(f"| {name} | {100 * float(b):g} % | {how} | " + " | ".join(cells) + f" | {d} |")
+            sw = rows["seeded_swaps"]
+            ref = "—" if sw["refused"] is None else f"{sw['refused']} / {sw['requests']}"
+            lines.append(
+                f"| {name} | {100 * float(b):g} % | {how} | " + " | ".join(cells) + f" | {d} | {ref} |"
+            )
     return "\n".join(lines)
 
 
