@@ -13,7 +13,7 @@ expert and selection hit rates under the three layouts the server can serve with
   but a set wider than one layer's share is refused: the last column counts the requests whose
   reap-swap client set (``probe`` within the pool, no per-layer cut) would be.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/sim_default_split.py   # CPU, about a minute
+    PYTHONPATH=$PWD .venv/bin/python scripts/sim_default_split.py   # CPU, about 10 s
 
 Writes research-notes/cache-sim/default-split.{md,json}. Counts only (misses are deterministic).
 """
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import orjson
 
+from reap_swap.cache_accounting import LFU_DECAY
 from reap_swap.cache_policy.mechanism import LayerSteps
 from reap_swap.cache_policy.replay import _probe_sets, _run_policy, seeded_split, servable_split, simulate
 from reap_swap.plan import load_plan
@@ -49,7 +50,7 @@ def plain_rows(trace, plan, budget: str) -> dict[str, dict]:
         return rows
     starts = trace.request_first_steps()
     steps = {l: LayerSteps.from_counts(l, trace.step_counts(l), starts) for l in trace.layers}
-    run = _run_policy("core+dlfu", trace, plan, steps, layout.slots, None, 0.8, None)
+    run = _run_policy("core+dlfu", trace, plan, steps, layout.slots, None, LFU_DECAY, None)
     rows["swaps"] = {"status": "ok", "split": layout.to_dict(), **run}
     return rows
 

@@ -190,31 +190,24 @@ def test_seeded_slots_read_their_experts_rows_from_the_first_step(monkeypatch):
     assert slotted > 20 and differ == 0
 
 
-class _Range:  # the CacheRange surface apply_pin uses; a CPU range needs no remap to read the masters
-    def map_host(self, unit, *, defer_access=False):
-        pass
-
-    def map_device(self, unit, handle, *, defer_access=False):
-        pass
-
-    def flush_access(self):
-        pass
-
-
 def test_seeded_swaps_pinned_in_the_slots_keep_every_slot_row_right(monkeypatch):
     """--reap-cache-seed seeded with per-request swaps (device_cache_seeded.SeededPins) between
     steps: a pinned expert is read through its own id (rows below E), the tail's slots get their
     rows at the next step's refresh, so every step after each swap still equals the uncached kernel
     (run 29's online-FP8 seeded arm moved after its swaps; this rules out the rows' logic, on CPU)."""
+    from test_device_cache_seeded import FakeRange  # its recorded remaps (a CPU range reads the masters)
+
     from reap_swap.residency.device_cache_seeded import SeededPins
 
     layer = _layer()
     caches = _engage(monkeypatch, layer, seed=[3, 7, 9, 11])
-    pins = SeededPins(caches, lambda layer_index: _Range(), lambda layer_index, slot: ("slot", slot))
+    rng = FakeRange()
+    pins = SeededPins(caches, lambda layer_index: rng, lambda layer_index, slot: ("slot", layer_index, slot))
     for target in ([1, 2], [2, 5, 11, 0], [3, 7, 9, 11], []):
         pins.apply({0: target})
         cache = caches.layers[0].cache
         assert {int(e) for e in torch.nonzero(cache.pinned).flatten().tolist()} == set(target)
+        assert set(rng.mapped) == set(target)  # each pinned expert's own unit points at its slot
         differ, slotted = _steps(layer, caches)
         assert differ == 0, target
         assert slotted > 0 or len(target) == N, target  # the tail still cached something
