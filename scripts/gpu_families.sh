@@ -168,8 +168,9 @@ hbm_free_wait() {  # GIB SECONDS: until nvidia-smi reports GIB free (no nvidia-s
   step hbm "only ${free:-?} MiB free after $2 s (wanted $1 GiB)"
 }
 
-# GPTOSS_REPEATS: timed decode runs per point (default 1); GPTOSS_ARGS: more gpu_families.py flags (plan, depth); GPTOSS_REAP_EXTRA:
-# more reap-server flags (e.g. "--reap-cache-device on"). GPTOSS_SERIAL=1: stock alone, then reap
+# GPTOSS_REPEATS: timed decode runs per point (default 1); GPTOSS_ARGS: more gpu_families.py flags
+# (plan, depth); GPTOSS_REAP_EXTRA: more reap-server flags (e.g. "--reap-cache-device on").
+# GPTOSS_SERIAL=1: stock alone, then reap
 # alone (as Mixtral), so neither arm's decode is timed beside the other's start-up (run 13's eager
 # 34.1 vs 24.2 tok/s pair was one run each, stock beside reap's load: research.md "eager decode gap").
 gptoss_full() {
