@@ -4,8 +4,9 @@ A plan is only servable on the model it was measured on: the layer count, expert
 the byte size of one expert must agree. This module reads those numbers from a config file, a
 model folder or an already-parsed dict, across the naming schemes of the MoE families we serve:
 
-- Qwen3-MoE / Qwen2-MoE: ``num_experts``, ``moe_intermediate_size``, ``num_experts_per_tok``,
-  ``decoder_sparse_step``, ``mlp_only_layers``
+- Qwen3-MoE / Qwen2-MoE: ``num_experts`` (``num_local_experts`` as transformers >= 5.19 saves
+  Qwen3-MoE), ``moe_intermediate_size``, ``num_experts_per_tok``, ``decoder_sparse_step``,
+  ``mlp_only_layers``
 - Mixtral: ``num_local_experts``, ``intermediate_size`` (every layer is MoE)
 - Qwen3-Next / Qwen3.5-MoE: as Qwen3-MoE, but a multimodal wrapper may nest the language model's
   fields under ``text_config``; Qwen3.5-MoE (``qwen3_5_moe_text``) puts routed experts in every
@@ -15,8 +16,17 @@ model folder or an already-parsed dict, across the naming schemes of the MoE fam
   ``num_experts_per_tok``; layer i holds routed experts when ``i >= first_k_dense_replace`` and
   ``i % moe_layer_freq == 0`` (vLLM's rule); ``n_shared_experts`` shared experts of
   ``moe_intermediate_size`` each
+- OLMoE: Qwen's names (``num_experts``) but no ``moe_intermediate_size``: ``intermediate_size``
+  is the expert width, every layer is MoE (read as ``qwen``)
 - GPT-OSS: ``num_local_experts``, ``experts_per_token`` (or ``num_experts_per_tok``),
   ``intermediate_size`` is the expert width, every layer is MoE, and each expert carries bias rows
+
+One field may go by several names (``_ALIASES``): transformers' config classes alias them
+(``attribute_map``) and which name a release writes changes, so a config is read by any of them,
+and the family is told by ``model_type`` before the names (a Qwen3-MoE saved with
+``num_local_experts`` is not Mixtral: its experts are ``moe_intermediate_size`` wide). A
+transformers config object (``AutoConfig.from_pretrained(...)``) is read as its ``to_dict()``, with
+its classes' ``attribute_map`` aliases besides.
 
 Plan layers are the decoder layers that hold routed experts. Shared experts stay with vLLM (always
 resident, never in a plan): their width is reported, not counted in the expert bytes.
@@ -133,14 +143,42 @@ def layer_index_from_name(layer_name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _load_config(source: str | os.PathLike | Mapping) -> Mapping[str, Any]:
+# Every name one field goes by in the families' configs. transformers' attribute_map aliases
+# num_experts -> num_local_experts (Qwen3-MoE, Qwen3-VL-MoE, Mixtral, GPT-OSS), num_experts ->
+# n_routed_experts (DeepSeek-V2), num_local_experts -> n_routed_experts (DeepSeek-V3), and saves
+# the class's own name: transformers 5.19 writes Qwen3-MoE's expert count as num_local_experts,
+# earlier releases as num_experts. tests/test_model_shape_aliases.py checks the installed classes.
+_ALIASES: tuple[tuple[str, ...], ...] = (
+    ("num_experts", "num_local_experts", "n_routed_experts"),
+    ("num_experts_per_tok", "experts_per_token"),
+)
+
+# A transformers config object: its to_dict() and the attribute_map pairs of its class and of its
+# text config's class (pure core: transformers itself is not imported here).
+_AliasPairs = tuple[tuple[str, str], ...]
+
+
+def _attribute_map(config: Any) -> _AliasPairs:
+    pairs = getattr(type(config), "attribute_map", None) or {}
+    return tuple((str(alias), str(name)) for alias, name in pairs.items() if alias != name)
+
+
+def _is_transformers_config(source: Any) -> bool:
+    return not isinstance(source, Mapping) and callable(getattr(source, "to_dict", None))
+
+
+def _load_config(source: Any) -> tuple[Mapping[str, Any], _AliasPairs, _AliasPairs]:
+    """(config dict, outer attribute_map pairs, text config attribute_map pairs)."""
     if isinstance(source, Mapping):
-        return source
+        return source, (), ()
+    if _is_transformers_config(source):
+        text = getattr(source, "text_config", None)
+        return source.to_dict(), _attribute_map(source), _attribute_map(text) if text is not None else ()
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
     try:
-        return orjson.loads(path.read_bytes())
+        return orjson.loads(path.read_bytes()), (), ()
     except FileNotFoundError as exc:
         raise ModelShapeError(f"{path}: no such config.json") from exc
     except orjson.JSONDecodeError as exc:
@@ -152,6 +190,24 @@ def _first(config: Mapping[str, Any], *names: str) -> Any:
         if config.get(name) is not None:
             return config[name]
     return None
+
+
+def _resolve_aliases(config: Mapping[str, Any], pairs: _AliasPairs, architecture: str) -> dict[str, Any]:
+    """``config`` with every name of a field set when any one is: the value under all of its
+    names (``_ALIASES`` and ``pairs``). Two names with different values are refused: which one
+    vLLM serves depends on the transformers release."""
+    out = dict(config)
+    for group in (*_ALIASES, *pairs):
+        named = [(name, out[name]) for name in group if out.get(name) is not None]
+        if not named:
+            continue
+        if len({orjson.dumps(value) for _, value in named}) > 1:
+            both = ", ".join(f"{name} {value!r}" for name, value in named)
+            raise ModelShapeError(f"{architecture}: config names one field with different values: {both}")
+        for name in group:
+            if out.get(name) is None:
+                out[name] = named[0][1]
+    return out
 
 
 def _dtype_bytes(*configs: Mapping[str, Any]) -> int:
@@ -188,7 +244,7 @@ def _deepseek(config: Mapping[str, Any], num_layers: int) -> _FamilyFields:
     return _FamilyFields(
         family="deepseek",
         num_experts=config.get("n_routed_experts"),
-        top_k=_first(config, "num_experts_per_tok"),
+        top_k=config.get("num_experts_per_tok"),
         moe_intermediate=width,
         moe_layers=tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0),
         shared_intermediate=shared,
@@ -200,7 +256,7 @@ def _gpt_oss(config: Mapping[str, Any], num_layers: int) -> _FamilyFields:
     return _FamilyFields(
         family="gpt_oss",
         num_experts=config.get("num_local_experts"),
-        top_k=_first(config, "num_experts_per_tok", "experts_per_token"),
+        top_k=config.get("num_experts_per_tok"),
         moe_intermediate=_first(config, "intermediate_size"),
         moe_layers=tuple(range(num_layers)),
         expert_bias=True,
@@ -213,7 +269,7 @@ def _mixtral(config: Mapping[str, Any], num_layers: int) -> _FamilyFields:
     return _FamilyFields(
         family="mixtral",
         num_experts=config.get("num_local_experts"),
-        top_k=_first(config, "num_experts_per_tok"),
+        top_k=config.get("num_experts_per_tok"),
         moe_intermediate=_first(config, "intermediate_size"),
         moe_layers=tuple(range(num_layers)),
         width_name="intermediate_size",
@@ -229,27 +285,50 @@ def _qwen(config: Mapping[str, Any], num_layers: int) -> _FamilyFields:
         step = int(config.get("decoder_sparse_step") or 1)
         dense = set(config.get("mlp_only_layers") or [])
         moe_layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    # A Qwen model's intermediate_size is its dense MLP's width, never an expert's (issue 44): one
+    # without moe_intermediate_size is refused (transformers would use its class default). Configs
+    # with Qwen's names and no moe_ width (OLMoE) have experts intermediate_size wide.
+    qwen_type = str(config.get("model_type") or "").startswith("qwen")
+    widths = ("moe_intermediate_size",) if qwen_type else ("moe_intermediate_size", "intermediate_size")
     return _FamilyFields(
         family="qwen",
         num_experts=config.get("num_experts"),
-        top_k=_first(config, "num_experts_per_tok"),
-        # Qwen MoE keeps intermediate_size for dense MLPs; old configs without the moe_ name use it.
-        moe_intermediate=_first(config, "moe_intermediate_size", "intermediate_size"),
+        top_k=config.get("num_experts_per_tok"),
+        moe_intermediate=_first(config, *widths),
         moe_layers=moe_layers,
         shared_intermediate=int(config.get("shared_expert_intermediate_size") or 0),
     )
 
 
-def _family_reader(config: Mapping[str, Any]):
-    if config.get("n_routed_experts") is not None:
-        return _deepseek
-    if config.get("model_type") == "gpt_oss" or config.get("experts_per_token") is not None:
-        return _gpt_oss
-    if config.get("num_experts") is not None:
+_FAMILY_BY_MODEL_TYPE = {
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
+    "kimi_k2": _deepseek,
+    "gpt_oss": _gpt_oss,
+    "mixtral": _mixtral,
+    "olmoe": _qwen,
+}
+
+
+def _family_reader(raw: Mapping[str, Any], config: Mapping[str, Any]):
+    """The family of a MoE config (``raw`` as written, ``config`` with its aliases resolved): by
+    model_type, else by the names only one family writes. Experts as wide as intermediate_size
+    (Mixtral) only when the config has no moe_intermediate_size."""
+    if config.get("num_experts") is None:
+        return None
+    model_type = str(raw.get("model_type") or "")
+    reader = _FAMILY_BY_MODEL_TYPE.get(model_type)
+    if reader is not None:
+        return reader
+    if model_type.startswith("qwen"):  # qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_moe_text, ...
         return _qwen
-    if config.get("num_local_experts") is not None:
-        return _mixtral
-    return None
+    if raw.get("n_routed_experts") is not None:
+        return _deepseek
+    if raw.get("experts_per_token") is not None:
+        return _gpt_oss
+    if raw.get("moe_intermediate_size") is not None or raw.get("num_experts") is not None:
+        return _qwen
+    return _mixtral
 
 
 def _architecture(outer: Mapping[str, Any], config: Mapping[str, Any]) -> str:
@@ -281,13 +360,15 @@ def _quant_scheme(architecture: str, quant: Mapping[str, Any] | None) -> tuple[Q
     return scheme, method
 
 
-def read_model_shape(source: str | os.PathLike | Mapping) -> ModelShape:
-    """Read a config.json file, a model folder holding one, or a config dict."""
-    outer = _load_config(source)
+def read_model_shape(source: str | os.PathLike | Mapping | Any) -> ModelShape:
+    """Read a config.json file, a model folder holding one, a config dict, or a transformers
+    config object (``PretrainedConfig``)."""
+    outer, outer_pairs, text_pairs = _load_config(source)
     text = outer.get("text_config")
-    config = text if isinstance(text, Mapping) else outer
-    architecture = _architecture(outer, config)
-    reader = _family_reader(config)
+    raw = text if isinstance(text, Mapping) else outer
+    architecture = _architecture(outer, raw)
+    config = _resolve_aliases(raw, text_pairs if raw is text else outer_pairs, architecture)
+    reader = _family_reader(raw, config)
     if reader is None:
         raise ModelShapeError(
             f"{architecture}: no num_experts / num_local_experts / n_routed_experts in config; "
