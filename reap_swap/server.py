@@ -48,6 +48,7 @@ from reap_swap.settings import (
     Resolved,
     Settings,
     SettingsError,
+    help_text,
     resolve,
     split_argv,
 )
@@ -314,10 +315,8 @@ def check_host_memory(
     )
 
 
-def settings_help() -> str:
-    import reap_swap.settings as s
-
-    return f"{PROG}: every `vllm serve` argument, plus REAP settings:\n{s.__doc__}"
+def wants_help(argv: list[str]) -> bool:
+    return "-h" in argv or any(a == "--help" or a.startswith("--help=") for a in argv)
 
 
 def log_settings(resolved: Resolved) -> None:
@@ -333,18 +332,19 @@ def log_settings(resolved: Resolved) -> None:
 def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     """Everything before the engine: settings, vLLM args, plan validation, installation."""
     reap_flags, vllm_argv = split_argv(argv)
-    resolved = resolve(reap_flags, os.environ)
-    settings = resolved.settings.model_copy(update={"plan_file": resolved.settings.plan_file.resolve()})
+    help_asked = wants_help(vllm_argv)
+    resolved = resolve(reap_flags, os.environ, require_plan=not help_asked)
     why = vllm_serve.check_supported_version()
     if why:
         raise LaunchError(why)
     # before vLLM reads its environment (platform plugins load while the parser is built)
     os.environ["VLLM_PLUGINS"] = vllm_plugins_allowlist(os.environ.get("VLLM_PLUGINS"))
     vllm_serve.cli_env_setup()
-    if "-h" in vllm_argv or any(a.startswith("--help") for a in vllm_argv):
-        print(settings_help(), file=sys.stderr)
     parser, cmd = vllm_serve.make_serve_parser(PROG)
+    if help_asked:  # ours first, then vLLM's parser prints its arguments and exits 0
+        print(help_text(PROG), flush=True)
     args = parser.parse_args(["serve", *vllm_argv])
+    settings = resolved.settings.model_copy(update={"plan_file": resolved.settings.plan_file.resolve()})
     if getattr(args, "model_tag", None) is not None:
         args.model = args.model_tag  # as `vllm serve` does
     vllm_serve.configure_logging_from_args(args)

@@ -278,8 +278,8 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
             "action": "store_const",
             "const": True,
             "help": "pin vLLM's UVA expert copies at their exact size (cudaHostRegister) instead of PyTorch's "
-            "power-of-two blocks (research.md 'Pinned rounding'); default auto: on where the rounded copies plus "
-            "a layer in flight would hold more than 1.2x the expert bytes; REAP_SWAP_EXACT_PINNING=0 turns it off",
+            "power-of-two blocks; default auto: on where the rounded copies plus a layer in flight would hold "
+            "more than 1.2x the expert bytes; REAP_SWAP_EXACT_PINNING=0 turns it off",
         },
     ),
     "swap_publish": (
@@ -289,7 +289,7 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
             "metavar": "ahead|idle|end|N",
             "help": "CUDA swaps: when remapped units are made accessible (default ahead: every remap and one "
             "publish while the copies are in flight; idle: publish while waiting on a copy; end: after the "
-            "last copy; N: every N landed copies, the default of runs 12-23 was 8)",
+            "last copy; N: every N landed copies)",
         },
     ),
 }
@@ -349,6 +349,21 @@ def load_configured_plan(cfg: Mapping[str, Any]):
     return settings, plan
 
 
+def help_text(prog: str) -> str:
+    """The REAP part of ``--help``: each flag, its environment variable and what it does, from the
+    one spec the parser is built from (vLLM prints its own arguments after it)."""
+    rows = []
+    for _name, (env, flag, kwargs) in _SPEC.items():
+        meta = kwargs.get("metavar") or ("|".join(kwargs["choices"]) if "choices" in kwargs else "")
+        head = f"  {flag} {meta}".rstrip()
+        rows.append(f"{head}\n      {kwargs.get('help', '')} [{env}]")
+    return (
+        f"usage: {prog} MODEL [vllm serve arguments] [--reap-* flags]\n\n"
+        "Every `vllm serve` argument works as it does there (listed below). REAP settings, each also an "
+        "environment variable (the environment wins over the flag):\n" + "\n".join(rows) + "\n"
+    )
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add the --reap-* flags (default None, so 'not given' is distinguishable)."""
     for name, (_env, flag, kwargs) in _SPEC.items():
@@ -384,9 +399,12 @@ def unknown_env(environ: Mapping[str, str]) -> list[str]:
 
 
 def resolve(
-    flags: argparse.Namespace | Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    flags: argparse.Namespace | Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    require_plan: bool = True,
 ) -> Resolved:
-    """Merge environment > flags > defaults into a validated Settings."""
+    """Merge environment > flags > defaults into a validated Settings (``require_plan=False``: for
+    ``--help``, which must work without one)."""
     environ = os.environ if environ is None else environ
     given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
     unknown = unknown_env(environ)
@@ -425,7 +443,7 @@ def resolve(
     conflict = group_size_conflict(settings, sources) or cache_slots_conflict(settings, sources)
     if conflict:
         raise SettingsError(conflict)
-    if settings.plan_file is None:
+    if settings.plan_file is None and require_plan:
         raise SettingsError("no plan: set REAP_PLAN_FILE or pass --reap-plan PATH")
     return Resolved(settings=settings, sources=sources, overrides=overrides)
 

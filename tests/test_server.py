@@ -4,6 +4,7 @@ installation of the worker extension / plugin / configuration. No engine is star
 import argparse
 import json
 import os
+import re
 
 import pytest
 from reap_fakes import tiny_plan_doc
@@ -138,3 +139,28 @@ def test_prepare_hands_the_workers_a_slot_count_for_cache_slots_swaps(tiny, monk
     assert split.why is None and split.per_layer >= 1 and split.kept > split.core
     assert cfg["cache_slots"] == split.cache_slots  # an int: the workers never see "swaps"
     assert Settings.from_worker_config(cfg).cache_slots == split.cache_slots
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_works_without_a_plan(flag, monkeypatch, capsys):
+    """`python -m reap_swap.server --help` prints the REAP settings and vLLM's arguments and exits 0,
+    with no plan anywhere (it used to exit 1: "no plan")."""
+    for k in [k for k in os.environ if k.startswith("REAP_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        server.main([flag])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m reap_swap.server MODEL")
+    assert "--reap-plan PATH" in out and "[REAP_PLAN_FILE]" in out and "--reap-cache" in out
+    assert "--max-model-len" in out or "--help=" in out  # vLLM's own part follows
+    ours = out.split("positional arguments")[0]
+    assert not re.search(r"\bruns? \d+|research\.md|20\d\d-\d\d", ours)  # help without history
+
+
+def test_no_plan_without_help_is_still_refused(monkeypatch, capsys):
+    for k in [k for k in os.environ if k.startswith("REAP_")]:
+        monkeypatch.delenv(k)
+    assert server.main(["some-model"]) == 2
+    assert "no plan" in capsys.readouterr().err
