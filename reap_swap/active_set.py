@@ -125,6 +125,33 @@ def resident_sets(plan: Plan, requested: Mapping[int, frozenset[int]]) -> Reside
     return {index: layer.core | requested.get(index, frozenset()) for index, layer in plan.layers.items()}
 
 
+def pin_within(
+    plan: Plan, resident: ResidentSets, capacity: Mapping[int, int]
+) -> tuple[ResidentSets, dict[int, list[int]]]:
+    """Cut each layer's set to what that layer can pin (``capacity``: layer -> slots; a layer not
+    named is not cut), keeping the plan's rank: the core first, then the plan's fill order (best
+    first). Returns (the pinned sets, layer -> the experts left to the cache, ascending). A swap
+    wider than a layer's slots is therefore served, not refused: the cache keeps adapting around
+    the pins, and the client learns what was not pinned."""
+    if not capacity or not any(len(v) > capacity.get(l, len(v)) for l, v in resident.items()):
+        return resident, {}
+    rank: dict[tuple[int, int], int] = {}
+    for i, (layer, e) in enumerate(plan.fill_order()[0]):
+        rank.setdefault((layer, e), i)
+    out: dict[int, frozenset[int]] = {}
+    left: dict[int, list[int]] = {}
+    for layer, experts in resident.items():
+        cap = capacity.get(layer)
+        if cap is None or len(experts) <= cap:
+            out[layer] = experts
+            continue
+        core = plan.layers[layer].core if layer in plan.layers else frozenset()
+        order = sorted(experts, key=lambda e: (e not in core, rank.get((layer, e), len(rank)), e))
+        out[layer] = frozenset(order[: max(cap, 0)])
+        left[layer] = sorted(order[max(cap, 0) :])
+    return out, left
+
+
 def resident_bytes(plan: Plan, resident: ResidentSets) -> int:
     return sum(len(ids) for ids in resident.values()) * plan.per_expert_bytes
 

@@ -315,6 +315,10 @@ class CacheAccounting:
                 if l in self.caches and len(resident[l]) > self.slots[l]:
                     raise SeededCapacityError(l, len(resident[l]), self.slots[l])
 
+    def pin_capacity(self) -> dict[str, int]:
+        """layer -> the experts a swap can pin there (its slots), as the seeded device reports it."""
+        return {str(l): int(self.slots[l]) for l in sorted(self.caches) if l not in self.refused}
+
     def pin(self, resident: Mapping[int, frozenset[int]]) -> None:
         """A per-request swap was applied: its set is pinned, the tail yields to it."""
         for l, cache in self.caches.items():
@@ -368,6 +372,7 @@ class CacheAccounting:
             "tail_source": self.tail_source,
             "swap_slots": self.swap_slots,  # None: the whole pool (or, seeded_swaps, each layer's slots)
             "seeded_swaps": self.seeded_swaps,
+            **({"pin_capacity": self.pin_capacity()} if self.seeded_swaps else {}),
             "swap_source": self.swap_source,
             "steps": self.steps,
             "recording": self.record.maxlen if self.record is not None else 0,

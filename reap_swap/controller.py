@@ -70,6 +70,19 @@ class Metrics:
     def cache(self, cache: Mapping[str, object]) -> None: ...
 
 
+def pin_capacity(statuses: list[wire.StatusReply]) -> dict[int, int]:
+    """layer -> what a swap can pin there, from the workers' cache status (``pin_capacity``: the
+    seeded device cache's slots per layer); the smallest any rank reports (a pipeline stage
+    reports its own layers). Empty where no worker reports one (a swap is then checked against
+    the pool as a whole)."""
+    out: dict[int, int] = {}
+    for s in statuses:
+        extra = (s.cache.model_extra or {}) if s.cache is not None else {}
+        for layer, cap in (extra.get("pin_capacity") or {}).items():
+            out[int(layer)] = min(int(cap), out.get(int(layer), int(cap)))
+    return out
+
+
 def _failures(results: list[wire.ApplyReply]) -> tuple[str, list[int]]:
     failed = [r for r in results if r.error]
     return "; ".join(r.error for r in failed), sorted(r.rank for r in failed)
@@ -112,6 +125,9 @@ class SwapController:
         self.keep_pool_full = keep_pool_full
         self.pool: Pool | None = None  # set by start() when keep_pool_full
         self.fill_order = plan.fill_order()[0] if keep_pool_full else []
+        # layer -> experts a swap can pin there (the seeded device cache's slots; start() reads it
+        # from the workers): a wider set is cut by the plan's rank, the rest left to the cache
+        self.pin_capacity: dict[int, int] = {}
 
     @property
     def open_request(self) -> str | None:
@@ -152,6 +168,7 @@ class SwapController:
             self.attribution.open_resident = self.resident
             self.residency_mode = statuses[0].residency_mode
             self.workers = len(statuses)
+            self.pin_capacity = pin_capacity(statuses)
             await self._rpc(wire.RESET_STATS)
             return {"workers": self.workers, "mode": self.residency_mode, "signature": self.sig}
 
@@ -177,7 +194,7 @@ class SwapController:
         """(resident set, budget applied, validation details) of an active set, checked against the
         plan (keep_pool_full: the workers' pool, filled from the plan's order). Raises ActiveSetError."""
         pool = self.pool if self.keep_pool_full else None
-        return resolve_swap(self.plan, active_set, budget_bytes, pool, self.fill_order)
+        return resolve_swap(self.plan, active_set, budget_bytes, pool, self.fill_order, self.pin_capacity)
 
     async def swap(self, req: SwapRequest, kind: str = "swap") -> dict:
         """Validate outside the lock (pure), then apply under it."""
@@ -237,6 +254,7 @@ class SwapController:
             "signature": signature(resident),
             "previous_signature": self.sig,
             "delta": delta_summary(delta(self.resident, resident)),
+            **({"unpinned": details["unpinned"]} if details.get("unpinned") else {}),
             "validation": details,
             "mode": self.residency_mode,
             "max_refreshes_per_request": self.refreshes.limit,

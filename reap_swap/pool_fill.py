@@ -1,4 +1,4 @@
-"""A swap keeps the HBM pool full (`--reap-budget auto | GiB`, issue 15 item 5).
+"""A swap keeps the HBM pool full (`--reap-budget auto | GiB`).
 
 Why: with `auto` the pool grows after startup and is filled with the core plus the best prefix of
 the plan's fill order (residency/budget.py). A swap that made exactly core ∪ active set resident
@@ -25,6 +25,7 @@ from reap_swap.active_set import (
     ResidentSets,
     check_budget,
     normalize_active_set,
+    pin_within,
     resident_bytes,
     resident_sets,
 )
@@ -80,12 +81,16 @@ def resolve_swap(
     budget_bytes: int | None,
     pool: Pool | None,
     order: Sequence[tuple[int, int]] = (),
+    capacity: Mapping[int, int] | None = None,
 ) -> tuple[ResidentSets, int, dict]:
     """(resident set, budget applied, validation details) of a swap. With `pool` (budget auto |
     GiB) the active set may use the whole pool and the rest of the pool is filled from `order`;
-    without it, exactly core ∪ active set under the plan's budget. Raises ActiveSetError."""
+    without it, exactly core ∪ active set under the plan's budget. `capacity` (layer -> what the
+    workers can pin there: the device cache's slots) cuts a wider layer by the plan's rank
+    (active_set.pin_within) before the budget is checked; details["unpinned"] lists the cut.
+    Raises ActiveSetError."""
     requested = normalize_active_set(plan, active_set)
-    resident = resident_sets(plan, requested)
+    resident, unpinned = pin_within(plan, resident_sets(plan, requested), capacity or {})
     budget = check_budget(plan, resident, budget_bytes, None if pool is None else pool.slots)
     details = {
         "requested_layers": sorted(requested),
@@ -96,6 +101,8 @@ def resolve_swap(
     if pool is not None:
         resident, added = fill_pool(resident, order, pool, budget // max(plan.per_expert_bytes, 1))
         details.update(pool_slots=pool.slots, pool_source=pool.source, fill_experts=added)
+    if unpinned:
+        details["unpinned"] = {plan.layers[l].key: v for l, v in sorted(unpinned.items())}
     details.update(
         resident_experts=sum(len(v) for v in resident.values()),
         resident_bytes=resident_bytes(plan, resident),

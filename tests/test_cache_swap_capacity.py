@@ -316,40 +316,59 @@ def test_refused_swap_is_422_capacity_exceeded_and_state_kept():
         assert r.json()["validation"]["resident_experts"] == 54
 
 
-def test_seeded_refused_swap_is_422_capacity_exceeded_naming_the_layer():
-    """The e2e seeded server's capacity over HTTP (the tiny e2e plan, --reap-cache-slots 10 seeded:
-    C_l = 7, 7, 6, 6): every slice -> 422 capacity_exceeded naming layer 0 (SeededCapacityError),
-    signature and cache unchanged; layer 3's 2-expert slice (exactly its 6) -> 200."""
+def test_seeded_wide_swap_pins_by_the_plan_rank_and_lists_the_rest():
+    """A swap wider than a layer's seeded cache slots is served, not refused (issue 42): the tiny e2e
+    plan, --reap-cache-slots 10 seeded (C_l = 7, 7, 6, 6), every slice on every layer -> 200; each
+    layer pins its core then the plan's fill order up to C_l, the response lists per layer what was
+    left to the cache, and the workers hold exactly the pinned sets. A set that fits is unchanged."""
     engine = FakeEngine(tp_size=1)
     for w in engine.workers:
         w.core.cache = accounting(TINY, settings(10, seed="seeded"))
         assert w.core.cache.seeded_swaps and w.core.cache.slots == {0: 7, 1: 7, 2: 6, 3: 6}
     ctl = SwapController(TINY, engine.rpc, cartridges={})
     asyncio.run(ctl.start())
+    assert ctl.pin_capacity == {0: 7, 1: 7, 2: 6, 3: 6}  # read from the workers' cache status
     app = FastAPI()
     endpoint_plugin().attach_router(app)
     app.state.reap, app.state.reap_api_keys = ctl, api_key_digests(SimpleNamespace(api_key=None))
     every = {f"layer_{l}": [s.slice_id for s in p.slices] for l, p in TINY.layers.items()}
+    order = TINY.fill_order()[0]
     with TestClient(app) as c:
-        before = c.get("/reap/status").json()
-        assert before["cache"]["seeded_swaps"] and before["cache"].get("swap_slots") is None
-        cache_before = engine.workers[0].core.cache.status()
+        assert c.get("/reap/status").json()["cache"]["pin_capacity"] == {"0": 7, "1": 7, "2": 6, "3": 6}
         r = c.post("/swap_active_set", json={"request_id": "wide", "active_set": every})
-        assert r.status_code == 422, r.text
-        err = r.json()["error"]
-        assert err["type"] == "capacity_exceeded" and err["field"] == "active_set"
-        assert err["needed"] == 16 and err["capacity"] == 7
-        assert err["message"] == (
-            "active_set: layer 0: a swap set of 16 experts is wider than the layer's 7 cache "
-            "slots (--reap-cache-seed seeded pins a swap inside them; overflow 9 experts)"
-        )
-        assert c.get("/reap/status").json()["signature"] == before["signature"] == err["signature"]
-        assert engine.workers[0].core.cache.status() == cache_before
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["unpinned"] == body["validation"]["unpinned"]
+        assert body["validation"]["resident_experts"] == 7 + 7 + 6 + 6
+        for l, cap in {0: 7, 1: 7, 2: 6, 3: 6}.items():
+            core = TINY.core_sets()[l]
+            asked = core | {e for sl in TINY.layers[l].slices for e in sl.experts}
+            pinned = engine.workers[0].core.cache.caches[l].pinned
+            left = body["unpinned"][f"layer_{l}"]
+            assert len(pinned) == cap and core <= pinned, (l, pinned)
+            assert pinned | set(left) == asked and not pinned & set(left) and left == sorted(left)
+            ranked = [e for layer, e in order if layer == l and e in asked - core]
+            assert pinned - core == set(ranked[: cap - len(core)]), (l, pinned, ranked)
         fit = {"layer_3": [x.slice_id for x in TINY.layers[3].slices if len(x.experts) == 2]}
         r = c.post("/swap_active_set", json={"request_id": "k", "active_set": fit})
         assert r.status_code == 200, r.text
-        assert r.json()["validation"]["resident_experts"] == 18
+        assert "unpinned" not in r.json() and r.json()["validation"]["resident_experts"] == 18
         assert engine.workers[0].core.cache.caches[3].pinned == TINY.core_sets()[3] | {12, 13}
+        bad = c.post("/swap_active_set", json={"request_id": "b", "active_set": {"layer_0": [999]}})
+        assert bad.status_code == 422 and bad.json()["error"]["field"].startswith("active_set")
+
+
+def test_pin_within_keeps_sets_that_fit_and_cuts_by_rank():
+    from reap_swap.active_set import pin_within, resident_sets
+
+    every = {l: frozenset(e for s in p.slices for e in s.experts) for l, p in TINY.layers.items()}
+    full = resident_sets(TINY, every)
+    same, left = pin_within(TINY, full, {l: len(v) for l, v in full.items()})
+    assert same == full and left == {}
+    assert pin_within(TINY, full, {}) == (full, {})
+    cut, left = pin_within(TINY, full, {0: len(TINY.core_sets()[0])})  # room for the core only
+    assert cut[0] == TINY.core_sets()[0] and left[0] == sorted(full[0] - TINY.core_sets()[0])
+    assert all(cut[l] == full[l] for l in (1, 2, 3)) and set(left) == {0}
 
 
 def test_cache_refused_when_the_table_cannot_hold_the_core():
@@ -449,6 +468,10 @@ def test_a_capacity_refusal_on_one_pipeline_stage_while_the_other_applied_is_a_5
         w.core.cache = accounting(TINY, settings(10, seed="seeded"))
     ctl = SwapController(TINY, engine.rpc, cartridges={})
     asyncio.run(ctl.start())
+    assert ctl.pin_capacity == {0: 7, 1: 7, 2: 6, 3: 6}  # both stages' layers
+    # the workers' own refusal, for a controller that does not know their capacity (the cut below
+    # is what it does when it knows: test_seeded_wide_swap_pins_by_the_plan_rank_and_lists_the_rest)
+    ctl.pin_capacity = {}
     before = ctl.sig
     wide = {
         "layer_0": [s.slice_id for s in TINY.layers[0].slices],

@@ -1,26 +1,17 @@
-"""The device cache in serving (issue 17): from the settings to a CacheConfig, and the worker's view
+"""The device cache in serving: from the settings to a CacheConfig, and the worker's view
 of the engaged caches in the shape cache_accounting's surfaces read (/reap/status "cache" section,
 cache_surface's Prometheus counters).
 
-Default OFF on CUDA: ``--reap-cache lfu`` (the default, accounting on the CPU build) engages the
-device cache on CUDA only with ``--reap-cache-device on``. Reason: the CUDA mechanism (slot units,
-the fused policy kernel, the kernel over E + N units) has passed no H200 serve yet; existing GPU
-users keep exactly the path they had until scripts/gpu_e2e.py's ``reap-cache`` arm measured it
-(stock-equal text, counters, tok/s). Device policy: ``dlfu`` (the integer LFU with decay 0.8,
-cache_policy.device) in the ``core+dlfu`` form: the plan core pinned in its own units, the cache on
-the tail. ``--reap-cache lru`` on CUDA is refused by name (not implemented on the device).
-``--reap-cache-seed seeded`` serves ``dlfu-seeded`` instead (accounting mode's policy, in integer
-arithmetic): every layer's core + tail share is cache slots seeded with the core, evictable, and
-a per-request swap pins its set inside them (device_cache_seeded.py).
-
-``--reap-cache-seed seeded`` is served on CUDA whenever asked (the default stays ``pinned``). It
-was refused there from H200 run 12 (2026-12-01: greedy logprobs unequal to stock on 3 of 8
-prompts) until run 23 (2026-12-04, vLLM 0.26.0, code at 098e293): two serves of the same model,
-plan and pool, one with TORCHINDUCTOR_DETERMINISTIC=1, were bitwise equal to stock at every
-logprob in every phase (plain client, swaps pinned inside the slots, back to the core), the cache
-engaged. Run 12's difference was not reproduced in those 2 serves at 098e293, and its cause was
-not identified (research.md "Run 23"). /reap/status ``cache.seed`` says the form asked and served.
-CPU accounting mode (state only, no bytes) keeps running ``dlfu-seeded`` (cache_accounting.py).
+On by default on CUDA: the launcher resolves ``--reap-cache-device auto`` (settings.cache_form) to
+on wherever the device cache is served (one GPU per model, private units, the plan's pool, lfu)
+and ``--reap-cache-seed auto`` to seeded there, so the workers see on/off and pinned/seeded. The
+seeded form (``dlfu-seeded``, the integer LFU with decay of cache_policy.device): every layer's
+core + tail share of the pool is cache slots seeded with the plan core, evictable, and a
+per-request swap pins its set inside them (device_cache_seeded.py); /reap/status reports each
+layer's slots as ``pin_capacity``, which the API process cuts wider sets to. The pinned form
+(``core+dlfu``, ``--reap-cache-seed pinned`` or ``--reap-cache-slots swaps``): the plan core pinned
+in its own units by the engine, the cache on the tail. ``--reap-cache lru`` has no device form.
+CPU accounting mode (state only, no bytes) runs the same integer policies (cache_accounting.py).
 
 The pinned form with fewer than 2 x top_k tail slots per layer logs one WARNING and shows
 ``tail_note`` in /reap/status (memory_split.small_tail_note, as accounting mode; the engine's split
@@ -49,7 +40,7 @@ def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str 
     if settings.cache == "off":
         return None, "--reap-cache off"
     if getattr(settings, "cache_device", "off") != "on":
-        return None, "device cache off on CUDA (default; --reap-cache-device on engages it)"
+        return None, "device cache off (--reap-cache-device off, or not served here: the launcher logged why)"
     if settings.cache != "lfu":
         return None, f"--reap-cache {settings.cache}: the device cache implements lfu (dlfu) only"
     layers = max(len(plan.layers), 1)
@@ -162,6 +153,12 @@ class DeviceCacheView:
             **({"reason": reason} if reason else {}),
             **({"tail_note": note} if (note := self.tail_note()) else {}),
             "seed": _seed_status(self.cfg),
+            # seeded: a swap pins inside each layer's slots, so a layer holds at most its slots
+            **(
+                {"pin_capacity": {str(l): s["slots"] for l, s in dev["layers"].items()}}
+                if self.cfg.seed_core
+                else {}
+            ),
             **({"shadow": {str(k): v for k, v in dev["shadow"].items()}} if "shadow" in dev else {}),
         }
 

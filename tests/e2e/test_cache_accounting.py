@@ -181,48 +181,50 @@ def test_cache_accounting_equals_simulate(cache_api, recount, tiny_moe):
 
 
 def refused_for_capacity(api, plan):
-    """A swap wider than the swap capacity (pinned: the table's K; seeded: a layer's C_l cache
-    slots): refused as CUDA refuses it, nothing changes; exactly K (pinned) or a set within every
-    layer's slots (seeded) is applied."""
+    """A swap wider than the swap capacity. Pinned form (the table's K, one number for the pool):
+    refused as CUDA refuses it, nothing changes; exactly K is applied. Seeded form (each layer's C_l
+    cache slots, which /reap/status reports as pin_capacity): served, each layer pinned up to its
+    slots by the plan's rank, the rest listed per layer as left to the cache (issue 42)."""
     before, cache = status(api), status(api)["cache"]
     every = {f"layer_{l}": [s.slice_id for s in p.slices] for l, p in plan.layers.items()}
     r = api.post("/swap_active_set", json={"request_id": "too-wide", "active_set": every})
-    assert r.status_code == 422, r.text
-    err = r.json()["error"]
-    assert err["type"] == "capacity_exceeded" and err["field"] == "active_set", err
     if cache["seeded_swaps"]:
+        assert r.status_code == 200, r.text
         assert cache.get("swap_slots") is None, cache  # None is dropped on the wire
         slots = {int(l): v["slots"] for l, v in cache["layers"].items()}
         assert slots == {0: 7, 1: 7, 2: 6, 3: 6}, slots  # core 4 each + TAIL 10 spread
+        assert cache["pin_capacity"] == {str(l): n for l, n in slots.items()}, cache
         width = {l: len(set(p.core).union(*(s.experts for s in p.slices))) for l, p in plan.layers.items()}
-        layer = min(l for l in plan.layers if width[l] > slots[l])
-        assert (
-            f"active_set: layer {layer}: a swap set of {width[layer]} experts is wider than the "
-            f"layer's {slots[layer]} cache slots"
-        ) in err["message"], err
-    else:
-        assert cache["swap_slots"] == SWAP_SLOTS, cache
-        assert (err["needed"], err["capacity"]) == (62, SWAP_SLOTS), err
-        assert (
-            f"active_set: resident set needs 62 expert slots but the swap table has {SWAP_SLOTS} "
-            f"(overflow {62 - SWAP_SLOTS} experts): the HBM pool of 62 slots less 4 layers x 2 = "
-            f"{62 - SWAP_SLOTS} lent to the cache tails; ask for at most {SWAP_SLOTS} experts, serve without "
-            "the cache (--reap-cache off"
-        ) in err["message"], err
+        body = r.json()
+        assert body["validation"]["resident_experts"] == sum(slots.values()), body
+        assert {k: len(v) for k, v in body["unpinned"].items()} == {
+            f"layer_{l}": width[l] - slots[l] for l in plan.layers if width[l] > slots[l]
+        }, body
+        after = status(api)["cache"]["layers"]
+        for l, n in slots.items():  # each layer holds exactly its slots' worth, the core among them
+            assert after[str(l)]["pinned"] == n and set(plan.layers[l].core) <= set(after[str(l)]["resident"])
+        fit = {"layer_3": [s.slice_id for s in plan.layers[3].slices if len(s.experts) == 2]}
+        r = api.post("/swap_active_set", json={"request_id": "within-slots", "active_set": fit})
+        assert r.status_code == 200 and "unpinned" not in r.json(), r.text
+        assert r.json()["validation"]["resident_experts"] == 18
+        return
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["type"] == "capacity_exceeded" and err["field"] == "active_set", err
+    assert cache["swap_slots"] == SWAP_SLOTS, cache
+    assert (err["needed"], err["capacity"]) == (62, SWAP_SLOTS), err
+    assert (
+        f"active_set: resident set needs 62 expert slots but the swap table has {SWAP_SLOTS} "
+        f"(overflow {62 - SWAP_SLOTS} experts): the HBM pool of 62 slots less 4 layers x 2 = "
+        f"{62 - SWAP_SLOTS} lent to the cache tails; ask for at most {SWAP_SLOTS} experts, serve without "
+        "the cache (--reap-cache off"
+    ) in err["message"], err
     after = status(api)
     assert after["signature"] == before["signature"] == err["signature"]
     keys = ("resident", "pinned", "tail_slots", "counts")
     assert {l: {k: v[k] for k in keys} for l, v in after["cache"]["layers"].items()} == {
         l: {k: v[k] for k in keys} for l, v in cache["layers"].items()
     }
-    if cache["seeded_swaps"]:  # 4-expert slices overflow layers 0-2 (4 + 4 > 7, 6); layer 3's
-        # 2-expert slice fills its 6 slots exactly: 16 core + 2 = 18, applied
-        fit = {"layer_3": [s.slice_id for s in plan.layers[3].slices if len(s.experts) == 2]}
-        assert len(plan.layers[3].core) + 2 == slots[3]
-        r = api.post("/swap_active_set", json={"request_id": "within-slots", "active_set": fit})
-        assert r.status_code == 200, r.text
-        assert r.json()["validation"]["resident_experts"] == 18
-        return
     # 16 core + every slice of layers 0-2 (36) + layer 3's 2-expert slice = 54 = K: applied
     fit = dict(every, layer_3=[s.slice_id for s in plan.layers[3].slices if len(s.experts) == 2])
     r = api.post("/swap_active_set", json={"request_id": "exactly-k", "active_set": fit})
