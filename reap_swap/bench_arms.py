@@ -158,8 +158,8 @@ def _split_for_swaps(spec: RunSpec, plan, shape) -> None:
 def _reap_arm(spec: RunSpec, reap: list[str], cfg: BenchConfig, plan, shape, plat: str) -> None:
     """A reap arm: the plan (or its copy at this budget); refused when the budget lacks the core.
 
-    A cache arm on CUDA also gets --reap-cache-device on (cfg.cache_device): the server's device
-    cache is off by default on CUDA, and a `plan-cache` arm without it would measure the core only."""
+    A cache arm on CUDA also gets --reap-cache-device as configured (cfg.cache_device), spelled out
+    so the arm measures what it names whatever the server's default."""
     budget = spec.budget_bytes
     if budget is not None and budget < plan.core_bytes():
         raise BenchError(
@@ -171,9 +171,10 @@ def _reap_arm(spec: RunSpec, reap: list[str], cfg: BenchConfig, plan, shape, pla
     else:
         spec.plan_path = cfg.plan.resolve()
     spec.argv = reap + ["--reap-plan", str(spec.plan_path), "--reap-cache", CACHE_ARMS[spec.arm]]
-    if CACHE_ARMS[spec.arm] != "off" and plat == "cuda" and cfg.cache_device == "on":
-        spec.argv += ["--reap-cache-device", "on"]
-        spec.notes.append("--reap-cache-device on: the device cache (CUDA)")
+    if CACHE_ARMS[spec.arm] != "off" and plat == "cuda":
+        spec.argv += ["--reap-cache-device", cfg.cache_device]
+        if cfg.cache_device == "on":
+            spec.notes.append("--reap-cache-device on: the device cache (CUDA)")
     if spec.arm == "plan-swap+cache":
         _split_for_swaps(spec, plan, shape)
     if spec.arm == "plan-static":

@@ -48,6 +48,7 @@ from reap_swap.settings import (
     Resolved,
     Settings,
     SettingsError,
+    cache_form,
     help_text,
     resolve,
     split_argv,
@@ -278,7 +279,7 @@ def drains_in_blocks(settings, exact: bool | None = None) -> bool:
     private-unit path (residency/engine.py `_rehome_plain`); grouped units and the device cache release a
     layer's copy after the whole layer."""
     exact = settings.exact_pinning is True if exact is None else exact  # `exact`: the launch's resolved value
-    return exact and settings.group_size == "1" and settings.cache_device == "off"
+    return exact and settings.group_size == "1" and settings.cache_device != "on"
 
 
 def check_host_memory(
@@ -352,6 +353,7 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     check_topology(args)
     shape, plan, cartridges = load_validated_plan(settings, args)
     arrange_torchvision(args, shape.architecture)
+    settings = resolve_cache_form(settings, args, shape)
     settings = resolve_cache_slots(settings, plan, shape)
     log_settings(Resolved(settings, resolved.sources, resolved.overrides))
     log.info(
@@ -366,6 +368,31 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     gpu_engine_args(settings, args, shape, plan.swappable_budget_bytes)
     check_budget(settings, plan)
     return args, cmd
+
+
+def resolve_cache_form(settings: Settings, args: argparse.Namespace, shape) -> Settings:
+    """--reap-cache-device / --reap-cache-seed auto -> what the workers run (settings.cache_form),
+    said once at startup; the per-layer refusals follow in /reap/status. One more case keeps
+    today's path: where exact pinning pays (vLLM's power-of-two host copies plus a layer in flight
+    above 1.2x the experts: the DeepSeek-V3 / Kimi layer shapes), because only the private-unit
+    path gives that copy back block by block; with the cache such a model may not fit the host."""
+    parallel = int(getattr(args, "tensor_parallel_size", None) or 1) * int(
+        getattr(args, "pipeline_parallel_size", None) or 1
+    )
+    platform = vllm_serve.platform_name()
+    if settings.cache_device == "auto" and settings.exact_pinning == "auto" and platform == "cuda":
+        pinned = vllm_pinned_bytes(shape, parallel, exact=False)
+        if exact_pinning_pays(pinned, shape.total_expert_bytes, shape.layer_expert_bytes):
+            log.info(
+                "reap-swap: device cache off: host memory (vLLM's rounded expert copies + one layer in "
+                "flight exceed %.1fx the experts; exact pinning on private units keeps them near 1x)",
+                EXACT_PINNING_AUTO_RATIO,
+            )
+            return settings.model_copy(update={"cache_device": "off", "cache_seed": "pinned"})
+    resolved, why = cache_form(settings, platform, parallel)
+    if why:
+        log.info("reap-swap: %s", why)
+    return resolved
 
 
 def resolve_cache_slots(settings: Settings, plan, shape) -> Settings:

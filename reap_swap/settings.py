@@ -86,10 +86,20 @@ class Settings(BaseModel):
         return parse_budget(self.budget)
 
     cache: Literal["lfu", "lru", "off"] = "lfu"
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache(cls, v: Any) -> Any:
+        return "lfu" if str(v).strip().lower() == "on" else v  # on: the default policy
+
     # "swaps": the launcher resolves it to an integer (server.resolve_cache_slots); workers never see it
     cache_slots: Literal["auto", "swaps"] | int = "auto"
-    cache_device: Literal["on", "off"] = "off"  # the CUDA device cache (issue 17); off until measured
-    cache_seed: Literal["pinned", "seeded"] = "pinned"  # device cache: core+dlfu | dlfu-seeded
+    # the CUDA device cache; auto (the default): on wherever it is served (cache_form), the
+    # launcher resolves it, so workers see on or off
+    cache_device: Literal["auto", "on", "off"] = "auto"
+    # device cache form: core+dlfu (pinned) | dlfu-seeded (seeded); auto: seeded where the device
+    # cache is on (cache_form)
+    cache_seed: Literal["auto", "pinned", "seeded"] = "auto"
     cache_record_steps: int = Field(default=0, ge=0)
     cache_shadow: Literal["off", "out", "bytes"] = "off"  # debug shadow of the device cache
     group_size: Literal["auto", "1", "2", "4", "8"] = "1"  # grouped units (issue 16); experimental
@@ -168,6 +178,40 @@ class Settings(BaseModel):
         return None
 
 
+def cache_form(settings: Settings, platform: str, parallel: int = 1) -> tuple[Settings, str]:
+    """``auto`` cache_device / cache_seed -> on|off and pinned|seeded, with the one sentence the
+    launcher logs. The device cache is the serving path on CUDA wherever it is served: the device
+    implements lfu, at one GPU per model (tensor or pipeline parallelism: not yet), on private
+    expert units (no --reap-group-size) and on the plan's pool (--reap-budget plan). There it runs
+    seeded (each layer's share of the pool is cache slots seeded with the plan core, a swap pinned
+    inside them): it matched or beat the pinned form in every simulation of committed and real
+    (OLMoE) traces and needs no room kept for swaps. Elsewhere the path is what it was: CPU
+    accounting, or the plan's static set on CUDA. Explicit on / off / pinned / seeded are kept."""
+    device, seed = settings.cache_device, settings.cache_seed
+    why = ""
+    if device == "auto":
+        blocker = None
+        if settings.cache == "off":
+            blocker = "--reap-cache off"
+        elif settings.accounting_reason(platform) is not None:
+            blocker = f"accounting residency ({settings.accounting_reason(platform)})"
+        elif settings.cache != "lfu":
+            blocker = f"--reap-cache {settings.cache}: the device cache implements lfu only"
+        elif parallel > 1:
+            blocker = "tensor/pipeline parallelism: the device cache is served on one GPU per model only"
+        elif settings.group_size != "1":
+            blocker = f"--reap-group-size {settings.group_size}: the device cache knows no groups"
+        elif settings.budget != "plan":
+            blocker = f"--reap-budget {settings.budget}: the device cache runs on the plan's pool"
+        device = "off" if blocker else "on"
+        why = f"device cache off: {blocker}" if blocker else "device cache on (the default on CUDA)"
+    if seed == "auto":
+        seed = "seeded" if device == "on" and settings.cache_slots != "swaps" else "pinned"
+        if device == "on":
+            why += f", {seed} form"
+    return settings.model_copy(update={"cache_device": device, "cache_seed": seed}), why
+
+
 # field -> (environment variable, flag, argparse kwargs)
 _SPEC: dict[str, tuple[str, str, dict]] = {
     "plan_file": ("REAP_PLAN_FILE", "--reap-plan", {"metavar": "PATH", "help": "the REAP plan JSON"}),
@@ -222,7 +266,11 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
     "cache": (
         "REAP_CACHE",
         "--reap-cache",
-        {"choices": ["lfu", "lru", "off"], "help": "per-layer expert cache policy (default lfu)"},
+        {
+            "choices": ["on", "off", "lfu", "lru"],
+            "help": "the per-layer expert cache (default on = lfu; on CUDA it runs on the device where "
+            "served, else in accounting mode; lru: accounting only)",
+        },
     ),
     "cache_slots": (
         "REAP_CACHE_SLOTS",
@@ -236,18 +284,18 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         "REAP_CACHE_DEVICE",
         "--reap-cache-device",
         {
-            "choices": ["on", "off"],
-            "help": "CUDA: run --reap-cache lfu on the device slot tail (default off); swaps then fit only "
-            "the pool less the lent tail (accounting residency holds swaps to the same K)",
+            "choices": ["auto", "on", "off"],
+            "help": "the device expert cache (default auto: on wherever it is served on CUDA; on: also "
+            "modelled by accounting residency)",
         },
     ),
     "cache_seed": (
         "REAP_CACHE_SEED",
         "--reap-cache-seed",
         {
-            "choices": ["pinned", "seeded"],
-            "help": "CUDA device cache: plan core pinned beside the cache (pinned, default) or seeded "
-            "into its slots, evictable (seeded: dlfu-seeded, accounting's policy)",
+            "choices": ["auto", "pinned", "seeded"],
+            "help": "device cache form: the plan core seeded into each layer's slots, evictable, swaps "
+            "pinned inside them (seeded; auto's choice) or pinned beside a cache tail (pinned)",
         },
     ),
     "cache_record_steps": (
@@ -349,18 +397,29 @@ def load_configured_plan(cfg: Mapping[str, Any]):
     return settings, plan
 
 
+# Settings the defaults make unnecessary: still accepted (scripts, measurements), listed in
+# docs/settings.md, named in one line of --help instead of described there.
+DEBUG_SETTINGS = ("cache_device", "cache_seed", "cache_shadow", "swap_publish")
+
+
 def help_text(prog: str) -> str:
     """The REAP part of ``--help``: each flag, its environment variable and what it does, from the
     one spec the parser is built from (vLLM prints its own arguments after it)."""
     rows = []
-    for _name, (env, flag, kwargs) in _SPEC.items():
+    for name, (env, flag, kwargs) in _SPEC.items():
+        if name in DEBUG_SETTINGS:
+            continue
         meta = kwargs.get("metavar") or ("|".join(kwargs["choices"]) if "choices" in kwargs else "")
         head = f"  {flag} {meta}".rstrip()
         rows.append(f"{head}\n      {kwargs.get('help', '')} [{env}]")
     return (
         f"usage: {prog} MODEL [vllm serve arguments] [--reap-* flags]\n\n"
         "Every `vllm serve` argument works as it does there (listed below). REAP settings, each also an "
-        "environment variable (the environment wins over the flag):\n" + "\n".join(rows) + "\n"
+        "environment variable (the environment wins over the flag):\n"
+        + "\n".join(rows)
+        + "\nDebug settings (docs/settings.md): "
+        + ", ".join(_SPEC[n][1] for n in DEBUG_SETTINGS)
+        + "\n"
     )
 
 
@@ -456,7 +515,7 @@ def cache_slots_conflict(settings: Settings, sources: Mapping[str, str] | None =
     origin = "REAP_CACHE_SLOTS" if (sources or {}).get("cache_slots") == "env" else "--reap-cache-slots"
     if settings.cache == "off":
         return f"{origin} swaps with --reap-cache off: there is no cache tail to size"
-    if settings.cache_seed == "seeded":
+    if settings.cache_seed == "seeded":  # auto resolves to pinned beside swaps (cache_form)
         return (
             f"{origin} swaps with --reap-cache-seed seeded: that form pins a swap inside the layer's cache "
             "slots, so it needs no room beside them; use auto or N"
@@ -491,7 +550,7 @@ def _parse_env(name: str, env: str, raw: str) -> Any:
     """Environment strings -> the field's type (pydantic's lax parsing: 1/0, true/false, yes/no)."""
     if Settings.model_fields[name].annotation is bool and raw.strip() == "":
         return False
-    if name in ("cache_slots", "exact_pinning"):  # "auto" or a value: the field validator parses it
+    if name in ("cache", "cache_slots", "exact_pinning"):  # aliases / "auto": the field validator parses it
         return raw.strip()
     try:
         return TypeAdapter(Settings.model_fields[name].annotation).validate_python(raw.strip())

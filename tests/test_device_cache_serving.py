@@ -97,7 +97,7 @@ def test_seeded_is_served_on_cuda_without_any_opt_in(caplog):
     assert not pinned.seed_core
     assert DeviceCacheView(pinned).status()["seed"] == {"requested": "pinned", "served": "pinned"}
     default = cache_config_for(resolve({}, {**SEEDED_ENV, "REAP_CACHE_SEED": "pinned"}).settings, PLAN)[0]
-    assert not default.seed_core and resolve({}, {"REAP_PLAN_FILE": "p.json"}).settings.cache_seed == "pinned"
+    assert not default.seed_core and resolve({}, {"REAP_PLAN_FILE": "p.json"}).settings.cache_seed == "auto"
 
 
 @pytest.mark.parametrize("value", ["1", "0", ""])
@@ -146,7 +146,7 @@ def test_the_retired_seeded_opt_in_flag_is_accepted_ignored_warned_and_kept_from
     cfg, why = cache_config_for(settings, PLAN)
     assert why is None and cfg.seed_core  # seeded, as without the flag
     # with the default (pinned) it is ignored too: the flag never turned seeded on by itself
-    assert resolve(split_argv(["--reap-plan", "p.json", flag])[0], {}).settings.cache_seed == "pinned"
+    assert resolve(split_argv(["--reap-plan", "p.json", flag])[0], {}).settings.cache_seed == "auto"
 
 
 def test_seeded_config_splits_like_accounting_mode():

@@ -429,3 +429,23 @@ def test_an_unresolved_auto_in_a_config_means_off(monkeypatch):
         pinning, "current_additional_config", lambda: {"reap_swap": {"exact_pinning": "auto"}}
     )
     assert pinning.wanted() is False
+
+
+def test_the_default_device_cache_yields_where_exact_pinning_pays(monkeypatch):
+    """The device cache is the default on CUDA (issue 42), except where the host needs exact pinning's
+    block-by-block drain (the DeepSeek-V3 layer shape): there the launcher keeps the private-unit path."""
+    import argparse
+
+    from reap_swap.settings import resolve
+
+    monkeypatch.setattr(server.vllm_serve, "platform_name", lambda: "cuda")
+    args = argparse.Namespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+    settings = resolve({"plan_file": "p.json"}, {}).settings
+    v3 = server.resolve_cache_form(settings, args, _v3_depth6())
+    assert (v3.cache_device, v3.cache_seed) == ("off", "pinned") and server.drains_in_blocks(v3, exact=True)
+    mix = server.resolve_cache_form(settings, args, read_model_shape(DATA / "mixtral_8x7b_config.json"))
+    assert (mix.cache_device, mix.cache_seed) == ("on", "seeded") and not server.drains_in_blocks(
+        mix, exact=True
+    )
+    forced = resolve({"plan_file": "p.json", "exact_pinning": True}, {}).settings
+    assert server.resolve_cache_form(forced, args, _v3_depth6()).cache_device == "on"  # the user's choice

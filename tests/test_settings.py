@@ -188,3 +188,65 @@ def test_swap_publish_names_a_mode_or_a_chunk_size_and_reaches_the_workers(raw, 
     worker = Settings.from_worker_config(settings.to_worker_config())
     expected = {"ahead": PUBLISH_AHEAD, "idle": PUBLISH_WHEN_IDLE, "end": 0}.get(value, value)
     assert publish_every_of(worker.swap_publish) == expected
+
+
+# -- the device cache by default (issue 42): settings.cache_form ------------------------------------
+def _form(platform="cuda", parallel=1, **env):
+    from reap_swap.settings import cache_form
+
+    s = resolve({}, {"REAP_PLAN_FILE": "p.json", **env}).settings
+    out, why = cache_form(s, platform, parallel)
+    return out.cache_device, out.cache_seed, why
+
+
+def test_device_cache_is_the_default_on_cuda_in_the_seeded_form():
+    assert _form() == ("on", "seeded", "device cache on (the default on CUDA), seeded form")
+
+
+def test_cpu_keeps_accounting_as_before():
+    device, seed, why = _form("cpu")
+    assert (device, seed) == ("off", "pinned") and why.startswith("device cache off: accounting residency")
+
+
+@pytest.mark.parametrize(
+    ("env", "parallel", "blocker"),
+    [
+        ({"REAP_CACHE": "off"}, 1, "--reap-cache off"),
+        ({"REAP_CACHE": "lru"}, 1, "implements lfu only"),
+        ({}, 2, "tensor/pipeline parallelism"),
+        ({"REAP_GROUP_SIZE": "auto"}, 1, "knows no groups"),
+        ({"REAP_BUDGET": "auto"}, 1, "the plan's pool"),
+        ({"REAP_RESIDENCY": "accounting"}, 1, "accounting residency"),
+    ],
+)
+def test_where_the_device_cache_is_not_served_the_default_keeps_todays_path(env, parallel, blocker):
+    device, seed, why = _form(parallel=parallel, **env)
+    assert (device, seed) == ("off", "pinned") and why.startswith("device cache off: ") and blocker in why
+
+
+def test_explicit_choices_are_kept():
+    assert _form(REAP_CACHE_DEVICE="off")[:2] == ("off", "pinned")
+    assert _form(REAP_CACHE_SEED="pinned")[:2] == ("on", "pinned")
+    assert _form(REAP_CACHE_SLOTS="swaps")[:2] == ("on", "pinned")  # room kept for swaps: the pinned form
+    assert _form("cpu", REAP_CACHE_DEVICE="on", REAP_CACHE_SEED="seeded")[:2] == ("on", "seeded")
+
+
+def test_one_cache_switch_on_or_off():
+    """--reap-cache on|off is the switch (on = the default lfu policy); lfu / lru stay accepted."""
+    assert resolve({"plan_file": "p", "cache": "on"}, {}).settings.cache == "lfu"
+    assert resolve({}, {"REAP_PLAN_FILE": "p", "REAP_CACHE": "on"}).settings.cache == "lfu"
+    assert resolve({}, {"REAP_PLAN_FILE": "p", "REAP_CACHE": "off"}).settings.cache == "off"
+    ns, rest = split_argv(["m", "--reap-cache", "on"])
+    assert resolve(ns, {"REAP_PLAN_FILE": "p"}).settings.cache == "lfu" and rest == ["m"]
+    with pytest.raises(SettingsError, match="REAP_CACHE"):
+        resolve({}, {"REAP_PLAN_FILE": "p", "REAP_CACHE": "sometimes"})
+
+
+def test_help_names_the_debug_settings_without_describing_them():
+    from reap_swap.settings import DEBUG_SETTINGS, help_text
+
+    text = help_text("prog")
+    assert "--reap-cache on|off|lfu|lru" in text and "--reap-plan PATH" in text
+    for flag in ("--reap-cache-device", "--reap-cache-seed", "--reap-cache-shadow", "--reap-swap-publish"):
+        assert f"  {flag} " not in text and flag in text.splitlines()[-1]
+    assert len(DEBUG_SETTINGS) == 4
