@@ -370,23 +370,31 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     return args, cmd
 
 
-def resolve_cache_form(settings: Settings, args: argparse.Namespace, shape) -> Settings:
+def resolve_cache_form(
+    settings: Settings, args: argparse.Namespace, shape, meminfo: Path = Path("/proc/meminfo")
+) -> Settings:
     """--reap-cache-device / --reap-cache-seed auto -> what the workers run (settings.cache_form),
     said once at startup; the per-layer refusals follow in /reap/status. One more case keeps
-    today's path: where exact pinning pays (vLLM's power-of-two host copies plus a layer in flight
-    above 1.2x the experts: the DeepSeek-V3 / Kimi layer shapes), because only the private-unit
-    path gives that copy back block by block; with the cache such a model may not fit the host."""
+    today's path: a host that cannot hold vLLM's rounded expert copies plus one layer in flight
+    (the device cache gives vLLM's copy back after a whole layer) but could with exact pinning on
+    private units, which drains it block by block (the DeepSeek-V3 / Kimi shapes on a 128 GiB host)."""
     parallel = int(getattr(args, "tensor_parallel_size", None) or 1) * int(
         getattr(args, "pipeline_parallel_size", None) or 1
     )
     platform = vllm_serve.platform_name()
     if settings.cache_device == "auto" and settings.exact_pinning == "auto" and platform == "cuda":
+        try:
+            available = mem_available_bytes(meminfo.read_text())
+        except OSError:
+            available = None
         pinned = vllm_pinned_bytes(shape, parallel, exact=False)
-        if exact_pinning_pays(pinned, shape.total_expert_bytes, shape.layer_expert_bytes):
+        need = HostMemoryNeed(shape.total_expert_bytes, shape.layer_expert_bytes, available or 0, pinned)
+        if available is not None and need.refusal():
             log.info(
-                "reap-swap: device cache off: host memory (vLLM's rounded expert copies + one layer in "
-                "flight exceed %.1fx the experts; exact pinning on private units keeps them near 1x)",
-                EXACT_PINNING_AUTO_RATIO,
+                "reap-swap: device cache off: host memory (%.1f GiB needed with it, %.1f GiB available; "
+                "exact pinning on private units drains vLLM's copies block by block)",
+                need.needed_bytes / 2**30,
+                available / 2**30,
             )
             return settings.model_copy(update={"cache_device": "off", "cache_seed": "pinned"})
     resolved, why = cache_form(settings, platform, parallel)

@@ -431,9 +431,11 @@ def test_an_unresolved_auto_in_a_config_means_off(monkeypatch):
     assert pinning.wanted() is False
 
 
-def test_the_default_device_cache_yields_where_exact_pinning_pays(monkeypatch):
-    """The device cache is the default on CUDA (issue 42), except where the host needs exact pinning's
-    block-by-block drain (the DeepSeek-V3 layer shape): there the launcher keeps the private-unit path."""
+def test_the_default_device_cache_yields_only_where_the_host_needs_exact_pinning(monkeypatch, tmp_path):
+    """The device cache is the default on CUDA (issue 42), except where the host could not hold vLLM's
+    rounded copies plus a layer but could with exact pinning's block-by-block drain (the DeepSeek-V3
+    layer shape on a host of 90 GiB): there the launcher keeps the private-unit path. A host with room
+    keeps the cache even where exact pinning would pay (the kit's Qwen3-30B shape: 1.42x)."""
     import argparse
 
     from reap_swap.settings import resolve
@@ -441,11 +443,18 @@ def test_the_default_device_cache_yields_where_exact_pinning_pays(monkeypatch):
     monkeypatch.setattr(server.vllm_serve, "platform_name", lambda: "cuda")
     args = argparse.Namespace(tensor_parallel_size=1, pipeline_parallel_size=1)
     settings = resolve({"plan_file": "p.json"}, {}).settings
-    v3 = server.resolve_cache_form(settings, args, _v3_depth6())
+    small, big = tmp_path / "small", tmp_path / "big"
+    small.write_text(f"MemAvailable: {90 * 2**20} kB\n")  # 90 GiB: 72 rounded + a 21 GiB layer do not fit
+    big.write_text(f"MemAvailable: {1024 * 2**20} kB\n")
+    v3 = server.resolve_cache_form(settings, args, _v3_depth6(), small)
     assert (v3.cache_device, v3.cache_seed) == ("off", "pinned") and server.drains_in_blocks(v3, exact=True)
-    mix = server.resolve_cache_form(settings, args, read_model_shape(DATA / "mixtral_8x7b_config.json"))
+    roomy = server.resolve_cache_form(settings, args, _v3_depth6(), big)
+    assert (roomy.cache_device, roomy.cache_seed) == ("on", "seeded")
+    mix = server.resolve_cache_form(settings, args, read_model_shape(DATA / "mixtral_8x7b_config.json"), big)
     assert (mix.cache_device, mix.cache_seed) == ("on", "seeded") and not server.drains_in_blocks(
         mix, exact=True
     )
     forced = resolve({"plan_file": "p.json", "exact_pinning": True}, {}).settings
-    assert server.resolve_cache_form(forced, args, _v3_depth6()).cache_device == "on"  # the user's choice
+    assert (
+        server.resolve_cache_form(forced, args, _v3_depth6(), small).cache_device == "on"
+    )  # the user's choice
