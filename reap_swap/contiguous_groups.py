@@ -4,7 +4,7 @@ Why (research.md "Padding", the int4grp subsection): vLLM 0.26.0 runs every INT4
 through Marlin (`fused_marlin_moe` -> `ops.moe_wna16_marlin_gemm`) or `moe_wna16` (`ops.moe_wna16_gemm`
 at decode, Triton `fused_moe_kernel_gptq_awq` above it). These kernels compute expert e's address as
 `base + e * slab_bytes` from the tensor's *shape*, so a padded per-expert unit is read at the wrong
-address. The layout that addresses correctly (its bits on Marlin depend on the id order: run 12,
+address. The layout that addresses correctly (its bits on Marlin depend on the id order:
 research.md int4perm) keeps each re-homed tensor exactly as stock allocates it -- experts
 back to back, stride = slab, no padding -- inside a VMM range whose base is page-aligned, and picks b
 such that every tensor's group of b experts is whole 2 MiB pages: `b * slab_t % G == 0` for every t.
@@ -15,8 +15,8 @@ resident. Qwen3-30B-A3B INT4 g128 (H = 2048, I = 768): w13 1.5 MiB, w2 0.75 MiB 
 (its stride formula gives stride = slab exactly when b aligns); this module only chooses b and
 refuses, by name, what does not align. Pure: no torch, no vLLM.
 
-Run 12 (H200, vLLM 0.26.0, 2026-12-01; research.md "int4perm"): the *permuted* contiguous groups
-were NOT bitwise on Marlin -- gptq-/awq-marlin differed from stock at m = 8 and 64 in every residency
+On the GPU (vLLM 0.26.0; research.md "int4perm") the *permuted* contiguous groups were NOT bitwise
+on Marlin -- gptq-/awq-marlin differed from stock at m = 8 and 64 in every residency
 state, all experts resident included. Root cause (read in Marlin's kernel): the kernel splits the
 concatenation of (moe block, n tile, k tile) evenly over the SMs, so where an expert's K reduction is
 cut between thread blocks depends on the *position* of its blocks, and moe_align_block_size orders
@@ -25,9 +25,9 @@ the blocks by expert id; permuted ids move an expert's blocks, hence its fp32 pa
 So CUDA binds INT4 layers under --reap-group-size auto|2|4|8 in the identity-order variant only:
 groups of consecutive expert ids, no permutation (residency/grouped_engine.permutation_for), so the
 kernel sees stock's ids and stock's bytes at stock's offsets; `identity_fill` keeps the plan's core
-within the HBM a permuted layout would have packed it into. Verified on the H200 at kernel level in
-run 14 (bitwise wherever stock is deterministic; tests/gpu/test_int4_groups.py) and in the server in
-run 16 (2026-12-03, vLLM 0.26.0): awq, gptq and ct-w4a16 at auto bound as groups of b = 8 (18 MiB,
+within the HBM a permuted layout would have packed it into. Verified on the H200 at kernel level
+(bitwise wherever stock is deterministic; tests/gpu/test_int4_groups.py) and in the server (vLLM
+0.26.0): awq, gptq and ct-w4a16 at auto bound as groups of b = 8 (18 MiB,
 no padding), greedy text and MoE digests identical to stock at 0/25/50/100 % resident and after
 swaps, CUDA graphs on, bytes moved = admitted groups x payload. Permuted INT4 groups are never built.
 """

@@ -1,4 +1,4 @@
-"""Issue 17's two guards as numbers: a 1 GiB swap >= 50 GB/s, and all-resident single-stream
+"""The two performance guards as numbers: a 1 GiB swap >= 50 GB/s, and all-resident single-stream
 decode >= 0.97 of stock vLLM (pure: no torch, no servers; scripts/gpu_swap_guard.py and
 scripts/gpu_guards.py measure, this summarises, tests/test_guard_report.py checks it).
 
@@ -7,7 +7,7 @@ Decode samples carry the serve they came from, so both readings are given: the m
 (serve, round) sample pooled, and the median of the per-serve medians (what "median of >= N serves"
 means; with few serves it is the weaker one and the report says how many serves it rests on), and
 the paired reading: per (serve, round) the arm's rate over stock's rate in the same round, median per
-serve, median of those (round-wide drift, 352-639 tok/s in run 12, cancels in the pair). An arm
+serve, median of those (round-wide drift, which can be large, cancels in the pair). An arm
 refused by name (the cache arm whose cache did not engage: ``cache_not_engaged``) reads "not
 measured": no ratio, no guard verdict.
 """

@@ -3,18 +3,17 @@
 On CUDA the launcher loads every expert into pinned host memory (stock UVA offload) and the
 engine then copies each layer into its own host-backed range, returning vLLM's pinned copy
 layer by layer (compat.moe.release_cached_pinned_memory). So the host must hold the expert set
-once, plus one layer in flight, plus the process itself. Measured (research.md run 8, H200, vLLM
-0.26.0): Qwen3.5-35B-A3B at full size, 60 GiB of bf16 experts, peaked at 67.2 GiB in use, i.e.
-7.2 GiB above the experts (Python, CUDA context, compile workers, one 1.5 GiB layer in flight).
-Quantized checkpoints (issue 16): the expert bytes are as the checkpoint stores them
+once, plus one layer in flight, plus the process itself (Python, CUDA context, compile workers: a few
+GiB at full size; research.md has the measurements).
+Quantized checkpoints: the expert bytes are as the checkpoint stores them
 (`ModelShape.expert_bytes`: FP8 one byte per weight); the launcher does not offload (so does not
 check) formats the engine refuses (quant_budget.py). Online `--quantization fp8` of a bf16
 checkpoint is checked at its bf16 bytes, an upper bound (vLLM loads bf16 and quantizes after).
-PyTorch's caching host allocator rounds every `pin_memory()` up to a power of two (torch 2.11 on the
-H200: 600 MiB took 1024, 2600 MiB took 4096; research-notes/pinned-round), and vLLM's UVA offload
+PyTorch's caching host allocator rounds every `pin_memory()` up to a power of two (torch 2.11:
+research-notes/pinned-round), and vLLM's UVA offload
 (0.26.0 and 0.32.0 `offloader/uva.py`: `cpu_data.pin_memory()`) pins each layer's w13 and w2 that
-way, so on that path the pinned bytes are the rounded ones (run 13's
-Mixtral-8x7B: 1.75 + 0.875 GiB a layer pinned as 2 + 1, 96 GiB for 84). Newer torch skips the rounding
+way, so on that path the pinned bytes are the rounded ones (a Mixtral-8x7B
+layer's 1.75 + 0.875 GiB pins as 2 + 1). Newer torch skips the rounding
 above `pinned_max_round_threshold_mb` (torch 2.11 rejects the key and fails at CUDA init).
 Biases and scales are not pinned this way (`--cpu-offload-params w13_weight w2_weight`).
 Pure: the caller reads /proc/meminfo and the allocator settings.
@@ -26,18 +25,18 @@ import re
 from dataclasses import dataclass
 
 GIB = 2**30
-# what a serving process needs beside the pinned experts (run 8: 7.2 GiB incl. one layer in flight)
+# what a serving process needs beside the pinned experts, one layer in flight included (research.md)
 PROCESS_MARGIN_BYTES = 6 * GIB
 # --reap-exact-pinning registers tensors from this size at their exact bytes (compat/pinning.MIN_EXACT_BYTES)
 EXACT_PINNING_MIN_BYTES = 64 << 20
 # with --reap-exact-pinning and private units, the re-home copies a layer in blocks of about this many
 # bytes and gives vLLM's copy of each block back as it goes (compat/pinning.drain, residency/engine.rehome),
-# so the host holds one block twice, not one layer: run 17 (H200, 2026-12-03), the DeepSeek-V3 layer shape
-# at depth 6 (63 GiB of experts) peaked at 68.4 GiB in use against 102.3 GiB without it (run 16)
+# so the host holds one block twice, not one layer (the DeepSeek-V3 layer shape's host peak falls from
+# about 1.6x to about 1.1x its expert bytes: research.md)
 RELEASE_BLOCK_BYTES = 512 << 20
 # --reap-exact-pinning auto turns it on where vLLM's rounded copies plus one layer in flight would hold more
-# than this multiple of the expert bytes (issue 15 item 4: ~1.2x): the DeepSeek-V3 layer shape at depth 6
-# predicts 1.48x (run 16 measured 1.44x in use), Mixtral-8x7B 1.17x (1.14x), Qwen3.5-35B-A3B 1.02x (1.01x)
+# than this multiple of the expert bytes: on for the DeepSeek-V3 layer shape (predicted 1.48x), off for
+# Mixtral-8x7B (1.17x) and Qwen3.5-35B-A3B (1.02x), each close to its measured peak (research.md)
 EXACT_PINNING_AUTO_RATIO = 1.2
 
 

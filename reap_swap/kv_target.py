@@ -8,7 +8,7 @@ Runs in the worker at the first MoE layer's post-load attach (inside `Worker.loa
   HBM pool to size, but the KV target is still what vLLM allocates, so the split line and
   /reap/status.memory_split show the computed KV bytes next to what vLLM allocated.
 
-Uniform full attention (GQA / MLA) keeps the config sum of memory_split.kv_layout (run 10, H200).
+Uniform full attention (GQA / MLA) keeps the config sum of memory_split.kv_layout (checked on a GPU: research.md).
 Hybrid linear/full attention (Qwen3-Next, Qwen3.5) and sliding-window layers take vLLM's own
 grouping (compat/kv_spec.py -> kv_groups.py). A user `--kv-cache-memory-bytes` always wins.
 """

@@ -285,7 +285,7 @@ def _qwen(config: Mapping[str, Any], num_layers: int) -> _FamilyFields:
         step = int(config.get("decoder_sparse_step") or 1)
         dense = set(config.get("mlp_only_layers") or [])
         moe_layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    # A Qwen model's intermediate_size is its dense MLP's width, never an expert's (issue 44): one
+    # A Qwen model's intermediate_size is its dense MLP's width, never an expert's: one
     # without moe_intermediate_size is refused (transformers would use its class default). Configs
     # with Qwen's names and no moe_ width (OLMoE) have experts intermediate_size wide.
     qwen_type = str(config.get("model_type") or "").startswith("qwen")

@@ -28,7 +28,7 @@ Why each step is what it is:
   (consecutive experts in value order), recorded as such in ``scorerArtifacts``.
 - **Specialist budget per layer** in whole slices, again greedily by the routed mass the next
   slice would add.
-- **A tail beside the core, when asked** (``--cache-tail``, issue 17). The device cache's pinned
+- **A tail beside the core, when asked** (``--cache-tail``). The device cache's pinned
   form (core+dlfu) serves the core in its own units and runs the cache on (pool - core) // layers
   slots per layer; at small budgets a 0.75 core leaves fewer tail slots than one token routes
   (12.5 %, top-8: 4). With N > 0 every layer's slots (its core + that shared tail) leave N beside

@@ -4,7 +4,7 @@ Super experts and REAP-guarded experts are forced into the core first; the rest 
 filled by value across all layers (or uniformly per layer, the baseline); specialist capacity
 goes per layer in whole slices by the routed mass the next slice would add.
 
-With ``cache_tail`` N (``reap-swap plan --cache-tail``, issue 17) the core leaves every layer N
+With ``cache_tail`` N (``reap-swap plan --cache-tail``) the core leaves every layer N
 slots beside it in the device cache's pinned form (core+dlfu: (pool - core) // layers tail slots
 per layer): at most budget slots - layers x N core experts in all (``tail_core_limit``), at most
 experts - N in a layer (``core_caps``), filled by the same greedy order, so the capped core is the

@@ -1,4 +1,4 @@
-"""Group-aware planning (`reap-swap plan --group-size auto|1|2|4|8`, issue 16 Padding).
+"""Group-aware planning (`reap-swap plan --group-size auto|1|2|4|8`; research.md "Padding").
 
 Why: the grouped engine (`--reap-group-size`) makes groups of b consecutive *physical* experts
 resident together, physical order = the plan's core (ascending), then each slice in catalog order

@@ -53,8 +53,8 @@ class ServedQuant:
 
 # vLLM 0.26.0 online quantization creates the weights on the meta device (`uses_meta_device`) and
 # materializes them layer by layer while loading; its UVA offloader copies every chosen parameter
-# to host memory when the layer is built, and a meta tensor has no data (run 9a: "Cannot copy out
-# of meta tensor"). So the experts load into HBM, one layer at a time, and the engine moves each
+# to host memory when the layer is built, and a meta tensor has no data ("Cannot copy out of
+# meta tensor"). So the experts load into HBM, one layer at a time, and the engine moves each
 # layer into its host-backed range right after that layer is quantized.
 ONLINE_UVA_REFUSAL = (
     "online --quantization fp8: vLLM creates the weights on the meta device and its UVA offloader "
@@ -65,8 +65,8 @@ ONLINE_UVA_REFUSAL = (
 
 # INT4 W4A16 with --reap-group-size not 1 (research.md int4grp, int4perm): the engine binds Marlin
 # and moe_wna16 layers in identity-order contiguous groups of whole pages (consecutive expert ids:
-# the kernel sees stock's ids; served identical to stock on the H200, run 16; the permuted order was
-# not bitwise on Marlin, run 12, and is never used for INT4). vLLM's default WNA16 backend (Marlin) stays
+# the kernel sees stock's ids; served identical to stock on the H200; the permuted order was not
+# bitwise on Marlin, and is never used for INT4). vLLM's default WNA16 backend (Marlin) stays
 # (0.26.0 raises on --moe-backend triton for it) and the experts load into HBM as stock: the repack
 # in process_weights_after_loading (gptq/awq_marlin_moe_repack) writes new tensors, and the UVA
 # offload names w13_weight/w2_weight, which INT4 methods register as w13_qweight/w13_weight_packed.
@@ -108,7 +108,7 @@ def served_quant(
     group_size: str = "1",
 ) -> ServedQuant:
     """The checkpoint's scheme (``ModelShape.quant``), its ``quant_method``, ``--quantization`` and
-    ``--reap-group-size`` (INT4 binds only in contiguous groups, identity order: run 16, research.md
+    ``--reap-group-size`` (INT4 binds only in contiguous groups, identity order: research.md
     int4perm)."""
     cli = (cli_quantization or "").lower()
     grouped = _grouped_int4(scheme, method, cli, str(group_size))
@@ -157,8 +157,8 @@ def hbm_first_load_refusal(
 ) -> str | None:
     """Model Runner V2 of vLLM 0.26.0 creates no weight offloader (compat/runner.py): every expert is in
     HBM when the engine's first attach reserves the plan's pool, so each GPU's load peak is its share
-    of the experts plus of the pool (plus the dense weights, not counted here; run 13, DeepSeek-V2-Lite:
-    26.8 + 29.3 + ~2.5 = 58.6 GiB). `--gpu-memory-utilization` caps no load (the engine frees the
+    of the experts plus of the pool (plus the dense weights, not counted here; DeepSeek-V2-Lite's
+    load peak is that sum: research.md). `--gpu-memory-utilization` caps no load (the engine frees the
     experts before vLLM sizes the KV cache), the device does: a refusal when the sum is over its
     memory; None when it fits or the total is unknown."""
     if not device_total:

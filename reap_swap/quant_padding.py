@@ -82,7 +82,7 @@ def expert_format(
 
 
 def qwen3_30b_formats(hidden: int = 2048, inter: int = 768) -> list[ExpertFormat]:
-    """Per-expert bytes of the formats of issue 16 at Qwen3-30B-A3B shape (the research.md table)."""
+    """Per-expert bytes of the quantized formats at Qwen3-30B-A3B shape (the research.md table)."""
     h, n = hidden, inter
     return [
         expert_format(QuantScheme("unquantized", 16, "none"), h, n, name="bf16 (Triton)"),

@@ -74,7 +74,7 @@ class ReapRoutedExperts(RoutedExperts):
         group_map = getattr(self, "reap_group_map", None)  # --reap-group-size: set by grouped_engine
         if group_map is not None:  # after counting (logical ids): the kernel reads physical experts
             topk_ids = to_physical(group_map, topk_ids)
-        cache = getattr(self, "reap_device_cache", None)  # issue 17: set by DeviceCaches.engage
+        cache = getattr(self, "reap_device_cache", None)  # the device cache: set by DeviceCaches.engage
         if cache is not None:  # after counting: the counters keep the model's own expert ids
             owner, index = cache
             return owner.forward(

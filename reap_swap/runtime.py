@@ -37,7 +37,7 @@ class WorkerRuntime:
     count_kernel: CountKernel = field(default_factory=CountKernel)
     engine: Any | None = None  # residency.engine.CudaEngine, made by the first CUDA MoE layer
     engine_error: str | None = None  # why the engine could not be imported (accounting fallback)
-    cache_reason: str | None = None  # why the CUDA device cache is not built (issue 17), None: built
+    cache_reason: str | None = None  # why the CUDA device cache is not built, None: built
     kv_hooked: bool = False  # accounting: the KV-target hook is installed (routed_experts.py)
     kv_report: dict | None = None  # accounting: kv_target.decide's report (--reap-budget auto | GiB)
 

@@ -50,8 +50,8 @@ def stop_servers_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit, so that `with Server(...)` blocks stop their servers.
 
     Why: a driver killed by `timeout` (its default signal) otherwise dies without unwinding, and
-    the servers it started keep their HBM (run 9b: a Qwen3.5 server outlived its lane's timeout
-    and held 124 GiB, so every later phase failed vLLM's free-memory check)."""
+    the servers it started keep their HBM (a server that outlives its driver's timeout holds its
+    memory, so every later phase fails vLLM's free-memory check)."""
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 

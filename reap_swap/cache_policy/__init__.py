@@ -1,4 +1,4 @@
-"""Device-cache policies in simulation (issue 17): replay a routing trace, count hits, misses and
+"""Device-cache policies in simulation: replay a routing trace, count hits, misses and
 bytes moved per policy, budget and layer. Pure (numpy; the plan and selection modules).
 
 The device mechanism modelled (one MoE layer; layers are independent):

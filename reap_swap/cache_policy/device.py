@@ -1,4 +1,4 @@
-"""The device cache's policy in integer arithmetic (issue 17): ``dlfu``, LFU with decay in fixed point.
+"""The device cache's policy in integer arithmetic: ``dlfu``, LFU with decay in fixed point.
 
 Why a policy of its own: the CUDA cache (reap_swap.residency.device_cache) updates its scores on
 the device every step, and its misses must equal this simulator's *exactly* on a replayed trace.
@@ -20,7 +20,7 @@ agree bit for bit with no rounding question at all. The specification, shared by
 Names in replay.POLICIES: ``dlfu`` (unseeded), ``dlfu-seeded`` (startup fill = the plan core,
 evictable: on the device, all C slots are cache slots seeded with the core) and ``core+dlfu`` (the
 core pinned in its own units, the policy on a tail of C - |core| slots). Hit rates are within a
-few hundredths of a point of ``lfu`` (research.md, issue 17, device mechanism).
+few hundredths of a point of ``lfu`` (research.md, "The device mechanism on CUDA").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``dlearn``: a device policy whose eviction score is a linear predictor of each expert's reuse,
-fitted on a calibration routing trace (issue 17's simulator target; research.md, "Policy search
+fitted on a calibration routing trace (the simulator's policy target; research.md, "Policy search
 beyond LFU"). Pure (numpy).
 
 The score is ``sum_i w[i] * f[i]`` over eight per-expert features, all int64 with 16 fractional

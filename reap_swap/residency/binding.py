@@ -207,7 +207,7 @@ def bind_module(
         problems["<layout>"] = (
             f"{spec.kernel or spec.method} implies the expert stride (= slab bytes, no padding): "
             "private units would be read at the wrong address; only contiguous groups of whole pages "
-            "bind it (--reap-group-size auto, research.md issue 16 int4grp)"
+            "bind it (--reap-group-size auto; research.md, INT4 in contiguous groups)"
         )
     bound.rehome = {n: tensors[n] for n in binding.names(Decision.REHOME) if n in tensors}
     bound.kept = {n: tensors[n] for n in binding.names(Decision.KEEP_WHOLE) if n in tensors}

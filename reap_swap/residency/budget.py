@@ -155,5 +155,5 @@ def lent_slots(st: Any) -> int:
 
 
 def pool_slots_beyond_pinned(st: Any, pinned: Any) -> int:
-    """Pool slots the pinned set (core + active set) leaves: `--reap-cache-slots auto` (issue 17)."""
+    """Pool slots the pinned set (core + active set) leaves: `--reap-cache-slots auto`."""
     return slots_beyond_pinned(st.table.num_slots, pinned)

@@ -1,6 +1,6 @@
-"""The device expert cache of one MoE layer: state tensors and the per-step update (issue 17).
+"""The device expert cache of one MoE layer: state tensors and the per-step update.
 
-Mechanism (research.md, issue 17, device mechanism): the layer's virtual range holds E expert
+Mechanism (research.md, "The device mechanism on CUDA"): the layer's virtual range holds E expert
 units (each backed by its pinned host master, or by an HBM slot of the pool when a plan core or a
 per-request swap made it resident in its own unit: *pinned*) and N *cache slot units* behind them,
 always HBM-backed. Every step, on the device, before the fused-MoE kernel runs:

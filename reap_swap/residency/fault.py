@@ -1,7 +1,7 @@
 """A one-shot injected swap failure: the test seam behind the worker RPC `reap_arm_swap_fault`.
 
-Why: issue #9 asks that a swap failing on one tensor-parallel rank leave every rank on the
-previous resident set, and that this be shown by injecting the failure, also on a live server.
+Why: a swap failing on one tensor-parallel rank must leave every rank on the previous resident
+set, and that has to be shown by injecting the failure, also on a live server.
 The seam is a backend wrapper inside the worker (`FaultInjectingBackend`), so no production
 signature carries a fault: armed, it fails the next non-dry-run apply once. Over the accounting
 backend it fails before the resident set changes; over the CUDA backend it wraps the backend's

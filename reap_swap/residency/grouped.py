@@ -13,9 +13,9 @@ resident if any member is wanted (`group_layout.groups_for`); the SlotTable is k
 (layer, group), one slot = one group's pages in each tensor's pool.
 
 Status: the data path (rehome, permute, swap, remap); its GPU test,
-tests/gpu/test_grouped_engine.py (vLLM 0.26.0's fused_experts), passed on the H200 (run 10).
+tests/gpu/test_grouped_engine.py (vLLM 0.26.0's fused_experts), passed on the H200.
 Wired into CudaEngine by `grouped_engine` (--reap-group-size; served through
-`grouped_backend.GroupedResidency`): served on the H200 in run 11 (FP8 block b = 2, identical to stock).
+`grouped_backend.GroupedResidency`): served on the H200 (FP8 block b = 2, identical to stock).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The worker's residency backend over grouped layers (`--reap-group-size`, issue 16 Padding).
+"""The worker's residency backend over grouped layers (`--reap-group-size`).
 
 Beside `cuda_backend.CudaResidency` (private units, untouched): built by the worker when the
 engine re-homed its layers in groups (`grouped_engine`). Swaps take *logical* resident sets, as
@@ -8,8 +8,8 @@ back through `swap.apply_swap` as for private units. `resident()` answers the lo
 that are really in HBM (the wanted ones and their passengers: `residents_of`), so applying
 `resident()` again is a no-op and the fault seam's undo restores the same groups. Status says per
 layer: layout, b, why, strides, resident groups and the HBM they take.
-Status: CPU-tested over a fake store (tests/test_group_wiring.py); served on the H200 (research.md
-run 11: FP8 block b = 2; runs 16 and 18: INT4 identity-order groups of 8), text identical to stock.
+Status: CPU-tested over a fake store (tests/test_group_wiring.py); served on the H200 (FP8 block
+b = 2; INT4 identity-order groups of 8), text identical to stock (research.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CudaEngine's grouped path (`--reap-group-size auto|2|4|8`, issue 16 Padding): one loaded layer
+"""CudaEngine's grouped path (`--reap-group-size auto|2|4|8`; research.md "Padding"): one loaded layer
 -> a `grouped.GroupedLayer` (the layout of reap_swap.residency.grouped, GPU-tested at kernel level).
 
 Called by `CudaEngine.attach_after_load` only when the setting is not 1 (the default path is
@@ -17,9 +17,9 @@ Nothing is half-applied: a failure before the parameters are re-pointed releases
 One layout per engine: the first re-homed layer decides (private or grouped with its group
 units); a later layer that would need the other, or other group units, is refused by name.
 Status: CPU-tested with fake layers and a fake VMM (tests/test_group_wiring.py); on the H200, FP8 block
-(b = 2) and bf16 served identical to stock (run 11); INT4 permuted groups were not bitwise (run 12), so
-INT4 layers bind in identity order only (`permutation_for`): awq, gptq and ct-w4a16 at auto (b = 8)
-served identical to stock (run 16, 2026-12-03; research.md int4perm).
+(b = 2) and bf16 served identical to stock; INT4 permuted groups were not bitwise, so INT4 layers bind
+in identity order only (`permutation_for`): awq, gptq and ct-w4a16 at auto (b = 8) served identical to
+stock (research.md, "INT4 groups not bitwise on Marlin").
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def slabs_of(bound: Any) -> list[tuple[str, int]]:
 def decide_contiguous(engine: Any, st: Any, bound: Any) -> tuple[int, str]:
     """(b, why) for a kernel that implies stride = slab (Marlin, moe_wna16); b = 0: refused, `why`
     says why. Never private units: they would be read at the wrong address. The groups are bound in
-    identity order (`permutation_for`; contiguous_groups' docstring: run 12, run 16)."""
+    identity order (`permutation_for`; contiguous_groups' docstring says why)."""
     if engine.cache is not None:
         return (
             0,

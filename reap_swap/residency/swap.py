@@ -12,9 +12,9 @@ still in flight, which nothing reads until they land). On a failure the swap is 
 back to the previous resident set (re-copying what the failed swap overwrote), and the error is
 re-raised.
 
-Publishing in chunks (issue 17's swap guard): setting access costs ~30 us per HBM-backed unit and
-~110 us per host-backed one (research.md run 7), paid after the last copy landed it was the swap's
-tail (3 ms of 21 ms for 1 GiB, run 4). So every `publish_every` admissions whose copies have
+Publishing in chunks (to meet the swap guard): setting access costs tens of microseconds per unit,
+several times that for host-backed ones (research.md); paid after the last copy landed it was a
+noticeable part of the swap's tail. So every `publish_every` admissions whose copies have
 landed and been remapped, while later copies are still in flight, the store publishes what is
 pending so far (those admissions and the swap's evictions); the final publish handles the rest.
 Why this is safe while copies run: a copy reads the *source* expert's unit of a MixedRange (a
@@ -24,8 +24,8 @@ slot's *staging* address in the DeviceSlotPool (a reservation of its own, mapped
 accessible once at startup, never changed). cuMemSetAccess acts only on the virtual-address
 range it is given (shared/notes/cuda-vmm.md, step 4: access is set "for that subrange"), here
 the pending runs of remapped units, disjoint from every in-flight copy's source and destination;
-cuMemUnmap/cuMemMap of other units of the same ranges already run during in-flight copies (run
-4: the remaps overlap the copies). No kernel runs during a swap (quiesce), so a unit published
+cuMemUnmap/cuMemMap of other units of the same ranges already run during in-flight copies (the
+remaps overlap the copies). No kernel runs during a swap (quiesce), so a unit published
 early is read by nothing until the swap returns. Not promised by the CUDA docs: that the call
 does not block until the copies end ("any CUDA API call may block or synchronize", driver API
 sync notes); it would then show as publish_overlapped ~ the copy time and no gain in the A/B of
@@ -51,26 +51,21 @@ from typing import Any, Protocol
 from .slot_table import SlotTable, SwapPlan
 
 # publish_every > 0: landed admissions between overlapped publishes; 0 = publish only at the end
-# (run 4's behaviour). 8, the default since run 12 (scripts/gpu_swap_guard.py's A/B on the H200:
-# 1 GiB delta 44.2 -> 48.9 GB/s against 0, publish tail 3.5 -> 0.3 ms; 32 no better).
+# (the original behaviour). 8 was the default before remapping ahead (scripts/gpu_swap_guard.py's A/B:
+# faster than 0 on the 1 GiB delta, a much shorter publish tail; 32 no better; research.md).
 # publish_every value PUBLISH_WHEN_IDLE: publish what is pending only while the CPU would otherwise
-# wait, i.e. just before waiting on a copy that has not landed yet (the store's copy_landed). Run 22
-# (H200, 2026-12-04) saw the chunked arm's admit loop take 20.1 ms against the copies' 17.6 (1 GiB
-# delta, 43.4 GB/s, the copies alone 51.5): fixed chunks added CPU work to a loop that was already at
-# the copies' pace. A store without copy_landed publishes only at the end.
+# wait, i.e. just before waiting on a copy that has not landed yet (the store's copy_landed). Why:
+# fixed chunks can add CPU work to an admit loop that is already at the copies' pace, so the loop
+# ends after the copies (research.md). A store without copy_landed publishes only at the end.
 PUBLISH_WHEN_IDLE = -1
 # publish_every value PUBLISH_AHEAD: remap every admission as soon as its copy is issued, publish once,
 # then wait for the copies (module docstring). Only for a store whose copies read the masters' second
 # mapping (`copies_read_masters`); any other store publishes only at the end.
 PUBLISH_AHEAD = -2
-# Run 23 (H200, 2026-12-04, five guard sessions on one lease, arms interleaved, 7-9 repeats each,
-# medians) measured remapping ahead at 53.4 / 49.0 / 52.7 / 49.9 / 52.3 GB/s for the 1 GiB delta vs
-# 52.5 / 47.7 / 51.8 / 49.0 / 51.7 in chunks of 8 (faster in every session, by 0.6 to 1.3) and
-# 53.8-54.2 for the copies alone, bytes bitwise. The default since run 24 (H100, 2026-12-05): the
-# engine's 58 GPU tests passed with it, a server swapped 1 % to 100 % of its pool with it (text and
-# logprobs unchanged across residencies), and it beat chunks of 8 in all six guard sessions (1 GiB:
-# 53.1-53.4 GB/s in five, 49.8 in one whose copies alone ran at 50.1). A store whose copies do not
-# read the masters' second mapping publishes only at the end instead (_remaps_ahead).
+# The default: remapping ahead beat chunks of 8 on the 1 GiB delta in every guard session, on the H200
+# and the H100, close to the copies alone, bytes bitwise; the engine's GPU tests and a server swapping
+# 1 % to 100 % of its pool passed with it, text and logprobs unchanged (research.md). A store whose
+# copies do not read the masters' second mapping publishes only at the end instead (_remaps_ahead).
 PUBLISH_EVERY = PUBLISH_AHEAD
 # --reap-swap-publish names (settings.py) -> publish_every values; an integer N >= 1 is chunks of N
 PUBLISH_MODES = {"ahead": PUBLISH_AHEAD, "idle": PUBLISH_WHEN_IDLE, "end": 0}

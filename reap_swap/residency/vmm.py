@@ -143,7 +143,7 @@ class _UnitRange:
         whole range is released and the error raised. Private on purpose: `DeviceSlotPool.grow`
         means something else (new slots in a new reservation), and when this was called `grow`
         the pool's override ran in `_create`, left the pool's own units unmapped and every swap
-        failed with CUDA_ERROR_INVALID_VALUE (run 17, 2026-12-03)."""
+        failed with CUDA_ERROR_INVALID_VALUE."""
         first = len(self.handles)
         if upto <= first:
             return
@@ -224,8 +224,8 @@ class MixedRange(_UnitRange):
 
     def map_masters(self) -> int:
         """Make the masters' second mapping now (at load, where remapping ahead is on), so that a
-        layer's first request-time swap does not pay it (~137 us a unit on the H100, run 24: the
-        first swap from 0 % took 211 ms more). Returns how many masters are mapped there."""
+        layer's first request-time swap does not pay it (mapping takes time per unit, which would
+        otherwise slow the layer's first swap: research.md). Returns how many masters are mapped there."""
         self._mirror_upto(self.host_masters())
         return self.mirrored
 
