@@ -382,6 +382,15 @@ def resolve_cache_form(
         getattr(args, "pipeline_parallel_size", None) or 1
     )
     platform = vllm_serve.platform_name()
+    if (
+        settings.cache_device == "auto"
+        and platform == "cuda"
+        and getattr(args, "quantization", None) == "fp8"
+    ):
+        # online FP8 quantizes at load; one serve of it with the seeded cache moved a prompt against
+        # stock and the cause is not yet separated from online FP8's own per-process numerics
+        log.info("reap-swap: device cache off: --quantization fp8 (online FP8 is not yet served by default)")
+        return settings.model_copy(update={"cache_device": "off", "cache_seed": "pinned"})
     if settings.cache_device == "auto" and settings.exact_pinning == "auto" and platform == "cuda":
         try:
             available = mem_available_bytes(meminfo.read_text())

@@ -458,3 +458,17 @@ def test_the_default_device_cache_yields_only_where_the_host_needs_exact_pinning
     assert (
         server.resolve_cache_form(forced, args, _v3_depth6(), small).cache_device == "on"
     )  # the user's choice
+
+
+def test_online_fp8_keeps_the_static_path_by_default(monkeypatch):
+    import argparse
+
+    from reap_swap.settings import resolve
+
+    monkeypatch.setattr(server.vllm_serve, "platform_name", lambda: "cuda")
+    args = argparse.Namespace(tensor_parallel_size=1, pipeline_parallel_size=1, quantization="fp8")
+    shape = read_model_shape(DATA / "mixtral_8x7b_config.json")
+    out = server.resolve_cache_form(resolve({"plan_file": "p.json"}, {}).settings, args, shape)
+    assert (out.cache_device, out.cache_seed) == ("off", "pinned")
+    asked = resolve({"plan_file": "p.json", "cache_device": "on"}, {}).settings
+    assert server.resolve_cache_form(asked, args, shape).cache_device == "on"  # asked for: served
