@@ -1,6 +1,6 @@
 """The two performance guards as numbers: a 1 GiB swap >= 50 GB/s, and all-resident single-stream
-decode >= 0.97 of stock vLLM (pure: no torch, no servers; scripts/gpu_swap_guard.py and
-scripts/gpu_guards.py measure, this summarises, tests/test_guard_report.py checks it).
+decode >= 0.97 of stock vLLM (pure: no torch, no servers; research/gpu/gpu_swap_guard.py and
+research/gpu/gpu_guards.py measure, this summarises, tests/test_guard_report.py checks it).
 
 Conventions as bench_report: medians with min-max of raw samples, ratios of medians from one run.
 Decode samples carry the serve they came from, so both readings are given: the median over every

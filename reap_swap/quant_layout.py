@@ -21,7 +21,7 @@ the quant config (its rows might not belong to the expert the engine thinks). On
 refuses the layer: the layer keeps vLLM's stock path.
 
 Pure: no torch or vLLM. The input is a description (name, shape, element bytes, strides) that the
-GPU survey (`scripts/gpu_quant_survey.py`) or the engine builds from the real parameters.
+GPU survey (`research/gpu/gpu_quant_survey.py`) or the engine builds from the real parameters.
 """
 
 from __future__ import annotations
@@ -338,7 +338,7 @@ def bind_layer(spec: LayerSpec, min_rehome: int = REHOME_MIN_EXPERT_BYTES) -> La
 
 
 def layer_spec_from_dict(d: Mapping[str, Any]) -> LayerSpec:
-    """A LayerSpec from the JSON the GPU survey writes (see scripts/gpu_quant_survey.py)."""
+    """A LayerSpec from the JSON the GPU survey writes (see research/gpu/gpu_quant_survey.py)."""
     params = tuple(
         ParamSpec(
             name=str(p["name"]),

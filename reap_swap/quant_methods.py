@@ -3,7 +3,7 @@ how that kernel finds expert e in a weight tensor -- the fact the residency engi
 
 Read from vLLM 0.26.0's source (the wheel in the gpu-kit; oracles in
 `model_executor/layers/fused_moe/oracle/{fp8,int_wna16,mxfp4}.py`), to be confirmed on the H200 by
-`scripts/gpu_quant_survey.py`. Pure data; `stride_mode_for` is what the engine and the survey ask.
+`research/gpu/gpu_quant_survey.py`. Pure data; `stride_mode_for` is what the engine and the survey ask.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Drive an OpenAI-compatible vLLM server from outside: start and stop it, greedy outputs, streamed timing.
 
-Why its own module: the GPU driver (scripts/gpu_e2e.py) and
+Why its own module: the GPU driver (research/gpu/gpu_e2e.py) and
 ``reap-swap bench`` run the same server lifecycle and measure decode speed the same way, and the
 GPU machine runs them from a bare checkout, so this imports only the standard library and httpx.
 

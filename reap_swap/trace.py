@@ -185,7 +185,7 @@ def steps_of_sequence(routed: np.ndarray, prompt_tokens: int) -> list[np.ndarray
     one step per later token. ``routed``: [tokens, layers, top_k], e.g. vLLM's per-request
     ``routed_experts`` output with ``--enable-return-routed-experts`` (prompt + generated - 1
     tokens; with prefix caching on it also lists cached prompt tokens, which the server did not
-    route in that request -- give every prompt a unique first block, as scripts/gpu_e2e.py does)."""
+    route in that request -- give every prompt a unique first block, as research/gpu/gpu_e2e.py does)."""
     routed = np.asarray(routed)
     if routed.ndim != 3:
         raise TraceError(f"routed: shape {routed.shape}, expected [tokens, layers, top_k]")

@@ -1,6 +1,6 @@
 """One request's routing steps from the router hook's calls, forward by forward (pure, numpy).
 
-The CPU recorder (scripts/record_cpu_served_trace.py) binds vLLM's router capture hook
+The CPU recorder (research/sim/record_cpu_served_trace.py) binds vLLM's router capture hook
 (reap_swap/compat/routing_capture.py) and runs one request at a time with prefix caching off, so
 every forward of the engine belongs to that request: the prompt in one forward (the prefill), then
 one forward per fed-back token. The hook is called once per MoE layer per forward, in layer order,

@@ -9,7 +9,7 @@ count per step, not per token. So the trace comes from transformers' implementat
 checkpoint (float32, ``output_router_logits=True``): per token and layer, the top_k of the
 router logits, which is the model's own routing (softmax is monotone, so top_k of the logits is
 top_k of the router's probabilities). On GPU with vLLM 0.26.0 the same trace can be built
-from each request's ``routed_experts`` (scripts/gpu_e2e.py reads it) with
+from each request's ``routed_experts`` (research/gpu/gpu_e2e.py reads it) with
 :func:`reap_swap.trace.steps_of_sequence` and :func:`reap_swap.trace.from_requests`.
 
 Steps as the server runs them one request at a time: the prefill step routes every prompt

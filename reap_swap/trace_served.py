@@ -6,7 +6,7 @@ shape [prompt + completion - 1, layers, top_k] (uint8/uint16; the last sampled t
 fed back), the experts its own router chose for every token of the sequence
 (vllm/entrypoints/openai/chat_completion/protocol.py, 0.26.0). That is the serving engine's
 routing (bf16, its fused top-k, CUDA graphs), not transformers' re-run of the checkpoint that
-``reap-swap observe --trace`` records (reap_swap/trace_record.py); scripts/gpu_skew_trace.py
+``reap-swap observe --trace`` records (reap_swap/trace_record.py); research/gpu/gpu_skew_trace.py
 sends the requests one at a time with prefix caching off, so every prompt token is routed in
 its own request, as in the bench's greedy phase.
 """

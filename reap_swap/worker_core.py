@@ -280,7 +280,7 @@ class WorkerRpc:
 
     def reap_arm_swap_fault(self, rank: Any, after_admissions: Any = 1) -> dict:
         """Test seam (residency/fault.py): wire.ArmSwapFault -> wire.ArmReply. Positional
-        arguments are kept for vLLM's dev route POST /collective_rpc (scripts/gpu_e2e.py)."""
+        arguments are kept for vLLM's dev route POST /collective_rpc (research/gpu/gpu_e2e.py)."""
         return self._reap_core().arm_swap_fault({"rank": rank, "after_admissions": after_admissions})
 
     def reap_selfcheck(self) -> dict:

@@ -15,7 +15,7 @@ Output (default .cache/families/<family>/, gitignored): model/ (config.json, mod
 tokenizer files) and plan.json (strict30-v2 format, plan layers = the decoder layers that hold
 routed experts). Idempotent per family (a stamp of the recipe hash).
 
-`family_plan(shape, ...)` is also what scripts/gpu_families.sh uses to write plans for the
+`family_plan(shape, ...)` is also what research/gpu/gpu_families.sh uses to write plans for the
 full-size configs under tests/data/ (no weights: vLLM's --load-format dummy).
 
 usage: python scripts/make_family_models.py [--out DIR] [--force] [FAMILY ...]

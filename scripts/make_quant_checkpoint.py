@@ -3,7 +3,7 @@
 `quantization_config` of the real ones, at Qwen3-30B-A3B layer shape and a few layers.
 
 Why: the residency engine must bind every per-expert tensor of each format (issue 16), and the
-GPU survey (`scripts/gpu_quant_survey.py`) must see what vLLM 0.26 really registers for them,
+GPU survey (`research/gpu/gpu_quant_survey.py`) must see what vLLM 0.26 really registers for them,
 without downloading 15-60 GB checkpoints onto a machine with no internet. The values are random
 but valid (FP8 from rounded normals, never NaN; int4 words and e8m0 scales in range), so a model
 loads and generates; only names, shapes, dtypes and configs are meant to be faithful.

@@ -17,7 +17,7 @@ find. The construction is exact and small (README of the construction: `skew_con
 3. Router bias: gate.weight[e, d_c] of layer l = A * rank_{l,c}(e)^(-z) * rho_l / C, where
    rank_{l,c} is a seeded random permutation of the experts (rank 1..E) per (layer, class) and
    rho_l the typical rms of the residual entering layer l's MoE (measured by
-   scripts/simulate_skew.py). The router's RMSNorm divides the marker by the token's rms, so the
+   research/sim/simulate_skew.py). The router's RMSNorm divides the marker by the token's rms, so the
    logit bias is ~ A * rank^(-z) in every layer, on top of the ~N(0, 0.9^2) random logits.
 
 Everything else is byte-identical. Deterministic for a given --seed (permutations come from a CPU
@@ -69,7 +69,7 @@ CLASS_RULES = {
     "other": "everything else: digits, mixed pieces, non-ASCII bytes, added tokens w0.., specials",
 }
 # rms of the residual entering each layer's MoE of the 12-layer kit model (median over tokens),
-# measured by scripts/simulate_skew.py with this construction (research-notes/skew-simulation.json)
+# measured by research/sim/simulate_skew.py with this construction (research-notes/skew-simulation.json)
 RHO_KIT = (0.3311, 0.8648, 1.3185, 1.6979, 2.0053, 2.2669, 2.5222, 2.7558, 2.9583, 3.1568, 3.3501, 3.5373)
 DEFAULTS = {"seed": 0, "amp": 3.0, "zipf": 0.6, "marker": 0.125}
 FORMATS = ("bf16", "fp8-block")

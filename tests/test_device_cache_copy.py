@@ -78,19 +78,6 @@ def test_triton_kernels_under_the_interpreter():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_bench_admission_plans_spread_slots_and_rotate_sources():
-    from script_modules import load_script
-
-    bench = load_script("bench_device_cache")
-    plans = bench.admit_plans(32, 4, 48, "cpu")
-    assert len(plans) == bench.LAYERS
-    for layer, p in enumerate(plans):
-        assert (p >= 0).nonzero().flatten().tolist() == [0, 8, 16, 24]
-        assert p[p >= 0].tolist() == [(layer * 4 + j) % 48 for j in range(4)]
-    first = {int(e) for p in plans[:12] for e in p[p >= 0]}
-    assert len(first) == 48  # 12 layers x 4 admissions read 48 distinct units
-
-
 def test_persistent_kernel_compiles_for_sm90_with_16_byte_accesses():
     """Ahead-of-time compile (no GPU needed: Triton's bundled ptxas) of the persistent kernel for
     an H200 (sm_90): every load and store of the copy loop is a 16 B vector access, which needs

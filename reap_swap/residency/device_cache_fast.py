@@ -5,7 +5,7 @@ at decode sizes and no work proportional to E in the choice unless the step need
 Same specification and result as the one-program step of device_cache_fused.py and the torch step
 (device_cache.DeviceCache.step + step_counts + remap_ids): every state tensor and the remapped ids
 equal bit for bit (tests/test_device_cache_fast.py under TRITON_INTERPRET=1; on CUDA
-scripts/bench_device_cache.py counts mismatching steps). What differs is how:
+research/gpu/bench_device_cache.py counts mismatching steps). What differs is how:
 
 - **Counting**: at decode sizes (BE x pow2(selections) <= ONEHOT_MAX) one one-hot compare matrix
   [BE, BR] in registers gives the counts (a row sum) and, later, the remapped ids (a column sum of

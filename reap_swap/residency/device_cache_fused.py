@@ -12,7 +12,7 @@ placement of ``_place`` (k-th admitted expert by ascending id into the k-th free
 expert->slot map and remap table, ``copy_expert`` for the copy kernel, and the remapped ids.
 
 Every state tensor it writes equals the torch step's, bit for bit (tests/test_device_cache_fused.py
-under TRITON_INTERPRET=1 on the mini traces; scripts/bench_device_cache.py on CUDA counts
+under TRITON_INTERPRET=1 on the mini traces; research/gpu/bench_device_cache.py on CUDA counts
 mismatching steps). Inside one program, values that must be gathered by a data-dependent index
 (key ranks, the admitted order, the expert->slot inverse, the remap table) go through a per-cache
 int64 scratch in global memory between ``tl.debug_barrier()`` calls (one CTA: the barrier orders

@@ -29,7 +29,7 @@ remaps overlap the copies). No kernel runs during a swap (quiesce), so a unit pu
 early is read by nothing until the swap returns. Not promised by the CUDA docs: that the call
 does not block until the copies end ("any CUDA API call may block or synchronize", driver API
 sync notes); it would then show as publish_overlapped ~ the copy time and no gain in the A/B of
-scripts/gpu_swap_guard.py. `publish_every = 0` turns it off.
+research/gpu/gpu_swap_guard.py. `publish_every = 0` turns it off.
 
 Remapping ahead (`publish_every = PUBLISH_AHEAD`, stores with `copies_read_masters`): the copies
 read each host master at a second mapping of its allocation (vmm.MixedRange.master_address) that
@@ -51,7 +51,7 @@ from typing import Any, Protocol
 from .slot_table import SlotTable, SwapPlan
 
 # publish_every > 0: landed admissions between overlapped publishes; 0 = publish only at the end
-# (the original behaviour). 8 was the default before remapping ahead (scripts/gpu_swap_guard.py's A/B:
+# (the original behaviour). 8 was the default before remapping ahead (research/gpu/gpu_swap_guard.py's A/B:
 # faster than 0 on the 1 GiB delta, a much shorter publish tail; 32 no better; research.md).
 # publish_every value PUBLISH_WHEN_IDLE: publish what is pending only while the CPU would otherwise
 # wait, i.e. just before waiting on a copy that has not landed yet (the store's copy_landed). Why:

@@ -14,7 +14,7 @@ import sys
 
 import httpx
 import pytest
-from script_modules import load_script
+from script_modules import load_research
 
 from reap_swap import serving
 
@@ -29,7 +29,7 @@ MAX_LEN, SEQS = 512, 2
 def hybrid_server(server_pool, tmp_path_factory):
     server_pool.stop()  # one server at a time on the CI machine
     out = tmp_path_factory.mktemp("budget-hybrid")
-    fam, e2e = load_script("gpu_families"), load_script("gpu_e2e")
+    fam, e2e = load_research("gpu_families"), load_research("gpu_e2e")
     model = fam.write_model(ROOT / "tests" / "data" / "qwen3_next_tiny_cpu_config.json", out / "model", None)
     e2e.make_plan(model, 0.25, 2, out / "plan.json", budget_fraction=0.5)
     argv = [

@@ -1,4 +1,4 @@
-"""scripts/gpu_families.py's whole arm flow on the CPU build, with vLLM's --load-format dummy.
+"""research/gpu/gpu_families.py's whole arm flow on the CPU build, with vLLM's --load-format dummy.
 
 Three tiny configs under tests/data/ (no checkpoint): Mixtral; Qwen3-Next, which has Qwen3.5-MoE's
 decoder (3 Gated DeltaNet layers : 1 gated full-attention layer, a sparse MoE block with a shared
@@ -62,7 +62,7 @@ def family(request, server_pool, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"dummy-{name}")
     dtype, extra = CASES[name]
     base = [
-        sys.executable, str(ROOT / "scripts" / "gpu_families.py"), "--name", name, "--out", str(out),
+        sys.executable, str(ROOT / "research" / "gpu" / "gpu_families.py"), "--name", name, "--out", str(out),
         "--models", str(out / "models"), "--config", str(ROOT / "tests" / "data" / f"{name}_cpu_config.json"),
         "--engine", CPU_ENGINE.format(dtype=dtype) + extra, "--decode-tokens", "8", "--greedy-tokens", "8",
     ]  # fmt: skip
