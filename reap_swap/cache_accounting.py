@@ -35,7 +35,7 @@ the same flags (``swap_capacity``). With ``--reap-cache-device on`` the pinned f
 K = the pool less the lent tail (memory_split.swap_slots_after_lending, CacheConfig.split's rule):
 a wider resident set is refused with CUDA's PoolCapacityError and its very sentence
 (memory_split.swap_table_refusal: K, the pool, layers x N lent, the remedy); with
---reap-cache-seed seeded (served on CUDA whenever asked since run 23) the seeded device refuses a
+--reap-cache-seed seeded (served on CUDA; the default form there) the seeded device refuses a
 layer's set wider than its slots (SeededCapacityError). With the device off (CUDA's default), lru,
 or a split the device would refuse, the CUDA server lends nothing: the whole pool.
 """
@@ -128,7 +128,7 @@ def swap_capacity(
     nothing, its swap table is the whole pool (the plan budget, checked by the API process).
     lfu, seed pinned, device on: K = the pool less the lent tail (CacheConfig.split's rule).
     lfu, seed seeded, device on: each layer's C_l (the seeded device, which CUDA serves whenever
-    asked since run 23, pins a swap inside the layer's cache slots; SeededCapacityError), unless
+    asked, pins a swap inside the layer's cache slots; SeededCapacityError), unless
     the device would refuse its split (replay.seeded_split: core + tail beyond the pool), which
     lends nothing: the whole pool. Either form refused by the device: the whole pool."""
     if cache_device != "on":

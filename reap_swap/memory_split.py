@@ -100,8 +100,8 @@ def experts_in_hbm_at_attach(layer_bytes: int, moe_layers: int, offloader_active
     """Expert bytes in HBM at the first MoE layer's post-load attach, which the engine moves off
     before vLLM sizes the KV cache (kv_refusal's `leaving`). `layer_bytes`: that layer's w13/w2 on
     the device. With vLLM's weight offloader set (V1, `--cpu-offload-gb`) only that layer is there:
-    vLLM moved it in to process its weights, the others wait in pinned host memory (run 14 on the
-    H200: counting every layer made "in use at load" -10.96 GiB on the 12-layer mk_model). Without
+    vLLM moved it in to process its weights, the others wait in pinned host memory (counting every
+    layer made "in use at load" negative on the 12-layer kit model: research.md). Without
     one (Model Runner V2 of vLLM 0.26.0, formats loaded into HBM first) every hooked layer is there
     (the served families have one expert shape per model); a layer refused later keeps its experts
     in HBM, which this does not foresee."""
@@ -159,8 +159,8 @@ def pool_refusal(
     """At the first layer's attach: None when the HBM pool of `pool_bytes` fits the device's free
     memory (`free`, the whole device: other processes count), else the refusal with the numbers.
     `driver_error`: the driver refused an allocation although the check passed (fragmentation, a
-    neighbour allocating meanwhile). Run 26 (H100, 2026-12-06): a stock server holding 65 GiB
-    beside reap-swap left 10 GiB, and the pool's cuMemCreate ended the load in a traceback."""
+    neighbour allocating meanwhile): a stock server holding most of the card beside reap-swap once
+    left too little, and the pool's cuMemCreate ended the load in a traceback (research.md)."""
     if driver_error is None and pool_bytes <= free:
         return None
     why = (
@@ -328,7 +328,7 @@ def ranked_fill(
 
 def slots_beyond_pinned(num_slots: int, pinned: Mapping[int, Iterable[int]]) -> int:
     """Pool slots not taken by the pinned set (core + active set): what a device cache may use
-    (`--reap-cache-slots auto`, issue 17)."""
+    (`--reap-cache-slots auto`)."""
     return max(int(num_slots) - sum(len(set(v)) for v in pinned.values()), 0)
 
 
@@ -413,7 +413,7 @@ def swap_table_refusal(
     seeded device's C_l)."""
     split = f"{layers} layers x {per_layer} = {lent}" if layers and per_layer is not None else f"{lent}"
     over = f" of {layers} layers" if layers and per_layer is None else ""
-    # The remedies that make this set fit, whatever the setting (run 26's tiny Qwen3.5 at `swaps` was
+    # The remedies that make this set fit, whatever the setting (a server already at `swaps` was once
     # told to pass `swaps`). Pinned: N // layers a layer is lent, so N <= lent - overflow fits; below
     # one slot a layer the cache is refused and the whole pool swaps. Seeded: C_l = core + N spread.
     overflow = needed - swap_slots

@@ -6,27 +6,8 @@ error listing the known names: a typo must not start a server that silently igno
 setting (`RETIRED`: flag or variable -> why) is accepted and ignored with a logged warning, so a
 launch script that still passes it keeps working; a retired flag never reaches vLLM.
 
-| variable                    | flag                          | meaning |
-|-----------------------------|-------------------------------|---------|
-| REAP_PLAN_FILE              | --reap-plan PATH              | the plan (required) |
-| REAP_SWAP_VALIDATE_ONLY     | --reap-validate-only          | swaps are validated (workers dry-run them) and answered, nothing changes |
-| REAP_SWAP_MASKS_ONLY        | --reap-masks-only             | swaps change the active set (the "mask" misses are measured against) but move no weights, even on CUDA (accounting residency) |
-| REAP_ENABLE_ROUTER_MASKS    | --reap-enable-router-masks    | restrict routing to resident experts: NOT implemented (known to destroy output quality); setting it true refuses startup |
-| REAP_MAX_LOADED_CARTRIDGES  | --reap-max-loaded-cartridges N| LRU bound of loaded cartridges (resolved to resident sets; default 8) |
-| REAP_COACTIVATION           | --reap-coactivation           | also count the expert co-activation matrix (E*E int64 per layer) for `reap-swap observe` |
-| REAP_RESIDENCY              | --reap-residency MODE         | auto (CUDA engine on CUDA, accounting elsewhere), accounting, cuda |
-| REAP_BUDGET                 | --reap-budget auto|plan|GIB   | HBM expert pool: plan (default: the plan's budget), auto (what memory leaves after weights, activations and the KV target, up to all experts), or a GiB cap on that; with auto/GiB every swap keeps the pool full (core + active set + the plan's fill-order prefix); accounting residency uses the plan's budget as that pool |
-| REAP_KV_TOKENS              | --reap-kv-tokens N            | KV target in tokens for budget auto/GiB (default --max-model-len x --max-num-seqs as vLLM resolves them: vLLM 0.26 defaults max_num_seqs to 1024 on a >= 70 GiB GPU, so pass this or --max-num-seqs; a refusal names the N that fits) |
-| REAP_CACHE                  | --reap-cache lfu,lru,off      | the per-layer expert cache beside the pinned set (default lfu: the plan-core-seeded LFU, decay 0.8, that `reap-swap simulate` found best online; research.md, issue 17); in accounting residency the policy runs as state only |
-| REAP_CACHE_SLOTS            | --reap-cache-slots N,auto,swaps | cache slots beyond the pinned set, over all layers (auto: what the pool budget leaves after the plan core; reap_swap.cache_accounting.tail_slots; swaps: a tail of min(2 x top_k, half of what lies beyond the core) per layer, so per-request swaps keep the rest: memory_split.plan_swap_split, resolved by the launcher) |
-| REAP_CACHE_SEED             | --reap-cache-seed pinned,seeded | CUDA device cache: pinned (default, core+dlfu: the plan core pinned by the engine, the cache on the tail) or seeded (dlfu-seeded, accounting mode's policy: each layer's core + tail share is cache slots seeded with the core, evictable; a per-request swap pins its set inside them, a set wider than a layer's share is refused naming the layer; residency/device_cache_seeded.py). On CUDA seeded is served whenever asked since H200 run 23 (two serves bitwise equal to stock at every logprob; run 12's difference, which had it refused, was not reproduced, its cause not identified); in accounting residency seeded runs lfu as the same integer dlfu-seeded |
-| REAP_SWAP_UNVERIFIED_SEEDED_CACHE | --reap-unverified-seeded-cache | RETIRED (run 23, 2026-12-04): --reap-cache-seed seeded is served on CUDA without it; still accepted, ignored with a warning (RETIRED below) |
-| REAP_CACHE_RECORD_STEPS     | --reap-cache-record-steps N   | keep the last N steps' routing the cache saw (0 = off), read back by GET /reap/cache/trace |
-| REAP_GROUP_SIZE             | --reap-group-size auto,1,2,4,8 | EXPERIMENTAL (CUDA; FP8 block at auto = b 2 and bf16 = b 1 served identical to stock on the H200, run 11): experts in mapping units of b physically adjacent experts in a plan-chosen order, ids remapped after counting (residency/grouped_engine.py); auto = the smallest b wasting < 12 % (FP8 on Triton: 2, bf16: 1); default 1 = private units, today's engine unchanged; refused with --reap-cache-device on and with --reap-budget auto/GiB; INT4 (Marlin / moe_wna16) layers bind in identity-order contiguous groups (consecutive expert ids, no permutation: AWQ, GPTQ and CT W4A16 at auto = b 8 served identical to stock on the H200, run 16; the permuted order was not bitwise, run 12) |
-| REAP_SWAP_UNVERIFIED_INT4_GROUPS | --reap-unverified-int4-groups | RETIRED (run 16, 2026-12-03): identity-order INT4 groups are the default; still accepted, ignored with a warning (RETIRED below) |
-| REAP_SWAP_EXACT_PINNING     | --reap-exact-pinning          | auto (default), 1 or 0 (CUDA, UVA offload): page-lock vLLM's host copies of large expert tensors with cudaHostRegister at their exact size instead of pin_memory(), which PyTorch rounds up to a power of two (Kimi-K2: 96 GiB pinned for 63; research.md "Pinned rounding"); at the re-home the engine unregisters the copy, copies it in ~512 MiB blocks of experts, allocating each block's host units just before and returning the block's source pages to the kernel just after, so the host holds one block twice rather than one layer (compat/pinning.py drain; the grouped and device-cache paths return the copy after the layer); the launcher's host check counts exact bytes. auto: on for private units without the device cache where the rounded copies plus one layer in flight would exceed 1.2x the expert bytes (the DeepSeek-V3 / Kimi layer shapes), off elsewhere (Qwen3.5, Mixtral, GPT-OSS stay on the path they were verified on); the flag forces it on. In a server on the H200 (runs 17-18): the DeepSeek-V3 layer shape at depth 6 held 0.95x experts + dense in use (1.44x without), text and MoE digests equal to stock at every point, swaps at 54 GB/s |
-| REAP_SWAP_PUBLISH           | --reap-swap-publish ahead,idle,end,N | CUDA swaps: when remapped units are made accessible (residency/swap.py). ahead (default since H100 run 24): copies read a second mapping of each host master, so every remap and one publish run while the copies are in flight; idle: publish only while waiting on a copy; end: once after the last copy (run 4's path); N: every N landed copies (8 was the default of runs 12-23) |
-| REAP_CACHE_SHADOW           | --reap-cache-shadow off,out,bytes | debug (CUDA device cache): every cached MoE step also runs the uncached kernel and compares on the device (out), and checks every slot's bytes (bytes, slow); results in /reap/status cache.shadow (residency/device_cache_shadow.py) |
+Every setting, its variable, flag, default and meaning: docs/settings.md (the `--help` text is
+built from `_SPEC` below).
 
 Settings reach the engine processes inside vLLM's `--additional-config` JSON under the key
 "reap_swap" (vllm_config.additional_config), which every worker and API process receives; the
@@ -102,11 +83,11 @@ class Settings(BaseModel):
     cache_seed: Literal["auto", "pinned", "seeded"] = "auto"
     cache_record_steps: int = Field(default=0, ge=0)
     cache_shadow: Literal["off", "out", "bytes"] = "off"  # debug shadow of the device cache
-    group_size: Literal["auto", "1", "2", "4", "8"] = "1"  # grouped units (issue 16); experimental
+    group_size: Literal["auto", "1", "2", "4", "8"] = "1"  # grouped units; experimental
     # cudaHostRegister vLLM's UVA expert copies (compat/pinning.py); auto: the launcher decides
     # (server.resolve_exact_pinning), the workers only ever see True or False
     exact_pinning: Literal["auto"] | bool = "auto"
-    # when a swap makes its remapped units accessible (residency/swap.py); ahead: the default since run 24
+    # when a swap makes its remapped units accessible (residency/swap.py); ahead: the default (the fastest measured)
     swap_publish: Literal["ahead", "idle", "end"] | int = "ahead"
 
     @field_validator("group_size", mode="before")
@@ -345,14 +326,12 @@ ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())
 FLAG_NAMES: tuple[str, ...] = tuple(spec[1] for spec in _SPEC.values())
 
 INT4_GROUPS_DEFAULT = (
-    "identity-order INT4 groups are the default under --reap-group-size auto|2|4|8 since H200 run 16 "
-    "(2026-12-03: AWQ, GPTQ and CT W4A16 served identical to stock); the setting is no longer needed "
-    "and is ignored"
+    "identity-order INT4 groups are the default under --reap-group-size auto|2|4|8 (AWQ, GPTQ and "
+    "CT W4A16 served identical to stock: research.md); the setting is no longer needed and is ignored"
 )
 SEEDED_CACHE_SERVED = (
-    "--reap-cache-seed seeded is served on CUDA whenever asked since H200 run 23 (2026-12-04: two "
-    "serves bitwise equal to stock at every logprob; run 12's difference was not reproduced); the "
-    "setting is no longer needed and is ignored"
+    "--reap-cache-seed seeded is served on CUDA without an opt-in (the default form there; bitwise "
+    "equal to stock at every logprob: research.md); the setting is no longer needed and is ignored"
 )
 # Retired settings, the one place: flag (takes no value) or environment variable -> why it is
 # ignored. split_argv strips the flag (vLLM never sees it) and resolve does not count the variable

@@ -81,7 +81,7 @@ def build_cache(runtime: WorkerRuntime, layers: dict, uncounted: dict, backend) 
         return CacheAccounting.disengaged("--reap-cache off")
     top_k = max((int(getattr(m, "top_k", 1)) for m in layers.values()), default=1)
     cfg = getattr(runtime.engine, "cache", None) if backend.residency_mode == "cuda" else None
-    if cfg is not None:  # the CUDA device cache (issue 17): counters read from the device
+    if cfg is not None:  # the CUDA device cache: counters read from the device
         from reap_swap.residency.device_cache_serving import DeviceCacheView
 
         return DeviceCacheView(cfg, top_k)

@@ -112,7 +112,7 @@ def test_the_retired_seeded_opt_in_variable_is_accepted_ignored_and_warned(caplo
     assert r.settings == resolve({}, SEEDED_ENV).settings
     warned = [rec.getMessage() for rec in caplog.records if env in rec.getMessage()]
     assert len(warned) == 1 and "is retired" in warned[0]
-    assert "served on CUDA whenever asked since H200 run 23" in warned[0] and "ignored" in warned[0]
+    assert "served on CUDA without an opt-in" in warned[0] and "ignored" in warned[0]
     assert "cache_seed_unverified" not in r.sources
     assert cache_config_for(r.settings, PLAN)[0].seed_core
 
@@ -121,7 +121,7 @@ def test_the_retired_seeded_opt_in_flag_is_accepted_ignored_warned_and_kept_from
     from reap_swap.settings import RETIRED, resolve, split_argv
 
     flag = "--reap-unverified-seeded-cache"
-    assert "run 23" in RETIRED[flag] and "2026-12-04" in RETIRED[flag]
+    assert "research.md" in RETIRED[flag] and "without an opt-in" in RETIRED[flag]
     argv = [
         "org/m",
         "--reap-plan",
@@ -136,7 +136,7 @@ def test_the_retired_seeded_opt_in_flag_is_accepted_ignored_warned_and_kept_from
         ns, vllm_argv = split_argv([*argv, "--port", "8000"])
     assert vllm_argv == ["org/m", "--port", "8000"]  # vLLM never sees the retired flag
     warned = [r.getMessage() for r in caplog.records if flag in r.getMessage()]
-    assert len(warned) == 1 and "run 23" in warned[0] and "no longer needed" in warned[0]
+    assert len(warned) == 1 and "without an opt-in" in warned[0] and "no longer needed" in warned[0]
     settings = resolve(ns, {}).settings
     assert (
         settings

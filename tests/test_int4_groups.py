@@ -179,7 +179,11 @@ def test_auto_binds_int4_layers_in_identity_groups_by_default_citing_run_16():
         assert m.reap_group_map.tolist() == list(range(E))  # the kernel sees stock's ids
         row = eng.state.layouts[0]
         assert row["group_size"] == 8 and not row["permuted"]
-        assert "identity order" in row["why"] and "run 16" in row["why"] and "unverified" not in row["why"]
+        assert (
+            "identity order" in row["why"]
+            and "served identical to stock" in row["why"]
+            and "unverified" not in row["why"]
+        )
         for n, t in m.named_parameters():  # same bytes at the same expert rows as stock
             assert torch.equal(t, before[n]), n
 
@@ -188,7 +192,7 @@ def test_the_retired_opt_in_flag_is_accepted_ignored_warned_and_kept_from_vllm(c
     from reap_swap.settings import RETIRED, Settings, resolve, split_argv
 
     flag = "--reap-unverified-int4-groups"
-    assert "run 16" in RETIRED[flag] and "2026-12-03" in RETIRED[flag]
+    assert "identical to stock" in RETIRED[flag] and "no longer needed" in RETIRED[flag]
     assert "unverified_int4_groups" not in Settings.model_fields
     argv = ["org/m", "--reap-plan", "p.json", flag, "--reap-group-size", "auto", "--port", "8000"]
     with caplog.at_level(logging.WARNING, logger="reap_swap.settings"):
@@ -197,7 +201,7 @@ def test_the_retired_opt_in_flag_is_accepted_ignored_warned_and_kept_from_vllm(c
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and flag in r.getMessage()]
     assert (
         len(warned) == 1
-        and "default under --reap-group-size auto|2|4|8 since H200 run 16" in warned[0].getMessage()
+        and "default under --reap-group-size auto|2|4|8" in warned[0].getMessage()
     )
     assert "no longer needed" in warned[0].getMessage()
     settings = resolve(ns, {}).settings

@@ -169,7 +169,7 @@ def test_the_seeded_cache_opt_in_is_retired_since_run_23():
 
     for name in ("REAP_SWAP_UNVERIFIED_SEEDED_CACHE", "--reap-unverified-seeded-cache"):
         assert name in RETIRED and name not in ENV_NAMES + FLAG_NAMES
-        assert "run 23" in RETIRED[name] and "ignored" in RETIRED[name]
+        assert "without an opt-in" in RETIRED[name] and "ignored" in RETIRED[name]
     assert "cache_seed_unverified" not in Settings.model_fields
     old = {"plan_file": "p.json", "cache_seed": "seeded", "cache_seed_unverified": True}
     assert Settings.from_worker_config(old) == Settings(plan_file="p.json", cache_seed="seeded")

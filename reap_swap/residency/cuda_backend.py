@@ -58,7 +58,7 @@ class CudaResidency(ResidencyBase):
             )
         refuse_misplaced(st.layers, misplaced_tensors, "ranges")
         self._init(st, VmmStore(st), engine.refusals)
-        cache = getattr(engine, "cache", None)  # device_cache_engine.CacheConfig (issue 17)
+        cache = getattr(engine, "cache", None)  # device_cache_engine.CacheConfig
         self.device_caches = cache.caches if cache is not None else None
         self.seeded = seeded_pins(engine)  # --reap-cache-seed seeded: swaps pin inside the cache slots
 

@@ -37,11 +37,11 @@ Accounting mode on CPU (cacheacc): replay the counters' stream through
 cache_policy.device.DLFU (or DeviceCache on CPU tensors: the same integers, tests/
 test_device_policy.py proves the two agree step by step) -- same counts as ``read_counters``.
 
-Serving (branch dfix, GPU-untested): ``--reap-cache lfu --reap-cache-device on`` with residency
+Serving: ``--reap-cache lfu --reap-cache-device on`` with residency
 cuda builds the CacheConfig (device_cache_serving.py), the worker reports it through
 DeviceCacheView, cuda_backend.apply calls ``on_swap`` after every swap. The notes below predate it.
 
-Wired (issue 17, step 5; GPU-untested): ``CudaEngine(plan, refusals, cache=CacheConfig(...))``
+Wired: ``CudaEngine(plan, refusals, cache=CacheConfig(...))``
 (device_cache_engine.py) lends N pool slots per layer, re-homes with slot units and engages; with
 ``cache=None`` (the default) the engine is unchanged. NOT wired: the runtime does not build a
 CacheConfig from settings (``--reap-cache`` / ``--reap-cache-slots`` are cacheacc's); after a

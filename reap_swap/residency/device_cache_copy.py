@@ -1,4 +1,4 @@
-"""Copy admitted experts into their cache slots, inside one layer range (issue 17, step 3 of 4).
+"""Copy admitted experts into their cache slots, inside one layer range.
 
 The range holds E expert units then N slot units (device_cache.py). After ``DeviceCache.step``,
 ``copy_expert[s]`` names the expert to copy into slot ``s`` this step (-1: nothing). On the GPU

@@ -1,4 +1,4 @@
-"""The CUDA engine's side of the device cache (issue 17): lend N pool slots per layer, re-home a
+"""The CUDA engine's side of the device cache: lend N pool slots per layer, re-home a
 layer with its slot units, engage the cache. Off unless CudaEngine is given a CacheConfig.
 
 The pool (engine._ensure_pool, the plan's budget) is split once: slots [0, K) stay with the swap

@@ -1,4 +1,4 @@
-"""The device cache's per-layer policy step, vectorised (issue 17, "dstep"): one Triton program
+"""The device cache's per-layer policy step, vectorised: one Triton program
 whose phases are whole-block vector operations, with no global-memory round trip between phases
 at decode sizes and no work proportional to E in the choice unless the step needs it.
 

@@ -1,7 +1,7 @@
-"""The device cache's whole per-layer policy step as ONE Triton program (issue 17).
+"""The device cache's whole per-layer policy step as ONE Triton program.
 
 Why: the torch-op step (device_cache.DeviceCache.step + step_counts + remap_ids) is ~40 small
-kernels; on the H200 (run 9a) it cost 174-184 us per layer-step replayed in a CUDA graph, 46-60 us
+kernels; on the H200 it cost 174-184 us per layer-step replayed in a CUDA graph, 46-60 us
 torch.compile'd -- with 48 MoE layers more than a whole decode step. This kernel does the same
 integer arithmetic in one launch of one program (grid (1,)), fixed shapes, no host sync, so a CUDA
 graph captures it: count the step's routed selections on the ORIGINAL ids (padding rows and ids

@@ -1,6 +1,6 @@
 """Replay a routing trace through DeviceCache and through the simulator, step by step, and compare.
 
-The check issue 17 asks for ("the device policy's misses equal the simulator's on a replayed
+The check ("the device policy's misses equal the simulator's on a replayed
 trace, exactly"): per layer, the device cache is driven with the trace's own topk ids (plus
 padding rows it must ignore, as CUDA-graph padding), and after every step its contents (slots +
 pinned) must equal the simulator policy's resident set; at the end its counters must equal

@@ -1,5 +1,5 @@
-"""Per-request swaps with the seeded device cache (``--reap-cache-seed seeded``, issue 17; served on
-CUDA whenever asked since H200 run 23, refused there from run 12 until then: device_cache_serving).
+"""Per-request swaps with the seeded device cache (``--reap-cache-seed seeded``, the
+default form on CUDA: device_cache_serving).
 
 With ``seed_core`` the plan core is not pinned by the engine: each cached layer gets its whole
 share C of the pool (core + tail, accounting's ``replay.layer_slots(..., "core+tail")``) as cache
@@ -22,7 +22,7 @@ only the pool's remainder. A per-request swap's set P of a cached layer is there
   PoolCapacityError; the worker's apply error, so the HTTP answer is 422 capacity_exceeded naming
   the layer, with the previous set re-applied -- a no-op: only the workers know C). Accounting mode
   refuses the same set with the same error when run with --reap-cache-device on
-  (cache_accounting.check_swap, branch acctail); otherwise it grows that layer's capacity to |P|
+  (cache_accounting.check_swap); otherwise it grows that layer's capacity to |P|
   (LayerCache.pin); research.md "seedserve" lists every difference.
 
 Between steps only (the worker RPC; cuda_backend.apply quiesces first). Pure torch on the units

@@ -104,9 +104,8 @@ class DeviceCacheView:
 
     def reset_counters(self) -> None:
         """Zero the device counters, at the controller's startup reset only (WorkerCore.reset_stats;
-        swaps leave them cumulative): vLLM's startup forwards run the cache step too (run 12: the
-        seeded arm's /reap/status before any request showed 65 536 selections = 8192 tokens x
-        top-8 per layer), so without this /reap/status and the metrics count tokens no request
+        swaps leave them cumulative): vLLM's startup forwards run the cache step too (a seeded
+        server's /reap/status before any request showed 8192 tokens x top-8 selections per layer), so without this /reap/status and the metrics count tokens no request
         sent. The policy state (slots, scores) keeps what those forwards admitted."""
         self.cfg.caches.read_counters(reset=True)
 
@@ -164,7 +163,7 @@ class DeviceCacheView:
 
 
 def _seed_status(cfg: CacheConfig) -> dict[str, Any]:
-    """/reap/status cache.seed: the form asked and served (the same on CUDA since run 23)."""
+    """/reap/status cache.seed: the form asked and served (the same on CUDA and in accounting)."""
     served = "seeded" if cfg.seed_core else "pinned"
     return {"requested": served, "served": served}
 

@@ -1,4 +1,4 @@
-"""A debug shadow of the device cache inside a real server (issue 17, branch cachebug).
+"""A debug shadow of the device cache inside a real server.
 
 ``--reap-cache-shadow out|bytes`` (or ``REAP_CACHE_SHADOW``, read by the launcher like every REAP_*
 setting and passed to the workers in the additional config): every cached MoE layer-step also runs the
@@ -15,7 +15,7 @@ layer's own step count, the cache counters' ``steps``), its row count, the large
 difference seen, and for the first mismatching step its first ``KEEP`` original ids, the remapped
 ids the cached kernel read (>= E: a slot), and ``copy_expert`` (what that step copied into each
 slot). A position that is NaN in both outputs is not a difference (CUDA-graph padding rows carry
-garbage inputs; run 11 saw 2 such steps per layer, reported as mismatches with a NaN max before this
+garbage inputs, which were reported as mismatches with a NaN max before this
 rule); ``nan_steps`` counts the steps that had one. ``bytes`` also checks, every step, that each occupied slot
 holds its expert's bytes (reads every slot's source over PCIe: slow) and counts the steps where
 one does not.
@@ -91,7 +91,7 @@ def slots_hold_their_experts(
     """bool 0-dim: every occupied slot's unit equals its expert's unit (fixed shapes; one slot at a
     time, so the temporary is one unit, not N). No host sync, so it is captured in CUDA graphs: the
     expert's unit is gathered with index_select on a 1-element id (indexing with a 0-dim tensor
-    reads the id on the host, which run 20 found failing vLLM's graph capture)."""
+    reads the id on the host, which fails vLLM's graph capture)."""
     ok = torch.ones((), dtype=torch.bool, device=units.device)
     for s in range(slot_expert.shape[0]):
         e = slot_expert[s : s + 1]

@@ -200,7 +200,7 @@ class CudaEngine:
         self.plan = plan
         self.publish_every = publish_every  # --reap-swap-publish (swap.publish_every_of); None: the default
         self.refusals = refusals
-        self.cache = cache  # device_cache_engine.CacheConfig (issue 17), None: no device cache
+        self.cache = cache  # device_cache_engine.CacheConfig, None: no device cache
         self.group_size = str(group_size)  # --reap-group-size: "1" (default) is today's private units
         self._perms: dict | None = None  # the plan's physical orders (grouped_engine), made once
         self.state: EngineState | None = None
@@ -346,7 +346,7 @@ class CudaEngine:
         self.refusals.refuse(getattr(layer, "layer_name", "?"), index, reason, on_hbm)
 
     def _rehome(self, st: EngineState, layer: torch.nn.Module, index: int, bound: BoundLayer):
-        """(range, bytes, views, cache result): with the device cache's slot units where it engages (issue 17)."""
+        """(range, bytes, views, cache result): with the device cache's slot units where it engages."""
         tensors = {n: t.data for n, t in bound.rehome.items()}
         cached = self.cache and device_cache_engine.rehome_plain(self.cache, st, layer, index, tensors, bound)
         if cached:
@@ -399,7 +399,7 @@ def _ensure_pool(st: EngineState, unit_bytes: int, cache: Any | None = None) -> 
     t0 = time.perf_counter()
     what = f"{num_slots} expert slots of {unit_bytes / 2**20:.2f} MiB, the plan's budget"
     (st.pool,) = pool_reserve.reserve_pools(what, [(num_slots, unit_bytes)], st.device)
-    # slots [K, num_slots) are lent to device caches (issue 17); the table's refusal names them
+    # slots [K, num_slots) are lent to device caches; the table's refusal names them
     st.table = device_cache_engine.swap_table(cache, num_slots, st.plan)
     logger.info(
         "reap-swap: reserved HBM pool of %d expert slots (%.2f GiB, unit %.2f MiB) in %.2fs",

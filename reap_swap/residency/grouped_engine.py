@@ -181,7 +181,7 @@ def attach(engine: Any, st: Any, layer: torch.nn.Module, index: int, bound: Any)
         return _refuse(engine, layer, index, f"--reap-group-size {engine.group_size}: {exc}")
     perm = permutation_for(engine, st, index, num_experts, contiguous=bound.contiguous)
     if bound.contiguous:
-        why = f"{why}; identity order (served identical to stock on the H200, run 16): ids as stock"
+        why = f"{why}; identity order (served identical to stock: research.md): ids as stock"
     problem = layout_problem(st, layout, perm)
     if problem is not None:
         return _refuse(engine, layer, index, f"--reap-group-size {engine.group_size}: {problem}")

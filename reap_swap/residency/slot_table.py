@@ -72,9 +72,9 @@ class SlotTable:
     num_slots: int
     _where: dict[tuple[int, int], int] = field(default_factory=dict)
     # a set: a commit is O(1) (a list's remove() scanned the whole pool per admission: 7 ms of pure
-    # Python in a full-pool swap of 1024 slots, inside the admit loop that paces the copies, run 22)
+    # Python in a full-pool swap of 1024 slots, inside the admit loop that paces the copies)
     _free: set[int] = field(default_factory=set)
-    # pool slots lent to the device cache tails beside this table (issue 17), for the refusal's text
+    # pool slots lent to the device cache tails beside this table, for the refusal's text
     # (memory_split.swap_table_refusal): over lent_layers layers, lent_per_layer each in the pinned
     # form (lent = layers x N); None where the layers' counts differ (the seeded C_l)
     lent: int = 0
