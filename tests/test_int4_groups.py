@@ -199,10 +199,7 @@ def test_the_retired_opt_in_flag_is_accepted_ignored_warned_and_kept_from_vllm(c
         ns, vllm_argv = split_argv(argv)
     assert vllm_argv == ["org/m", "--port", "8000"]  # vLLM never sees the retired flag
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and flag in r.getMessage()]
-    assert (
-        len(warned) == 1
-        and "default under --reap-group-size auto|2|4|8" in warned[0].getMessage()
-    )
+    assert len(warned) == 1 and "default under --reap-group-size auto|2|4|8" in warned[0].getMessage()
     assert "no longer needed" in warned[0].getMessage()
     settings = resolve(ns, {}).settings
     assert (
