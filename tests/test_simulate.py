@@ -10,7 +10,7 @@ from cache_cases import layer_steps, traces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reap_swap.cache_policy.belady import Belady
+from reap_swap.cache_policy.belady import Belady, BeladyAdmit
 from reap_swap.cache_policy.mechanism import PolicyError, replay_layer
 from reap_swap.cache_policy.online import LFRU, LFU, LRU, PerRequest, Static
 from reap_swap.cache_policy.replay import (
@@ -102,6 +102,41 @@ def test_brute_force_exhaustive_small():
     for steps in itertools.product(subsets, repeat=4):
         for cap in (1, 2, 3):
             assert replay_layer(Belady(), layer_steps(steps, 3), cap).expert_misses == optimum(steps, 3, cap)
+
+
+def admit_optimum(step_sets, num_experts, capacity) -> int:
+    """Fewest misses when every routed expert must be resident after its step (the soonest-wanted of
+    a step wider than the slots) and the cache starts empty: the published residency studies' rule."""
+    needs = [frozenset(s) for s in step_sets]
+
+    @cache
+    def best(t: int, resident: frozenset) -> int:
+        if t == len(needs):
+            return 0
+        need = needs[t]
+        miss = len(need - resident)
+        if len(need) >= capacity:  # the step's residents stay, any choice of its others fills up
+            forced = resident & need
+            fill = capacity - len(forced)
+            keeps = [forced | frozenset(c) for c in itertools.combinations(sorted(need - forced), fill)]
+        else:
+            others = sorted(resident - need)
+            room = min(capacity - len(need), len(others))
+            keeps = [need | frozenset(c) for c in itertools.combinations(others, room)]
+        return miss + min(best(t + 1, k) for k in keeps)
+
+    return best(0, frozenset())
+
+
+@settings(max_examples=150, deadline=None)
+@given(step_lists)
+def test_belady_admit_equals_the_mandatory_admission_optimum(case):
+    """belady-admit (the oracle of the OLMoE residency tables: every miss admitted, cold start) is
+    that rule's optimum, and never below the mechanism's Belady (which may read a miss through)."""
+    e, cap, steps = case
+    got = replay_layer(BeladyAdmit(), layer_steps(steps, e), cap).expert_misses
+    assert got == admit_optimum(steps, e, cap)
+    assert got >= replay_layer(Belady(), layer_steps(steps, e), cap).expert_misses
 
 
 # ----------------------------------------------------------------------------- properties

@@ -34,8 +34,9 @@ a fixed N-slot ``core+dlfu`` tail, as the default accounting mode and DeviceCach
 ``probe+core+dlfu-split`` (its servable form, the bench's ``plan-swap+cache``: the tail
 memory_split.swap_cache_split gives, the sets selected within the swap table K it leaves;
 replay.servable_split)
-and ``belady``: the offline optimum of distinct misses under the same
-rules (belady.py says why, and what it does not bound).
+``belady``: the offline optimum of distinct misses under the same
+rules (belady.py says why, and what it does not bound); and ``belady-admit``: the optimum when every
+miss must be admitted, from a cold start (the oracle of published per-layer residency studies).
 """
 
 from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, PolicyError, replay_layer

@@ -77,3 +77,29 @@ class Belady:
         rest = [e for e in (resident | need) - forced if e in resident or later[e]]
         rest.sort(key=lambda e: (rank[e], e not in resident, e))
         return forced | frozenset(rest[: self.capacity - len(forced)])
+
+
+class BeladyAdmit(Belady):
+    """Belady under *mandatory admission* from a cold start: every expert a step routes is resident
+    after it (when it fits), the other slots keep the residents wanted again soonest, and the cache
+    starts empty. This is the oracle of published per-layer residency studies (e.g. the OLMoE
+    decode-trace tables research.md compares with), so their numbers can be checked exactly; it
+    bounds policies that must admit every miss, not the mechanism (which may read a miss through
+    without admitting it: ``Belady`` above, the lower bound)."""
+
+    def __init__(self, name: str = "belady-admit"):
+        super().__init__(name)
+
+    def start(self, steps: LayerSteps, capacity: int) -> Set[int]:
+        super().start(steps, capacity)
+        return frozenset()
+
+    def choose(self, t: int, resident: frozenset[int], needed: np.ndarray, counts: np.ndarray) -> Set[int]:
+        rank = self.rank[t]
+        need = frozenset(int(e) for e in needed)
+        if len(need) >= self.capacity:  # wider than the slots: its residents stay (the mechanism
+            forced = resident & need  # keeps them), then the soonest wanted of its other experts
+            rest = sorted(need - forced, key=lambda e: (rank[e], e))
+            return forced | frozenset(rest[: self.capacity - len(forced)])
+        kept = sorted(resident - need, key=lambda e: (rank[e], e))
+        return need | frozenset(kept[: self.capacity - len(need)])

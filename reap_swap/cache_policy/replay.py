@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from reap_swap.cache_policy.belady import Belady
+from reap_swap.cache_policy.belady import Belady, BeladyAdmit
 from reap_swap.cache_policy.device import DLFU
 from reap_swap.cache_policy.hybrid import SPLIT, TAILS, DevicePinned, SwapPinned, swap_points
 from reap_swap.cache_policy.learned import DLearn, fit_layer
@@ -42,6 +42,7 @@ POLICIES = (
     "probe+core+dlfu",
     SPLIT,
     "belady",
+    "belady-admit",
 )
 PROBE_POLICIES = frozenset({"probe", *TAILS})  # need the client's per-request probe sets
 PRIOR_POLICIES = frozenset(
@@ -263,6 +264,8 @@ def _policy(name, l, plan, probe_sets, lfu_decay, tables=None):
         return wrap(name, _factory(TAILS[name], core, lfu_decay)(), probe_sets[l])
     if name == "belady":
         return Belady()
+    if name == "belady-admit":
+        return BeladyAdmit()
     return _factory(name, core, lfu_decay)()
 
 

@@ -13,7 +13,8 @@ MIB = 1 << 20
 # The cache under a client's per-request swaps (hybrid.py): not a plain client's, so neither a
 # candidate nor a competitor of the rule (``probe`` stays a competitor, as when the rule was set).
 CLIENT_SWAP_POLICIES = frozenset({*TAILS, SPLIT})
-DEVICE_POLICIES = tuple(p for p in POLICIES if p not in ("static", "probe", "belady", *CLIENT_SWAP_POLICIES))
+ORACLES = ("belady", "belady-admit")  # offline bounds: neither candidates nor competitors
+DEVICE_POLICIES = tuple(p for p in POLICIES if p not in ("static", "probe", *ORACLES, *CLIENT_SWAP_POLICIES))
 
 
 def _pct(x: float | None) -> str:
@@ -95,7 +96,7 @@ def default_policy(
                 better = [
                     p
                     for p, v in row.items()
-                    if p not in ("belady", cand)
+                    if p not in (*ORACLES, cand)
                     and p not in CLIENT_SWAP_POLICIES
                     and cand in row
                     and v > row[cand] + 1e-12
