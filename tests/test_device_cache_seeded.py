@@ -209,3 +209,20 @@ def test_a_change_on_an_uncached_layer_pins_the_cached_ones_too():
     backend.apply({0: [1, 3], 1: [4]})
     assert pins.pinned == {0: {1: C - 2, 3: C - 1}} and int(step.cache.active) == C - 2
     _device_state(step, pins, rng, masters)
+
+
+def test_a_grown_or_shrunk_swap_copies_only_the_experts_that_move():
+    """Pins keep their slots while those stay in the pinned range, so a swap that adds one expert to
+    the set copies that expert (not the whole set again), and the bytes stay right throughout."""
+    masters, step, rng, pins = _setup([0, 1])
+    unit = B * 4
+    assert pins.apply({0: [2, 3]}) == (2 * unit, 2)  # slots 4, 5
+    assert pins.pinned[0] == {2: 4, 3: 5}
+    _device_state(step, pins, rng, masters)
+    copied, admitted = pins.apply({0: [2, 3, 8]})  # range [3, 6): 2 and 3 stay, 8 takes slot 3
+    assert pins.pinned[0] == {2: 4, 3: 5, 8: 3} and admitted == 1
+    assert copied == unit  # only expert 8 (slot 3 held no tail expert: the tail kept 0, 1 in 0..2)
+    _device_state(step, pins, rng, masters)
+    copied, _ = pins.apply({0: [3, 8]})  # range [4, 6): 3 stays in 5, 8 leaves slot 3 for slot 4
+    assert pins.pinned[0] == {3: 5, 8: 4} and copied >= unit
+    _device_state(step, pins, rng, masters)

@@ -7,7 +7,8 @@ slots, seeded with the core, evictable (the simulator's ``dlfu-seeded``). The sw
 only the pool's remainder. A per-request swap's set P of a cached layer is therefore pinned
 *inside the layer's own slots*, not in the SlotTable:
 
-- P goes into the slots [C - |P|, C) (ascending ids), and each expert's own unit of the layer
+- P goes into the slots [C - |P|, C) -- an expert the previous swap pinned keeps its slot when that
+  slot is still in the range, the others take the free ones (ascending) -- and each expert's own unit of the layer
   range is remapped onto that slot's physical handle (the same lent pool allocation, mapped a
   second time): the kernel reads P through the experts' own ids, the cache sees them ``pinned``
   (DeviceCache.set_pinned's semantics) and its tail is the first ``active = C - |P|`` slots.
@@ -69,7 +70,12 @@ def plan_pin(cache: DeviceCache, before: Mapping[int, int], experts: Iterable[in
     free = [s for s in range(active) if s not in tail]
     moving = sorted(keep - set(tail.values()))
     tail.update(zip(free, moving, strict=False))
-    pinned = {e: active + i for i, e in enumerate(pins)}
+    # a pin already held in a slot of the new pinned range keeps it (its bytes are there: no copy);
+    # the others take the range's free slots, lowest first: a swap that adds a slice moves only it
+    pinned = {e: before[e] for e in pins if before.get(e, -1) >= active}
+    taken = set(pinned.values())
+    free_pins = [s for s in range(active, n) if s not in taken]
+    pinned.update(zip([e for e in pins if e not in pinned], free_pins, strict=False))
     copies = [(e, s) for s, e in tail.items() if slot_expert[s] != e]
     copies += [(e, s) for e, s in pinned.items() if before.get(e) != s or slot_expert[s] >= 0]
     return SeededPin(tail, pinned, active, tuple(sorted(copies, key=lambda c: c[1])))
