@@ -57,6 +57,7 @@ class ClientFlows:
         self._plan: Plan | None = plan if isinstance(plan, Plan) else None
         self._plan_checked = False
         self.known_signature: str | None = None  # what the server last said is resident
+        self.pin_capacity: dict[int, int] = {}  # layer -> what the server can pin (read with the plan)
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -79,6 +80,9 @@ class ClientFlows:
             return self._plan
         status = yield Call("GET", "/reap/status")
         self.known_signature = status.get("signature")
+        # what the server can pin per layer (the seeded device cache): selections fit within it
+        cap = ((status.get("cache") or {}).get("pin_capacity")) or {}
+        self.pin_capacity = {int(layer): int(n) for layer, n in cap.items()}
         if self._plan is None:
             source = self._plan_source
             if source is None:
@@ -151,7 +155,9 @@ class ClientFlows:
                 "misses_ms": elapsed_ms(t2),
             }
         t3 = time.perf_counter()
-        selection = chosen.select(plan, messages, budget_bytes=budget_bytes, probe=misses)
+        selection = chosen.select(
+            plan, messages, budget_bytes=budget_bytes, probe=misses, capacity=self.pin_capacity or None
+        )
         if probe_info is not None:
             probe_info["select_ms"] = elapsed_ms(t3)
             probe_info["total_ms"] = elapsed_ms(t0)  # everything the probe added before the real swap

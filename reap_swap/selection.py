@@ -77,6 +77,8 @@ class Selection:
     signature: str  # active_set.signature(resident): what the server will report
     values: Mapping[str, float] = field(default_factory=dict)  # sliceId -> value it was taken for
     features: PromptFeatures | None = None
+    # layer -> experts the server can pin there (/reap/status cache.pin_capacity), None: no limit
+    capacity: Mapping[int, int] | None = None
 
     @property
     def slice_count(self) -> int:
@@ -132,10 +134,15 @@ def effective_budget(plan: Plan, budget_bytes: int | None) -> int:
 Value = tuple[float, ...]  # compared lexicographically, per marginal byte
 
 
-def _greedy(plan: Plan, budget: int, value: Any) -> tuple[dict[int, list[str]], dict[str, float]]:
-    """Take slices by value per marginal byte while they fit. ``value(layer, i, new_experts)`` ->
-    a tuple (all zero: worthless). Lazy heap: a popped slice whose marginal cost or value changed
-    since it was pushed (an overlapping slice was taken) is re-scored and pushed again."""
+def _greedy(
+    plan: Plan, budget: int, value: Any, capacity: Mapping[int, int] | None = None
+) -> tuple[dict[int, list[str]], dict[str, float]]:
+    """Take slices by value per marginal byte while they fit the budget and the layer's capacity
+    (the experts the server can pin there; the budget left goes to other layers' slices).
+    ``value(layer, i, new_experts)`` -> a tuple (all zero: worthless). Lazy heap: a popped slice
+    whose marginal cost or value changed since it was pushed (an overlapping slice was taken) is
+    re-scored and pushed again."""
+    caps = capacity or {}
     pe = plan.per_expert_bytes
     resident = {index: set(layer.core) for index, layer in plan.layers.items()}
     used = resident_bytes(plan, resident)
@@ -168,7 +175,9 @@ def _greedy(plan: Plan, budget: int, value: Any) -> tuple[dict[int, list[str]], 
         if (v2, cost2) != (v, cost):
             push(index, i)
             continue
-        if used + cost > budget:
+        if used + cost > budget or len(resident[index]) + len(new) > caps.get(
+            index, len(plan.layers[index].candidates)
+        ):
             deferred.append((index, i))  # may fit later if an overlapping slice makes it cheaper
             continue
         resident[index] |= new
@@ -191,6 +200,7 @@ def _finish(
     request_budget: int | None,
     values: Mapping[str, float],
     features: PromptFeatures | None,
+    capacity: Mapping[int, int] | None = None,
 ) -> Selection:
     """Build the resident set exactly as the server will and check it against the budget."""
     slices = {index: tuple(ids) for index, ids in sorted(chosen.items()) if ids}
@@ -208,6 +218,7 @@ def _finish(
         signature=signature(resident),
         values=dict(values),
         features=features,
+        capacity=dict(capacity) if capacity else None,
     )
 
 
@@ -217,12 +228,16 @@ def select_static(plan: Plan, budget_bytes: int | None = None) -> Selection:
 
 
 def select_prior(
-    plan: Plan, prompt: str | Sequence[Mapping[str, Any]], budget_bytes: int | None = None
+    plan: Plan,
+    prompt: str | Sequence[Mapping[str, Any]],
+    budget_bytes: int | None = None,
+    capacity: Mapping[int, int] | None = None,
 ) -> Selection:
     budget = effective_budget(plan, budget_bytes)
     features = prompt_features(plan, prompt)
-    chosen, values = _greedy(plan, budget, prior_value(slice_priors(plan, features.weights), plan))
-    return _finish(plan, "prior", "prefill", chosen, budget, budget_bytes, values, features)
+    value = prior_value(slice_priors(plan, features.weights), plan)
+    chosen, values = _greedy(plan, budget, value, capacity)
+    return _finish(plan, "prior", "prefill", chosen, budget, budget_bytes, values, features, capacity)
 
 
 def select_probe(
@@ -230,14 +245,14 @@ def select_probe(
     misses: MissedMass,
     prompt: str | Sequence[Mapping[str, Any]] = "",
     budget_bytes: int | None = None,
+    capacity: Mapping[int, int] | None = None,
 ) -> Selection:
     """``misses``: :func:`missed_mass` of a prefill-only pass run with only the core resident."""
     budget = effective_budget(plan, budget_bytes)
     features = prompt_features(plan, prompt)
-    chosen, values = _greedy(
-        plan, budget, miss_then_prior_value(plan, misses, slice_priors(plan, features.weights))
-    )
-    return _finish(plan, "probe", "prefill", chosen, budget, budget_bytes, values, features)
+    value = miss_then_prior_value(plan, misses, slice_priors(plan, features.weights))
+    chosen, values = _greedy(plan, budget, value, capacity)
+    return _finish(plan, "probe", "prefill", chosen, budget, budget_bytes, values, features, capacity)
 
 
 def refresh(
@@ -268,7 +283,7 @@ def refresh(
             index: frozenset(ids) - plan.layers[index].core for index, ids in current.resident.items()
         }
         value = miss_then_prior_value(plan, misses, priors, chosen_now)
-    chosen, values = _greedy(plan, budget, value)
+    chosen, values = _greedy(plan, budget, value, current.capacity)
     new = _finish(
         plan,
         current.strategy,
@@ -278,6 +293,7 @@ def refresh(
         current.request_budget_bytes,
         values,
         features,
+        current.capacity,
     )
     return None if new.signature == current.signature else new
 
@@ -296,6 +312,7 @@ class Strategy(Protocol):
         *,
         budget_bytes: int | None = None,
         probe: MissedMass | None = None,
+        capacity: Mapping[int, int] | None = None,
     ) -> Selection: ...
 
 
@@ -304,8 +321,8 @@ class _Static:
     name: str = "static"
     needs_probe: bool = False
 
-    def select(self, plan, prompt, *, budget_bytes=None, probe=None) -> Selection:
-        return select_static(plan, budget_bytes)
+    def select(self, plan, prompt, *, budget_bytes=None, probe=None, capacity=None) -> Selection:
+        return select_static(plan, budget_bytes)  # the core alone: within any layer's capacity
 
 
 @dataclass(frozen=True)
@@ -313,8 +330,8 @@ class _Prior:
     name: str = "prior"
     needs_probe: bool = False
 
-    def select(self, plan, prompt, *, budget_bytes=None, probe=None) -> Selection:
-        return select_prior(plan, prompt, budget_bytes)
+    def select(self, plan, prompt, *, budget_bytes=None, probe=None, capacity=None) -> Selection:
+        return select_prior(plan, prompt, budget_bytes, capacity)
 
 
 @dataclass(frozen=True)
@@ -322,10 +339,10 @@ class _Probe:
     name: str = "probe"
     needs_probe: bool = True
 
-    def select(self, plan, prompt, *, budget_bytes=None, probe=None) -> Selection:
+    def select(self, plan, prompt, *, budget_bytes=None, probe=None, capacity=None) -> Selection:
         if probe is None:
             raise SelectionError("strategy 'probe' needs the router misses of a core-only prefill pass")
-        return select_probe(plan, probe, prompt, budget_bytes)
+        return select_probe(plan, probe, prompt, budget_bytes, capacity)
 
 
 _REGISTRY: dict[str, Strategy] = {"static": _Static(), "prior": _Prior(), "probe": _Probe()}
@@ -345,8 +362,11 @@ def select(
     *,
     budget_bytes: int | None = None,
     probe: MissedMass | None = None,
+    capacity: Mapping[int, int] | None = None,
 ) -> Selection:
-    return get_strategy(strategy).select(plan, prompt, budget_bytes=budget_bytes, probe=probe)
+    return get_strategy(strategy).select(
+        plan, prompt, budget_bytes=budget_bytes, probe=probe, capacity=capacity
+    )
 
 
 def core_probe_payload(request_id: str) -> dict:

@@ -458,3 +458,30 @@ def test_cli_select_probe_from_saved_misses_and_errors(tmp_path, capsys):
     assert "needs --misses FILE or --server URL" in capsys.readouterr().err
     assert main(["select", "--plan", str(plan_path), "--prompt", "x", "--budget-bytes", "10"]) == 1
     assert "does not hold the plan's core" in capsys.readouterr().err
+
+
+def test_selections_fit_each_layers_pin_capacity():
+    """With the server's per-layer pin capacity (/reap/status cache.pin_capacity: the seeded device
+    cache's slots) a selection never asks a layer for more than it can pin, and spends the budget
+    that frees on the other layers; refresh keeps the capacity it was made for."""
+    plan = load_plan(plan_doc(budget_experts=4 + 4))  # room for 4 experts beyond the cores
+    free = S.select_prior(plan, PY)
+    assert free.slices == {0: ("a",), 5: ("a",)} and free.capacity is None
+    capped = S.select_prior(plan, PY, capacity={0: 2, 5: 6})  # layer 0 holds its core only
+    assert 0 not in capped.slices and len(capped.resident[0]) == 2
+    assert len(capped.resident[5]) <= 6 and len(capped.resident[5]) > len(free.resident[5])
+    assert capped.capacity == {0: 2, 5: 6}
+    assert S.select(plan, "prior", PY, capacity={0: 2, 5: 6}).slices == capped.slices
+    misses = {0: {4: 5.0, 5: 5.0, 6: 5.0}, 5: {2: 1.0}}
+    probe = S.select_probe(plan, misses, PY, capacity={0: 4, 5: 4})
+    assert all(len(v) <= 4 for v in probe.resident.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_random_plans_respect_capacity(data):
+    plan = data.draw(plans())
+    cap = {l: data.draw(st.integers(len(p.core), len(p.candidates) + 1)) for l, p in plan.layers.items()}
+    sel = S.select_prior(plan, data.draw(st.sampled_from(["", PY, PROSE])), capacity=cap)
+    assert all(len(sel.resident[l]) <= cap[l] for l in plan.layers)
+    check_budget(plan, sel.resident, sel.budget_bytes)
