@@ -11,18 +11,19 @@ the model's routing step by step, with the same request starts -- the step seman
 and not assumed; (2) the server's hits, misses, promotions and read-through steps, per layer,
 equal what the simulator counts for the same policy and the same slots (``--budget <bytes>B``) on
 the transformers trace. The policy is the one the CUDA device runs (cache_accounting's
-ACCOUNTING_POLICIES): by default ``core+dlfu`` (the plan core pinned, the integer LFU of decay 0.8
-on ``--reap-cache-slots N`` // layers tail slots per layer, the device's rule: TAIL = 10 over 4
-layers lends 2 each, the remainder 2 is not lent, so the simulator's budget is core + 8), and with
-``--reap-cache-seed seeded`` ``dlfu-seeded`` on core + TAIL slots spread over the layers.
+ACCOUNTING_POLICIES): with ``--reap-cache-seed pinned`` ``core+dlfu`` (the plan core pinned, the
+integer LFU of decay 0.8 on ``--reap-cache-slots N`` // layers tail slots per layer, the device's
+rule: TAIL = 10 over 4 layers lends 2 each, the remainder 2 is not lent, so the simulator's budget
+is core + 8), and in the default form, which with the device modelled is CUDA's (seeded),
+``dlfu-seeded`` on core + TAIL slots spread over the layers.
 
 Swap capacity (acctail): the servers run with ``--reap-cache-device on``, so accounting holds swaps
 to the CUDA server's capacity with the same flags. Pinned form: its swap table, K = the pool (62)
 less 4 layers x 2 lent = 54: after the equality checks, a swap of all 62 plan experts is refused
 (422 capacity_exceeded, field active_set, naming CUDA's numbers; resident set and cache unchanged) and one of
-exactly 54 is applied. Seeded form (served on CUDA whenever asked since run 23): each layer's set
-within its C_l cache slots (core + TAIL spread: 7, 7, 6, 6), so the same wide swap is refused
-naming its first layer too wide (SeededCapacityError) and one within every layer's slots applied.
+exactly 54 is applied. Seeded form: each layer pins within its C_l cache slots (core + TAIL
+spread: 7, 7, 6, 6), so the same wide swap is served, cut by the plan's rank, with what was left to
+the cache listed per layer (``unpinned``); one within every layer's slots is applied as asked.
 
 Step semantics pinned: requests one at a time, prefix caching off (no prompt token skipped),
 prompts far below the batched-token budget (one prefill step, no chunking), ``ignore_eos`` and a
@@ -63,11 +64,12 @@ SWAP_SLOTS = 62 - 4 * (TAIL // 4)  # the tiny plan's pool less the lent tail
 
 
 # (server name, extra flags, the simulator policy the server must equal, tail slots the simulator
-# gets): default (the device's pinned form core+dlfu, 10 // 4 = 2 per layer), and
-# --reap-cache-seed seeded (the device's seeded dlfu-seeded on core + 10; research.md "seedserve")
+# gets): --reap-cache-seed pinned (the device's pinned form core+dlfu, 10 // 4 = 2 per layer), and
+# the default form with the device modelled (seed auto = seeded, as on CUDA: the device's
+# dlfu-seeded on core + 10; research.md "seedserve")
 VARIANTS = {
-    "lfu": ("cache-lfu", [], "core+dlfu", 4 * (TAIL // 4)),
-    "seeded": ("cache-seeded", ["--reap-cache-seed", "seeded"], "dlfu-seeded", TAIL),
+    "pinned": ("cache-pinned", ["--reap-cache-seed", "pinned"], "core+dlfu", 4 * (TAIL // 4)),
+    "seeded": ("cache-seeded", [], "dlfu-seeded", TAIL),
 }
 
 
