@@ -13,7 +13,7 @@ graphs on, one request at a time. Per arm (one server at a time):
 Arms: stock, reap-default (the plan alone: the server's defaults), reap-static (--reap-cache-device off:
 the plan's static set), reap-cache (--reap-cache-slots swaps + device cache), reap-off (--reap-cache
 off: the control), reap-seeded (the seeded form); ARM+quiet: the quiet phase only (speed), ARM+det:
-TORCHINDUCTOR_DETERMINISTIC=1; ``--shadow out|bytes`` adds the device cache's debug shadow. Every
+TORCHINDUCTOR_DETERMINISTIC=1, ARM+shared: the stock arm's VLLM_CACHE_ROOT; ``--shadow out|bytes`` adds the device cache's debug shadow. Every
 server compiles afresh (its own VLLM_CACHE_ROOT). The storm's every fifth swap asks for every slice
 on every layer: wider than a layer can pin (cut, listed in the response's ``unpinned``).
 
@@ -281,7 +281,10 @@ def main() -> None:
                     str(plan_path),
                     *flags,
                 ]
-                e = dict(env, VLLM_CACHE_ROOT=f"/tmp/vcache-{arm}")
+                # +shared: the stock arm's compile cache, as two servers on one host share
+                # ~/.cache/vllm by default (the reporter's setup is not known to have isolated them)
+                root = "/tmp/vcache-stock" if variant == "shared" else f"/tmp/vcache-{arm}"
+                e = dict(env, VLLM_CACHE_ROOT=root)
                 e = dict(e, TORCHINDUCTOR_DETERMINISTIC="1") if variant == "det" else e
                 ref = (res.get("stock") or {}).get("quiet")
                 arm_reap(arm, argv, out, plan, ps, ref, res, e, quiet_only=variant == "quiet")

@@ -291,6 +291,7 @@ def parse(argv=None):
         "--measure-during-startup", action="store_true",
         help="let an arm measure while another group's servers start (run 12's schedule)",
     )  # fmt: skip
+    ap.add_argument("--only", help="comma-separated job names to keep (e.g. cache50,resident,static50)")
     ap.add_argument("--dry-run", action="store_true")
     return ap.parse_args(argv)
 
@@ -310,6 +311,8 @@ def main(argv=None) -> int:
         total_gib = read_model_shape(str(a.skew)).total_expert_bytes / 2**30
         shutil.copy(PLAN50, paths["p50"])
     jobs = plan_jobs(a, paths, total_gib, a.with_25)
+    if a.only:
+        jobs = [j for j in jobs if j.name in a.only.split(",")]
     if a.dry_run:
         for j in jobs:
             print(j.order, j.group, j.name, " ".join(j.argv))
