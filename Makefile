@@ -6,10 +6,13 @@
 VPY := .venv/bin/python
 
 # setup.sh takes ~3 min on a fresh machine; skip it when .venv already has vLLM and this checkout's
-# reap_swap (find_spec: no slow `import vllm` just to check).
+# reap_swap, installed with entry points that still name existing modules (an install from before
+# a module moved would give vLLM a plugin it cannot import). find_spec: no slow `import vllm`.
 setup:
-	@if $(VPY) -c "import importlib.util as u, pathlib, sys; s = u.find_spec('reap_swap'); \
-	  sys.exit(not (u.find_spec('vllm') and s and pathlib.Path(s.origin).resolve().parents[1] == pathlib.Path.cwd().resolve()))" \
+	@if $(VPY) -c "import importlib.util as u, importlib.metadata as m, pathlib, sys; s = u.find_spec('reap_swap'); \
+	  eps = [e for g in ('vllm.endpoint_plugins', 'vllm.general_plugins', 'console_scripts') for e in m.entry_points(group=g) if e.module.startswith('reap_swap')]; \
+	  sys.exit(not (u.find_spec('vllm') and s and pathlib.Path(s.origin).resolve().parents[1] == pathlib.Path.cwd().resolve() \
+	  and len(eps) == 3 and all(u.find_spec(e.module) for e in eps)))" \
 	  >/dev/null 2>&1; then \
 	  echo "[setup] .venv is ready (vllm + this checkout's reap_swap): skipping scripts/setup.sh"; \
 	else \

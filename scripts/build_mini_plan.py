@@ -68,9 +68,9 @@ def run(argv: list[str]) -> None:
 
 def stamp(raw_plan: Path, out: Path) -> None:
     """Add the checkpoint and corpus digests to scorerArtifacts, write with the planner's byte format."""
-    from reap_swap.model_shape import read_model_shape
-    from reap_swap.plan import validate_plan_document
-    from reap_swap.planner import plan_bytes
+    from reap_swap.plan.document import validate_plan_document
+    from reap_swap.planner.build import plan_bytes
+    from reap_swap.sizing.model_shape import read_model_shape
 
     doc = orjson.loads((ROOT / raw_plan).read_bytes())
     artifacts = doc["scorerArtifacts"]

@@ -32,7 +32,7 @@ from pathlib import Path
 import orjson
 from tqdm import tqdm
 
-from reap_swap import serving
+from reap_swap.bench import server_driver as serving
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path("models/reap-mini-moe")
@@ -270,9 +270,9 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, _interrupt)  # e.g. a test's timeout: the cleanup below must still run
 
-    from reap_swap.client import ReapClient
-    from reap_swap.model_shape import read_model_shape
-    from reap_swap.plan import load_plan
+    from reap_swap.client.reap_client import ReapClient
+    from reap_swap.plan.document import load_plan
+    from reap_swap.sizing.model_shape import read_model_shape
 
     step(1, total, "model and plan")
     shape = read_model_shape(ROOT / MODEL)

@@ -121,7 +121,7 @@ def family_plan(
 ) -> dict:
     """A strict30-v2 plan over `shape.moe_layers`: a rotated core per layer, slices over the rest.
 
-    `shape` is a reap_swap.model_shape.ModelShape. The budget fits `budget_fraction` of every
+    `shape` is a reap_swap.sizing.model_shape.ModelShape. The budget fits `budget_fraction` of every
     expert (at least the core), so swaps up to that share of the model are legal."""
     E, pe = shape.num_experts, shape.expert_bytes
     n_core = int(E * core_fraction)
@@ -212,8 +212,8 @@ def _tokenizer(model_dir: Path, vocab: int) -> dict[str, int]:
 
 def build(family: str, out: Path, force: bool = False) -> Path:
     """out/<family>/ with model/ and plan.json (rebuilt only when the recipe changed)."""
-    from reap_swap.model_shape import read_model_shape
-    from reap_swap.plan import load_plan
+    from reap_swap.plan.document import load_plan
+    from reap_swap.sizing.model_shape import read_model_shape
 
     dest, want = out / family, recipe_hash(family)
     stamp = dest / "STAMP"
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slice-size", type=int, default=8)
     a = ap.parse_args(argv)
     if a.plan_for:
-        from reap_swap.model_shape import read_model_shape
+        from reap_swap.sizing.model_shape import read_model_shape
 
         shape = read_model_shape(a.plan_for)
         plan = family_plan(shape, str(a.plan_for), a.core_fraction, a.slice_size)

@@ -1,4 +1,4 @@
-"""Issue 42 test-data maker: public OLMoE decode routing -> reap-swap routing traces (reap_swap.trace).
+"""Issue 42 test-data maker: public OLMoE decode routing -> reap-swap routing traces (reap_swap.cache.trace).
 
 Source: the real decode routing of allenai/OLMoE-1B-7B-0924 (16 MoE layers x 64 experts, top-8,
 bf16, greedy decode of at most 128 tokens) over 400 prompts in four domains, published in the
@@ -52,7 +52,7 @@ REPO = "helloimrizy-pages/opt"
 CHUNKS = "stage3_residency/traces/full/chunks"
 DOMAINS = ("general", "coding", "math", "reasoning")
 MODEL = "allenai/OLMoE-1B-7B-0924"
-# allenai/OLMoE-1B-7B-0924 config.json, the fields reap_swap.model_shape reads (16 layers, 64
+# allenai/OLMoE-1B-7B-0924 config.json, the fields reap_swap.sizing.model_shape reads (16 layers, 64
 # experts of width 1024, top-8, hidden 2048, bf16: 3 x 2048 x 1024 x 2 B = 12,582,912 B per expert,
 # equal to the source's expert_bytes_by_layer).
 OLMOE_CONFIG = {
@@ -181,7 +181,7 @@ def build(
     repo: str = REPO,
 ):
     """{domain: Trace} for files start..stop-1 of each domain, and the provenance document."""
-    from reap_swap.trace import from_requests
+    from reap_swap.cache.trace import from_requests
 
     source = Path(source)
     if is_git_dir(source):
@@ -248,7 +248,7 @@ def build(
 
 def concat(traces: Sequence, source: dict):
     """One trace of several (same model), requests one after another."""
-    from reap_swap.trace import from_requests
+    from reap_swap.cache.trace import from_requests
 
     first = traces[0]
     requests = []
@@ -271,8 +271,8 @@ def concat(traces: Sequence, source: dict):
 
 def write_observations(path: Path, traces: Sequence, source: dict) -> None:
     """Routed selections per layer over every step of ``traces`` as a reap-swap observation file."""
-    from reap_swap.observation_types import LayerStats
-    from reap_swap.observations import save_observations
+    from reap_swap.planner.observation_types import LayerStats
+    from reap_swap.planner.observations import save_observations
 
     first = traces[0]
     stats = {}
@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model-config", type=Path, help="also write OLMoE's config.json shape here")
     args = ap.parse_args(argv)
 
-    from reap_swap.trace import save_trace
+    from reap_swap.cache.trace import save_trace
 
     start, stop = args.range
     per, provenance = build(

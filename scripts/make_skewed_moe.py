@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from reap_swap.residency.vmm import contiguous_runs
+from reap_swap.engine.vmm import contiguous_runs
 
 CLASS_NAMES = ("lower", "upper", "punct", "space", "other")
 CLASS_RULES = {

@@ -297,8 +297,8 @@ def build_cartridges(plan: dict) -> dict:
 
 def validate(plan_path: Path, model_dir: Path) -> None:
     try:
-        from reap_swap.model_shape import read_model_shape
-        from reap_swap.plan import load_plan
+        from reap_swap.plan.document import load_plan
+        from reap_swap.sizing.model_shape import read_model_shape
     except ImportError as exc:  # the pure core may not be installed where this script runs
         print(f"note: plan not validated ({exc})", file=sys.stderr)
         return

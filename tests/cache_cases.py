@@ -5,9 +5,9 @@ skewed multi-layer trace, and the accounting stepper driven over a layer's steps
 import numpy as np
 from hypothesis import strategies as st
 
-from reap_swap.cache_policy.mechanism import LayerSteps
-from reap_swap.cache_policy.stepper import LayerCache
-from reap_swap.trace import from_requests
+from reap_swap.cache.mechanism import LayerSteps
+from reap_swap.cache.stepper import LayerCache
+from reap_swap.cache.trace import from_requests
 
 
 def layer_steps(steps, num_experts, starts=(0,)) -> LayerSteps:

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from script_modules import load_script
 
-from reap_swap.counting import counters
-from reap_swap.plan import load_plan
-from reap_swap.residency.accounting import AccountingResidency
-from reap_swap.worker_core import WorkerCore, WorkerRpc
+from reap_swap.engine.counting import counters
+from reap_swap.engine.residency.accounting import AccountingResidency
+from reap_swap.engine.worker_core import WorkerCore, WorkerRpc
+from reap_swap.plan.document import load_plan
 
 E = 16
 

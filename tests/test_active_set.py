@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reap_swap.active_set import (
+from reap_swap.plan.active_set import (
     ActiveSetError,
     BudgetExceeded,
     LayerDelta,
@@ -24,7 +24,7 @@ from reap_swap.active_set import (
     resident_sets,
     signature,
 )
-from reap_swap.plan import load_plan
+from reap_swap.plan.document import load_plan
 
 FIXTURE = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "strict30-v2-plan.json"
 E, PE = 16, 1000  # experts per layer, bytes per expert of the small plan

@@ -11,18 +11,16 @@ import httpx
 import pytest
 from script_modules import load_script
 
-from reap_swap import (
-    bench,
-    bench_arms,
-    bench_config,
-    bench_env,
-    bench_markdown,
-    bench_merge,
-    serving,
-)
-from reap_swap.bench_markdown import markdown_report, markdown_table
-from reap_swap.bench_plot import plot
-from reap_swap.bench_report import (
+from reap_swap.bench import arms as bench_arms
+from reap_swap.bench import config as bench_config
+from reap_swap.bench import env as bench_env
+from reap_swap.bench import markdown as bench_markdown
+from reap_swap.bench import merge as bench_merge
+from reap_swap.bench import run as bench
+from reap_swap.bench import server_driver as serving
+from reap_swap.bench.markdown import markdown_report, markdown_table
+from reap_swap.bench.plot import plot
+from reap_swap.bench.report import (
     GIB,
     pooled_hit_rate,
     ratio,
@@ -32,8 +30,8 @@ from reap_swap.bench_report import (
     summarize_runs,
     uva_offloaded_bytes,
 )
-from reap_swap.model_shape import read_model_shape
-from reap_swap.plan import load_plan
+from reap_swap.plan.document import load_plan
+from reap_swap.sizing.model_shape import read_model_shape
 
 
 def _tiny():
@@ -530,10 +528,10 @@ def test_write_outputs_json_keeps_raw_numbers(tmp_path):
 
 
 def test_bench_command_is_registered_and_parses_engine_args():
-    from reap_swap.cli import COMMANDS, build_parser
-    from reap_swap.commands.bench import engine_args
+    from reap_swap.cli.bench import engine_args
+    from reap_swap.cli.main import COMMANDS, build_parser
 
-    assert COMMANDS["bench"][0] == "reap_swap.commands.bench"
+    assert COMMANDS["bench"][0] == "reap_swap.cli.bench"
     args = build_parser("bench").parse_args(
         [
             "bench",
@@ -559,7 +557,7 @@ def test_bench_command_is_registered_and_parses_engine_args():
 def test_cache_arms_run_the_cache_and_plain_clients(tmp_path):
     """plan-cache: --reap-cache lfu with the plain ('static') client; plan-swap+cache: the cache
     with per-request swaps; the older reap arms keep --reap-cache off."""
-    from reap_swap.bench_measure import arm_strategy
+    from reap_swap.bench.measure import arm_strategy
 
     assert bench_config.CACHE_ARMS == {
         "plan-static": "off",
@@ -578,7 +576,7 @@ def test_measure_lock_lets_one_bench_measure_at_a_time(tmp_path):
     import threading
     import time
 
-    from reap_swap.bench_env import MeasureLock
+    from reap_swap.bench.env import MeasureLock
 
     assert MeasureLock(None).acquire() is None  # no --measure-lock: nothing to wait for
     first, second = MeasureLock(tmp_path / "lock"), MeasureLock(tmp_path / "lock")

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from reap_swap import bench_config, bench_env, bench_markdown, bench_merge
-from reap_swap.commands import bench as bench_cmd
+from reap_swap.bench import config as bench_config
+from reap_swap.bench import env as bench_env
+from reap_swap.bench import markdown as bench_markdown
+from reap_swap.bench import merge as bench_merge
+from reap_swap.cli import bench as bench_cmd
 
 FIXTURE = Path(__file__).resolve().parents[1] / "research-notes" / "bench-mini-cpu.json"
 

@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from reap_swap.memory_split import BudgetError  # noqa: E402
-from reap_swap.residency import budget  # noqa: E402
-from reap_swap.residency.slot_table import SlotTable  # noqa: E402
+from reap_swap.cache.slot_table import SlotTable  # noqa: E402
+from reap_swap.engine.residency import budget  # noqa: E402
+from reap_swap.sizing.memory_split import BudgetError  # noqa: E402
 
 
 class _Pool:

@@ -5,17 +5,19 @@ import numpy as np
 import pytest
 import torch
 
-from reap_swap import settings as reap_settings
-from reap_swap import wire
-from reap_swap.cache_accounting import CacheAccounting, device_tail, tail_slots
-from reap_swap.cache_policy.mechanism import LayerSteps, replay_layer
-from reap_swap.cache_policy.replay import _policy, simulate
-from reap_swap.cache_policy.stepper import LayerCache, StepperError
-from reap_swap.counting import counters
-from reap_swap.plan import load_plan
-from reap_swap.residency.accounting import AccountingResidency
-from reap_swap.trace import load_trace
-from reap_swap.worker_core import WorkerCore
+from reap_swap.cache.accounting import CacheAccounting
+from reap_swap.cache.capacity import device_tail, tail_slots
+from reap_swap.cache.mechanism import LayerSteps, replay_layer
+from reap_swap.cache.replay import _policy, simulate
+from reap_swap.cache.stepper import LayerCache, StepperError
+from reap_swap.cache.trace import load_trace
+from reap_swap.config import flags
+from reap_swap.config import settings as reap_settings
+from reap_swap.engine import wire
+from reap_swap.engine.counting import counters
+from reap_swap.engine.residency.accounting import AccountingResidency
+from reap_swap.engine.worker_core import WorkerCore
+from reap_swap.plan.document import load_plan
 
 PLAN = "plans/reap-mini-moe.plan.json"
 TRACE = "data/traces/mini-moe-heldout.npz"
@@ -66,7 +68,7 @@ def test_accounting_equals_simulate_on_the_trace(plan, trace, seed, sim, tail):
         acc.step({l: counts[l][i] for l in t.layers}, i in start_set)
     core = sum(len(plan.layers[l].core) for l in t.layers)
     budget = f"{(core + tail) * t.per_expert_bytes}B"
-    from reap_swap.trace import from_requests
+    from reap_swap.cache.trace import from_requests
 
     sub = from_requests(
         [
@@ -183,20 +185,20 @@ def test_worker_core_feeds_counter_deltas_and_records(plan):
 
 
 def test_cache_settings():
-    r = reap_settings.resolve({"plan_file": "p"}, {})
+    r = flags.resolve({"plan_file": "p"}, {})
     assert (r.settings.cache, r.settings.cache_slots, r.settings.cache_record_steps) == ("lfu", "auto", 0)
-    r = reap_settings.resolve({"plan_file": "p", "cache": "off", "cache_slots": "12"}, {"REAP_CACHE": "lru"})
+    r = flags.resolve({"plan_file": "p", "cache": "off", "cache_slots": "12"}, {"REAP_CACHE": "lru"})
     assert (r.settings.cache, r.settings.cache_slots) == ("lru", 12)
     assert reap_settings.Settings.from_worker_config(r.settings.to_worker_config()).cache_slots == 12
     for bad in ({"cache_slots": "-1"}, {"cache_slots": "many"}, {"cache": "belady"}):
         with pytest.raises(reap_settings.SettingsError, match="--reap-cache"):
-            reap_settings.resolve({"plan_file": "p", **bad}, {})
+            flags.resolve({"plan_file": "p", **bad}, {})
     with pytest.raises(reap_settings.SettingsError, match="REAP_CACHE_SLOTS"):
-        reap_settings.resolve({"plan_file": "p"}, {"REAP_CACHE_SLOTS": "x"})
+        flags.resolve({"plan_file": "p"}, {"REAP_CACHE_SLOTS": "x"})
 
 
 def test_surface_report_and_prometheus_deltas(plan):
-    from reap_swap import cache_surface
+    from reap_swap.server import cache_status as cache_surface
 
     acc = CacheAccounting.build(plan, "lfu", 4, {l: 16 for l in plan.layers}, {}, top_k=2)
     row = np.zeros(16, dtype=np.int64)

@@ -10,17 +10,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from reap_swap.cache_accounting import NO_DEVICE_LRU, CacheAccounting, accounting_policy
-from reap_swap.cache_policy.replay import simulate
-from reap_swap.plan import load_plan
-from reap_swap.residency.accounting import AccountingResidency
-from reap_swap.trace import load_trace
-from reap_swap.worker_core import WorkerCore
+from reap_swap.cache.accounting import NO_DEVICE_LRU, CacheAccounting, accounting_policy
+from reap_swap.cache.replay import simulate
+from reap_swap.cache.trace import load_trace
+from reap_swap.engine.residency.accounting import AccountingResidency
+from reap_swap.engine.worker_core import WorkerCore
+from reap_swap.plan.document import load_plan
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.residency.device_cache import DeviceCache, step_counts  # noqa: E402
-from reap_swap.residency.device_cache_serving import cache_config_for  # noqa: E402
+from reap_swap.engine.device_cache.layer import DeviceCache, step_counts  # noqa: E402
+from reap_swap.engine.device_cache.serving import cache_config_for  # noqa: E402
 
 PLAN = "plans/reap-mini-moe.plan.json"
 TRACE = "data/traces/mini-moe-heldout.npz"
@@ -171,7 +171,7 @@ def test_device_form_equals_the_device_step_by_step_with_swaps(plan, tail):
     --reap-cache-device on: the pool is the whole model's 64 experts (the mini plan's 32 could not
     lend tails 5 and 8 beside its 24-expert core, nor hold the random sets of up to 32 next to
     them: the swap table keeps 64 - 4 x tail >= 32, every swap fits)."""
-    from reap_swap import wire
+    from reap_swap.engine import wire
 
     plan = dataclasses.replace(plan, swappable_budget_bytes=64 * plan.per_expert_bytes)
 

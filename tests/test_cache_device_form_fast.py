@@ -1,5 +1,5 @@
 """Accounting's core+dlfu against the device's *served* policy step (the vectorised Triton kernel,
-residency.device_cache_fast, what DeviceCaches(fused=True) runs for E, N <= 512), under
+residency.device_cache_fast, what DeviceCaches(step="triton") runs for E, N <= 512), under
 TRITON_INTERPRET=1 on CPU tensors: the same drive as tests/test_cache_device_form.py (random
 skewed routing, read-through steps, swaps through set_pinned), equal after every step. The CUDA
 run of the same comparison is tests/gpu/test_cache_device_form.py."""
@@ -30,7 +30,7 @@ def interpreted(request):
 
 
 def fast_step(d, ids):
-    from reap_swap.residency.device_cache_fast import fast_policy
+    from reap_swap.engine.device_cache.fast import fast_policy
 
     fast_policy(d, ids, None)
 
@@ -41,7 +41,7 @@ def synthetic_plan(experts: int, cores: dict[int, int], budget_slots: int):
 
 
 def test_mini_plan_shapes():
-    from reap_swap.plan import load_plan
+    from reap_swap.plan.document import load_plan
 
     drive(load_plan("plans/reap-mini-moe.plan.json"), 2, 100, seed=7, step_fn=fast_step)
 

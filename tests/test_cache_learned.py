@@ -5,20 +5,12 @@ import pytest
 from cache_cases import layer_steps, online_counts, stepped, tiny_trace, traces
 from hypothesis import given, settings
 
-from reap_swap.cache_policy.belady import Belady
-from reap_swap.cache_policy.learned import (
-    FEATURES,
-    ONE,
-    DLearn,
-    Features,
-    decode_rates,
-    fit_layer,
-    reuse_targets,
-)
-from reap_swap.cache_policy.mechanism import replay_layer
-from reap_swap.cache_policy.online import LRU
-from reap_swap.cache_policy.replay import POLICIES, simulate
-from reap_swap.plan import load_plan
+from reap_swap.cache.belady import Belady
+from reap_swap.cache.learned import FEATURES, ONE, DLearn, Features, decode_rates, fit_layer, reuse_targets
+from reap_swap.cache.mechanism import replay_layer
+from reap_swap.cache.online import LRU
+from reap_swap.cache.replay import POLICIES, simulate
+from reap_swap.plan.document import load_plan
 
 PLAN = "plans/reap-mini-moe.plan.json"
 

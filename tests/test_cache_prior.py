@@ -5,13 +5,13 @@ import pytest
 from cache_cases import layer_steps, online_counts, stepped, tiny_trace, traces
 from hypothesis import given, settings
 
-from reap_swap.cache_policy.belady import Belady
-from reap_swap.cache_policy.device import DLFU
-from reap_swap.cache_policy.mechanism import replay_layer
-from reap_swap.cache_policy.prior import DLFUAdmit, DLFUMarkov, transition_table
-from reap_swap.cache_policy.replay import POLICIES, SimulationError, simulate
-from reap_swap.plan import load_plan
-from reap_swap.trace import from_requests
+from reap_swap.cache.belady import Belady
+from reap_swap.cache.device import DLFU
+from reap_swap.cache.mechanism import replay_layer
+from reap_swap.cache.prior import DLFUAdmit, DLFUMarkov, transition_table
+from reap_swap.cache.replay import POLICIES, SimulationError, simulate
+from reap_swap.cache.trace import from_requests
+from reap_swap.plan.document import load_plan
 
 PLAN = "plans/reap-mini-moe.plan.json"
 

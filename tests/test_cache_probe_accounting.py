@@ -8,16 +8,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-from reap_swap import wire
-from reap_swap.cache_accounting import CacheAccounting
-from reap_swap.cache_policy.hybrid import SPLIT, TAILS, SwapPinned, swap_points
-from reap_swap.cache_policy.mechanism import LayerSteps, replay_layer
-from reap_swap.cache_policy.replay import _policy, _probe_sets, servable_split, simulate, split_probe_sets
-from reap_swap.cache_policy.stepper import LayerCache
-from reap_swap.plan import load_plan
-from reap_swap.residency.accounting import AccountingResidency
-from reap_swap.trace import from_requests, load_trace
-from reap_swap.worker_core import WorkerCore
+from reap_swap.cache.accounting import CacheAccounting
+from reap_swap.cache.hybrid import SPLIT, TAILS, SwapPinned, swap_points
+from reap_swap.cache.mechanism import LayerSteps, replay_layer
+from reap_swap.cache.probe import _probe_sets, servable_split, split_probe_sets
+from reap_swap.cache.replay import _policy, simulate
+from reap_swap.cache.stepper import LayerCache
+from reap_swap.cache.trace import from_requests, load_trace
+from reap_swap.engine import wire
+from reap_swap.engine.residency.accounting import AccountingResidency
+from reap_swap.engine.worker_core import WorkerCore
+from reap_swap.plan.document import load_plan
 
 PLAN = "plans/reap-mini-moe.plan.json"
 TRACE = "data/traces/mini-moe-heldout.npz"
@@ -128,7 +129,7 @@ def test_pins_follow_the_worker_rule():
     for l in core:
         steps = LayerSteps.from_counts(l, _steps(rows, starts), np.array(starts))
         swaps = {t: sets[t][l] for t in (3, 9)}
-        from reap_swap.cache_policy.online import LFU
+        from reap_swap.cache.online import LFU
 
         got = replay_layer(SwapPinned("probe+lfu", LFU("x", seed=core[l]), swaps), steps, cap)
         server = LayerCache(LFU("x", seed=core[l]), l, 8, cap)

@@ -1,5 +1,5 @@
 """`--reap-cache-slots swaps` (issue 17, "all three"): the launcher turns it into the slot count the
-bench's plan-swap+cache arm passes (memory_split.plan_swap_split), so per-request swaps keep room
+bench's plan-swap+cache arm passes (cache_tail.plan_swap_split), so per-request swaps keep room
 beside the cache tail; with `auto` the tail takes everything beyond the core and no swap beyond it
 fits (research.md "acctail"). Checked against what accounting mode and the CUDA engine's split
 (CacheConfig.split) then do with that count."""
@@ -10,10 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from reap_swap.memory_split import plan_swap_split
-from reap_swap.plan import load_plan
-from reap_swap.server import LaunchError, resolve_cache_slots
-from reap_swap.settings import Settings, SettingsError, resolve, split_argv
+from reap_swap.config.flags import resolve, split_argv
+from reap_swap.config.settings import Settings, SettingsError
+from reap_swap.plan.document import load_plan
+from reap_swap.server.launcher import LaunchError, resolve_cache_slots
+from reap_swap.sizing.cache_tail import plan_swap_split
 from tests.test_cache_device_form import _fake_plan as _fake_layers
 from tests.test_cache_swap_capacity import MINI, accounting, cuda_swap_slots
 

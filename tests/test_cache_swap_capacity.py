@@ -1,7 +1,7 @@
 """Accounting mode's swap capacity is the CUDA server's (issue 17, branch acctail): with the device's
 pinned form lent a tail (--reap-cache lfu, --reap-cache-device on), the swap table keeps
 K = pool - layers x N and a swap wider than K is refused before anything changes, with CUDA's
-numbers and sentence (PoolCapacityError, memory_split.swap_table_refusal); the seeded device (served
+numbers and sentence (PoolCapacityError, cache_tail.swap_table_refusal); the seeded device (served
 on CUDA whenever asked since run 23) refuses a layer's set wider than its C_l slots
 (SeededCapacityError, the same text); with the device cache off (CUDA's default) or lru the CUDA
 server lends nothing and the whole pool stays the capacity. CPU only: the CUDA side is the pure
@@ -17,21 +17,21 @@ from fastapi.testclient import TestClient
 from reap_fakes import PLAN as TINY
 from reap_fakes import FakeEngine
 
-from reap_swap import wire
-from reap_swap.active_set import SwapRequest as SwapRequestModel
-from reap_swap.cache_accounting import CacheAccounting
-from reap_swap.controller import SwapController
-from reap_swap.plan import load_plan
-from reap_swap.residency.accounting import AccountingResidency
-from reap_swap.residency.device_cache_engine import CacheConfig, swap_table
-from reap_swap.residency.slot_table import PoolCapacityError, SlotTable
-from reap_swap.routes import api_key_digests, endpoint_plugin
-from reap_swap.worker_core import WorkerCore
+from reap_swap.cache.accounting import CacheAccounting
+from reap_swap.cache.slot_table import PoolCapacityError, SlotTable
+from reap_swap.engine import wire
+from reap_swap.engine.device_cache.lending import CacheConfig, swap_table
+from reap_swap.engine.residency.accounting import AccountingResidency
+from reap_swap.engine.worker_core import WorkerCore
+from reap_swap.plan.active_set import SwapRequest as SwapRequestModel
+from reap_swap.plan.document import load_plan
+from reap_swap.server.controller import SwapController
+from reap_swap.server.routes import api_key_digests, endpoint_plugin
 
 pytest.importorskip("torch")
 
-from reap_swap.residency.device_cache_api import DeviceCaches  # noqa: E402
-from reap_swap.residency.device_cache_serving import cache_config_for  # noqa: E402
+from reap_swap.engine.device_cache.api import DeviceCaches  # noqa: E402
+from reap_swap.engine.device_cache.serving import cache_config_for  # noqa: E402
 from tests import test_cache_device_form as device_form  # noqa: E402
 
 MINI = "plans/reap-mini-moe.plan.json"
@@ -144,7 +144,7 @@ def test_boundary_through_worker_core(slots, k):
     changes (backend, cache, counters), dry runs too."""
     from reap_fakes import counting_layer
 
-    from reap_swap.counting import counters
+    from reap_swap.engine.counting import counters
 
     plan = load_plan(MINI)
     acc = accounting(plan, settings(slots))
@@ -187,8 +187,8 @@ def test_seeded_device_refuses_a_layer_wider_than_its_slots():
     """--reap-cache-seed seeded (no opt-in since run 23): each layer's C_l (the CUDA split_seeded's),
     a set wider than C_l refused naming the layer with the text the device's SeededPins.plan raises
     (real DeviceCache state on CPU tensors), state unchanged; exactly C_l fits."""
-    from reap_swap.residency.device_cache import DeviceCache
-    from reap_swap.residency.device_cache_seeded import SeededPins
+    from reap_swap.engine.device_cache.layer import DeviceCache
+    from reap_swap.engine.device_cache.seeded import SeededPins
 
     plan = load_plan(MINI)
     s = settings(4, seed="seeded")
@@ -230,8 +230,8 @@ def test_seeded_auto_swaps_fill_each_layers_slots_where_the_pinned_table_holds_o
     core (K = 24), so no swap beyond it fits; seeded (its CUDA refusal lifted in run 23) lends every
     pool slot as C_l = {10, 9, 7, 6}, and a swap filling each layer's slots is applied, as CUDA's
     seeded device plans it; one more expert on a layer is refused naming that layer."""
-    from reap_swap.residency.device_cache import DeviceCache
-    from reap_swap.residency.device_cache_seeded import SeededPins
+    from reap_swap.engine.device_cache.layer import DeviceCache
+    from reap_swap.engine.device_cache.seeded import SeededPins
 
     plan = load_plan(MINI)
     s = settings("auto", seed="seeded")
@@ -359,7 +359,7 @@ def test_seeded_wide_swap_pins_by_the_plan_rank_and_lists_the_rest():
 
 
 def test_pin_within_keeps_sets_that_fit_and_cuts_by_rank():
-    from reap_swap.active_set import pin_within, resident_sets
+    from reap_swap.plan.active_set import pin_within, resident_sets
 
     every = {l: frozenset(e for s in p.slices for e in s.experts) for l, p in TINY.layers.items()}
     full = resident_sets(TINY, every)
@@ -377,7 +377,7 @@ def test_cache_refused_when_the_table_cannot_hold_the_core():
     plan = load_plan(MINI)
     acc = accounting(plan, settings(12))
     assert acc.reason.startswith("4 layers x 3 cache slots = 12 leave 20 of the pool's 32 for swaps")
-    cfg = CacheConfig(DeviceCaches(decay=0.8, fused=False), 0, slots_setting=12)
+    cfg = CacheConfig(DeviceCaches(decay=0.8), 0, slots_setting=12)
     assert cfg.split(32, 4, {l: p.core for l, p in plan.layers.items()}) == 32 and cfg.refusal
     big = dataclasses.replace(plan, swappable_budget_bytes=36 * plan.per_expert_bytes)
     assert accounting(big, settings(12)).swap_slots == 24  # 36 - 12: the core exactly
@@ -396,7 +396,7 @@ def _capacity_ctl(tp_size: int = 2, **kw) -> tuple[SwapController, dict]:
 
 
 def test_capacity_refusal_only_when_every_failure_is_one():
-    from reap_swap.swap_failure import CapacityExceeded, capacity_refusal
+    from reap_swap.server.swap_failure import CapacityExceeded, capacity_refusal
 
     def reply(rank, error=None, capacity=None):
         return wire.ApplyReply(
@@ -424,7 +424,7 @@ def test_capacity_refusal_only_when_every_failure_is_one():
 
 
 def test_capacity_refused_on_every_tp_rank_changes_nothing_and_is_no_failure():
-    from reap_swap.swap_failure import CapacityExceeded
+    from reap_swap.server.swap_failure import CapacityExceeded
 
     ctl, every = _capacity_ctl(tp_size=2)
     before = ctl.sig
@@ -435,14 +435,14 @@ def test_capacity_refused_on_every_tp_rank_changes_nothing_and_is_no_failure():
 
 
 def test_capacity_refusal_with_a_failed_rollback_stays_a_500():
-    from reap_swap.swap_failure import WorkerSwapFailed
+    from reap_swap.server.swap_failure import WorkerSwapFailed
 
     ctl, every = _capacity_ctl(tp_size=1)
 
     async def failing_rollback(old):
         return False, "rollback broke", []
 
-    ctl._rollback = failing_rollback  # the state is unknown: not a clean refusal
+    ctl.all_workers.rollback = failing_rollback  # the state is unknown: not a clean refusal
     with pytest.raises(WorkerSwapFailed) as exc:
         asyncio.run(ctl.swap(SwapRequestModel(request_id="w", active_set=every)))
     assert exc.value.rolled_back is False and "PoolCapacityError" in str(exc.value)
@@ -450,7 +450,7 @@ def test_capacity_refusal_with_a_failed_rollback_stays_a_500():
 
 
 def test_capacity_refusal_in_validate_only_mode_is_the_same_422():
-    from reap_swap.swap_failure import CapacityExceeded
+    from reap_swap.server.swap_failure import CapacityExceeded
 
     ctl, every = _capacity_ctl(tp_size=1, validate_only=True)
     with pytest.raises(CapacityExceeded, match="but the swap table has 54"):
@@ -461,7 +461,7 @@ def test_a_capacity_refusal_on_one_pipeline_stage_while_the_other_applied_is_a_5
     """PP = 2, seeded caches (C_l = 7, 7, 6, 6): layer 0 (stage 0) asked wider than its 7 slots while
     layer 3 (stage 1) changes within its 6: stage 1 applied (set and counters moved), so the answer is
     500 worker_failed after the rollback, not 422 "before anything moved" (review of run 26's change)."""
-    from reap_swap.swap_failure import WorkerSwapFailed
+    from reap_swap.server.swap_failure import WorkerSwapFailed
 
     engine = FakeEngine(tp_size=1, pp_size=2)
     for w in engine.workers:
@@ -483,7 +483,7 @@ def test_a_capacity_refusal_on_one_pipeline_stage_while_the_other_applied_is_a_5
     assert "SeededCapacityError: layer 0" in str(exc.value)
     assert ctl.sig == before and ctl.failed_count == 1
     ctl.validate_only = True  # a dry run moves nothing on either stage: the same set is a 422 there
-    from reap_swap.swap_failure import CapacityExceeded
+    from reap_swap.server.swap_failure import CapacityExceeded
 
     with pytest.raises(CapacityExceeded):
         asyncio.run(ctl.swap(SwapRequestModel(request_id="w", active_set=wide)))

@@ -7,16 +7,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from reap_swap import wire
-from reap_swap.cache_accounting import CacheAccounting
-from reap_swap.memory_split import small_tail_note
-from reap_swap.plan import load_plan
+from reap_swap.cache.accounting import CacheAccounting
+from reap_swap.engine import wire
+from reap_swap.plan.document import load_plan
+from reap_swap.sizing.cache_tail import small_tail_note
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.residency.device_cache import DeviceCache, LayerStep  # noqa: E402
-from reap_swap.residency.device_cache_copy import copy_units_torch, unit_view  # noqa: E402
-from reap_swap.residency.device_cache_serving import DeviceCacheView, cache_config_for  # noqa: E402
+from reap_swap.engine.device_cache.copy import copy_units_torch, unit_view  # noqa: E402
+from reap_swap.engine.device_cache.layer import DeviceCache, LayerStep  # noqa: E402
+from reap_swap.engine.device_cache.serving import DeviceCacheView, cache_config_for  # noqa: E402
 
 PLAN = "plans/reap-mini-moe.plan.json"  # 4 layers x 16 experts, top-2, pool 32 slots, core 24
 

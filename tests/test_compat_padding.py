@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 fc = pytest.importorskip("vllm.forward_context")
 
 from reap_swap.compat import moe  # noqa: E402
-from reap_swap.counting import counters  # noqa: E402
+from reap_swap.engine.counting import counters  # noqa: E402
 
 
 @pytest.fixture

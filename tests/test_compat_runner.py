@@ -12,10 +12,11 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from reap_swap import server
 from reap_swap.compat import moe as vllm_moe
 from reap_swap.compat import runner
-from reap_swap.model_shape import read_model_shape
+from reap_swap.server import host_checks
+from reap_swap.server import launcher as server
+from reap_swap.sizing.model_shape import read_model_shape
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -170,7 +171,7 @@ def _launch(monkeypatch, device_total: int, pool_bytes: int = 0):
     monkeypatch.setattr(vs, "use_triton_moe_backend", lambda a: calls.append("triton"))
     monkeypatch.setattr(vs, "cpu_offload_chosen", lambda a: False)
     monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib: calls.append("uva"))
-    monkeypatch.setattr(server, "check_host_memory", lambda s, **kw: calls.append("host"))
+    monkeypatch.setattr(host_checks, "check_host_memory", lambda s, **kw: calls.append("host"))
     monkeypatch.setattr(vs, "device_total_bytes", lambda: device_total)
 
     class Settings:
@@ -198,7 +199,7 @@ def test_the_launcher_adds_no_ignored_offload_on_v2_and_checks_hbm(vllm026):
 
 
 def test_hbm_first_load_refusal():
-    from reap_swap.quant_budget import hbm_first_load_refusal
+    from reap_swap.sizing.quant.budget import hbm_first_load_refusal
 
     gib = 2**30
     assert hbm_first_load_refusal(27 * gib, 29 * gib, 1, 139 * gib, "x") is None
@@ -211,7 +212,7 @@ def test_hbm_first_load_refusal():
 
 
 def test_the_bench_refuses_stock_uva_where_the_runner_ignores_it(monkeypatch):
-    from reap_swap import bench_arms
+    from reap_swap.bench import arms as bench_arms
 
     spec = bench_arms.RunSpec(arm="stock-uva", label="stock-uva", budget_bytes=2**20, budget_dependent=True)
     shape = NS(architecture="DeepseekV2ForCausalLM", layer_expert_bytes=2**20, moe_layers=[1, 2])

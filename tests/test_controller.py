@@ -8,11 +8,11 @@ import json
 import pytest
 from reap_fakes import PLAN, FakeEngine, tiny_plan_doc
 
-from reap_swap.active_set import ActiveSetError, RefreshLimitExceeded, SwapRequest
-from reap_swap.cartridges import load_cartridges
-from reap_swap.controller import SwapController, UnknownCartridge, WorkerSwapFailed
-from reap_swap.forensics import summarize_router_misses
-from reap_swap.plan import load_plan
+from reap_swap.plan.active_set import ActiveSetError, RefreshLimitExceeded, SwapRequest
+from reap_swap.plan.cartridges import load_cartridges
+from reap_swap.plan.document import load_plan
+from reap_swap.plan.forensics import summarize_router_misses
+from reap_swap.server.controller import SwapController, UnknownCartridge, WorkerSwapFailed
 
 
 def run(coro):

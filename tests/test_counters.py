@@ -4,7 +4,7 @@ when the recording is compiled (fullgraph: no Python side effect, no graph break
 import pytest
 import torch
 
-from reap_swap.counting import counters
+from reap_swap.engine.counting import counters
 
 E = 8
 

@@ -81,7 +81,7 @@ def test_config_alias_looks_up_the_stock_expert_count():
 
 def test_device_caches_interface_on_a_fake_layer():
     """DeviceCaches.engage/forward/read_counters/on_swap/status with a toy kernel (CPU tensors)."""
-    from reap_swap.residency.device_cache_api import DeviceCaches
+    from reap_swap.engine.device_cache.api import DeviceCaches
 
     E, N, H = 8, 3, 4
     raw = torch.zeros((E + N) * H * H * 4, dtype=torch.uint8)
@@ -114,8 +114,8 @@ def test_device_caches_interface_on_a_fake_layer():
 
 
 def test_engine_lending_splits_the_pool_and_refuses_by_reason():
-    from reap_swap.residency.device_cache_api import DeviceCaches
-    from reap_swap.residency.device_cache_engine import CacheConfig, rehome_layer
+    from reap_swap.engine.device_cache.api import DeviceCaches
+    from reap_swap.engine.device_cache.lending import CacheConfig, rehome_layer
 
     cfg = CacheConfig(DeviceCaches(), slots_per_layer=4)
     assert cfg.split(20, 3) == 8 and cfg.refusal is None

@@ -12,12 +12,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.residency import device_cache_copy as dc  # noqa: E402
-from reap_swap.residency.device_cache_copy import copy_units_torch, unit_view  # noqa: E402
+from reap_swap.engine.device_cache import copy as dc  # noqa: E402
+from reap_swap.engine.device_cache.copy import copy_units_torch, unit_view  # noqa: E402
 
 SCRIPT = r"""
 import torch
-from reap_swap.residency import device_cache_copy as dc
+from reap_swap.engine.device_cache import copy as dc
 E, N, unit_bytes = 5, 4, 8 * (2 * dc.BLOCK + 100)  # a unit of three chunks, the last partial
 gen = torch.Generator().manual_seed(0)
 raw = torch.randint(0, 255, ((E + N) * unit_bytes,), dtype=torch.uint8, generator=gen)

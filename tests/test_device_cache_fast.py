@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from reap_swap.residency import device_cache_fast as fast  # noqa: E402
-from reap_swap.residency.device_cache import DeviceCache, _policy, step_counts  # noqa: E402
+from reap_swap.engine.device_cache import fast  # noqa: E402
+from reap_swap.engine.device_cache.layer import DeviceCache, _policy, step_counts  # noqa: E402
 from tests.triton_child import INTERPRETED, run_child_pytest  # noqa: E402
 
 PARENT = "test_the_fast_kernel_under_the_triton_interpreter"
@@ -137,10 +137,10 @@ def test_fast_refuses_more_than_512_experts():
 def test_fast_equals_torch_and_simulator_on_the_heldout_trace():
     """The committed mini trace (every step, one layer, core+dlfu at 25 %, padded to 8 rows):
     compare_layer checks the counters against the simulator, the twin step every state tensor."""
-    from reap_swap.cache_policy.replay import layer_slots
-    from reap_swap.plan import load_plan
-    from reap_swap.residency.device_cache_replay import Variant, compare_layer, make_cache
-    from reap_swap.trace import load_trace
+    from reap_swap.cache.replay import layer_slots
+    from reap_swap.cache.trace import load_trace
+    from reap_swap.engine.device_cache.replay import Variant, compare_layer, make_cache
+    from reap_swap.plan.document import load_plan
 
     trace, layer = load_trace("data/traces/mini-moe-heldout.npz"), 2
     plan = load_plan("research-notes/cache-sim/plan-0.25.json")

@@ -7,11 +7,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.cache_policy.device import DLFU  # noqa: E402
-from reap_swap.cache_policy.stepper import LayerCache  # noqa: E402
-from reap_swap.residency.device_cache import DeviceCache, LayerStep  # noqa: E402
-from reap_swap.residency.device_cache_seeded import SeededPins, plan_pin  # noqa: E402
-from reap_swap.residency.slot_table import PoolCapacityError  # noqa: E402
+from reap_swap.cache.device import DLFU  # noqa: E402
+from reap_swap.cache.slot_table import PoolCapacityError  # noqa: E402
+from reap_swap.cache.stepper import LayerCache  # noqa: E402
+from reap_swap.engine.device_cache.layer import DeviceCache, LayerStep  # noqa: E402
+from reap_swap.engine.device_cache.seeded import SeededPins, plan_pin  # noqa: E402
 
 E, C, K, B = 16, 6, 2, 8  # experts, cache slots (core + tail), top-k, unit elements
 
@@ -44,7 +44,7 @@ def _setup(core, fused=False):
     masters = torch.arange(E * B, dtype=torch.float32).reshape(E, B)
     units = torch.zeros(E + C, B)
     units[:E] = masters
-    step = LayerStep(DeviceCache(E, C, "cpu", 0.8), units, fused=fused)
+    step = LayerStep(DeviceCache(E, C, "cpu", 0.8), units, step="triton" if fused else "torch")
     step.seed(core)
     rng = FakeRange()
     pins = SeededPins(Caches(step), lambda l: rng, lambda l, s: ("slot", l, s))
@@ -158,8 +158,8 @@ def test_cuda_backend_routes_seeded_layers_to_the_cache_and_the_rest_to_the_tabl
     table moves; dry runs validate both."""
     from types import SimpleNamespace
 
-    from reap_swap.residency.cuda_backend import CudaResidency
-    from reap_swap.residency.slot_table import SlotTable
+    from reap_swap.cache.slot_table import SlotTable
+    from reap_swap.engine.residency.cuda_backend import CudaResidency
 
     masters, step, rng, pins = _setup([1, 3])
     pins.core = {0: frozenset({1, 3})}
@@ -191,8 +191,8 @@ def test_a_change_on_an_uncached_layer_pins_the_cached_ones_too():
     the cached layer's unchanged set is pinned (it stops being evictable) when layer 1 changes."""
     from types import SimpleNamespace
 
-    from reap_swap.residency.cuda_backend import CudaResidency
-    from reap_swap.residency.slot_table import SlotTable
+    from reap_swap.cache.slot_table import SlotTable
+    from reap_swap.engine.residency.cuda_backend import CudaResidency
 
     masters, step, rng, pins = _setup([1, 3])
     pins.core = {0: frozenset({1, 3})}

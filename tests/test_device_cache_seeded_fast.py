@@ -1,5 +1,5 @@
 """tests/test_device_cache_seeded.py's accounting agreement with the fast Triton policy step (what
-serving runs: DeviceCaches(fused=True)), under TRITON_INTERPRET=1 on CPU tensors in a child pytest."""
+serving runs: DeviceCaches(step="triton")), under TRITON_INTERPRET=1 on CPU tensors in a child pytest."""
 
 import pytest
 

@@ -21,7 +21,7 @@ E, N, B = 128, 64, 4  # experts, cache slots (core 32 + tail 32), unit elements 
 
 def replay(fused: bool, layers, steps: int, pinned=False):
     """(wrong reads, evictions of seeded experts, their later reads) over the trace."""
-    from reap_swap.residency.device_cache import DeviceCache, LayerStep
+    from reap_swap.engine.device_cache.layer import DeviceCache, LayerStep
 
     d = np.load(TRACE)
     ids_all, offs = d["topk_ids"], d["step_offsets"]
@@ -31,7 +31,7 @@ def replay(fused: bool, layers, steps: int, pinned=False):
         n = N // 2 if pinned else N
         units = torch.zeros(E + n, B, dtype=torch.int64)
         units[:E] = masters
-        step = LayerStep(DeviceCache(E, n, "cpu", 0.8), units, fused=fused)
+        step = LayerStep(DeviceCache(E, n, "cpu", 0.8), units, step="triton" if fused else "torch")
         if pinned:  # the control (core+dlfu): the core pinned in its own units
             step.cache.set_pinned(range(32))
         else:

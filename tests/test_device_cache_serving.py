@@ -10,13 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.residency.device_cache import DeviceCache, LayerStep  # noqa: E402
-from reap_swap.residency.device_cache_copy import copy_units_torch, unit_view  # noqa: E402
-from reap_swap.residency.device_cache_serving import (  # noqa: E402
-    DeviceCacheView,
-    cache_config_for,
-    on_swap,
-)
+from reap_swap.engine.device_cache.copy import copy_units_torch, unit_view  # noqa: E402
+from reap_swap.engine.device_cache.layer import DeviceCache, LayerStep  # noqa: E402
+from reap_swap.engine.device_cache.serving import DeviceCacheView, cache_config_for, on_swap  # noqa: E402
 
 PLAN = SimpleNamespace(layers={0: SimpleNamespace(core=[0, 1]), 1: SimpleNamespace(core=[2])})
 
@@ -30,7 +26,7 @@ def test_config_from_settings():
     assert "lfu (dlfu) only" in cache_config_for(_s(cache="lru"), PLAN)[1]
     assert cache_config_for(_s(cache="off"), PLAN) == (None, "--reap-cache off")
     cfg, why = cache_config_for(_s(cache_slots=9), PLAN)
-    assert why is None and cfg.slots_per_layer == 4 and not cfg.auto and cfg.caches.fused
+    assert why is None and cfg.slots_per_layer == 4 and not cfg.auto and cfg.caches.step == "triton"
     auto = cache_config_for(_s(), PLAN)[0]
     assert auto.split(11, 2, {0: [0, 1], 1: [2]}) == 3 and auto.slots_per_layer == 4  # (11-3)//2
     full = cache_config_for(_s(), PLAN)[0]  # every pooled expert pinned (issue 17's decode guard)
@@ -77,7 +73,8 @@ def test_seeded_is_served_on_cuda_without_any_opt_in(caplog):
     """Run 23 (H200): two serves of seeded bitwise equal to stock at every logprob, so
     --reap-cache-seed seeded builds the seeded CacheConfig on CUDA whenever asked: no fallback to
     the pinned form, no refusal or UNVERIFIED line in the log, /reap/status cache.seed says so."""
-    from reap_swap.settings import Settings, resolve
+    from reap_swap.config.flags import resolve
+    from reap_swap.config.settings import Settings
 
     assert "cache_seed_unverified" not in Settings.model_fields
     settings = resolve({}, SEEDED_ENV).settings
@@ -104,10 +101,10 @@ def test_seeded_is_served_on_cuda_without_any_opt_in(caplog):
 def test_the_retired_seeded_opt_in_variable_is_accepted_ignored_and_warned(caplog, value):
     """REAP_SWAP_UNVERIFIED_SEEDED_CACHE (retired in run 23): no error, a warning naming it and why,
     and the same settings and the same served seeded form as without it."""
-    from reap_swap.settings import resolve
+    from reap_swap.config.flags import resolve
 
     env = "REAP_SWAP_UNVERIFIED_SEEDED_CACHE"
-    with caplog.at_level("WARNING", logger="reap_swap.settings"):
+    with caplog.at_level("WARNING", logger="reap_swap.config.settings"):
         r = resolve({}, {**SEEDED_ENV, env: value})
     assert r.settings == resolve({}, SEEDED_ENV).settings
     warned = [rec.getMessage() for rec in caplog.records if env in rec.getMessage()]
@@ -118,7 +115,7 @@ def test_the_retired_seeded_opt_in_variable_is_accepted_ignored_and_warned(caplo
 
 
 def test_the_retired_seeded_opt_in_flag_is_accepted_ignored_warned_and_kept_from_vllm(caplog):
-    from reap_swap.settings import RETIRED, resolve, split_argv
+    from reap_swap.config.flags import RETIRED, resolve, split_argv
 
     flag = "--reap-unverified-seeded-cache"
     assert "research.md" in RETIRED[flag] and "without an opt-in" in RETIRED[flag]
@@ -132,7 +129,7 @@ def test_the_retired_seeded_opt_in_flag_is_accepted_ignored_warned_and_kept_from
         "--reap-cache-seed",
         "seeded",
     ]
-    with caplog.at_level("WARNING", logger="reap_swap.settings"):
+    with caplog.at_level("WARNING", logger="reap_swap.config.settings"):
         ns, vllm_argv = split_argv([*argv, "--port", "8000"])
     assert vllm_argv == ["org/m", "--port", "8000"]  # vLLM never sees the retired flag
     warned = [r.getMessage() for r in caplog.records if flag in r.getMessage()]
@@ -152,7 +149,7 @@ def test_the_retired_seeded_opt_in_flag_is_accepted_ignored_warned_and_kept_from
 def test_seeded_config_splits_like_accounting_mode():
     """--reap-cache-seed seeded: per-layer C_l = accounting's replay.layer_slots(core + tail,
     "core+tail"); auto lends the whole pool (K = 0); N is the tail beyond the core; too big refused."""
-    from reap_swap.cache_policy.replay import layer_slots
+    from reap_swap.cache.replay import layer_slots
 
     core = {0: [0, 1], 1: [2]}
     auto = cache_config_for(_seeded(), PLAN)[0]
@@ -173,8 +170,8 @@ def test_seeded_config_splits_like_accounting_mode():
 def test_seeded_refused_layers_before_any_lending_give_their_slots_back(monkeypatch):
     """A layer the cache refuses under seeded (e.g. an unsupported kernel) needs its core pinned by
     the swap table: while nothing is lent yet its share [K, K + C_l) is returned to the table."""
-    from reap_swap.residency import device_cache_engine as dce
-    from reap_swap.residency.slot_table import SlotTable
+    from reap_swap.cache.slot_table import SlotTable
+    from reap_swap.engine.device_cache import lending as dce
 
     cfg = cache_config_for(_seeded(), PLAN)[0]
     k = cfg.split(11, 2, {0: [0, 1], 1: [2]})
@@ -188,8 +185,8 @@ def test_seeded_refused_layers_before_any_lending_give_their_slots_back(monkeypa
 
 def test_seeded_share_is_capped_at_the_layers_experts(monkeypatch):
     """A share beyond the layer's E (accounting's layer_slots caps it too) lends only E slots."""
-    from reap_swap.residency import device_cache_engine as dce
-    from reap_swap.residency.slot_table import SlotTable
+    from reap_swap.cache.slot_table import SlotTable
+    from reap_swap.engine.device_cache import lending as dce
 
     cfg = cache_config_for(_seeded(), PLAN)[0]
     assert cfg.split(11, 2, {0: [0, 1], 1: [2]}) == 0 and cfg.layer_slots[0] == 6
@@ -210,8 +207,8 @@ def test_a_unit_beyond_w13_and_w2_is_refused_by_name_not_silently(monkeypatch):
     """rehome_plain: a re-homed unit holding more than w13_weight + w2_weight (the slot copy moves
     only those) leaves the layer on the plain engine WITH a refusal in /reap/status, and in the
     seeded form gives its share back to the swap table as any refused layer does."""
-    from reap_swap.residency import device_cache_engine as dce
-    from reap_swap.residency.slot_table import SlotTable
+    from reap_swap.cache.slot_table import SlotTable
+    from reap_swap.engine.device_cache import lending as dce
 
     cfg = cache_config_for(_seeded(), PLAN)[0]
     k = cfg.split(11, 2, {0: [0, 1], 1: [2]})
@@ -231,8 +228,8 @@ def test_a_unit_beyond_w13_and_w2_is_refused_by_name_not_silently(monkeypatch):
 def test_a_non_plain_unit_under_a_refused_split_gives_nothing_back():
     """With the whole cache refused (nothing lent), a non-plain layer records the cache's reason and
     the swap table keeps its size."""
-    from reap_swap.residency import device_cache_engine as dce
-    from reap_swap.residency.slot_table import SlotTable
+    from reap_swap.cache.slot_table import SlotTable
+    from reap_swap.engine.device_cache import lending as dce
 
     cfg = cache_config_for(_seeded(cache_slots=20), PLAN)[0]
     k = cfg.split(11, 2, {0: [0, 1], 1: [2]})

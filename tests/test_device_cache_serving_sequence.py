@@ -15,8 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.residency.device_cache import DeviceCache, LayerStep  # noqa: E402
-from reap_swap.residency.device_cache_copy import unit_view  # noqa: E402
+from reap_swap.engine.device_cache.copy import unit_view  # noqa: E402
+from reap_swap.engine.device_cache.layer import DeviceCache, LayerStep  # noqa: E402
 
 E, N, TOPK, H, INTER = 128, 32, 8, 16, 8
 UNIT_ELEMS = 2 * INTER * H + H * INTER + 64  # w13, w2, then padding (units are padded in HBM too)

@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.residency import device_cache_shadow as shadow_mod  # noqa: E402
-from reap_swap.residency.device_cache_api import DeviceCaches  # noqa: E402
+from reap_swap.engine.device_cache import shadow as shadow_mod  # noqa: E402
+from reap_swap.engine.device_cache.api import DeviceCaches  # noqa: E402
 
 E, N, H = 8, 3, 4
 
@@ -62,7 +62,7 @@ def test_shadow_is_silent_when_equal_and_pinpoints_a_corrupted_slot(mode):
 
 
 def test_shadow_mode_from_the_settings():
-    from reap_swap.settings import Settings
+    from reap_swap.config.settings import Settings
 
     assert shadow_mod.shadow_mode(SimpleNamespace()) is None
     for raw, want in (("off", None), ("out", "out"), ("bytes", "bytes")):

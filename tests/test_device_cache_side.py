@@ -16,8 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from reap_swap.compat import moe_cache  # noqa: E402
-from reap_swap.residency.device_cache_api import DeviceCaches, bind_slot_rows  # noqa: E402
-from reap_swap.residency.device_cache_side import SlotRows  # noqa: E402
+from reap_swap.engine.device_cache.api import DeviceCaches, bind_slot_rows  # noqa: E402
+from reap_swap.engine.device_cache.side import SlotRows  # noqa: E402
 
 E, N, H, INTER, TOPK, BLK = 12, 4, 8, 4, 2, 2
 
@@ -197,7 +197,7 @@ def test_seeded_swaps_pinned_in_the_slots_keep_every_slot_row_right(monkeypatch)
     (run 29's online-FP8 seeded arm moved after its swaps; this rules out the rows' logic, on CPU)."""
     from test_device_cache_seeded import FakeRange  # its recorded remaps (a CPU range reads the masters)
 
-    from reap_swap.residency.device_cache_seeded import SeededPins
+    from reap_swap.engine.device_cache.seeded import SeededPins
 
     layer = _layer()
     caches = _engage(monkeypatch, layer, seed=[3, 7, 9, 11])

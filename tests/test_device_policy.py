@@ -7,13 +7,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.cache_policy import simulate  # noqa: E402
-from reap_swap.cache_policy.device import DLFU, SCORE_MAX, decay_numerator, update_scores  # noqa: E402
-from reap_swap.cache_policy.replay import POLICIES, layer_slots  # noqa: E402
-from reap_swap.plan import load_plan  # noqa: E402
-from reap_swap.residency.device_cache import DeviceCache, remap_ids, step_counts  # noqa: E402
-from reap_swap.residency.device_cache_replay import Variant, compare_layer  # noqa: E402
-from reap_swap.trace import load_trace  # noqa: E402
+from reap_swap.cache import simulate  # noqa: E402
+from reap_swap.cache.device import DLFU, SCORE_MAX, decay_numerator, update_scores  # noqa: E402
+from reap_swap.cache.replay import POLICIES, layer_slots  # noqa: E402
+from reap_swap.cache.trace import load_trace  # noqa: E402
+from reap_swap.engine.device_cache.layer import DeviceCache, remap_ids, step_counts  # noqa: E402
+from reap_swap.engine.device_cache.replay import Variant, compare_layer  # noqa: E402
+from reap_swap.plan.document import load_plan  # noqa: E402
 
 HELDOUT = "data/traces/mini-moe-heldout.npz"
 CALIB = "data/traces/mini-moe-calibration.npz"
@@ -121,8 +121,8 @@ def test_seed_and_set_pinned_refuse_bad_input():
 def test_layer_step_chain_is_bitwise_equal_on_a_toy_kernel(compiled):
     """step -> copy -> remap -> a kernel over E + N units, on CPU: the slot units hold the bytes
     of the experts the remapped ids name, so a toy MoE gives bitwise the stock result."""
-    from reap_swap.residency.device_cache import LayerStep
-    from reap_swap.residency.device_cache_copy import copy_units_torch, unit_view
+    from reap_swap.engine.device_cache.copy import copy_units_torch, unit_view
+    from reap_swap.engine.device_cache.layer import LayerStep
 
     E, N, H = 12, 4, 16
     gen = torch.Generator().manual_seed(1)
@@ -131,7 +131,9 @@ def test_layer_step_chain_is_bitwise_equal_on_a_toy_kernel(compiled):
     w[:E] = torch.randn(E, H, H, generator=gen)
     stock = w[:E].clone()
     units = unit_view(raw, E + N, H * H * 4)
-    layer = LayerStep(DeviceCache(E, N, "cpu"), units, copy_units_torch, compiled=compiled)
+    layer = LayerStep(
+        DeviceCache(E, N, "cpu"), units, copy_units_torch, step="compiled" if compiled else "torch"
+    )
     for t in range(60):
         rows = 1 + t % 5
         ids = torch.multinomial(torch.linspace(1, 3, E), 2 * rows, generator=gen).view(rows, 2)

@@ -10,9 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.residency import engine as engine_mod  # noqa: E402
-from reap_swap.residency.binding import meta_tensors  # noqa: E402
-from reap_swap.residency.refusals import LayerRefusals  # noqa: E402
+from reap_swap.engine.residency import engine as engine_mod  # noqa: E402
+from reap_swap.engine.residency.binding import meta_tensors  # noqa: E402
+from reap_swap.engine.residency.refusals import LayerRefusals  # noqa: E402
 
 E, H, I = 4, 256, 128
 
@@ -89,8 +89,8 @@ def test_an_unsupported_layer_outside_the_plan_names_what_is_unsupported():
 
 
 def test_status_carries_each_workers_engine_facts_and_the_fallbacks_per_layer_refusals():
-    from reap_swap.residency.accounting import AccountingResidency
-    from reap_swap.swap_report import engine_summary
+    from reap_swap.engine.residency.accounting import AccountingResidency
+    from reap_swap.server.swap_report import engine_summary
 
     why = {"model.layers.0.mlp.experts": "<layout>: MarlinExperts implies the expert stride"}
     fallback = AccountingResidency({0: frozenset()}, 8, "CUDA residency engine unavailable (...)", why)
@@ -110,7 +110,7 @@ def test_status_carries_each_workers_engine_facts_and_the_fallbacks_per_layer_re
 def _recording_engine(monkeypatch, cache=None, core=(1, 2)):
     """cpu_engine with the byte-moving steps replaced by recorders: what attach_after_load calls,
     in which order, with what (the real steps need CUDA; tests/gpu/test_cuda_engine.py runs them)."""
-    from reap_swap.residency import device_cache_engine
+    from reap_swap.engine.device_cache import lending as device_cache_engine
 
     calls = []
     eng = cpu_engine()
@@ -210,10 +210,10 @@ def test_attach_releases_the_exact_pinned_copies_after_pointing_the_parameters(m
 def test_the_servers_swap_publish_setting_reaches_the_engine_state_and_its_store(monkeypatch):
     """--reap-swap-publish 8 (run 24's way back to chunks): the worker runtime builds the engine with
     it, the engine's state carries it, and a store built as production builds it (VmmStore(st)) uses it."""
-    from reap_swap.residency.swap import PUBLISH_AHEAD
-    from reap_swap.residency.vmm_store import VmmStore
-    from reap_swap.runtime import WorkerRuntime
-    from reap_swap.settings import Settings
+    from reap_swap.config.settings import Settings
+    from reap_swap.engine.residency.swap import PUBLISH_AHEAD
+    from reap_swap.engine.residency.vmm_store import VmmStore
+    from reap_swap.engine.runtime import WorkerRuntime
 
     monkeypatch.setattr(engine_mod.vmm, "ensure_available", lambda device: 2 << 20)
     monkeypatch.setattr(engine_mod.torch.cuda, "Stream", lambda device=None: "stream")

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_planner import routed, shape_for, stats_from_routing
 
-from reap_swap.evaluate import best_slices_cover, evaluate, evaluate_observations, format_report
-from reap_swap.observation_types import LayerStats, Observations, RecordCounts
-from reap_swap.plan import load_plan
-from reap_swap.planner import PlannerConfig, build_plan
+from reap_swap.plan.document import load_plan
+from reap_swap.planner.build import PlannerConfig, build_plan
+from reap_swap.planner.evaluate import best_slices_cover, evaluate, evaluate_observations, format_report
+from reap_swap.planner.observation_types import LayerStats, Observations, RecordCounts
 
 PE = 3 * 64 * 32 * 2
 

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from reap_swap import server
 from reap_swap.compat import pinning
-from reap_swap.host_memory import GIB, pow2_ceil
-from reap_swap.model_shape import read_model_shape
+from reap_swap.server import host_checks
+from reap_swap.server import launcher as server
+from reap_swap.sizing.host_memory import GIB, pow2_ceil
+from reap_swap.sizing.model_shape import read_model_shape
 
 DATA = Path(__file__).parent / "data"
 BIG = pinning.MIN_EXACT_BYTES + 3 * (1 << 20)  # not a power of two
@@ -188,12 +189,12 @@ def test_drain_keeps_the_view_as_source_when_unregistering_fails(monkeypatch):
 
 
 def test_the_engine_copies_in_blocks_and_releases_only_what_was_copied(monkeypatch):
-    """engine.rehome with a stand-in host range: on_copied(e0, e1) comes after experts [e0, e1) are
+    """state.rehome with a stand-in host range: on_copied(e0, e1) comes after experts [e0, e1) are
     in their units, blocks cover every expert once, and the views equal the source."""
     import torch
 
-    from reap_swap.residency import engine
-    from reap_swap.residency.unit_layout import plan_unit
+    from reap_swap.engine.residency import state
+    from reap_swap.sizing.unit_layout import plan_unit
 
     w13 = torch.arange(16 * 4 * 8, dtype=torch.float32).reshape(16, 4, 8)
     w2 = -torch.arange(16 * 8 * 2, dtype=torch.float32).reshape(16, 8, 2)
@@ -203,12 +204,12 @@ def test_the_engine_copies_in_blocks_and_releases_only_what_was_copied(monkeypat
     fake_range = types.SimpleNamespace(as_bytes=lambda: backing, grow=grown.append)
     created = []
     monkeypatch.setattr(
-        engine.vmm.MixedRange,
+        state.vmm.MixedRange,
         "create_host_backed",
         lambda n, unit, dev, allocate=None: created.append(allocate) or fake_range,
     )
-    monkeypatch.setattr(engine.torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(engine, "RELEASE_BLOCK_BYTES", 3 * (128 + 64))  # 3 experts a block
+    monkeypatch.setattr(state.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(state, "RELEASE_BLOCK_BYTES", 3 * (128 + 64))  # 3 experts a block
     blocks = []
 
     def on_copied(e0, e1):
@@ -216,12 +217,12 @@ def test_the_engine_copies_in_blocks_and_releases_only_what_was_copied(monkeypat
         blocks.append((e0, e1, bool(views_now.count_nonzero())))
         return 0
 
-    _, _, views = engine.rehome({"w13_weight": w13, "w2_weight": w2}, layout, 0, on_copied=on_copied)
+    _, _, views = state.rehome({"w13_weight": w13, "w2_weight": w2}, layout, 0, on_copied=on_copied)
     assert [b[:2] for b in blocks] == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 15), (15, 16)]
     assert created == [0] and grown == [3, 6, 9, 12, 15, 16, 16]  # each block's units, then the rest
     assert torch.equal(views["w13_weight"], w13) and torch.equal(views["w2_weight"], w2)
     blocks.clear(), grown.clear()
-    engine.rehome({"w13_weight": w13, "w2_weight": w2}, layout, 0)
+    state.rehome({"w13_weight": w13, "w2_weight": w2}, layout, 0)
     assert blocks == [] == grown and created[-1] is None  # no callback: every unit allocated at creation
 
 
@@ -246,8 +247,8 @@ def test_the_host_check_counts_exact_bytes_with_the_setting(tmp_path, monkeypatc
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     with pytest.raises(server.LaunchError, match="power of two"):
-        server.check_host_memory(shape, meminfo, uva_tp=1)
-    server.check_host_memory(shape, meminfo, uva_tp=1, exact=True)  # 63 + 31.5 + 6 = 100.5 GiB
+        host_checks.check_host_memory(shape, meminfo, uva_tp=1)
+    host_checks.check_host_memory(shape, meminfo, uva_tp=1, exact=True)  # 63 + 31.5 + 6 = 100.5 GiB
     assert shape.total_expert_bytes == 63 * GIB
 
 
@@ -262,13 +263,13 @@ def test_the_host_check_counts_one_block_when_the_re_home_drains(tmp_path, monke
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     with pytest.raises(server.LaunchError, match=r"21\.0 GiB \(one layer being re-homed\).*= 90\.0 GiB"):
-        server.check_host_memory(shape, meminfo, uva_tp=1, exact=True)
+        host_checks.check_host_memory(shape, meminfo, uva_tp=1, exact=True)
     with caplog.at_level("INFO"):
-        server.check_host_memory(shape, meminfo, uva_tp=1, exact=True, drained=True)
+        host_checks.check_host_memory(shape, meminfo, uva_tp=1, exact=True, drained=True)
     assert "69.5 GiB needed" in caplog.text
     meminfo.write_text(f"MemAvailable:   {66 * GIB // 1024} kB\n")
     with pytest.raises(server.LaunchError, match=r"0\.5 GiB \(one 0\.5 GiB block .*--reap-exact-pinning\)"):
-        server.check_host_memory(shape, meminfo, uva_tp=1, exact=True, drained=True)
+        host_checks.check_host_memory(shape, meminfo, uva_tp=1, exact=True, drained=True)
 
 
 @pytest.mark.parametrize(
@@ -282,7 +283,7 @@ def test_the_host_check_counts_one_block_when_the_re_home_drains(tmp_path, monke
 )
 def test_only_private_units_without_the_device_cache_drain(knobs, drains):
     base = {"exact_pinning": False, "group_size": "1", "cache_device": "off"}
-    assert server.drains_in_blocks(SimpleNamespace(**{**base, **knobs})) is drains
+    assert host_checks.drains_in_blocks(SimpleNamespace(**{**base, **knobs})) is drains
 
 
 def test_discard_returns_the_pages_to_the_kernel():
@@ -341,7 +342,7 @@ def _v3_depth6():
     ],
 )
 def test_auto_pays_for_the_v3_and_kimi_shapes_only(shape_of, on):
-    from reap_swap.host_memory import exact_pinning_pays, uva_pinned_bytes
+    from reap_swap.sizing.host_memory import exact_pinning_pays, uva_pinned_bytes
 
     s = shape_of()
     fmt = s.expert_format
@@ -362,14 +363,15 @@ def test_auto_pays_for_the_v3_and_kimi_shapes_only(shape_of, on):
     ],
 )
 def test_the_setting_is_auto_by_default_and_the_environment_wins(env, flag, want):
-    from reap_swap.settings import resolve, split_argv
+    from reap_swap.config.flags import resolve, split_argv
 
     flags, _ = split_argv(["--reap-plan", "p.json", *(["--reap-exact-pinning"] if flag else [])])
     assert resolve(flags, env).settings.exact_pinning == want
 
 
 def test_a_bad_value_is_refused_by_name():
-    from reap_swap.settings import SettingsError, resolve
+    from reap_swap.config.flags import resolve
+    from reap_swap.config.settings import SettingsError
 
     with pytest.raises(SettingsError, match="REAP_SWAP_EXACT_PINNING"):
         resolve({"plan_file": "p.json"}, {"REAP_SWAP_EXACT_PINNING": "sometimes"})
@@ -380,7 +382,8 @@ def _uva_launch(monkeypatch, shape, env=None, **knobs):
     counted."""
     import argparse
 
-    from reap_swap.settings import ADDITIONAL_CONFIG_KEY, resolve
+    from reap_swap.config.flags import resolve
+    from reap_swap.config.settings import ADDITIONAL_CONFIG_KEY
 
     settings = resolve({"plan_file": "p.json", **knobs}, env or {}).settings
     vs = server.vllm_serve
@@ -390,7 +393,7 @@ def _uva_launch(monkeypatch, shape, env=None, **knobs):
     monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib: None)
     monkeypatch.setattr(server.vllm_runner, "offload_ignored_reason", lambda *a: None)
     checked = []
-    monkeypatch.setattr(server, "check_host_memory", lambda s, **kw: checked.append(kw))
+    monkeypatch.setattr(host_checks, "check_host_memory", lambda s, **kw: checked.append(kw))
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     args = argparse.Namespace(quantization=None, additional_config=None)
@@ -438,7 +441,7 @@ def test_the_default_device_cache_yields_only_where_the_host_needs_exact_pinning
     keeps the cache even where exact pinning would pay (the kit's Qwen3-30B shape: 1.42x)."""
     import argparse
 
-    from reap_swap.settings import resolve
+    from reap_swap.config.flags import resolve
 
     monkeypatch.setattr(server.vllm_serve, "platform_name", lambda: "cuda")
     args = argparse.Namespace(tensor_parallel_size=1, pipeline_parallel_size=1)
@@ -447,11 +450,13 @@ def test_the_default_device_cache_yields_only_where_the_host_needs_exact_pinning
     small.write_text(f"MemAvailable: {90 * 2**20} kB\n")  # 90 GiB: 72 rounded + a 21 GiB layer do not fit
     big.write_text(f"MemAvailable: {1024 * 2**20} kB\n")
     v3 = server.resolve_cache_form(settings, args, _v3_depth6(), small)
-    assert (v3.cache_device, v3.cache_seed) == ("off", "pinned") and server.drains_in_blocks(v3, exact=True)
+    assert (v3.cache_device, v3.cache_seed) == ("off", "pinned") and host_checks.drains_in_blocks(
+        v3, exact=True
+    )
     roomy = server.resolve_cache_form(settings, args, _v3_depth6(), big)
     assert (roomy.cache_device, roomy.cache_seed) == ("on", "seeded")
     mix = server.resolve_cache_form(settings, args, read_model_shape(DATA / "mixtral_8x7b_config.json"), big)
-    assert (mix.cache_device, mix.cache_seed) == ("on", "seeded") and not server.drains_in_blocks(
+    assert (mix.cache_device, mix.cache_seed) == ("on", "seeded") and not host_checks.drains_in_blocks(
         mix, exact=True
     )
     forced = resolve({"plan_file": "p.json", "exact_pinning": True}, {}).settings
@@ -463,7 +468,7 @@ def test_the_default_device_cache_yields_only_where_the_host_needs_exact_pinning
 def test_online_fp8_keeps_the_static_path_by_default(monkeypatch):
     import argparse
 
-    from reap_swap.settings import resolve
+    from reap_swap.config.flags import resolve
 
     monkeypatch.setattr(server.vllm_serve, "platform_name", lambda: "cuda")
     args = argparse.Namespace(tensor_parallel_size=1, pipeline_parallel_size=1, quantization="fp8")

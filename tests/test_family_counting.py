@@ -6,8 +6,8 @@ import torch
 
 pytest.importorskip("vllm", reason="needs vLLM's RoutedExperts")
 
-from reap_swap import routed_experts as experts  # noqa: E402
 from reap_swap.compat import moe as vllm_moe  # noqa: E402
+from reap_swap.engine import routed_experts as experts  # noqa: E402
 
 
 def bare(cls: type, layer_name: str) -> torch.nn.Module:

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reap_swap.forensics import (
+from reap_swap.plan.forensics import (
     ForensicsLog,
     StatsLedger,
     add_stats,

@@ -1,4 +1,4 @@
-"""The pure core of grouped residency units (reap_swap.group_layout): order, groups, set costs."""
+"""The pure core of grouped residency units (reap_swap.sizing.groups): order, groups, set costs."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from reap_swap import group_layout as gl
-from reap_swap.quant_padding import MiB, group_bytes_per_expert, qwen3_30b_formats
+from reap_swap.sizing import groups as gl
+from reap_swap.sizing.quant.padding import MiB, group_bytes_per_expert, qwen3_30b_formats
 
 BF16 = (("w13_weight", 1536 * 2048 * 2), ("w2_weight", 2048 * 768 * 2))
 FP8 = (("w13_weight", 1536 * 2048), ("w2_weight", 2048 * 768))
@@ -94,7 +94,7 @@ def test_plan_order_makes_plan_sets_cheap_and_id_order_does_not():
 
 
 def test_plan_permutations_from_a_real_plan():
-    from reap_swap.plan import load_plan
+    from reap_swap.plan.document import load_plan
 
     plan = load_plan(PLAN)
     perms = gl.plan_permutations(plan)

@@ -18,14 +18,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap import settings as settings_mod  # noqa: E402
-from reap_swap.group_layout import GroupLayout, group_pool_slots, plan_groups  # noqa: E402
-from reap_swap.residency import engine as engine_mod  # noqa: E402
-from reap_swap.residency import grouped, grouped_engine, vmm  # noqa: E402
-from reap_swap.residency.grouped_backend import GroupedResidency  # noqa: E402
-from reap_swap.residency.refusals import LayerRefusals  # noqa: E402
-from reap_swap.residency.slot_table import PoolCapacityError  # noqa: E402
-from reap_swap.residency.swap import SwapStepFailed  # noqa: E402
+from reap_swap.cache.slot_table import PoolCapacityError  # noqa: E402
+from reap_swap.config import flags as reap_flags  # noqa: E402
+from reap_swap.config import settings as settings_mod  # noqa: E402
+from reap_swap.engine import vmm  # noqa: E402
+from reap_swap.engine.residency import engine as engine_mod  # noqa: E402
+from reap_swap.engine.residency import grouped, grouped_engine  # noqa: E402
+from reap_swap.engine.residency.grouped_backend import GroupedResidency  # noqa: E402
+from reap_swap.engine.residency.refusals import LayerRefusals  # noqa: E402
+from reap_swap.engine.residency.state import EngineState  # noqa: E402
+from reap_swap.engine.residency.swap import SwapStepFailed  # noqa: E402
+from reap_swap.sizing.groups import GroupLayout, group_pool_slots, plan_groups  # noqa: E402
 
 MIB = 2**20
 G = 2 * MIB
@@ -199,9 +202,7 @@ def fake_plan(expert_slots=6, per_expert=3 * H * I):
 def cpu_engine(group_size, plan=None, quant=BLOCK_CFG, cache=None):
     plan = plan or fake_plan()
     eng = engine_mod.CudaEngine(plan, LayerRefusals(), cache=cache, group_size=group_size)
-    state = engine_mod.EngineState(
-        device=0, plan=plan, budget_bytes=plan.swappable_budget_bytes, granularity=G
-    )
+    state = EngineState(device=0, plan=plan, budget_bytes=plan.swappable_budget_bytes, granularity=G)
     eng.state = state
     eng._state_for = lambda layer: state
 
@@ -254,7 +255,7 @@ def _routing(seed, tokens=6):
 
 # -- settings --------------------------------------------------------------------------------------
 def _resolve(flags=None, env=None):
-    return settings_mod.resolve({"plan_file": "p.json", **(flags or {})}, env or {})
+    return reap_flags.resolve({"plan_file": "p.json", **(flags or {})}, env or {})
 
 
 def test_group_size_setting_defaults_to_private_units_and_parses_env_and_flag():
@@ -264,7 +265,7 @@ def test_group_size_setting_defaults_to_private_units_and_parses_env_and_flag():
     assert settings_mod.Settings(group_size=4).group_size == "4"
     with pytest.raises(settings_mod.SettingsError, match="REAP_GROUP_SIZE"):
         _resolve(env={"REAP_GROUP_SIZE": "3"})
-    ns, rest = settings_mod.split_argv(["--reap-group-size", "auto", "--model", "m"])
+    ns, rest = reap_flags.split_argv(["--reap-group-size", "auto", "--model", "m"])
     assert ns.group_size == "auto" and rest == ["--model", "m"]
     cfg = _resolve({"group_size": "auto"}).settings.to_worker_config()
     assert settings_mod.Settings.from_worker_config(cfg).group_size == "auto"
@@ -368,7 +369,7 @@ def test_fp8_layers_attach_in_groups_of_two_and_compute_what_stock_computes(cpu_
 
 
 def test_capacity_is_in_groups_checked_before_anything_moves_and_failures_roll_back(cpu_vmm):
-    from reap_swap.residency.fault import FaultInjectingBackend
+    from reap_swap.engine.residency.fault import FaultInjectingBackend
 
     eng = cpu_engine("2")
     for l in (0, 1):
@@ -443,8 +444,8 @@ def test_decide_falls_back_to_private_units_with_the_device_cache_and_after_priv
 
 
 def test_status_reports_layout_b_why_groups_and_hbm_and_reaches_reap_status(cpu_vmm):
-    from reap_swap import wire
-    from reap_swap.swap_report import brief, engine_summary
+    from reap_swap.engine import wire
+    from reap_swap.server.swap_report import brief, engine_summary
 
     eng = cpu_engine("auto")
     for l in (0, 1):
@@ -467,7 +468,7 @@ def test_status_reports_layout_b_why_groups_and_hbm_and_reaches_reap_status(cpu_
 
 # -- the remap in forward_modular --------------------------------------------------------------------
 def test_forward_modular_counts_logical_ids_and_hands_the_kernel_physical_ids(monkeypatch):
-    experts = pytest.importorskip("reap_swap.routed_experts")
+    experts = pytest.importorskip("reap_swap.engine.routed_experts")
     seen = {}
     monkeypatch.setattr(
         experts.counters, "record", lambda m, ids, w, **k: seen.setdefault("counted", ids.clone())

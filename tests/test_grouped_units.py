@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.group_layout import Permutation, physical_order, plan_groups  # noqa: E402
-from reap_swap.residency import grouped  # noqa: E402
-from reap_swap.residency.slot_table import PoolCapacityError, SlotTable  # noqa: E402
+from reap_swap.cache.slot_table import PoolCapacityError, SlotTable  # noqa: E402
+from reap_swap.engine.residency import grouped  # noqa: E402
+from reap_swap.sizing.groups import Permutation, physical_order, plan_groups  # noqa: E402
 
 E = 8
 FP8 = (("w13_weight", 1536 * 2048), ("w2_weight", 2048 * 768))

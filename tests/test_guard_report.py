@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from reap_swap.guard_report import cache_not_engaged, decode_markdown, decode_summary, swap_summary
+from reap_swap.bench.guards import cache_not_engaged, decode_markdown, decode_summary, swap_summary
 
 
 def _swap_samples():

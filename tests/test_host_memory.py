@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from reap_swap import server
-from reap_swap.host_memory import (
+from reap_swap.server import host_checks
+from reap_swap.server.launcher import LaunchError
+from reap_swap.sizing.host_memory import (
     GIB,
     PROCESS_MARGIN_BYTES,
     HostMemoryNeed,
@@ -15,8 +16,7 @@ from reap_swap.host_memory import (
     round_threshold_bytes,
     uva_pinned_bytes,
 )
-from reap_swap.model_shape import read_model_shape
-from reap_swap.server import LaunchError
+from reap_swap.sizing.model_shape import read_model_shape
 
 QWEN35 = Path(__file__).parent / "data" / "qwen3_5_moe_35b_a3b_config.json"
 MEMINFO = "MemTotal:       131963392 kB\nMemFree:        1000 kB\nMemAvailable:   130023424 kB\n"
@@ -44,10 +44,10 @@ def test_the_launcher_refuses_before_loading(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemAvailable:   33554432 kB\n")  # 32 GiB
     with pytest.raises(LaunchError, match="cannot hold the model's experts"):
-        server.check_host_memory(shape, meminfo)
+        host_checks.check_host_memory(shape, meminfo)
     meminfo.write_text(MEMINFO)
-    server.check_host_memory(shape, meminfo)  # 124 GiB: fits
-    server.check_host_memory(shape, tmp_path / "absent")  # unreadable: warned, not refused
+    host_checks.check_host_memory(shape, meminfo)  # 124 GiB: fits
+    host_checks.check_host_memory(shape, tmp_path / "absent")  # unreadable: warned, not refused
 
 
 DATA = Path(__file__).parent / "data"
@@ -96,15 +96,15 @@ def test_kimi_k2_depth3_is_refused_on_the_h200_host_with_the_rounding_named(tmp_
     meminfo.write_text(MEMINFO)  # 124 GiB available
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    server.check_host_memory(shape, meminfo)  # the engine's exact copies only: 100.5 GiB fits
+    host_checks.check_host_memory(shape, meminfo)  # the engine's exact copies only: 100.5 GiB fits
     with pytest.raises(LaunchError) as err:
-        server.check_host_memory(shape, meminfo, uva_tp=1)
+        host_checks.check_host_memory(shape, meminfo, uva_tp=1)
     msg = str(err.value)
     assert "96.0 GiB (63.0 GiB of experts" in msg and "power of two" in msg and "133.5 GiB" in msg
     # a torch that knows pinned_max_round_threshold_mb pins exactly above it; PYTORCH_ALLOC_CONF wins
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "pinned_max_round_threshold_mb:1024")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    server.check_host_memory(shape, meminfo, uva_tp=1)
+    host_checks.check_host_memory(shape, meminfo, uva_tp=1)
     need = HostMemoryNeed(shape.total_expert_bytes, shape.layer_expert_bytes, 124 * GIB, 96 * GIB)
     assert need.needed_bytes == int(133.5 * GIB)
 
@@ -119,5 +119,5 @@ def test_v3_layer_at_depth_6_starts_on_the_h200_host(tmp_path, monkeypatch):
     meminfo.write_text(MEMINFO)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    server.check_host_memory(deep, meminfo, uva_tp=1)
+    host_checks.check_host_memory(deep, meminfo, uva_tp=1)
     assert _pinned(deep) == 72 * GIB

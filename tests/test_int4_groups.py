@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from reap_swap.contiguous_groups import (
+from reap_swap.sizing.contiguous_groups import (
     ContiguousLayoutError,
     check_contiguous_group,
     contiguous_group_size,
@@ -189,13 +189,14 @@ def test_auto_binds_int4_layers_in_identity_groups_by_default_citing_run_16():
 
 
 def test_the_retired_opt_in_flag_is_accepted_ignored_warned_and_kept_from_vllm(caplog):
-    from reap_swap.settings import RETIRED, Settings, resolve, split_argv
+    from reap_swap.config.flags import RETIRED, resolve, split_argv
+    from reap_swap.config.settings import Settings
 
     flag = "--reap-unverified-int4-groups"
     assert "identical to stock" in RETIRED[flag] and "no longer needed" in RETIRED[flag]
     assert "unverified_int4_groups" not in Settings.model_fields
     argv = ["org/m", "--reap-plan", "p.json", flag, "--reap-group-size", "auto", "--port", "8000"]
-    with caplog.at_level(logging.WARNING, logger="reap_swap.settings"):
+    with caplog.at_level(logging.WARNING, logger="reap_swap.config.settings"):
         ns, vllm_argv = split_argv(argv)
     assert vllm_argv == ["org/m", "--port", "8000"]  # vLLM never sees the retired flag
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and flag in r.getMessage()]
@@ -213,10 +214,10 @@ def test_the_retired_opt_in_flag_is_accepted_ignored_warned_and_kept_from_vllm(c
 
 @pytest.mark.parametrize("value", ["1", "0", ""])
 def test_the_retired_opt_in_variable_is_accepted_ignored_and_warned(caplog, value):
-    from reap_swap.settings import resolve
+    from reap_swap.config.flags import resolve
 
     env = "REAP_SWAP_UNVERIFIED_INT4_GROUPS"
-    with caplog.at_level(logging.WARNING, logger="reap_swap.settings"):
+    with caplog.at_level(logging.WARNING, logger="reap_swap.config.settings"):
         r = resolve({}, {"REAP_PLAN_FILE": "p.json", "REAP_GROUP_SIZE": "auto", env: value})  # no raise
     assert r.settings == resolve({}, {"REAP_PLAN_FILE": "p.json", "REAP_GROUP_SIZE": "auto"}).settings
     warned = [rec for rec in caplog.records if rec.levelno == logging.WARNING and env in rec.getMessage()]
@@ -295,7 +296,7 @@ def test_misfit_shapes_and_the_device_cache_are_refused_by_name_never_private_un
 
 
 def test_the_launcher_binds_int4_only_in_groups_by_default_and_keeps_vllms_marlin_backend():
-    from reap_swap.quant_budget import served_quant_of
+    from reap_swap.sizing.quant.budget import served_quant_of
 
     for cfg, cli in ((AWQ_CFG, None), (GPTQ_CFG, None), (GPTQ_CFG, "moe_wna16")):
         stock = served_quant_of(cfg, cli)  # group size 1: refused as before, stock path
@@ -359,7 +360,7 @@ def gptq_sym_marlin_layer(index, seed):
 
 def test_sym_gptq_placeholder_zeros_are_kept_whole_not_refused_run_12_gptq_case():
     """Run 12's gptq case: 'w2_qzeros: 3072 bytes per expert, the int/group config implies 6144'."""
-    from reap_swap.quant_scheme import scheme_from_config
+    from reap_swap.sizing.quant.scheme import scheme_from_config
 
     assert not scheme_from_config(GPTQ_CFG).zero_point and scheme_from_config(AWQ_CFG).zero_point
     assert scheme_from_config({**GPTQ_CFG, "sym": False}).zero_point

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reap_swap.kv_groups import (
+from reap_swap.sizing.kv_groups import (
     KvGroup,
     KvGroups,
     KvGroupsError,
@@ -15,7 +15,7 @@ from reap_swap.kv_groups import (
     needs_vllm_groups,
     per_token_spec,
 )
-from reap_swap.memory_split import BudgetError, kv_layout
+from reap_swap.sizing.memory_split import BudgetError, kv_layout
 
 # Qwen3.5-35B-A3B's text config, as far as the KV layout goes (tests/data/qwen3_5_moe_35b_a3b_config.json)
 QWEN35 = {

@@ -22,7 +22,7 @@ from vllm.v1.core import kv_cache_utils as kcu  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec  # noqa: E402
 
 from reap_swap.compat.kv_spec import backing_bytes, groups_from_specs  # noqa: E402
-from reap_swap.kv_groups import kv_blocks, kv_bytes_grouped  # noqa: E402
+from reap_swap.sizing.kv_groups import kv_blocks, kv_bytes_grouped  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

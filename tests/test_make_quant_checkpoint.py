@@ -11,7 +11,7 @@ import pytest
 from quant_files import TINY, headers, shape_args
 from script_modules import load_script
 
-from reap_swap.quant_scheme import scheme_from_config
+from reap_swap.sizing.quant.scheme import scheme_from_config
 
 mqc = load_script("make_quant_checkpoint")
 

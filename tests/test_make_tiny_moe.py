@@ -5,8 +5,8 @@ import json
 
 from reap_fakes import build_tiny_model
 
-from reap_swap.model_shape import read_model_shape
-from reap_swap.plan import load_plan
+from reap_swap.plan.document import load_plan
+from reap_swap.sizing.model_shape import read_model_shape
 
 
 def digest(root):

@@ -8,8 +8,14 @@ import asyncio
 import numpy as np
 import pytest
 
-from reap_swap.budget_startup import BudgetRefused, fill_budget
-from reap_swap.memory_split import (
+from reap_swap.cache.slot_table import PoolCapacityError, SlotTable
+from reap_swap.config.flags import resolve
+from reap_swap.config.settings import SettingsError
+from reap_swap.plan.document import validate_plan_document
+from reap_swap.planner.build import PlannerConfig, build_plan
+from reap_swap.server.budget import BudgetRefused, fill_budget
+from reap_swap.sizing.cache_tail import pinned_tail_split, slots_beyond_pinned
+from reap_swap.sizing.memory_split import (
     GIB,
     BudgetError,
     fallback_fill_order,
@@ -20,16 +26,10 @@ from reap_swap.memory_split import (
     kv_target,
     launch_check,
     parse_budget,
-    pinned_tail_split,
     plan_growth,
     ranked_fill,
-    slots_beyond_pinned,
     split_line,
 )
-from reap_swap.plan import validate_plan_document
-from reap_swap.planner import PlannerConfig, build_plan
-from reap_swap.residency.slot_table import PoolCapacityError, SlotTable
-from reap_swap.settings import SettingsError, resolve
 from tests.test_planner import observations, routed, shape_for, stats_from_routing
 
 MIB = 2**20
@@ -201,7 +201,7 @@ def test_planner_fill_order_is_the_greedy_core_of_larger_budgets():
 
 
 def test_plan_fill_order_with_and_without_the_field(tmp_path):
-    from reap_swap.plan import load_plan
+    from reap_swap.plan.document import load_plan
 
     doc, shape = _plan_doc(0.25)
     path = tmp_path / "p.json"
@@ -218,7 +218,7 @@ def test_plan_fill_order_with_and_without_the_field(tmp_path):
 
 
 def test_fill_order_drops_bad_entries_and_completes_with_fallback(tmp_path):
-    from reap_swap.plan import load_plan
+    from reap_swap.plan.document import load_plan
 
     doc, shape = _plan_doc(0.25)
     core0 = doc["perLayer"]["layer_0"]["coreExperts"][0]
@@ -276,7 +276,8 @@ def test_kv_refusal_names_the_numbers_and_a_kv_tokens_that_fits():
 
 
 def test_a_workers_refusal_reaches_the_launcher_as_one_line(tmp_path, monkeypatch, capsys):
-    from reap_swap import budget_startup, server
+    from reap_swap.engine import refusal as budget_startup
+    from reap_swap.server import launcher as server
 
     monkeypatch.setenv(budget_startup.REFUSAL_ENV, "")  # restored after the test (main arms it)
     env: dict = {}
@@ -331,7 +332,7 @@ def test_kv_refusal_does_not_count_experts_the_engine_moves_off_hbm():
 def test_experts_leaving_hbm_is_zero_off_the_device():
     import torch
 
-    from reap_swap.residency.budget import experts_leaving_hbm
+    from reap_swap.engine.residency.budget import experts_leaving_hbm
 
     class Layer(torch.nn.Module):
         def __init__(self):
@@ -347,7 +348,7 @@ def test_experts_in_hbm_at_attach_counts_one_layer_under_the_offloader():
     """Run 14 (H200, vLLM 0.26.0, V1 with --cpu-offload-gb): only the attaching layer was in HBM, and
     counting all 12 made the refusal say "-10.96 GiB in use at load" with a --reap-kv-tokens hint
     13.5 GiB too generous. Without an offloader (Model Runner V2) every hooked layer is in HBM."""
-    from reap_swap.memory_split import experts_in_hbm_at_attach
+    from reap_swap.sizing.memory_split import experts_in_hbm_at_attach
 
     layer = 9 * 2**20 * 128
     assert experts_in_hbm_at_attach(layer, 12, offloader_active=True) == layer

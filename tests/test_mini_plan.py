@@ -13,8 +13,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from reap_swap.model_shape import read_model_shape
-from reap_swap.plan import load_plan
+from reap_swap.plan.document import load_plan
+from reap_swap.sizing.model_shape import read_model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "reap-mini-moe"

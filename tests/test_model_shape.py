@@ -5,7 +5,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from reap_swap.model_shape import ModelShapeError, read_model_shape
+from reap_swap.sizing.model_shape import ModelShapeError, read_model_shape
 
 DATA = Path(__file__).parent / "data"
 QWEN35 = DATA / "qwen3_5_moe_35b_a3b_config.json"
@@ -216,7 +216,7 @@ def test_validate_cli_accepts_a_tiny_deepseek_config(tmp_path, capsys):
     """The issue's reproduction: `reap-swap validate --model` used to refuse n_routed_experts."""
     from script_modules import load_script
 
-    from reap_swap.cli import main
+    from reap_swap.cli.main import main
 
     config = {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -245,7 +245,7 @@ def test_validate_cli_accepts_a_tiny_deepseek_config(tmp_path, capsys):
 
 
 def test_field_plan_validates_against_the_full_qwen3_5_config(capsys):
-    from reap_swap.cli import main
+    from reap_swap.cli.main import main
 
     field_plan = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "strict30-v2-plan.json"
     if not field_plan.exists():

@@ -15,7 +15,7 @@ import argparse
 import orjson
 import pytest
 
-from reap_swap.model_shape import ModelShapeError, read_model_shape
+from reap_swap.sizing.model_shape import ModelShapeError, read_model_shape
 
 # hidden 128, dense MLP 256, experts 64 wide: a bf16 expert is 3 x 128 x 64 x 2 = 49,152 bytes
 # (the issue's numbers; reading the dense width instead gives 196,608)
@@ -67,9 +67,9 @@ def test_transformers_5_19_qwen3_moe_config_json_takes_the_width_from_moe_interm
 def test_plan_made_before_a_resave_validates_and_launches_on_the_resaved_checkpoint(tmp_path, capsys):
     """The issue's reproduction: a plan made on the num_experts config, checked against the same
     checkpoint re-saved by transformers >= 5.19 (num_local_experts)."""
-    from reap_swap import server
-    from reap_swap.cli import main
-    from reap_swap.settings import Settings
+    from reap_swap.cli.main import main
+    from reap_swap.config.settings import Settings
+    from reap_swap.server import launcher as server
 
     plan = _plan(tmp_path, read_model_shape(_legacy(QWEN3_MOE_5_19)))
     model = tmp_path / "model"

@@ -6,7 +6,8 @@ import contextlib
 import pytest
 import torch
 
-from reap_swap import compat, moe_probe
+from reap_swap import compat
+from reap_swap.engine import moe_probe
 
 
 def test_digest_is_bitwise():
@@ -147,8 +148,8 @@ def test_the_probe_module_does_not_register_the_counting_layer():
     import sys
 
     code = (
-        "import reap_swap.moe_probe, sys; "
-        "print('reap_swap.worker' in sys.modules, 'reap_swap.routed_experts' in sys.modules)"
+        "import reap_swap.engine.moe_probe, sys; "
+        "print('reap_swap.engine.worker' in sys.modules, 'reap_swap.engine.routed_experts' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

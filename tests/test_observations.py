@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from reap_swap import cli
-from reap_swap.observation_types import LayerStats, RecordCounts
-from reap_swap.observations import META_KEY, ObservationError, load_observations, save_observations
+from reap_swap.cli import main as cli
+from reap_swap.planner.observation_types import LayerStats, RecordCounts
+from reap_swap.planner.observations import META_KEY, ObservationError, load_observations, save_observations
 
 E, H, TOP_K, LAYERS = 16, 32, 2, 4
 

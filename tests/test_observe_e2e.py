@@ -19,8 +19,8 @@ import httpx
 import numpy as np
 import pytest
 
-from reap_swap.corpus import CorpusIssue, CorpusRecord, parse_line, read_corpus
-from reap_swap.plan import load_plan
+from reap_swap.plan.document import load_plan
+from reap_swap.planner.corpus import CorpusIssue, CorpusRecord, parse_line, read_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "reap_swap.cli"]
@@ -178,7 +178,7 @@ def observed(tiny_model, tmp_path_factory):
 
 @pytest.mark.e2e
 def test_observe_counts_match_an_independent_recount(observed, tiny_model):
-    from reap_swap.observations import load_observations
+    from reap_swap.planner.observations import load_observations
 
     work, corpus, out, usable, proc = observed
     for line in (4, 8, 12):  # the malformed lines, reported by number
@@ -256,7 +256,7 @@ def _free_port() -> int:
 @pytest.mark.e2e
 def test_planned_plan_is_served(observed, tiny_model):
     """The server loads the planned plan and accepts a swap of its slices."""
-    pytest.importorskip("reap_swap.server")
+    pytest.importorskip("reap_swap.server.launcher")
     work, _corpus_path, out, _usable, _proc = observed
     plan = work / "plan-serve.json"
     subprocess.run(

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from script_modules import load_script
 
-from reap_swap.cache_policy.replay import simulate
-from reap_swap.trace import load_trace
+from reap_swap.cache.replay import simulate
+from reap_swap.cache.trace import load_trace
 
 mk = load_script("make_olmoe_traces")
 

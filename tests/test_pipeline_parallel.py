@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 from reap_fakes import PLAN, FakeEngine, stage_layers
 
-from reap_swap import cache_surface
-from reap_swap.active_set import SwapRequest, signature
-from reap_swap.controller import SwapController, WorkerSwapFailed
-from reap_swap.forensics import aggregate_workers
-from reap_swap.swap_failure import stages_agree
+from reap_swap.plan.active_set import SwapRequest, signature
+from reap_swap.plan.forensics import aggregate_workers
+from reap_swap.server import cache_status as cache_surface
+from reap_swap.server.controller import SwapController, WorkerSwapFailed
+from reap_swap.server.swap_failure import stages_agree
 
 
 def run(coro):

@@ -11,14 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reap_swap.model_shape import read_model_shape
-from reap_swap.plan import (
-    PlanError,
-    canonical_json,
-    load_plan,
-    plan_schema,
-    validate_plan_document,
-)
+from reap_swap.plan.document import PlanError, canonical_json, load_plan, plan_schema, validate_plan_document
+from reap_swap.sizing.model_shape import read_model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT.parent / "shared" / "fixtures" / "strict30-v2-plan.json"
@@ -102,7 +96,7 @@ def _timed(fn) -> float:
 
 def test_packaged_schema_is_the_published_schema():
     published = (ROOT / "schemas" / "reap_plan.schema.json").read_bytes()
-    packaged = (ROOT / "reap_swap" / "schemas" / "reap_plan.schema.json").read_bytes()
+    packaged = (ROOT / "reap_swap" / "plan" / "schemas" / "reap_plan.schema.json").read_bytes()
     assert published == packaged
     assert plan_schema()["$schema"] == "https://json-schema.org/draft/2020-12/schema"
 

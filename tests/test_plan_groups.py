@@ -10,15 +10,15 @@ import orjson
 import pytest
 from test_planner import observations, routed, stats_from_routing
 
-from reap_swap.cli import main
-from reap_swap.commands import plan as plan_cmd
-from reap_swap.group_layout import plan_groups, plan_permutations, set_cost
-from reap_swap.model_shape import read_model_shape
-from reap_swap.plan import load_plan, validate_plan_document
-from reap_swap.planner import PlannerConfig, PlannerError, build_plan, plan_bytes
-from reap_swap.planner_allocation import layer_work
-from reap_swap.planner_groups import allocate_core_grouped, group_pricing, round_forced_to_groups
-from reap_swap.swap_report import group_size_report
+from reap_swap.cli import plan as plan_cmd
+from reap_swap.cli.main import main
+from reap_swap.plan.document import load_plan, validate_plan_document
+from reap_swap.planner.allocation import layer_work
+from reap_swap.planner.build import PlannerConfig, PlannerError, build_plan, plan_bytes
+from reap_swap.planner.groups import allocate_core_grouped, group_pricing, round_forced_to_groups
+from reap_swap.server.swap_report import group_size_report
+from reap_swap.sizing.groups import plan_groups, plan_permutations, set_cost
+from reap_swap.sizing.model_shape import read_model_shape
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[1]

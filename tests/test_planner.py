@@ -7,13 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reap_swap.model_shape import read_model_shape
-from reap_swap.observation_types import LayerStats, Observations
-from reap_swap.plan import validate_plan_document
-from reap_swap.planner import PlannerConfig, PlannerError, build_plan, plan_bytes
-from reap_swap.planner_allocation import find_super_experts
-from reap_swap.planner_inputs import merge_layer_stats
-from reap_swap.planner_slices import group_by_coactivation
+from reap_swap.plan.document import validate_plan_document
+from reap_swap.planner.allocation import find_super_experts
+from reap_swap.planner.build import PlannerConfig, PlannerError, build_plan, plan_bytes
+from reap_swap.planner.inputs import merge_layer_stats
+from reap_swap.planner.observation_types import LayerStats, Observations
+from reap_swap.planner.slices import group_by_coactivation
+from reap_swap.sizing.model_shape import read_model_shape
 
 
 def shape_for(layers: int, experts: int, top_k: int):

@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from script_modules import load_research
 
-from reap_swap.commands.plan import cache_tail_value
-from reap_swap.memory_split import pinned_tail_split
-from reap_swap.model_shape import read_model_shape
-from reap_swap.observation_types import LayerStats, Observations
-from reap_swap.plan import load_plan, validate_plan_document
-from reap_swap.planner import PlannerConfig, PlannerError, build_plan, plan_bytes
-from reap_swap.planner_allocation import core_caps, tail_core_limit
-from reap_swap.trace import load_trace
+from reap_swap.cache.trace import load_trace
+from reap_swap.cli.plan import cache_tail_value
+from reap_swap.plan.document import load_plan, validate_plan_document
+from reap_swap.planner.allocation import core_caps, tail_core_limit
+from reap_swap.planner.build import PlannerConfig, PlannerError, build_plan, plan_bytes
+from reap_swap.planner.observation_types import LayerStats, Observations
+from reap_swap.sizing.cache_tail import pinned_tail_split
+from reap_swap.sizing.model_shape import read_model_shape
 from tests.test_planner import shape_for
 
 ROOT = Path(__file__).resolve().parents[1]

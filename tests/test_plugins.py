@@ -6,7 +6,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from reap_swap import plugins
+from reap_swap.engine import plugins
 
 
 def test_entry_points_are_installed_under_their_names():
@@ -14,8 +14,8 @@ def test_entry_points_are_installed_under_their_names():
     endpoint = {ep.name: ep.value for ep in entry_points(group="vllm.endpoint_plugins")}
     if plugins.LAYERS_PLUGIN not in general:
         pytest.skip("reap-swap's metadata predates the general plugin: pip install -e . again")
-    assert general[plugins.LAYERS_PLUGIN] == "reap_swap.plugins:register"
-    assert endpoint[plugins.ENDPOINT_PLUGIN] == "reap_swap.routes:endpoint_plugin"
+    assert general[plugins.LAYERS_PLUGIN] == "reap_swap.engine.plugins:register"
+    assert endpoint[plugins.ENDPOINT_PLUGIN] == "reap_swap.server.routes:endpoint_plugin"
 
 
 def test_layers_plugin_acts_only_when_named(monkeypatch):
@@ -26,8 +26,8 @@ def test_layers_plugin_acts_only_when_named(monkeypatch):
 
 def test_register_is_idempotent_and_registers_the_counting_layer(monkeypatch):
     pytest.importorskip("vllm")
-    from reap_swap import routed_experts as experts
     from reap_swap.compat import moe as compat
+    from reap_swap.engine import routed_experts as experts
 
     registry = compat.oot_registry()
     monkeypatch.delitem(registry, experts.RoutedExperts.__name__, raising=False)

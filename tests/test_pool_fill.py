@@ -8,10 +8,10 @@ import asyncio
 import pytest
 from reap_fakes import FakeEngine, make_core, tiny_plan_doc
 
-from reap_swap.active_set import ActiveSetError, BudgetExceeded, SwapRequest
-from reap_swap.controller import SwapController
-from reap_swap.plan import load_plan
-from reap_swap.pool_fill import Pool, fill_pool, plan_pool, pool_from_workers, resolve_swap
+from reap_swap.plan.active_set import ActiveSetError, BudgetExceeded, SwapRequest
+from reap_swap.plan.document import load_plan
+from reap_swap.plan.pool_fill import Pool, fill_pool, plan_pool, pool_from_workers, resolve_swap
+from reap_swap.server.controller import SwapController
 
 
 def small_plan(slots=24):

@@ -8,9 +8,10 @@ driver traceback. These tests run pool_reserve against the fake driver of test_v
 import pytest
 from test_vmm_ranges import UNIT, FakeDriver  # the fake CUDA driver (tests/ is on sys.path)
 
-from reap_swap import budget_startup
-from reap_swap.memory_split import BudgetError, pool_refusal
-from reap_swap.residency import pool_reserve, vmm
+from reap_swap.engine import refusal as budget_startup
+from reap_swap.engine import vmm
+from reap_swap.engine.residency import pool_reserve
+from reap_swap.sizing.memory_split import BudgetError, pool_refusal
 
 GIB = 2**30
 

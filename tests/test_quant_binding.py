@@ -11,8 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.residency.binding import LayerSizes, bind_module, layer_tensors  # noqa: E402
-from reap_swap.residency.unit_layout import SLAB_ALIGN, plan_unit  # noqa: E402
+from reap_swap.engine.residency.binding import LayerSizes, bind_module, layer_tensors  # noqa: E402
+from reap_swap.sizing.unit_layout import SLAB_ALIGN, plan_unit  # noqa: E402
 
 MIB = 2**20
 G = 2 * MIB

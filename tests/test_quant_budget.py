@@ -13,11 +13,12 @@ import pytest
 from quant_files import TINY as QUANT_TINY
 from script_modules import load_script
 
-from reap_swap import server
-from reap_swap.model_shape import ModelShapeError, read_model_shape
-from reap_swap.plan import validate_plan_document
-from reap_swap.quant_budget import pool_hbm_bytes, pool_slots, served_quant, served_quant_of
-from reap_swap.residency.unit_layout import plan_unit
+from reap_swap.plan.document import validate_plan_document
+from reap_swap.server import host_checks
+from reap_swap.server import launcher as server
+from reap_swap.sizing.model_shape import ModelShapeError, read_model_shape
+from reap_swap.sizing.quant.budget import pool_hbm_bytes, pool_slots, served_quant, served_quant_of
+from reap_swap.sizing.unit_layout import plan_unit
 
 mqc = load_script("make_quant_checkpoint")
 TINY = mqc.Shape(**QUANT_TINY, plain_attention=1)
@@ -135,7 +136,7 @@ def _launch(monkeypatch, fmt, quantization=None, group_size="1"):
     monkeypatch.setattr(vs, "cpu_offload_chosen", lambda a: False)
     monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib: calls.append(("uva", gib)))
     monkeypatch.setattr(
-        server, "check_host_memory", lambda s, **kw: calls.append(("host", s.total_expert_bytes))
+        host_checks, "check_host_memory", lambda s, **kw: calls.append(("host", s.total_expert_bytes))
     )
     monkeypatch.setattr(vs, "device_total_bytes", lambda: 141 * 2**30)  # one H200
     shape = read_model_shape(config(fmt))
@@ -249,7 +250,7 @@ def test_unknown_quantization_is_refused_by_name():
 def test_experts_that_load_into_hbm_first_are_refused_before_loading_when_they_cannot_fit():
     """Online FP8 and INT4 in groups load every expert into HBM before the engine re-homes them:
     a model whose experts alone exceed utilization x HBM is refused with the numbers, not OOM."""
-    from reap_swap.quant_budget import device_load_refusal
+    from reap_swap.sizing.quant.budget import device_load_refusal
 
     gib = 2**30
     assert device_load_refusal(100 * gib, 1, 0.9, 141 * gib, "x") is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from reap_swap.quant_layout import (
+from reap_swap.sizing.quant.layout import (
     Decision,
     LayerSpec,
     ParamSpec,
@@ -14,8 +14,8 @@ from reap_swap.quant_layout import (
     layer_spec_from_dict,
     role_of,
 )
-from reap_swap.quant_methods import stride_mode_for
-from reap_swap.quant_padding import (
+from reap_swap.sizing.quant.methods import stride_mode_for
+from reap_swap.sizing.quant.padding import (
     GRANULE,
     MiB,
     group_bytes_per_expert,
@@ -27,7 +27,7 @@ from reap_swap.quant_padding import (
     straddle_random_bytes,
     table_markdown,
 )
-from reap_swap.quant_scheme import scheme_from_config
+from reap_swap.sizing.quant.scheme import scheme_from_config
 
 E, H, N = 128, 2048, 768
 P = "model.layers.0.mlp.experts.routed_experts."

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reap_swap.residency.slot_table import PoolCapacityError, SlotTable
-from reap_swap.residency.swap import SwapStepFailed, apply_swap
+from reap_swap.cache.slot_table import PoolCapacityError, SlotTable
+from reap_swap.engine.residency.swap import SwapStepFailed, apply_swap
 
 LAYERS, EXPERTS = 3, 8
 
@@ -182,7 +182,7 @@ def test_every_swap_ends_with_one_publish():
 
 
 def test_contiguous_runs():
-    from reap_swap.residency.vmm import contiguous_runs
+    from reap_swap.engine.vmm import contiguous_runs
 
     assert contiguous_runs({7, 1, 2, 3}) == [(1, 3), (7, 1)]
     assert contiguous_runs(set()) == []
@@ -192,7 +192,7 @@ def test_contiguous_runs():
 def test_a_table_beside_lent_cache_tails_says_so_when_it_refuses():
     """With the pinned device cache the table keeps K = pool - lent slots: its refusal names the
     swap table, the whole pool, the lent slots (layers x N) and the remedy, in the sentence
-    accounting mode's check_swap raises too (memory_split.swap_table_refusal)."""
+    accounting mode's check_swap raises too (cache_tail.swap_table_refusal)."""
     with pytest.raises(PoolCapacityError) as err:
         SlotTable(4, lent=12, lent_layers=4, lent_per_layer=3).plan({0: {0, 1, 2, 3, 4}})
     assert err.value.capacity == 4 and err.value.overflow == 1

@@ -9,9 +9,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from reap_fakes import PLAN, FakeEngine
 
-from reap_swap.controller import SwapController
-from reap_swap.routes import ReapEndpointPlugin, api_key_digests, endpoint_plugin
-from reap_swap.settings import ADDITIONAL_CONFIG_KEY
+from reap_swap.config.settings import ADDITIONAL_CONFIG_KEY
+from reap_swap.server.controller import SwapController
+from reap_swap.server.routes import ReapEndpointPlugin, api_key_digests, endpoint_plugin
 
 
 def make_app(api_key=None, cartridges=None):
@@ -119,7 +119,7 @@ def test_not_configured_is_503():
     asyncio.run(plugin.init_state(engine_client, app.state, SimpleNamespace(api_key=None)))
     with TestClient(app) as c:
         r = c.get("/reap/status")
-    assert r.status_code == 503 and "reap_swap.server" in r.json()["error"]["message"]
+    assert r.status_code == 503 and "python -m reap_swap.server" in r.json()["error"]["message"]
 
 
 def test_init_state_builds_the_controller(tmp_path):

@@ -7,9 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reap_swap import selection as S
-from reap_swap.active_set import SwapRequest, check_budget, normalize_active_set, resident_sets, signature
-from reap_swap.plan import load_plan
+from reap_swap.client import selection as S
+from reap_swap.client import strategies
+from reap_swap.plan.active_set import (
+    SwapRequest,
+    check_budget,
+    normalize_active_set,
+    resident_sets,
+    signature,
+)
+from reap_swap.plan.document import load_plan
 
 FIXTURE = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "strict30-v2-plan.json"
 PE = 1000
@@ -153,10 +160,10 @@ def test_random_plans_never_over_budget_never_outside_plan_deterministic(data):
         st.one_of(st.none(), st.integers(plan.core_bytes(), plan.swappable_budget_bytes + 5 * PE))
     )
     budget = S.effective_budget(plan, ask)
-    for name in S.STRATEGIES:
-        sel = S.select(plan, name, prompt, budget_bytes=ask, probe=misses)
+    for name in strategies.STRATEGIES:
+        sel = strategies.select(plan, name, prompt, budget_bytes=ask, probe=misses)
         _assert_valid(plan, sel, budget)
-        again = S.select(
+        again = strategies.select(
             plan,
             name,
             prompt,
@@ -184,7 +191,7 @@ def test_greedy_fill_leaves_no_valuable_slice_that_would_still_fit(data):
     prompt = data.draw(PROMPTS)
     misses = data.draw(misses_for(plan))
     for name in ("prior", "probe"):
-        sel = S.select(plan, name, prompt, probe=misses)
+        sel = strategies.select(plan, name, prompt, probe=misses)
         left = sel.budget_bytes - sel.resident_bytes
         priors = S.slice_priors(plan, sel.features.weights)
         for index, layer in plan.layers.items():
@@ -272,7 +279,7 @@ def test_probe_covers_missed_mass_per_byte_then_fills_by_prior():
     assert sel.resident_bytes <= 7 * PE
     assert "c" in sel.slices.get(0, ()) + sel.slices.get(5, ())
     with pytest.raises(S.SelectionError, match="needs the router misses"):
-        S.select(plan, "probe", "x")
+        strategies.select(plan, "probe", "x")
 
 
 def test_missed_mass_from_a_router_misses_payload():
@@ -375,7 +382,7 @@ def test_fixture_plan_selection_within_budget_and_deterministic():
 
 def test_unknown_strategy():
     with pytest.raises(S.SelectionError, match="unknown strategy"):
-        S.get_strategy("oracle")
+        strategies.get_strategy("oracle")
 
 
 # ----------------------------------------------------------------------------- `reap-swap select` (offline)
@@ -392,7 +399,7 @@ def _write_plan(tmp_path, budget_experts=8):
 def test_cli_select_prior_prints_payload(tmp_path, capsys):
     import orjson
 
-    from reap_swap.cli import main
+    from reap_swap.cli.main import main
 
     plan_path = _write_plan(tmp_path)
     assert (
@@ -413,7 +420,7 @@ def test_cli_select_prior_prints_payload(tmp_path, capsys):
 def test_cli_select_probe_from_saved_misses_and_errors(tmp_path, capsys):
     import orjson
 
-    from reap_swap.cli import main
+    from reap_swap.cli.main import main
 
     plan_path = _write_plan(tmp_path, budget_experts=5)  # one expert beyond the core
     misses = tmp_path / "misses.json"
@@ -471,7 +478,7 @@ def test_selections_fit_each_layers_pin_capacity():
     assert 0 not in capped.slices and len(capped.resident[0]) == 2
     assert len(capped.resident[5]) <= 6 and len(capped.resident[5]) > len(free.resident[5])
     assert capped.capacity == {0: 2, 5: 6}
-    assert S.select(plan, "prior", PY, capacity={0: 2, 5: 6}).slices == capped.slices
+    assert strategies.select(plan, "prior", PY, capacity={0: 2, 5: 6}).slices == capped.slices
     misses = {0: {4: 5.0, 5: 5.0, 6: 5.0}, 5: {2: 1.0}}
     probe = S.select_probe(plan, misses, PY, capacity={0: 4, 5: 4})
     assert all(len(v) <= 4 for v in probe.resident.values())

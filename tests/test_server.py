@@ -9,8 +9,9 @@ import re
 import pytest
 from reap_fakes import tiny_plan_doc
 
-from reap_swap import plugins, server
-from reap_swap.settings import ADDITIONAL_CONFIG_KEY, Settings
+from reap_swap.config.settings import ADDITIONAL_CONFIG_KEY, Settings
+from reap_swap.engine import plugins
+from reap_swap.server import launcher as server
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +119,9 @@ def test_main_exit_codes_for_refusals(tiny, monkeypatch, capsys):
 
 
 def test_prepare_hands_the_workers_a_slot_count_for_cache_slots_swaps(tiny, monkeypatch):
-    from reap_swap.memory_split import plan_swap_split
-    from reap_swap.model_shape import read_model_shape
-    from reap_swap.plan import load_plan
+    from reap_swap.plan.document import load_plan
+    from reap_swap.sizing.cache_tail import plan_swap_split
+    from reap_swap.sizing.model_shape import read_model_shape
 
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     args, _ = server.prepare(

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from reap_swap import serving
-from reap_swap.processes import process_family, process_table
+from reap_swap.bench import server_driver as serving
+from reap_swap.bench.processes import process_family, process_table
 
 FAKE_SERVER = textwrap.dedent(
     """

@@ -2,7 +2,8 @@
 
 import pytest
 
-from reap_swap.settings import ENV_NAMES, ROUTER_MASKS_REFUSED, Settings, SettingsError, resolve, split_argv
+from reap_swap.config.flags import ENV_NAMES, resolve, split_argv
+from reap_swap.config.settings import ROUTER_MASKS_REFUSED, Settings, SettingsError
 
 PLAN = {"REAP_PLAN_FILE": "/plans/p.json"}
 
@@ -131,7 +132,7 @@ def test_worker_config_round_trip():
 
 
 def test_accounting_reason_is_the_one_residency_decision():
-    from reap_swap.settings import CPU_REASON
+    from reap_swap.config.settings import CPU_REASON
 
     assert Settings().accounting_reason("cuda") is None
     assert Settings(residency="cuda").accounting_reason("cuda") is None
@@ -144,13 +145,13 @@ def test_accounting_reason_is_the_one_residency_decision():
 def test_retired_settings_are_one_table_of_flags_and_variables_each_with_its_reason(caplog):
     import logging
 
-    from reap_swap.settings import FLAG_NAMES, RETIRED
+    from reap_swap.config.flags import FLAG_NAMES, RETIRED
 
     flags = [k for k in RETIRED if k.startswith("--reap-")]
     envs = [k for k in RETIRED if k.startswith("REAP_")]
     assert flags and envs and len(flags) + len(envs) == len(RETIRED)
     assert not set(RETIRED) & (set(ENV_NAMES) | set(FLAG_NAMES))  # retired is not live
-    with caplog.at_level(logging.WARNING, logger="reap_swap.settings"):
+    with caplog.at_level(logging.WARNING, logger="reap_swap.config.settings"):
         ns, rest = split_argv(["m", *flags, "--reap-plan", "p.json", *flags, "--port", "1"])
         r = resolve(ns, {e: "1" for e in envs})
     assert rest == ["m", "--port", "1"] and str(r.settings.plan_file) == "p.json"
@@ -165,7 +166,7 @@ def test_the_seeded_cache_opt_in_is_retired_since_run_23():
     """REAP_SWAP_UNVERIFIED_SEEDED_CACHE / --reap-unverified-seeded-cache: retired (CUDA serves
     --reap-cache-seed seeded whenever asked since run 23), no setting behind them; a worker config
     that still carries the old field loads without it."""
-    from reap_swap.settings import FLAG_NAMES, RETIRED
+    from reap_swap.config.flags import FLAG_NAMES, RETIRED
 
     for name in ("REAP_SWAP_UNVERIFIED_SEEDED_CACHE", "--reap-unverified-seeded-cache"):
         assert name in RETIRED and name not in ENV_NAMES + FLAG_NAMES
@@ -180,7 +181,7 @@ def test_the_seeded_cache_opt_in_is_retired_since_run_23():
 )
 def test_swap_publish_names_a_mode_or_a_chunk_size_and_reaches_the_workers(raw, value):
     """--reap-swap-publish / REAP_SWAP_PUBLISH (run 24): ahead by default; the worker config carries it."""
-    from reap_swap.residency.swap import PUBLISH_AHEAD, PUBLISH_WHEN_IDLE, publish_every_of
+    from reap_swap.engine.residency.swap import PUBLISH_AHEAD, PUBLISH_WHEN_IDLE, publish_every_of
 
     ns, _ = split_argv(["m", "--reap-plan", "p.json", *(["--reap-swap-publish", raw] if raw else [])])
     settings = resolve(ns, {}).settings
@@ -192,7 +193,7 @@ def test_swap_publish_names_a_mode_or_a_chunk_size_and_reaches_the_workers(raw, 
 
 # -- the device cache by default (issue 42): settings.cache_form ------------------------------------
 def _form(platform="cuda", parallel=1, **env):
-    from reap_swap.settings import cache_form
+    from reap_swap.config.settings import cache_form
 
     s = resolve({}, {"REAP_PLAN_FILE": "p.json", **env}).settings
     out, why = cache_form(s, platform, parallel)
@@ -243,7 +244,7 @@ def test_one_cache_switch_on_or_off():
 
 
 def test_help_names_the_debug_settings_without_describing_them():
-    from reap_swap.settings import DEBUG_SETTINGS, help_text
+    from reap_swap.config.flags import DEBUG_SETTINGS, help_text
 
     text = help_text("prog")
     assert "--reap-cache on|off|lfu|lru" in text and "--reap-plan PATH" in text

@@ -10,19 +10,13 @@ from cache_cases import layer_steps, traces
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reap_swap.cache_policy.belady import Belady, BeladyAdmit
-from reap_swap.cache_policy.mechanism import PolicyError, replay_layer
-from reap_swap.cache_policy.online import LFRU, LFU, LRU, PerRequest, Static
-from reap_swap.cache_policy.replay import (
-    POLICIES,
-    SimulationError,
-    layer_slots,
-    parse_budget,
-    simulate,
-)
-from reap_swap.cache_policy.report import default_policy, layer_table, markdown_table
-from reap_swap.plan import load_plan
-from reap_swap.trace import from_requests
+from reap_swap.cache.belady import Belady, BeladyAdmit
+from reap_swap.cache.mechanism import PolicyError, replay_layer
+from reap_swap.cache.online import LFRU, LFU, LRU, PerRequest, Static
+from reap_swap.cache.replay import POLICIES, SimulationError, layer_slots, parse_budget, simulate
+from reap_swap.cache.report import default_policy, layer_table, markdown_table
+from reap_swap.cache.trace import from_requests
+from reap_swap.plan.document import load_plan
 
 PLAN = "plans/reap-mini-moe.plan.json"
 

@@ -3,9 +3,9 @@
 import orjson
 from test_simulate import PLAN, mini_trace
 
-from reap_swap import cli
-from reap_swap.cache_policy.replay import POLICIES
-from reap_swap.trace import save_trace
+from reap_swap.cache.replay import POLICIES
+from reap_swap.cache.trace import save_trace
+from reap_swap.cli import main as cli
 
 
 def test_simulate_cli_writes_table_json_and_plot(tmp_path, capsys):

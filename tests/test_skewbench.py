@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from reap_swap import bench_arms, bench_config
-from reap_swap.trace import TraceError, load_trace, save_trace
-from reap_swap.trace_served import trace_from_served
+from reap_swap.bench import arms as bench_arms
+from reap_swap.bench import config as bench_config
+from reap_swap.cache.trace import TraceError, load_trace, save_trace
+from reap_swap.cache.trace_served import trace_from_served
 
 # ----------------------------------------------------------------- bench: --reap-cache-device on
 
@@ -53,7 +54,7 @@ def test_plan_swap_cache_leaves_the_swaps_room_beside_the_tail(tmp_path):
     the core and the device refuses every swap that adds an expert (research.md "acctail"), so the
     arm gives an explicit tail (min(2 x top_k, half of what lies beyond the core) per layer) and the
     client selects within the swap table K that leaves."""
-    from reap_swap.memory_split import swap_cache_split
+    from reap_swap.sizing.cache_tail import swap_cache_split
 
     spec = _reap_spec(tmp_path, "plan-swap+cache", "cuda")  # pool 100, core 10, 2 layers: 45 beyond each
     assert spec.argv[-2:] == ["--reap-cache-slots", "swaps"] and spec.swap_budget_bytes == 92
@@ -81,7 +82,7 @@ def test_non_cache_arms_never_get_the_device_flag(tmp_path, arm):
 def test_bench_cli_passes_cache_device():
     import argparse
 
-    from reap_swap.commands.bench import add_arguments
+    from reap_swap.cli.bench import add_arguments
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)

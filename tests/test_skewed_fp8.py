@@ -16,12 +16,13 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 pytest.importorskip("tokenizers")
 
-from reap_swap import bench_arms, bench_config  # noqa: E402
-from reap_swap.bench_report import GIB  # noqa: E402
-from reap_swap.model_shape import read_model_shape  # noqa: E402
-from reap_swap.plan import PlanError, load_plan  # noqa: E402
-from reap_swap.quant_budget import pool_slots  # noqa: E402
-from reap_swap.quant_scheme import scheme_from_config  # noqa: E402
+from reap_swap.bench import arms as bench_arms  # noqa: E402
+from reap_swap.bench import config as bench_config  # noqa: E402
+from reap_swap.bench.report import GIB  # noqa: E402
+from reap_swap.plan.document import PlanError, load_plan  # noqa: E402
+from reap_swap.sizing.model_shape import read_model_shape  # noqa: E402
+from reap_swap.sizing.quant.budget import pool_slots  # noqa: E402
+from reap_swap.sizing.quant.scheme import scheme_from_config  # noqa: E402
 
 msk = load_script("make_skewed_moe")
 mqc = load_script("make_quant_checkpoint")

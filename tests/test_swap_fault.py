@@ -10,14 +10,14 @@ import pytest
 from reap_fakes import PLAN, FakeEngine, FakeWorker
 from test_residency_swap import FakeStore, _check_consistent
 
-from reap_swap.active_set import SwapRequest, signature
-from reap_swap.controller import SwapController, WorkerSwapFailed
-from reap_swap.residency.accounting import AccountingResidency
-from reap_swap.residency.cuda_backend import CudaResidency
-from reap_swap.residency.fault import FaultInjectingBackend, InjectedSwapFault, SwapFault
-from reap_swap.residency.slot_table import SlotTable
-from reap_swap.residency.swap import SwapStepFailed, apply_swap
-from reap_swap.swap_failure import ranks_named_in
+from reap_swap.cache.slot_table import SlotTable
+from reap_swap.engine.residency.accounting import AccountingResidency
+from reap_swap.engine.residency.cuda_backend import CudaResidency
+from reap_swap.engine.residency.fault import FaultInjectingBackend, InjectedSwapFault, SwapFault
+from reap_swap.engine.residency.swap import SwapStepFailed, apply_swap
+from reap_swap.plan.active_set import SwapRequest, signature
+from reap_swap.server.controller import SwapController, WorkerSwapFailed
+from reap_swap.server.swap_failure import ranks_named_in
 
 
 # -- the faulty store over apply_swap -----------------------------------------------------------

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_residency_swap import EXPERTS, LAYERS, FakeStore, _check_consistent
 
-from reap_swap.residency import swap
-from reap_swap.residency.fault import SwapFault
-from reap_swap.residency.slot_table import SlotTable
-from reap_swap.residency.swap import SwapStepFailed, apply_swap
+from reap_swap.cache.slot_table import SlotTable
+from reap_swap.engine.residency import swap
+from reap_swap.engine.residency.fault import SwapFault
+from reap_swap.engine.residency.swap import SwapStepFailed, apply_swap
 
 
 class InFlightStore(FakeStore):
@@ -349,8 +349,8 @@ class FakeDriver:
 
 
 def test_a_cache_range_mirrors_only_its_expert_units(monkeypatch):
-    from reap_swap.residency import vmm
-    from reap_swap.residency.device_cache_range import CacheRange
+    from reap_swap.engine import vmm
+    from reap_swap.engine.device_cache.range import CacheRange
 
     drv = FakeDriver()
     monkeypatch.setattr(vmm, "_drv", drv)
@@ -371,7 +371,7 @@ def test_a_failed_mirror_extension_keeps_the_units_mapped_before_it(monkeypatch)
     """A range that grew after its masters were mirrored: extending the mirror fails at unit 6, so
     units 4 and 5 (mapped by this call) are unmapped again, units 0-3 (which copies may be reading)
     stay, and the reservation stays."""
-    from reap_swap.residency import vmm
+    from reap_swap.engine import vmm
 
     drv = FakeDriver()
     monkeypatch.setattr(vmm, "_drv", drv)
@@ -394,7 +394,7 @@ def test_masters_mapped_at_load_and_a_refusal_only_logged(monkeypatch, caplog):
     """engine._seed / grouped_engine.attach map the masters' second mapping when a layer loads
     (run 25: a first swap from an empty core no longer pays it). Every master is mapped once; a
     driver refusal there is logged and undone, and the first swap's master_address tries again."""
-    from reap_swap.residency import vmm
+    from reap_swap.engine import vmm
 
     drv = FakeDriver()
     monkeypatch.setattr(vmm, "_drv", drv)
@@ -420,8 +420,8 @@ def test_masters_mapped_at_load_and_a_refusal_only_logged(monkeypatch, caplog):
 def test_the_cuda_stores_follow_the_default_when_built_without_an_argument(monkeypatch, default):
     """What production builds (VmmStore(st), GroupedStore(st)): the mode is the default's, and so is
     where the copies read. Run 23's GPU tests set the default and the stores ignored it."""
-    from reap_swap.residency.grouped import GroupedStore
-    from reap_swap.residency.vmm_store import VmmStore
+    from reap_swap.engine.residency.grouped import GroupedStore
+    from reap_swap.engine.residency.vmm_store import VmmStore
 
     monkeypatch.setattr(swap, "PUBLISH_EVERY", default)
     for store in (VmmStore(SimpleNamespace(layers={})), GroupedStore(SimpleNamespace(layers={}))):
@@ -466,8 +466,8 @@ def test_the_cuda_stores_take_the_servers_setting_from_their_state(monkeypatch):
     """--reap-swap-publish reaches the stores through the engine's state (EngineState /
     GroupedState.publish_every); a store's own argument still wins, and a state without one
     follows swap.PUBLISH_EVERY."""
-    from reap_swap.residency.grouped import GroupedState, GroupedStore
-    from reap_swap.residency.vmm_store import VmmStore
+    from reap_swap.engine.residency.grouped import GroupedState, GroupedStore
+    from reap_swap.engine.residency.vmm_store import VmmStore
 
     for cls in (VmmStore, GroupedStore):
         chunked = cls(SimpleNamespace(layers={}, publish_every=8))

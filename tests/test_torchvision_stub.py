@@ -85,7 +85,7 @@ def test_a_torchvision_already_in_sys_modules_is_not_replaced(fake_qwen35, monke
 
 
 def test_the_launcher_refuses_multimodal_and_arranges_text_only(monkeypatch):
-    from reap_swap import server
+    from reap_swap.server import launcher as server
 
     calls = []
     monkeypatch.setattr(tv, "import_blocked", lambda arch: arch.startswith("Qwen3_5"))

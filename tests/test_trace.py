@@ -4,7 +4,7 @@ import numpy as np
 import orjson
 import pytest
 
-from reap_swap.trace import (
+from reap_swap.cache.trace import (
     TRACE_VERSION,
     Trace,
     TraceError,

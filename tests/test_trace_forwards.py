@@ -1,12 +1,12 @@
-"""reap_swap/trace_forwards.py: the CPU recorder's per-forward router calls -> a request's steps."""
+"""reap_swap/cache/trace_forwards.py: the CPU recorder's per-forward router calls -> a request's steps."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from reap_swap.trace import TraceError, from_requests, steps_of_sequence
-from reap_swap.trace_forwards import forwards_of_calls, request_steps_from_calls
+from reap_swap.cache.trace import TraceError, from_requests, steps_of_sequence
+from reap_swap.cache.trace_forwards import forwards_of_calls, request_steps_from_calls
 
 LAYERS, K = [0, 1, 2], 2
 

@@ -9,8 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from reap_swap.model_shape import read_model_shape  # noqa: E402
-from reap_swap.trace_record import record_trace  # noqa: E402
+from reap_swap.engine.trace_recorder import record_trace  # noqa: E402
+from reap_swap.sizing.model_shape import read_model_shape  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "reap-mini-moe"
 
@@ -45,10 +45,10 @@ def test_observe_write_trace_compares_prefill_with_the_counters(tmp_path):
     selections differ from the counters it is given (here an independent full forward)."""
     import argparse
 
-    from reap_swap.corpus import CorpusRecord
-    from reap_swap.observe import _write_trace
-    from reap_swap.observed_counts import CountAccumulator
-    from reap_swap.trace import load_trace
+    from reap_swap.cache.trace import load_trace
+    from reap_swap.engine.observer import _write_trace
+    from reap_swap.planner.corpus import CorpusRecord
+    from reap_swap.planner.observed_counts import CountAccumulator
 
     shape = read_model_shape(MODEL)
     tok = transformers.AutoTokenizer.from_pretrained(MODEL)

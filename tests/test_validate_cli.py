@@ -8,7 +8,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from reap_swap.cli import COMMANDS, main
+from reap_swap.cli.main import COMMANDS, main
 
 FIXTURE = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "strict30-v2-plan.json"
 QWEN35 = Path(__file__).parent / "data" / "qwen3_5_moe_35b_a3b_config.json"
@@ -122,7 +122,7 @@ def test_usage_errors_and_help(capsys):
 
 
 def test_console_entry_point_runs_in_a_fresh_process(plan_file):
-    """The installed script calls reap_swap.cli:main; run it as a module so no install is needed."""
+    """The installed script calls reap_swap.cli.main:main; run it as a module so no install is needed."""
     done = subprocess.run(
         [sys.executable, "-m", "reap_swap.cli", "validate", str(plan_file)],
         capture_output=True,

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from reap_swap.residency import vmm
+from reap_swap.engine import vmm
 
 
 class FakeDriver:
@@ -110,7 +110,7 @@ def test_a_host_range_allocates_all_units_by_default(drv):
 
 
 def test_a_host_range_in_blocks_allocates_as_it_grows(drv):
-    # the re-home in blocks (engine.rehome with on_copied): units allocated just before their copy
+    # the re-home in blocks (state.rehome with on_copied): units allocated just before their copy
     rng = vmm.MixedRange.create_host_backed(6, UNIT, 0, allocate=0)
     assert rng.handles == [] and rng.base in drv.reserved and not drv.mapped
     rng.grow(4)

@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 from reap_fakes import PLAN, FakeWorker
 
-from reap_swap import wire
+from reap_swap.engine import wire
 
 
 def test_resident_sets_round_trip_in_one_wire_form():

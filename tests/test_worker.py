@@ -5,11 +5,11 @@ import pytest
 from reap_fakes import PLAN
 
 from reap_swap.compat import moe as vllm_moe
-from reap_swap.residency.accounting import AccountingResidency
-from reap_swap.runtime import WorkerRuntime
-from reap_swap.settings import CPU_REASON, Settings
-from reap_swap.worker import ReapWorkerExtension, make_residency_backend
-from reap_swap.worker_core import check_resident_sets
+from reap_swap.config.settings import CPU_REASON, Settings
+from reap_swap.engine.residency.accounting import AccountingResidency
+from reap_swap.engine.runtime import WorkerRuntime
+from reap_swap.engine.worker import ReapWorkerExtension, make_residency_backend
+from reap_swap.engine.worker_core import check_resident_sets
 
 
 def test_extension_adds_only_new_names_to_vllm_workers():
@@ -25,8 +25,8 @@ def test_extension_adds_only_new_names_to_vllm_workers():
 def test_the_layers_plugin_registers_the_counting_layer(monkeypatch):
     """The general plugin (what vLLM runs in every process) registers it, once named in VLLM_PLUGINS;
     run alone too, not only after another test happened to register it."""
-    from reap_swap import plugins
-    from reap_swap.routed_experts import ReapRoutedExperts, layer_index_from_name
+    from reap_swap.engine import plugins
+    from reap_swap.engine.routed_experts import ReapRoutedExperts, layer_index_from_name
 
     monkeypatch.setenv("VLLM_PLUGINS", plugins.LAYERS_PLUGIN)
     plugins.register()
@@ -39,7 +39,7 @@ def test_the_layers_plugin_registers_the_counting_layer(monkeypatch):
 
 
 def test_register_refuses_a_foreign_replacement(monkeypatch):
-    from reap_swap import routed_experts as experts
+    from reap_swap.engine import routed_experts as experts
 
     registry = vllm_moe.oot_registry()
     monkeypatch.setitem(registry, "RoutedExperts", type("Other", (), {}))
@@ -75,7 +75,8 @@ def test_the_runtime_reads_the_plan_once_and_refuses_a_second_config(tmp_path, m
 
     from reap_fakes import tiny_plan_doc
 
-    from reap_swap import runtime, settings
+    from reap_swap.config import settings
+    from reap_swap.engine import runtime
 
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps(tiny_plan_doc()))
@@ -107,7 +108,7 @@ def test_dry_run_changes_nothing():
     ],
 )
 def test_resident_sets_are_rechecked_against_the_plan(keep, needle):
-    from reap_swap import wire
+    from reap_swap.engine import wire
 
     with pytest.raises(ValueError, match=needle):
         check_resident_sets(PLAN, wire.decode_resident_sets(keep))
@@ -137,18 +138,18 @@ def test_an_engine_that_refused_every_layer_warns_instead_of_erroring(monkeypatc
     any other failure to build the engine stays an ERROR. The reason in /reap/status is unchanged."""
     import logging
 
-    from reap_swap.residency import cuda_backend
-    from reap_swap.residency.refusals import LayerRefusals, NothingRehomed
+    from reap_swap.engine.residency import cuda_backend
+    from reap_swap.engine.residency.refusals import LayerRefusals, NothingRehomed
 
     refusals = LayerRefusals()
     refusals.reasons.update({"l0": "INT4: Marlin", "l1": "INT4: Marlin"})
     engine = type("Engine", (), {"state": None, "refusals": refusals, "pending_meta": {}})()
     rt = _runtime()
     rt.engine = engine
-    caplog.set_level(logging.WARNING, logger="reap_swap.worker")
+    caplog.set_level(logging.WARNING, logger="reap_swap.engine.worker")
     backend = make_residency_backend(rt, "cuda")
     assert isinstance(backend, AccountingResidency) and "no MoE layer was re-homed" in backend.reason
-    rows = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "reap_swap.worker"]
+    rows = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "reap_swap.engine.worker"]
     assert rows == [(logging.WARNING, rows[0][1])] and "all 2 MoE layers keep vLLM's stock path" in rows[0][1]
     caplog.clear()
 
@@ -157,10 +158,10 @@ def test_an_engine_that_refused_every_layer_warns_instead_of_erroring(monkeypatc
 
     engine.pending_meta = {"l2": 2}  # a layer that never left meta: not by design, so an ERROR
     make_residency_backend(rt, "cuda")
-    assert [r.levelno for r in caplog.records if r.name == "reap_swap.worker"] == [logging.ERROR]
+    assert [r.levelno for r in caplog.records if r.name == "reap_swap.engine.worker"] == [logging.ERROR]
     caplog.clear()
     engine.pending_meta = {}
     monkeypatch.setattr(cuda_backend, "CudaResidency", broken)
     make_residency_backend(rt, "cuda")
-    assert [r.levelno for r in caplog.records if r.name == "reap_swap.worker"] == [logging.ERROR]
+    assert [r.levelno for r in caplog.records if r.name == "reap_swap.engine.worker"] == [logging.ERROR]
     assert issubclass(NothingRehomed, RuntimeError)

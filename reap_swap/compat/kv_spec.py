@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from reap_swap.kv_groups import KvGroup, KvGroups, KvGroupsError, check_groups, per_token_spec
+from reap_swap.sizing.kv_groups import KvGroup, KvGroups, KvGroupsError, check_groups, per_token_spec
 
 _PROBE_BYTES = 2**50  # any size holding >= 1 block: only the ratio bytes / num_blocks is read
 

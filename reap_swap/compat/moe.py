@@ -127,7 +127,7 @@ def is_monolithic(layer: Any) -> bool:
 def unsupported_moe_method(layer: Any) -> str | None:
     """Why the engine cannot pool this layer's experts because of its MoE *path*, or None.
 
-    What the kernel reads is decided by the binding rules (`reap_swap.quant_layout.bind_layer`
+    What the kernel reads is decided by the binding rules (`reap_swap.sizing.quant.layout.bind_layer`
     over `moe_kernel_names`), not here; this only refuses what no binding can serve: a kernel
     that routes inside itself (`quant_method.is_monolithic`: MXFP4's OAITritonMxfp4ExpertsMonolithic,
     FlashInfer TRT-LLM), and an unquantized layer off vLLM's Triton backend (its FlashInfer /

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reap_swap.compat.moe import current_additional_config
-from reap_swap.host_memory import EXACT_PINNING_MIN_BYTES
+from reap_swap.sizing.host_memory import EXACT_PINNING_MIN_BYTES
 
 logger = logging.getLogger("reap_swap.compat")
 
@@ -68,7 +68,7 @@ _registered: dict[int, Copy] = {}  # host pointer -> the copy
 
 def wanted() -> bool:
     """Is `exact_pinning` on in the config being built (the launcher's --additional-config)?"""
-    from reap_swap.settings import ADDITIONAL_CONFIG_KEY
+    from reap_swap.config.settings import ADDITIONAL_CONFIG_KEY
 
     cfg = current_additional_config()
     reap = cfg.get(ADDITIONAL_CONFIG_KEY) if isinstance(cfg, dict) else None

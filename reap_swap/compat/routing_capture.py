@@ -15,7 +15,7 @@ capturer.capture, runner.layer_id))`; `BaseRouter.select_experts` then calls it 
 `topk_ids` [tokens of the forward, top_k] before the EPLB mapping, in every forward (the same
 hook vLLM's `--enable-return-routed-experts` writes its buffer from). A Python sink only sees
 every forward in eager mode (`enforce_eager=True`): under torch.compile the hook would be traced
-once (reap_swap/routed_experts.py says the same of its counters).
+once (reap_swap/engine/routed_experts.py says the same of its counters).
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ CountKernel.launch's Python (the Triton call replaced by a no-op), plus the torc
 import timeit
 
 import torch
+from reap_swap.counting import counters
+from reap_swap.counting.count_kernel import CountKernel
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context, set_forward_context
 
 from reap_swap.compat import padding as pad
-from reap_swap.counting import counters
-from reap_swap.counting.count_kernel import CountKernel
 
 
 def per_call_us(fn, n=20000):

@@ -17,10 +17,10 @@ import time
 
 import torch
 from cuda.bindings import runtime as rt
-
-from reap_swap.compat import pinning
 from reap_swap.residency import engine
 from reap_swap.residency.unit_layout import plan_unit
+
+from reap_swap.compat import pinning
 
 MIB = 1 << 20
 

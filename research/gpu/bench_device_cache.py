@@ -5,9 +5,8 @@ torch.compile'd then replayed in a graph (checked equal to eager, state and rema
 
 Writes $LOGDIR/device_cache_bench{--suffix}.json and prints one line per case: microseconds per
 layer-step (policy only: no slot copy, whose cost is bytes / PCIe bandwidth, measured elsewhere).
-``fused_*``: the first one-program Triton step (device_cache_fused.py), its mismatch count
-against the torch step (state tensors and remapped ids, every step). ``fast_*``: the vectorised
-step (device_cache_fast.py, the serving default; ``--fast-warps``), same checks.
+``fast_*``: the Triton step, its mismatch count against the torch step (state tensors and remapped
+ids, every step): the vectorised step (device_cache_fast.py, the serving default; ``--fast-warps``), same checks.
 ``*_graph48_us``: 48 layer-steps (48 caches, the same ids) captured in ONE graph and replayed with
 the next step's routing each time, per layer-step: what a decode step pays per MoE layer, without
 the per-replay launch cost that the single-step ``*_graph_us`` columns include
@@ -36,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from reap_swap.residency import device_cache_copy, device_cache_fast
-from reap_swap.residency.device_cache import DeviceCache, remap_ids, step_counts
-from reap_swap.residency.device_cache_copy import copy_units, copy_units_dense, unit_view
-from reap_swap.residency.device_cache_fast import fast_policy
-from reap_swap.residency.device_cache_fused import fused_policy
+from reap_swap.engine.device_cache import copy as device_cache_copy
+from reap_swap.engine.device_cache import fast as device_cache_fast
+from reap_swap.engine.device_cache.copy import copy_units, copy_units_dense, unit_view
+from reap_swap.engine.device_cache.fast import fast_policy
+from reap_swap.engine.device_cache.layer import DeviceCache, remap_ids, step_counts
 
 LAYERS = 48
 
@@ -52,10 +51,6 @@ def _ids(gen, steps, rows, experts, top_k):
 
 def _one(cache, ids):
     return remap_ids(ids, cache.step(step_counts(ids, cache.num_experts)))
-
-
-def _fused(cache, ids):
-    return fused_policy(cache, ids, None)
 
 
 def _fast(cache, ids):
@@ -106,7 +101,7 @@ def bench_layers(experts, slots, ids, steps) -> dict:
     """Per layer-step in a 48-layer graph: fused, fast (last layer checked against eager torch),
     the empty-graph floor and the no-op slot copy."""
     out = {}
-    for name, fn in (("fused", _fused), ("fast", _fast)):
+    for name, fn in (("fast", _fast),):
         caches = [DeviceCache(experts, slots, "cuda") for _ in range(LAYERS)]
         ref, static = DeviceCache(experts, slots, "cuda"), ids[0].clone()
         g, outs = _graph_layers(fn, caches, static)
@@ -179,8 +174,8 @@ class AdmitRange:
     SOURCES, MAX_SLOTS = LAYERS, 128
 
     def __init__(self) -> None:
-        from reap_swap.residency import vmm
-        from reap_swap.residency.device_cache_range import CacheRange
+        from reap_swap.engine import vmm
+        from reap_swap.engine.device_cache.range import CacheRange
 
         gran = vmm.ensure_available(0)
         self.unit_bytes = -(-9_437_184 // gran) * gran
@@ -235,13 +230,10 @@ def bench(experts, slots, rows, top_k, steps, compiled) -> dict:
     eager = DeviceCache(experts, slots, "cuda")
     out = {"experts": experts, "slots": slots, "rows": rows, "top_k": top_k, "steps": steps}
     out["eager_us"] = _time(lambda t: _one(eager, ids[t]), steps)
-    fused_eager = DeviceCache(experts, slots, "cuda")
-    _fused(fused_eager, ids[0].clone())  # compile the Triton kernel outside the timing
-    out["fused_eager_us"] = _time(lambda t: _fused(fused_eager, ids[t]), steps)
     fast_eager = DeviceCache(experts, slots, "cuda")
     _fast(fast_eager, ids[0].clone())
     out["fast_eager_us"] = _time(lambda t: _fast(fast_eager, ids[t]), steps)
-    cases = [("graph_us", _one), ("fused_graph_us", _fused), ("fast_graph_us", _fast)]
+    cases = [("graph_us", _one), ("fast_graph_us", _fast)]
     if compiled:
         cases.append(("compiled_graph_us", torch.compile(_one, dynamic=False)))
     for name, fn in cases:

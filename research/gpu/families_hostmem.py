@@ -10,8 +10,8 @@ import threading
 import time
 from pathlib import Path
 
-from reap_swap.processes import kill_group
-from reap_swap.serving import log
+from reap_swap.bench.processes import kill_group
+from reap_swap.bench.server_driver import log
 
 GIB = 2**30
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from reap_swap.bench_report import cache_hit_ratio
-from reap_swap.probe_compare import compare_probes
+from reap_swap.bench.report import cache_hit_ratio
+from reap_swap.engine.probe_compare import compare_probes
 
 GIB = 2**30
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from reap_swap.host_memory import uva_pinned_bytes  # noqa: E402
-from reap_swap.model_shape import read_model_shape  # noqa: E402
+from reap_swap.sizing.host_memory import uva_pinned_bytes  # noqa: E402
+from reap_swap.sizing.model_shape import read_model_shape  # noqa: E402
 
 GIB = 2**30
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
@@ -84,7 +84,7 @@ NO_UVA = {"deepseek_v2_lite"}
 
 def pinned_host_gib(f: Family) -> float:
     """Host in use by a reap-swap server at its first re-home, counting what PyTorch's caching host
-    allocator really pins (reap_swap.host_memory.uva_pinned_bytes: each layer's w13 and w2 rounded up
+    allocator really pins (reap_swap.sizing.host_memory.uva_pinned_bytes: each layer's w13 and w2 rounded up
     to a power of two; torch 2.11 has no setting against it, research-notes/pinned-round): all layers
     are pinned before the engine re-homes the first one into its own exact range. Reproduces run 13's
     Mixtral-8x7B (2 + 1 GiB for 1.75 + 0.875 GiB: 96 GiB pinned for 84; 102.1 vs 102.05 GiB in use

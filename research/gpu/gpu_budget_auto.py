@@ -32,8 +32,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from reap_swap import serving  # noqa: E402
-from reap_swap.serving import Server, ServerError, free_port, greedy_completions  # noqa: E402
+from reap_swap.bench import server_driver as serving  # noqa: E402
+from reap_swap.bench.server_driver import Server, ServerError, free_port, greedy_completions  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time", "SELECT * FROM"]
 SPLIT = re.compile(r"reap-swap memory split: .*")

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_e2e  # noqa: E402
 
-from reap_swap import serving  # noqa: E402
-from reap_swap.serving import Server, log  # noqa: E402
+from reap_swap.bench import server_driver as serving  # noqa: E402
+from reap_swap.bench.server_driver import Server, log  # noqa: E402
 
 TOKENS = 192
 STORM = 240

@@ -33,7 +33,7 @@ Arms (each: start a server, measure, stop; results merged into OUT/gpu_e2e.json)
 Every arm runs with CUDA graphs on (no --enforce-eager) unless --eager. Greedy outputs are stored
 per arm/phase; research/gpu/gpu_summarize.py compares them across arms and files.
 
-With --moe-probe, stock arms also load reap_swap.moe_probe.MoeProbeExtension (a worker mixin that
+With --moe-probe, stock arms also load reap_swap.engine.moe_probe.MoeProbeExtension (a worker mixin that
 changes nothing else) and every arm/phase records reap_moe_probe: a digest of each MoE block's
 output for the same seeded input on every rank, compared bitwise across arms by gpu_summarize.py.
 
@@ -60,8 +60,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, when not on PYTHONPATH
-from reap_swap import serving  # noqa: E402
-from reap_swap.serving import Server, compare, log  # noqa: E402
+from reap_swap.bench import server_driver as serving  # noqa: E402
+from reap_swap.bench.server_driver import Server, compare, log  # noqa: E402
 
 PROMPTS = [
     "The history of the printing press",
@@ -91,8 +91,8 @@ DEV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM's /collective_rpc (self-check, fault
 
 
 def model_shape(model: Path) -> dict:
-    """The MoE shape of any family reap_swap.model_shape reads; "moe_layers" are the plan layers."""
-    from reap_swap.model_shape import read_model_shape
+    """The MoE shape of any family reap_swap.sizing.model_shape reads; "moe_layers" are the plan layers."""
+    from reap_swap.sizing.model_shape import read_model_shape
 
     s = read_model_shape(model)
     return {
@@ -241,7 +241,7 @@ def collective_rpc(srv: Server, method: str, args=(), timeout=300) -> dict:
 
 REFERENCE: list[dict] | None = None  # stock-gpu's greedy outputs, when this call measured them
 PROBE = False  # --moe-probe
-PROBE_EXTENSION = ["--worker-extension-cls", "reap_swap.moe_probe.MoeProbeExtension"]
+PROBE_EXTENSION = ["--worker-extension-cls", "reap_swap.engine.moe_probe.MoeProbeExtension"]
 
 
 def moe_probe(srv: Server, label: str) -> dict | None:

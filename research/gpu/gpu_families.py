@@ -50,7 +50,7 @@ import gpu_e2e as e2e  # noqa: E402
 import make_tiny_moe  # noqa: E402
 from families_hostmem import HostMemory  # noqa: E402
 
-from reap_swap import serving  # noqa: E402
+from reap_swap.bench import server_driver as serving  # noqa: E402
 
 GIB = 2**30
 

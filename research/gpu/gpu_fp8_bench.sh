@@ -78,7 +78,7 @@ bench() {  # NAME ARGS... : one bench (one server) in the background
 
 benches() {
   local b25 b50 b37 names n
-  read -r b25 b50 b37 < <($PY -c "from reap_swap.model_shape import read_model_shape as r; \
+  read -r b25 b50 b37 < <($PY -c "from reap_swap.sizing.model_shape import read_model_shape as r; \
 t = r('$DST').total_expert_bytes / 2**30; print(t * 0.25, t * 0.5, t * 0.375)")
   step bench "budgets 25 % = $b25 GiB, 50 % = $b50 GiB (FP8 bytes); HBM-matched plan-swap at $b37 GiB"
   rm -f "$S/measure.lock" "$S/release"

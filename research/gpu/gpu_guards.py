@@ -19,7 +19,7 @@ Method: a *serve* starts the three servers at once and waits until all are healt
 gets `--warmup` untimed completions; then `--rounds` rounds, each timing one single-stream greedy
 completion of `--tokens` tokens (ignore_eos) per arm, arms interleaved (rotated each round), one arm
 at a time while the others idle; then all three stop. `--serves` serves (a next one only if it fits
-the deadline). Reported (reap_swap.guard_report): per arm the pooled median, the per-serve medians
+the deadline). Reported (reap_swap.bench.guards): per arm the pooled median, the per-serve medians
 and their median, and the paired reading: per (serve, round) the arm's rate / stock's rate of the
 same round, median per serve and the median of those (removes the drift that moved every arm of a
 round together in run 12: 352-639 tok/s).
@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import gpu_e2e  # noqa: E402
 
-from reap_swap import serving  # noqa: E402
-from reap_swap.guard_report import cache_not_engaged, decode_markdown, decode_summary  # noqa: E402
+from reap_swap.bench import server_driver as serving  # noqa: E402
+from reap_swap.bench.guards import cache_not_engaged, decode_markdown, decode_summary  # noqa: E402
 
 ARMS = ("stock", "reap", "reap-cache")
 CACHE_ARM = "reap-cache"

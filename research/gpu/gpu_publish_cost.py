@@ -29,7 +29,7 @@ E, H, LAYERS, REPS = 128, 2048, 12, 5
 def run(device: int, inter: int, peer: bool, barrier=None) -> dict:
     import torch
 
-    from reap_swap.residency.engine import standalone_state, swap_state
+    from reap_swap.engine.residency.state import standalone_state, swap_state
 
     torch.cuda.set_device(device)
     if peer:  # a device-to-device copy makes torch enable peer access (what TP's collectives need)

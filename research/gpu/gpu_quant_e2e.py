@@ -59,11 +59,11 @@ from quant_cases import (  # noqa: E402  (pure parts: case list, summary; re-exp
     markdown,
 )
 
-from reap_swap import serving  # noqa: E402
-from reap_swap.model_shape import quantization_config, read_model_shape  # noqa: E402
-from reap_swap.quant_budget import served_quant_of  # noqa: E402
-from reap_swap.quant_padding import expert_format  # noqa: E402
-from reap_swap.serving import Server, free_port, log  # noqa: E402
+from reap_swap.bench import server_driver as serving  # noqa: E402
+from reap_swap.bench.server_driver import Server, free_port, log  # noqa: E402
+from reap_swap.sizing.model_shape import quantization_config, read_model_shape  # noqa: E402
+from reap_swap.sizing.quant.budget import served_quant_of  # noqa: E402
+from reap_swap.sizing.quant.padding import expert_format  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -9,7 +9,7 @@ path), generates 4 greedy tokens, and for each MoE layer records, after
 process_weights_after_loading: the quant method class, the experts (kernel) class and backend
 enum the oracle chose, is_monolithic, every w13_/w2_ tensor (name, type, shape, dtype, strides,
 storage bytes, contiguity, aliases), and the pure classifier's verdict
-(`reap_swap.quant_layout.bind_layer`). Cases run in parallel (`--jobs`), each with a fixed KV
+(`reap_swap.sizing.quant.layout.bind_layer`). Cases run in parallel (`--jobs`), each with a fixed KV
 cache (`kv_cache_memory_bytes`) so that concurrent processes do not disturb memory profiling.
 
 Output under --out: checkpoints/ (generated unless --models is given), <case>.log, <case>.json,
@@ -84,7 +84,7 @@ def _describe(name: str, value) -> dict:
 def _layer_tensors(module) -> list[dict]:
     """Every w13_/w2_ tensor of the layer; of several names for one storage (AWQ's w13_weight is
     w13_qweight after loading) the first of known role and registered as a parameter is primary."""
-    from reap_swap.quant_layout import role_of
+    from reap_swap.sizing.quant.layout import role_of
 
     seen: dict[int, str] = {}
     out = []
@@ -107,15 +107,15 @@ def _layer_tensors(module) -> list[dict]:
 
 
 def _classify(record: dict, quant_config: dict) -> dict:
-    from reap_swap.quant_layout import bind_layer, layer_spec_from_dict
-    from reap_swap.quant_methods import stride_mode_for
+    from reap_swap.sizing.quant.layout import bind_layer, layer_spec_from_dict
+    from reap_swap.sizing.quant.methods import stride_mode_for
 
     params = [
         t
         for t in record["tensors"]
         if not t.get("opaque") and not t.get("alias_of") and t.get("shape") is not None and "elem_bytes" in t
     ]
-    from reap_swap.quant_layout import StrideMode
+    from reap_swap.sizing.quant.layout import StrideMode
 
     mode = stride_mode_for(record["method"], record["experts"])
     if record.get("is_monolithic"):  # routes inside the kernel: the engine refuses it

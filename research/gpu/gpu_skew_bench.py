@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     if not a.dry_run:
         if not build_model(a):
             return 1
-        from reap_swap.model_shape import read_model_shape
+        from reap_swap.sizing.model_shape import read_model_shape
 
         total_gib = read_model_shape(str(a.skew)).total_expert_bytes / 2**30
         shutil.copy(PLAN50, paths["p50"])

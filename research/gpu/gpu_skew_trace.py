@@ -2,10 +2,10 @@
 """Routing traces of the skewed model recorded by vLLM itself (issue 17), for `reap-swap simulate`.
 
 One stock vLLM server (the bench's engine args, prefix caching off, --enable-return-routed-experts),
-then per split the first --max-prompts records (reap_swap.bench_config.load_prompts, as the bench
+then per split the first --max-prompts records (reap_swap.bench.config.load_prompts, as the bench
 reads them: the held-out split's first 8 are the bench's 8 prompts) sent one at a time as greedy
 chat completions of --max-tokens tokens; each choice's routed_experts becomes one request of the
-trace (reap_swap/trace_served.py). Writes OUT/skew-<split>.npz (reap_swap/trace.py format),
+trace (reap_swap/cache/trace_served.py). Writes OUT/skew-<split>.npz (reap_swap/cache/trace.py format),
 OUT/trace.json (per request: usage, routed shape, greedy tokens/text; server argv, startup) and
 OUT/logs/. Exit 0 when every split's trace was written.
 
@@ -30,13 +30,13 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from reap_swap import serving  # noqa: E402
-from reap_swap.bench_config import load_prompts  # noqa: E402
-from reap_swap.bench_env import MeasureLock  # noqa: E402
+from reap_swap.bench import server_driver as serving  # noqa: E402
+from reap_swap.bench.config import load_prompts  # noqa: E402
+from reap_swap.bench.env import MeasureLock  # noqa: E402
+from reap_swap.cache.trace import save_trace  # noqa: E402
+from reap_swap.cache.trace_served import trace_from_served  # noqa: E402
 from reap_swap.compat.serve import STOCK_SERVER_MODULE  # noqa: E402
-from reap_swap.model_shape import read_model_shape  # noqa: E402
-from reap_swap.trace import save_trace  # noqa: E402
-from reap_swap.trace_served import trace_from_served  # noqa: E402
+from reap_swap.sizing.model_shape import read_model_shape  # noqa: E402
 
 SPLITS = {"heldout": "data/corpus/heldout.jsonl", "calibration": "data/corpus/calibration.jsonl"}
 

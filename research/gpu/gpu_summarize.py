@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from reap_swap.serving import compare  # noqa: E402
+from reap_swap.bench.server_driver import compare  # noqa: E402
 
 
 def load(path: Path) -> dict:
@@ -215,7 +215,7 @@ def skew_section(sess: Path) -> list[str]:
 
 def probe_section(ref: dict | None, entries: list[tuple[str, dict]]) -> list[str]:
     """Bitwise MoE-block comparison per rank: equal digests / all (layer, size) pairs."""
-    from reap_swap.moe_probe import compare_probes
+    from reap_swap.engine.moe_probe import compare_probes
 
     if not ref or not ref.get("ranks"):
         return ["(no reference probe)"]

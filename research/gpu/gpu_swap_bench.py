@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from reap_swap.residency.engine import standalone_state, swap_state
+from reap_swap.engine.residency.state import standalone_state, swap_state
 
 E, H, I, TOPK = 128, 2048, 768, 8
 

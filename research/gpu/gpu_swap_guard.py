@@ -34,14 +34,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, when not on PYTHONPATH
-from reap_swap.bench_report import ratio  # noqa: E402
-from reap_swap.guard_report import swap_summary  # noqa: E402
-from reap_swap.residency.engine import standalone_state  # noqa: E402
-from reap_swap.residency.swap import PUBLISH_AHEAD, PUBLISH_EVERY, PUBLISH_WHEN_IDLE, apply_swap  # noqa: E402
+from reap_swap.bench.guards import swap_summary  # noqa: E402
+from reap_swap.bench.report import ratio  # noqa: E402
+from reap_swap.engine.residency.state import standalone_state  # noqa: E402
+from reap_swap.engine.residency.swap import PUBLISH_AHEAD, PUBLISH_EVERY, PUBLISH_WHEN_IDLE, apply_swap  # noqa: E402
 
 CANDIDATE = PUBLISH_EVERY  # the arm the guard (>= 50 GB/s) is judged on: the default
-from reap_swap.residency import vmm  # noqa: E402
-from reap_swap.residency.vmm_store import VmmStore  # noqa: E402
+from reap_swap.engine import vmm  # noqa: E402
+from reap_swap.engine.residency.vmm_store import VmmStore  # noqa: E402
 
 E, H, I = 128, 2048, 768
 log = logging.getLogger("swap_guard")

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from reap_swap.residency import vmm  # noqa: E402
-from reap_swap.residency.vmm import _access_desc, _check, _drv, _prop  # noqa: E402
+from reap_swap.engine import vmm  # noqa: E402
+from reap_swap.engine.vmm import _access_desc, _check, _drv, _prop  # noqa: E402
 
 UNIT = 10 * 2**20  # a Qwen3-30B-A3B expert (9 MiB) at 2 MiB granularity
 

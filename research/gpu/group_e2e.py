@@ -16,8 +16,8 @@ import json
 import random
 from pathlib import Path
 
-from reap_swap.group_layout import Permutation, groups_for, plan_permutations
-from reap_swap.plan import load_plan
+from reap_swap.plan.document import load_plan
+from reap_swap.sizing.groups import Permutation, groups_for, plan_permutations
 
 
 def shuffle_plan(path: Path, seed: int = 0) -> None:

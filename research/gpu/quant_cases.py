@@ -10,8 +10,8 @@ from pathlib import Path
 
 from families_report import bound_rows
 
-from reap_swap.moe_probe import compare_probes
-from reap_swap.serving import compare
+from reap_swap.bench.server_driver import compare
+from reap_swap.engine.moe_probe import compare_probes
 
 # case -> (checkpoint format, extra vLLM arguments)
 CASES = {

@@ -88,7 +88,7 @@ def reap_saliency(model_dir: str, corpus: Path, out: Path, force: bool) -> None:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from reap_swap.corpus import read_corpus, tokenize_records
+    from reap_swap.planner.corpus import read_corpus, tokenize_records
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -157,7 +157,7 @@ def reap_saliency(model_dir: str, corpus: Path, out: Path, force: bool) -> None:
 
 
 def methods(calib, calib_reap):
-    from reap_swap.observation_types import Observations
+    from reap_swap.planner.observation_types import Observations
 
     def strip_coact(o: Observations) -> Observations:
         layers = {i: dataclasses.replace(s, coactivation=None) for i, s in o.layers.items()}
@@ -203,11 +203,11 @@ def main() -> int:
     observe(args.model, held_corpus, work / "heldout.pt", True, engine, args.force)
     reap_saliency(args.model, calib_corpus, work / "calib_reap.pt", args.force)
 
-    from reap_swap.evaluate import evaluate_observations
-    from reap_swap.model_shape import read_model_shape
-    from reap_swap.observations import load_observations
-    from reap_swap.plan import load_plan
-    from reap_swap.planner import PlannerConfig, build_plan
+    from reap_swap.plan.document import load_plan
+    from reap_swap.planner.build import PlannerConfig, build_plan
+    from reap_swap.planner.evaluate import evaluate_observations
+    from reap_swap.planner.observations import load_observations
+    from reap_swap.sizing.model_shape import read_model_shape
 
     shape = read_model_shape(args.model)
     calib, calib_reap = load_observations(work / "calib.pt"), load_observations(work / "calib_reap.pt")

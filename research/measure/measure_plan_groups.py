@@ -35,14 +35,14 @@ import orjson
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from reap_swap.evaluate import evaluate  # noqa: E402
-from reap_swap.group_layout import Permutation, physical_order, plan_groups, set_cost  # noqa: E402
-from reap_swap.model_shape import read_model_shape  # noqa: E402
-from reap_swap.observation_types import LayerStats, Observations, RecordCounts  # noqa: E402
-from reap_swap.plan import load_plan, validate_plan_document  # noqa: E402
-from reap_swap.planner import PlannerConfig, build_plan  # noqa: E402
-from reap_swap.planner_groups import group_pricing  # noqa: E402
-from reap_swap.trace import load_trace  # noqa: E402
+from reap_swap.cache.trace import load_trace  # noqa: E402
+from reap_swap.plan.document import load_plan, validate_plan_document  # noqa: E402
+from reap_swap.planner.build import PlannerConfig, build_plan  # noqa: E402
+from reap_swap.planner.evaluate import evaluate  # noqa: E402
+from reap_swap.planner.groups import group_pricing  # noqa: E402
+from reap_swap.planner.observation_types import LayerStats, Observations, RecordCounts  # noqa: E402
+from reap_swap.sizing.groups import Permutation, physical_order, plan_groups, set_cost  # noqa: E402
+from reap_swap.sizing.model_shape import read_model_shape  # noqa: E402
 
 MiB = 2**20
 OUT = ROOT / "research-notes" / "plangroup"

@@ -38,9 +38,10 @@ from pathlib import Path
 
 import orjson
 
-from reap_swap.client import ReapClient
-from reap_swap.plan import load_plan
-from reap_swap.selection import STRATEGIES, prompt_features, routed_share, select_prior, select_probe
+from reap_swap.client.reap_client import ReapClient
+from reap_swap.client.selection import prompt_features, routed_share, select_prior, select_probe
+from reap_swap.client.strategies import STRATEGIES
+from reap_swap.plan.document import load_plan
 
 
 def load_prompts(path: str, per_domain: int, chars: int) -> list[dict]:

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv/bin/python research/sim/check_h200_trace.py     # CPU, seconds
 
-Per split: reap_swap.trace.load_trace (schema), shape, layers, requests, steps, tokens; every
+Per split: reap_swap.cache.trace.load_trace (schema), shape, layers, requests, steps, tokens; every
 request's tokens against trace.json's usage (prompt + completion - 1); prefill = one step of the
 prompt, decode = one token per step; duplicate ids in a top-k row; decode working set; prefill
 concentration (top 25 % / 50 % of a layer's experts); and the same prompts' routing in the
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from reap_swap.trace import Trace, load_trace
+from reap_swap.cache.trace import Trace, load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 DIR = ROOT / "research-notes/cache-sim/skew12h200"

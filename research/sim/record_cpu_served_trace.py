@@ -9,13 +9,13 @@ has no Triton, so no V2 runner) has no aux-output connector, so `--enable-return
 returns nothing there. This script instead runs an in-process eager `LLM` and binds vLLM's own
 router capture hook (the one that feeds `routed_experts` on the V2 runner) to a Python sink
 (reap_swap/compat/routing_capture.py); every forward's routing per MoE layer is checked and
-turned into the request's steps (reap_swap/trace_forwards.py: the prefill in one forward, then
+turned into the request's steps (reap_swap/cache/trace_forwards.py: the prefill in one forward, then
 one per decode token, prompt + completion - 1 routed tokens as vLLM's `routed_experts`).
 
   VLLM_CPU_KVCACHE_SPACE=2 flock /tmp/vllm.lock python research/sim/record_cpu_served_trace.py \
       --model /tmp/skew12/skew --out research-notes/cache-sim/skew12cpu [--deadline-s 2400]
 
-Writes OUT/skew-<split>.npz (reap_swap/trace.py format), OUT/trace.json (per request: prompt and
+Writes OUT/skew-<split>.npz (reap_swap/cache/trace.py format), OUT/trace.json (per request: prompt and
 completion tokens, seconds, greedy token ids and text; engine settings) and, with --plans, the
 plans of research/sim/record_skew_trace.py (calibration prefill counts, 12.5/25/50 %, core 0.75).
 --deadline-s / --stop-at: no new request starts after that many seconds / that epoch; a split cut short is written with
@@ -81,8 +81,8 @@ def make_engine(a: argparse.Namespace):
 
 
 def one_request(llm, prompt: dict, a, shape, where: str) -> tuple[list, dict]:
+    from reap_swap.cache.trace_forwards import request_steps_from_calls
     from reap_swap.compat.routing_capture import chat_sampling, take_captured
-    from reap_swap.trace_forwards import request_steps_from_calls
 
     take_captured(llm)  # nothing may be left from before this request
     t0 = time.time()
@@ -108,7 +108,7 @@ def one_request(llm, prompt: dict, a, shape, where: str) -> tuple[list, dict]:
 def save_split(a, split: str, shape, requests: list, records: list, doc: dict):
     """Write OUT/skew-<split>.npz with the requests recorded so far (after every request, so a
     cut run keeps what it measured) and the split's entry of trace.json."""
-    from reap_swap.trace import from_requests, save_trace
+    from reap_swap.cache.trace import from_requests, save_trace
 
     trace = from_requests(
         requests,
@@ -141,7 +141,7 @@ def record_splits(llm, a, splits: list[str], shape, t_start: float, doc: dict) -
     """Every split's first --max-prompts requests, split after split, or with --interleave request
     i of every split before request i + 1 (one request at a time, prefix caching off: no request
     sees another's state, so the order changes nothing but which requests a cut run keeps)."""
-    from reap_swap.bench_config import load_prompts
+    from reap_swap.bench.config import load_prompts
 
     prompts = {s: load_prompts(ROOT / SPLITS[s], a.max_prompts, a.prompt_chars) for s in splits}
     got = {s: ([], []) for s in splits}
@@ -170,7 +170,7 @@ def record_splits(llm, a, splits: list[str], shape, t_start: float, doc: dict) -
 def write_params(a: argparse.Namespace) -> None:
     """OUT/params.json: how the model was built (kit_model_info.json, skew_construction.json and
     its sha256) and how the traces were recorded."""
-    from reap_swap.observations import file_digest
+    from reap_swap.planner.observations import file_digest
 
     if not (a.model / "skew_construction.json").is_file():
         print(f"{a.model}: no skew_construction.json, no params.json (not a make_skewed_moe model)")
@@ -184,7 +184,7 @@ def write_params(a: argparse.Namespace) -> None:
         "skew_construction_sha256": file_digest(a.model / "skew_construction.json"),
         "trace": {"recorder": "research/sim/record_cpu_served_trace.py", "splits": a.splits,
                   "max_prompts": a.max_prompts, "prompt_chars": a.prompt_chars, "max_tokens": a.max_tokens,
-                  "prompts": "reap_swap.bench_config.load_prompts (as research/gpu/gpu_skew_trace.py)"},
+                  "prompts": "reap_swap.bench.config.load_prompts (as research/gpu/gpu_skew_trace.py)"},
         "plans": {"budgets": ["0.125", "0.25", "0.5"], "core_fraction": 0.75,
                   "from": "skew-calibration.npz prefill counts (research/sim/record_skew_trace.py plans)"},
         "commands": COMMANDS,
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from reap_swap.compat.routing_capture import bind_capture
-    from reap_swap.model_shape import read_model_shape
+    from reap_swap.sizing.model_shape import read_model_shape
 
     a.out.mkdir(parents=True, exist_ok=True)
     write_params(a)

@@ -6,7 +6,7 @@
     PYTHONPATH=$PWD python research/sim/record_skew_trace.py --model /tmp/skewtrace/skew   # ~5 min, 1 core
 
 No vLLM server or engine: ``reap-swap observe --trace`` starts vLLM for its prefill counters and
-then loads the model a second time in transformers (reap_swap/trace_record.py), two copies that do
+then loads the model a second time in transformers (reap_swap/engine/trace_recorder.py), two copies that do
 not fit beside the CI on this machine. Here only the recorder runs (bfloat16, the H200's serving
 dtype), on the prompts of ``record_mini_trace.cut_corpus`` (first --per-domain records of each
 domain, <= --chars characters, prefill + --decode-tokens greedy tokens per request) of both splits:
@@ -39,7 +39,7 @@ SPLITS = ("calibration", "heldout")
 
 def prefill_layer_stats(trace) -> dict:
     """{layer: LayerStats} of the trace's prefill steps only (one per request)."""
-    from reap_swap.observation_types import LayerStats
+    from reap_swap.planner.observation_types import LayerStats
 
     starts = trace.request_first_steps()
     tokens = int(np.diff(trace.step_offsets)[starts].sum())
@@ -52,9 +52,9 @@ def prefill_layer_stats(trace) -> dict:
 
 
 def record_split(args, split: str, shape, tokenizer):
-    from reap_swap.corpus import read_corpus, tokenize_records
-    from reap_swap.trace import save_trace
-    from reap_swap.trace_record import record_trace
+    from reap_swap.cache.trace import save_trace
+    from reap_swap.engine.trace_recorder import record_trace
+    from reap_swap.planner.corpus import read_corpus, tokenize_records
 
     cut = args.out / f".{split}-prompts.jsonl"
     n = cut_corpus(split, args.per_domain, args.chars, cut)
@@ -77,7 +77,7 @@ def record_split(args, split: str, shape, tokenizer):
 
 
 def plans(args, calib) -> None:
-    from reap_swap.observations import save_observations
+    from reap_swap.planner.observations import save_observations
 
     obs = args.out / ".calibration-prefill.pt"
     save_observations(
@@ -95,7 +95,7 @@ def plans(args, calib) -> None:
 
 def write_params(args) -> None:
     """OUT/params.json: how to rebuild the model and the traces (module doc)."""
-    from reap_swap.observations import file_digest
+    from reap_swap.planner.observations import file_digest
 
     con = json.loads((args.model / "skew_construction.json").read_text())
     info = json.loads((args.model / "kit_model_info.json").read_text())
@@ -136,7 +136,7 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from reap_swap.model_shape import read_model_shape
+    from reap_swap.sizing.model_shape import read_model_shape
 
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ slots per layer):
   config (Qwen3-MoE, 128 experts, top-8, hidden 2048, moe_intermediate 768, bf16), checked against
   the committed plans' expertBytes.
 
-Then ``reap_swap.cache_policy.replay.simulate`` (what ``reap-swap simulate`` runs) replays the
+Then ``reap_swap.cache.replay.simulate`` (what ``reap-swap simulate`` runs) replays the
 held-out trace (the calibration trace is the prior for dlfu-markov-seeded and dlearn-seeded) with
 every registered policy + Belady on both plans at every budget of the trace. Per trace x budget the
 summary has core+dlfu on the old plan and on the --cache-tail auto plan, dlfu-seeded, the best other
@@ -41,13 +41,13 @@ from pathlib import Path
 
 import orjson
 
-from reap_swap.cache_policy.replay import POLICIES, simulate
-from reap_swap.cache_policy.report import CLIENT_SWAP_POLICIES
-from reap_swap.memory_split import pinned_tail_split
-from reap_swap.model_shape import read_model_shape
-from reap_swap.plan import load_plan, validate_plan_document
-from reap_swap.planner import PlannerConfig, build_plan, plan_bytes
-from reap_swap.trace import load_trace
+from reap_swap.cache.replay import POLICIES, simulate
+from reap_swap.cache.report import CLIENT_SWAP_POLICIES
+from reap_swap.cache.trace import load_trace
+from reap_swap.plan.document import load_plan, validate_plan_document
+from reap_swap.planner.build import PlannerConfig, build_plan, plan_bytes
+from reap_swap.sizing.cache_tail import pinned_tail_split
+from reap_swap.sizing.model_shape import read_model_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = ROOT / "research-notes/cache-sim"
@@ -103,7 +103,7 @@ def observe_mini(out: Path) -> None:
 
 def inputs_for(name: str, spec: dict, tmp: Path, mini_obs: Path):
     """(observations, model shape, model name) as the committed plans were made."""
-    from reap_swap.observations import load_many, save_observations  # imports torch
+    from reap_swap.planner.observations import load_many, save_observations  # imports torch
 
     if name == "mini":
         if not mini_obs.exists():

@@ -7,7 +7,7 @@ expert and selection hit rates under the three layouts the server can serve with
   tail (``core+dlfu`` at the budget's core+tail slots; what plan-cache serves today);
 - ``swaps``: ``--reap-cache-slots swaps``, the core pinned and a tail of n = min(2 x top_k,
   (pool - core) // layers // 2) per layer, the rest of the pool kept for swaps a plain client never
-  makes (``core+dlfu`` at core + n slots; memory_split.swap_cache_split via replay.servable_split);
+  makes (``core+dlfu`` at core + n slots; cache_tail.swap_cache_split via probe.servable_split);
 - ``seeded``: ``--reap-cache-seed seeded``, the whole share as evictable slots seeded with the core
   (``dlfu-seeded`` at core+tail slots); a swap pins inside the slots, so no room is set aside,
   but a set wider than one layer's share is refused: the last column counts the requests whose
@@ -25,10 +25,11 @@ from pathlib import Path
 
 import orjson
 
-from reap_swap.cache_accounting import LFU_DECAY
-from reap_swap.cache_policy.mechanism import LayerSteps
-from reap_swap.cache_policy.replay import _probe_sets, _run_policy, seeded_split, servable_split, simulate
-from reap_swap.plan import load_plan
+from reap_swap.cache.mechanism import LayerSteps
+from reap_swap.cache.online import LFU_DECAY
+from reap_swap.cache.probe import _probe_sets, servable_split
+from reap_swap.cache.replay import _run_policy, seeded_split, simulate
+from reap_swap.plan.document import load_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_probecache import OUT, traces  # noqa: E402

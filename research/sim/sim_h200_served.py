@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from reap_swap.cache_policy.replay import POLICIES, simulate
-from reap_swap.plan import load_plan
-from reap_swap.trace import Trace, from_requests, load_trace
+from reap_swap.cache.replay import POLICIES, simulate
+from reap_swap.cache.trace import Trace, from_requests, load_trace
+from reap_swap.plan.document import load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 DIR = ROOT / "research-notes/cache-sim/skew12h200"

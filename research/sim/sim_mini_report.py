@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from reap_swap.cache_policy import report as rep
-from reap_swap.cache_policy.replay import simulate
-from reap_swap.plan import load_plan
-from reap_swap.trace import Trace, from_requests, load_trace
+from reap_swap.cache import report as rep
+from reap_swap.cache.replay import simulate
+from reap_swap.cache.trace import Trace, from_requests, load_trace
+from reap_swap.plan.document import load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "research-notes/cache-sim"

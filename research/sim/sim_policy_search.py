@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from reap_swap.cache_policy import report as rep
-from reap_swap.cache_policy.learned import DLearn, fit_layer
-from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
-from reap_swap.cache_policy.replay import simulate
-from reap_swap.plan import load_plan
-from reap_swap.trace import load_trace
+from reap_swap.cache import report as rep
+from reap_swap.cache.learned import DLearn, fit_layer
+from reap_swap.cache.mechanism import LayerCounts, LayerSteps, replay_layer
+from reap_swap.cache.replay import simulate
+from reap_swap.cache.trace import load_trace
+from reap_swap.plan.document import load_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_mini_report import PLANS, ROOT, shuffled  # noqa: E402

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import orjson
 
-from reap_swap.cache_policy import report as rep
-from reap_swap.cache_policy.belady import Belady
-from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
-from reap_swap.cache_policy.replay import layer_slots, parse_budget, simulate
-from reap_swap.plan import load_plan
-from reap_swap.trace import load_trace
+from reap_swap.cache import report as rep
+from reap_swap.cache.belady import Belady
+from reap_swap.cache.mechanism import LayerCounts, LayerSteps, replay_layer
+from reap_swap.cache.replay import layer_slots, parse_budget, simulate
+from reap_swap.cache.trace import load_trace
+from reap_swap.plan.document import load_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_mini_report import PLANS, ROOT, shuffled  # noqa: E402

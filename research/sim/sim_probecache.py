@@ -8,7 +8,7 @@ cut to the core plus a quarter / half of the tail (``smaller_probe``). ``probe+c
 device's pinned form with the probe's swaps, research.md "accdev") pins each set beside the layer's
 N = slots - core tail, so it holds |set| + N slots per layer, more than the budget (``NOTE``).
 ``probe+core+dlfu-split`` is its servable form, the bench's ``plan-swap+cache`` arm (research.md
-"probesplit"): the tail memory_split.swap_cache_split gives per layer (``--reap-cache-slots L x n``),
+"probesplit"): the tail cache_tail.swap_cache_split gives per layer (``--reap-cache-slots L x n``),
 the client's sets selected within the swap table K = pool - L x n; the first table is its prediction.
 
     PYTHONPATH=$PWD .venv/bin/python research/sim/sim_probecache.py     # CPU, a few minutes
@@ -23,11 +23,12 @@ from pathlib import Path
 
 import orjson
 
-from reap_swap.cache_policy.hybrid import SPLIT, SwapPinned, swap_points
-from reap_swap.cache_policy.mechanism import LayerCounts, LayerSteps, replay_layer
-from reap_swap.cache_policy.replay import _policy, _probe_sets, servable_split, simulate, split_probe_sets
-from reap_swap.plan import load_plan
-from reap_swap.trace import load_trace
+from reap_swap.cache.hybrid import SPLIT, SwapPinned, swap_points
+from reap_swap.cache.mechanism import LayerCounts, LayerSteps, replay_layer
+from reap_swap.cache.probe import _probe_sets, servable_split, split_probe_sets
+from reap_swap.cache.replay import _policy, simulate
+from reap_swap.cache.trace import load_trace
+from reap_swap.plan.document import load_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_mini_report import PLANS, ROOT, shuffled  # noqa: E402

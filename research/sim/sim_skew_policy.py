@@ -18,8 +18,8 @@ from pathlib import Path
 
 import orjson
 
-from reap_swap.cache_policy import report as rep
-from reap_swap.trace import load_trace
+from reap_swap.cache import report as rep
+from reap_swap.cache.trace import load_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_mini_report import ROOT, shuffled  # noqa: E402

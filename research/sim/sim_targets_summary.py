@@ -24,7 +24,7 @@ from pathlib import Path
 
 import orjson
 
-from reap_swap.cache_policy.report import CLIENT_SWAP_POLICIES
+from reap_swap.cache.report import CLIENT_SWAP_POLICIES
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = ROOT / "research-notes/cache-sim"

@@ -11,8 +11,8 @@ import pytest
 from harness_modules import load_script
 from test_gpu_run_knobs import run_dry_session
 
-from reap_swap.model_shape import read_model_shape
-from reap_swap.plan import load_plan
+from reap_swap.plan.document import load_plan
+from reap_swap.sizing.model_shape import read_model_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELD_PLAN = ROOT.parent.parent / "shared" / "fixtures" / "strict30-v2-plan.json"
@@ -146,7 +146,8 @@ def test_the_launcher_refuses_kimi_depth_3_and_lets_v3_depth_6_start(tmp_path, m
     layer at depth 6 (3 MoE layers) needs 72 + 21 + 6 and starts."""
     import dataclasses
 
-    from reap_swap import server
+    from reap_swap.server import host_checks
+    from reap_swap.server import launcher as server
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemAvailable:   130516700 kB\n")  # run 11's MemAvailable on the lent H200 host
@@ -154,9 +155,11 @@ def test_the_launcher_refuses_kimi_depth_3_and_lets_v3_depth_6_start(tmp_path, m
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     kimi = read_model_shape(ROOT / "tests" / "data" / "kimi_k2_bf16_depth3_config.json")
     with pytest.raises(server.LaunchError, match=r"= 133\.5 GiB"):
-        server.check_host_memory(kimi, meminfo, uva_tp=1)
+        host_checks.check_host_memory(kimi, meminfo, uva_tp=1)
     v3 = read_model_shape(ROOT / "tests" / "data" / "deepseek_v3_bf16_depth5_config.json")
-    server.check_host_memory(dataclasses.replace(v3, num_layers=6, moe_layers=(3, 4, 5)), meminfo, uva_tp=1)
+    host_checks.check_host_memory(
+        dataclasses.replace(v3, num_layers=6, moe_layers=(3, 4, 5)), meminfo, uva_tp=1
+    )
 
 
 def deep_dry(tmp_path: Path, phase: str, **knobs: str) -> tuple[Path, list[str]]:

@@ -50,7 +50,7 @@ def test_main_serves_the_seeded_arm_without_any_opt_in(monkeypatch, tmp_path, fl
     launcher's own parse of that argv gives the seeded settings, and nothing reap's reaches vLLM."""
     import sys
 
-    from reap_swap.settings import resolve, split_argv
+    from reap_swap.config.flags import resolve, split_argv
 
     e2e = load_script("gpu_e2e")
     served = []

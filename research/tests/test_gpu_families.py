@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from harness_modules import load_script
 
-from reap_swap.model_shape import read_model_shape
-from reap_swap.plan import load_plan
+from reap_swap.plan.document import load_plan
+from reap_swap.sizing.model_shape import read_model_shape
 
 pytest.importorskip("vllm", reason="gpu_families asks vLLM's registry for the text-only class")
 

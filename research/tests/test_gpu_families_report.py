@@ -116,7 +116,7 @@ def test_a_phase_whose_swap_failed_is_not_timed(fr):
 
 
 def test_summarize_and_markdown_on_fake_arms(fr):
-    from reap_swap.serving import compare
+    from reap_swap.bench.server_driver import compare
 
     reap = {
         "startup_s": 200.0,
@@ -143,7 +143,7 @@ def test_summarize_and_markdown_on_fake_arms(fr):
 
 def test_compare_probes_is_moe_probes_own(fr):
     pytest.importorskip("torch")
-    from reap_swap.moe_probe import compare_probes
+    from reap_swap.engine.moe_probe import compare_probes
 
     a = {"inputs": {"seed": 0}, "layers": {"l0": {"1": "a", "8": "b"}, "l1": {"1": "c"}}}
     b = {"inputs": {"seed": 0}, "layers": {"l0": {"1": "a", "8": "z"}, "l1": {"1": "c"}}}
@@ -166,7 +166,7 @@ def test_pin_bench_chooses_register_only_when_it_read_back_and_was_faster():
 def test_an_engaged_device_cache_skips_the_bound_and_reports_its_hits(fr):
     # run 27 (Qwen3.5 + --reap-cache-device on): h from /router_misses counts only the pinned set, so a bound
     # fitted on it read 1.0 / 1.03 while the tail served most of the misses
-    from reap_swap.serving import compare
+    from reap_swap.bench.server_driver import compare
 
     cache = {"engaged": True, "reason": None, "policy": "core+dlfu", "layers": {"0": {}, "1": {}},
              "totals": {"hits": 30, "misses": 10, "promotions": 4, "evictions": 2, "read_through_steps": 1}}  # fmt: skip
@@ -187,7 +187,7 @@ def test_an_engaged_device_cache_skips_the_bound_and_reports_its_hits(fr):
 
 
 def test_gpu_summarize_families_lists_tables_skips_and_unmerged(fr, tmp_path):
-    from reap_swap.serving import compare
+    from reap_swap.bench.server_driver import compare
 
     doc = fr.summarize("mixtral", {}, {"phases": {"0": phase(1.0, 100.0)}}, None, compare)
     (tmp_path / "mixtral").mkdir()

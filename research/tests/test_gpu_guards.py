@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 from harness_modules import load_script
 
-from reap_swap.model_shape import read_model_shape
-from reap_swap.plan import validate_plan_document
+from reap_swap.plan.document import validate_plan_document
+from reap_swap.sizing.model_shape import read_model_shape
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
 

@@ -107,7 +107,7 @@ def test_quant_driver_cut_by_its_cap_writes_the_summary_and_starts_no_queued_cas
 
     import pytest
 
-    from reap_swap import serving
+    from reap_swap.bench import server_driver as serving
 
     qe = load_script("gpu_quant_e2e")
     monkeypatch.setattr(qe, "write_checkpoints", lambda a, names: None)

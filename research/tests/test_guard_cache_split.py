@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 from harness_modules import load_script
 
-from reap_swap.model_shape import read_model_shape
-from reap_swap.plan import load_plan
-from reap_swap.quant_budget import pool_slots
-from reap_swap.residency.device_cache_serving import cache_config_for
+from reap_swap.engine.device_cache.serving import cache_config_for
+from reap_swap.plan.document import load_plan
+from reap_swap.sizing.model_shape import read_model_shape
+from reap_swap.sizing.quant.budget import pool_slots
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
 
@@ -72,7 +72,7 @@ def test_seeded_variant_makes_every_slot_a_cache_slot(tmp_path):
     cfg, why = cache_config_for(settings, plan)
     assert why is None and cfg.seed_core and cfg.auto
     # the launcher's own parse of the arm's argv (no opt-in since run 23) gives the same seeded form
-    from reap_swap.settings import resolve, split_argv
+    from reap_swap.config.flags import resolve, split_argv
 
     argv = load_script("gpu_guards").commands(tmp_path / "model", tmp_path, 2.0, 0.3, seed="seeded")[
         "reap-cache"

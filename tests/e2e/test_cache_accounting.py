@@ -35,11 +35,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reap_swap.cache_policy.replay import simulate
-from reap_swap.memory_split import small_tail_note
-from reap_swap.plan import load_plan
-from reap_swap.quant_budget import pool_slots
-from reap_swap.trace import from_requests, steps_of_sequence
+from reap_swap.cache.replay import simulate
+from reap_swap.cache.trace import from_requests, steps_of_sequence
+from reap_swap.plan.document import load_plan
+from reap_swap.sizing.cache_tail import small_tail_note
+from reap_swap.sizing.quant.budget import pool_slots
 
 from .conftest import MODEL_NAME
 from .helpers import status, unique_prompt

@@ -6,9 +6,9 @@ swap beyond it fits, tests/e2e/test_cache_accounting.py shows the refusal)."""
 
 from __future__ import annotations
 
-from reap_swap.memory_split import plan_swap_split
-from reap_swap.model_shape import read_model_shape
-from reap_swap.plan import load_plan
+from reap_swap.plan.document import load_plan
+from reap_swap.sizing.cache_tail import plan_swap_split
+from reap_swap.sizing.model_shape import read_model_shape
 
 from .helpers import status
 

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from reap_swap.active_set import signature
-from reap_swap.client import AsyncReapClient, ReapClient, ReapHTTPError
-from reap_swap.plan import load_plan
-from reap_swap.selection import STRATEGIES
+from reap_swap.client.reap_client import AsyncReapClient, ReapClient, ReapHTTPError
+from reap_swap.client.strategies import STRATEGIES
+from reap_swap.plan.active_set import signature
+from reap_swap.plan.document import load_plan
 
 from .conftest import API_KEY, MODEL_NAME, ROOT
 

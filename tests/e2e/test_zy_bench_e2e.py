@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from reap_swap.plan import load_plan
+from reap_swap.plan.document import load_plan
 
 from .conftest import ROOT, launcher_env
 

@@ -90,7 +90,7 @@ def test_tp2_moe_probe_ranks_agree_match_transformers_and_survive_a_swap(tp2, re
     all-reduced block outputs, which are transformers' own MoE blocks' outputs for that input."""
     import torch
 
-    from reap_swap import moe_probe
+    from reap_swap.engine import moe_probe
 
     def probe(api):
         r = api.post("/collective_rpc", json={"method": "reap_moe_probe", "args": [[1, 8, 64]]})

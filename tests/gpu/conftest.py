@@ -36,6 +36,6 @@ def _publish_every_from_the_environment(monkeypatch):
 
     value = os.environ.get("GPU_TEST_PUBLISH_EVERY")
     if value:
-        from reap_swap.residency import swap
+        from reap_swap.engine.residency import swap
 
         monkeypatch.setattr(swap, "PUBLISH_EVERY", int(value))

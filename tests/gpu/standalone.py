@@ -7,7 +7,7 @@ def standalone_bf16_layer(seed: int, experts: int, hidden: int, inter: int):
     the range and the pool. Use it inside a module-scoped fixture with `yield from`."""
     import torch
 
-    from reap_swap.residency.engine import standalone_state
+    from reap_swap.engine.residency.state import standalone_state
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)

@@ -1,6 +1,6 @@
 """Accounting mode's core+dlfu (CPU, numpy: what the CPU build and CI run) against the device cache
 on CUDA stepped by the served Triton kernel (residency.device_cache_fast.fast_policy, what
-DeviceCaches(fused=True) runs for E, N <= 512) and by the torch-op step (E or N above 512): random
+DeviceCaches(step="triton") runs for E, N <= 512) and by the torch-op step (E or N above 512): random
 skewed routing up to 256 tokens a step (read-through steps), swaps through set_pinned every 40
 steps; resident and pinned sets and every counter equal after every step. The same streams pass
 with the torch-op step on CPU tensors (run on the CPU machine; the streams do not depend on the

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.counting import count_kernel, counters  # noqa: E402
+from reap_swap.engine.counting import count_kernel, counters  # noqa: E402
 
 E, K = 128, 8
 KERNEL = count_kernel.CountKernel()  # one per process, as the worker runtime holds it

@@ -59,8 +59,8 @@ def _plan(layers, core, budget_experts):
 
 @pytest.fixture
 def engine_and_layers():
-    from reap_swap.residency.engine import CudaEngine
-    from reap_swap.residency.refusals import LayerRefusals
+    from reap_swap.engine.residency.engine import CudaEngine
+    from reap_swap.engine.residency.refusals import LayerRefusals
 
     engine = CudaEngine(_plan([0, 1], core=[0, 1], budget_experts=12), LayerRefusals())
     layers = [Layer(0), Layer(1), Layer(2), Layer(3, dtype=torch.float32)]
@@ -91,7 +91,7 @@ def test_layers_are_rehomed_or_refused_at_load(engine_and_layers):
 
 
 def test_backend_swaps_self_checks_and_reports(engine_and_layers):
-    from reap_swap.residency.cuda_backend import CudaResidency
+    from reap_swap.engine.residency.cuda_backend import CudaResidency
 
     engine, layers, masters = engine_and_layers
     backend = CudaResidency(engine)
@@ -112,9 +112,9 @@ def test_backend_swaps_self_checks_and_reports(engine_and_layers):
 
 
 def test_fault_wrapper_fails_mid_swap_and_the_bytes_are_the_previous_sets(engine_and_layers):
-    from reap_swap.residency.cuda_backend import CudaResidency
-    from reap_swap.residency.fault import FaultInjectingBackend
-    from reap_swap.residency.swap import SwapStepFailed
+    from reap_swap.engine.residency.cuda_backend import CudaResidency
+    from reap_swap.engine.residency.fault import FaultInjectingBackend
+    from reap_swap.engine.residency.swap import SwapStepFailed
 
     engine, layers, masters = engine_and_layers
     backend = FaultInjectingBackend(CudaResidency(engine), rank=0)
@@ -138,11 +138,11 @@ def test_fault_wrapper_fails_mid_swap_and_the_bytes_are_the_previous_sets(engine
 
 
 def test_runtime_close_releases_the_pool():
-    pytest.importorskip("pydantic")  # reap_swap.settings (absent from the bare H200 image)
-    from reap_swap.residency.engine import CudaEngine
-    from reap_swap.residency.refusals import LayerRefusals
-    from reap_swap.runtime import WorkerRuntime
-    from reap_swap.settings import Settings
+    pytest.importorskip("pydantic")  # reap_swap.config.settings (absent from the bare H200 image)
+    from reap_swap.config.settings import Settings
+    from reap_swap.engine.residency.engine import CudaEngine
+    from reap_swap.engine.residency.refusals import LayerRefusals
+    from reap_swap.engine.runtime import WorkerRuntime
 
     runtime = WorkerRuntime(config={}, settings=Settings(), plan=_plan([0], core=[0], budget_experts=4))
     runtime.engine = CudaEngine(runtime.plan, LayerRefusals())
@@ -160,10 +160,10 @@ def test_a_layer_without_a_core_gets_its_masters_second_mapping_at_load(publish)
     """Remapping ahead reads the masters at a second mapping; a layer whose plan core is empty
     made it only in its first request-time swap (run 24: that swap took 211 ms more). Now the
     load makes it, with the masters' bytes there; without remapping ahead nothing is mapped."""
-    from reap_swap.residency.cuda_backend import CudaResidency
-    from reap_swap.residency.engine import CudaEngine
-    from reap_swap.residency.refusals import LayerRefusals
-    from reap_swap.residency.vmm import _ArrayInterface
+    from reap_swap.engine.residency.cuda_backend import CudaResidency
+    from reap_swap.engine.residency.engine import CudaEngine
+    from reap_swap.engine.residency.refusals import LayerRefusals
+    from reap_swap.engine.vmm import _ArrayInterface
 
     engine = CudaEngine(_plan([0], core=[], budget_experts=4), LayerRefusals(), publish_every=publish)
     layer = Layer(0)

@@ -29,9 +29,9 @@ def fm():
 
 @pytest.fixture(scope="module")
 def layer():
-    from reap_swap.residency import vmm
-    from reap_swap.residency.device_cache_range import rehome_with_slots
-    from reap_swap.residency.unit_layout import plan_unit
+    from reap_swap.engine import vmm
+    from reap_swap.engine.device_cache.range import rehome_with_slots
+    from reap_swap.sizing.unit_layout import plan_unit
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     w13 = (torch.randn(E, 2 * INTER, H, generator=gen) / 32).to(torch.bfloat16).cuda()
@@ -58,16 +58,16 @@ def _routing(gen, rows):
 
 
 def _layer_step(layer, slots=N):
-    from reap_swap.residency.device_cache import DeviceCache, LayerStep
-    from reap_swap.residency.device_cache_copy import unit_view
+    from reap_swap.engine.device_cache.copy import unit_view
+    from reap_swap.engine.device_cache.layer import DeviceCache, LayerStep
 
     cache = DeviceCache(E, slots, "cuda")
     return LayerStep(cache, unit_view(layer["bytes"], E + N, layer["unit"]))
 
 
 def test_a_policy_equals_simulator_on_the_trace_eager_and_in_a_graph():
-    from reap_swap.residency.device_cache_replay import Variant, compare_layer
-    from reap_swap.trace import load_trace
+    from reap_swap.cache.trace import load_trace
+    from reap_swap.engine.device_cache.replay import Variant, compare_layer
 
     trace = load_trace(TRACE)
     for name, cap in (("dlfu", 6), ("dlfu-seeded", 9), ("core+dlfu", 9)):
@@ -81,7 +81,7 @@ def test_a_policy_equals_simulator_on_the_trace_eager_and_in_a_graph():
 
 def _graph_step(rows):
     """A step_fn capturing step_counts + cache.step once (state restored after the warm-up)."""
-    from reap_swap.residency.device_cache import step_counts
+    from reap_swap.engine.device_cache.layer import step_counts
 
     held = {}
 
@@ -137,7 +137,7 @@ def test_b_bitwise_equal_under_a_captured_graph_with_new_inputs(fm, layer):
 
 
 def test_c_a_swap_pins_its_set_and_the_tail_yields(fm, layer):
-    from reap_swap.residency import vmm
+    from reap_swap.engine import vmm
 
     rng, unit = layer["rng"], layer["unit"]
     pinned = [0, 1, 2]
@@ -210,8 +210,8 @@ def engine_and_layer(monkeypatch, cfg, seed: int):
     experts) and a random bf16 expert module for it, not hooked yet: (engine, module, masters)."""
     from types import SimpleNamespace
 
-    from reap_swap.residency.engine import CudaEngine
-    from reap_swap.residency.refusals import LayerRefusals
+    from reap_swap.engine.residency.engine import CudaEngine
+    from reap_swap.engine.residency.refusals import LayerRefusals
 
     monkeypatch.setattr("reap_swap.compat.moe_cache.install_config_alias", lambda: "stand-in")
     unit = (2 * INTER * H + H * INTER) * 2
@@ -235,8 +235,8 @@ def test_e_engine_lends_pool_slots_seeds_and_serves_bitwise(monkeypatch):
     """CudaEngine with a CacheConfig: pool split (swap table keeps K), lent slot units mapped in
     the layer range, dlfu-seeded start (core copied into slots), forward through DeviceCaches equal
     to the masters' result bitwise, the kernel called over E + N units."""
-    from reap_swap.residency.device_cache_api import DeviceCaches
-    from reap_swap.residency.device_cache_engine import CacheConfig
+    from reap_swap.engine.device_cache.api import DeviceCaches
+    from reap_swap.engine.device_cache.lending import CacheConfig
 
     cfg = CacheConfig(DeviceCaches(), slots_per_layer=4, seed_core=True)
     engine, m, masters = engine_and_layer(monkeypatch, cfg, seed=5)

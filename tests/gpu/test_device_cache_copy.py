@@ -26,9 +26,9 @@ PLANS = (
 
 @pytest.fixture(scope="module")
 def rng_units():
-    from reap_swap.residency import vmm
-    from reap_swap.residency.device_cache_copy import unit_view
-    from reap_swap.residency.device_cache_range import CacheRange
+    from reap_swap.engine import vmm
+    from reap_swap.engine.device_cache.copy import unit_view
+    from reap_swap.engine.device_cache.range import CacheRange
 
     unit = vmm.ensure_available(0)  # one granule (2 MiB): 64 chunks of 32 KiB
     rng = CacheRange.create(E, N, unit, 0)
@@ -42,7 +42,7 @@ def rng_units():
 
 
 def _kernels():
-    from reap_swap.residency import device_cache_copy as dc
+    from reap_swap.engine.device_cache import copy as dc
 
     return {
         "persistent": dc.copy_units,
@@ -57,7 +57,7 @@ def _refill_slots(units, seed):
 
 
 def _reference(units, plan):
-    from reap_swap.residency.device_cache_copy import copy_units_torch
+    from reap_swap.engine.device_cache.copy import copy_units_torch
 
     want = units.clone()  # an HBM copy of the whole range, host units included
     copy_units_torch(want, plan, E)
@@ -96,7 +96,7 @@ def test_graph_replays_copy_what_each_step_admits(rng_units, kernel):
 
 def test_partial_chunk_unit_on_device_memory():
     """A unit that is not a multiple of the 32 KiB chunk (plain device tensor): masked tail."""
-    from reap_swap.residency import device_cache_copy as dc
+    from reap_swap.engine.device_cache import copy as dc
 
     unit_bytes = 8 * (3 * dc.BLOCK + 40)
     gen = torch.Generator(device="cuda").manual_seed(3)

@@ -31,8 +31,8 @@ def _equal(a, b) -> bool:
     "experts,slots,rows", [(128, 64, 1), (128, 32, 8), (256, 128, 8), (128, 32, 256), (512, 128, 4)]
 )
 def test_fast_step_equals_torch_eager_and_in_a_graph(experts, slots, rows):
-    from reap_swap.residency.device_cache import DeviceCache, _policy
-    from reap_swap.residency.device_cache_fast import fast_policy
+    from reap_swap.engine.device_cache.fast import fast_policy
+    from reap_swap.engine.device_cache.layer import DeviceCache, _policy
 
     steps = 120
     ids, valid = _trace(experts, rows, steps, seed=experts + rows)

@@ -56,11 +56,11 @@ _Method.__name__ = _Method.__qualname__ = "UnquantizedFusedMoEMethod"
 
 
 def _build(monkeypatch):
-    from reap_swap.residency.cuda_backend import CudaResidency
-    from reap_swap.residency.device_cache_api import DeviceCaches
-    from reap_swap.residency.device_cache_engine import CacheConfig
-    from reap_swap.residency.engine import CudaEngine
-    from reap_swap.residency.refusals import LayerRefusals
+    from reap_swap.engine.device_cache.api import DeviceCaches
+    from reap_swap.engine.device_cache.lending import CacheConfig
+    from reap_swap.engine.residency.cuda_backend import CudaResidency
+    from reap_swap.engine.residency.engine import CudaEngine
+    from reap_swap.engine.residency.refusals import LayerRefusals
 
     monkeypatch.setattr("reap_swap.compat.moe_cache.install_config_alias", lambda: "stand-in")
     unit = (2 * INTER * H + H * INTER) * 2
@@ -69,7 +69,7 @@ def _build(monkeypatch):
         swappable_budget_bytes=POOL * unit,
         per_expert_bytes=unit,
     )
-    cfg = CacheConfig(DeviceCaches(fused=True), slots_per_layer=N, seed_core=False)
+    cfg = CacheConfig(DeviceCaches(step="triton"), slots_per_layer=N, seed_core=False)
     cfg.slots_setting = N * L  # what server.resolve_cache_slots hands the workers for `swaps`
     engine = CudaEngine(plan, LayerRefusals(), cache=cfg)
     masters = {}

@@ -42,9 +42,9 @@ def _side(gen, kind):
 
 @pytest.fixture(scope="module", params=["block", "tensor", "bias"])
 def layer(request):
-    from reap_swap.residency import vmm
-    from reap_swap.residency.device_cache_range import rehome_with_slots
-    from reap_swap.residency.unit_layout import plan_unit
+    from reap_swap.engine import vmm
+    from reap_swap.engine.device_cache.range import rehome_with_slots
+    from reap_swap.sizing.unit_layout import plan_unit
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     kind = request.param
@@ -79,9 +79,9 @@ def _block(layer):
 
 
 def _setup(layer, refresh=True):
-    from reap_swap.residency.device_cache import DeviceCache, LayerStep
-    from reap_swap.residency.device_cache_copy import unit_view
-    from reap_swap.residency.device_cache_side import SlotRows
+    from reap_swap.engine.device_cache.copy import unit_view
+    from reap_swap.engine.device_cache.layer import DeviceCache, LayerStep
+    from reap_swap.engine.device_cache.side import SlotRows
 
     step = LayerStep(DeviceCache(E, N, "cuda"), unit_view(layer["bytes"], E + N, layer["unit"]))
     rows = SlotRows({"w13": layer["s13"], "w2": layer["s2"]}, E, N)

@@ -20,10 +20,12 @@ from tests.gpu.test_device_cache import _routing, _torch_moe, engine_and_layer  
 
 
 def _engine(monkeypatch, fused):
-    from reap_swap.residency.device_cache_api import DeviceCaches
-    from reap_swap.residency.device_cache_engine import CacheConfig
+    from reap_swap.engine.device_cache.api import DeviceCaches
+    from reap_swap.engine.device_cache.lending import CacheConfig
 
-    cfg = CacheConfig(DeviceCaches(fused=fused), 0, seed_core=True, auto=True, layer_slots={})
+    cfg = CacheConfig(
+        DeviceCaches(step="triton" if fused else "torch"), 0, seed_core=True, auto=True, layer_slots={}
+    )
     engine, m, masters = engine_and_layer(monkeypatch, cfg, seed=7)
     engine.hook_layer(m, 0, quant_config={})
     m.quant_method.process_weights_after_loading(m)
@@ -42,8 +44,8 @@ def _serve(m, masters, gen, steps, forced=None):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch-step", "fast-triton-step"])
 def test_seeded_swaps_pin_inside_the_slots_and_serve_bitwise(monkeypatch, fused):
-    from reap_swap.residency.cuda_backend import CudaResidency
-    from reap_swap.residency.slot_table import PoolCapacityError
+    from reap_swap.cache.slot_table import PoolCapacityError
+    from reap_swap.engine.residency.cuda_backend import CudaResidency
 
     engine, cfg, m, masters = _engine(monkeypatch, fused)
     try:
@@ -98,11 +100,11 @@ def fm():
 def _served_layer(form):
     """(masters, range pieces, LayerStep, pool) for form 'seeded' (64 slots seeded with 0..31) or
     'pinned' (0..31 mapped to HBM in their own units, 32 slots), slots lent from a DeviceSlotPool."""
-    from reap_swap.residency import vmm
-    from reap_swap.residency.device_cache import DeviceCache, LayerStep
-    from reap_swap.residency.device_cache_copy import unit_view
-    from reap_swap.residency.device_cache_range import rehome_with_slots
-    from reap_swap.residency.unit_layout import plan_unit
+    from reap_swap.engine import vmm
+    from reap_swap.engine.device_cache.copy import unit_view
+    from reap_swap.engine.device_cache.layer import DeviceCache, LayerStep
+    from reap_swap.engine.device_cache.range import rehome_with_slots
+    from reap_swap.sizing.unit_layout import plan_unit
 
     gen = torch.Generator(device="cpu").manual_seed(12)
     w13 = (torch.randn(SE, 2 * SI, SH, generator=gen) / 32).to(torch.bfloat16).cuda()
@@ -123,7 +125,7 @@ def _served_layer(form):
             rng.map_device(e, pool.slot_handle(e), defer_access=True)
         rng.flush_access()
     cache = DeviceCache(SE, n, "cuda")
-    step = LayerStep(cache, unit_view(range_bytes, SE + n, unit), fused=True)  # serving: fast Triton
+    step = LayerStep(cache, unit_view(range_bytes, SE + n, unit), step="triton")  # serving: fast Triton
     if form == "pinned":
         cache.set_pinned(core)
     else:

@@ -9,8 +9,7 @@ tests/test_device_cache_serving_sequence.py): a profile run of 512 rows on 8 exp
 warm-ups, 8 prompts of a read-through prefill (17-64 rows, eager) then 48 one-row decode steps
 with a drifting hot set and padded 8-row steps (5 real rows), then the same decode pattern
 replayed inside captured CUDA graphs (1 row, and 8 rows with 3 padding rows) with new inputs.
-Policy steps: the fused one-program step that served in run10 (device_cache_fused.py) and the
-vectorised default (device_cache_fast.py). Kernel: vLLM's fused_experts; the cached call gets
+Policy step: the Triton step that serves (device_cache/fast.py). Kernel: vLLM's fused_experts; the cached call gets
 the stock [E, ...] tile config (what compat.moe_cache's config alias does when serving) and
 vLLM's block-assignment rule evaluated with the stock E (the cachebug fix). Also measured and
 printed: whether vLLM's naive and aligned block assignments give the same bits for 5 tokens
@@ -40,9 +39,9 @@ def fmm():
 
 @pytest.fixture(scope="module")
 def layer():
-    from reap_swap.residency import vmm
-    from reap_swap.residency.device_cache_range import rehome_with_slots
-    from reap_swap.residency.unit_layout import plan_unit
+    from reap_swap.engine import vmm
+    from reap_swap.engine.device_cache.range import rehome_with_slots
+    from reap_swap.sizing.unit_layout import plan_unit
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     w13 = (torch.randn(E, 2 * INTER, H, generator=gen) * 0.02).to(torch.bfloat16).cuda()
@@ -103,12 +102,12 @@ def _sequence(gen):
     return steps
 
 
-def _step(layer, fast: bool):
-    from reap_swap.residency.device_cache import DeviceCache, LayerStep
-    from reap_swap.residency.device_cache_copy import unit_view
+def _step(layer):
+    from reap_swap.engine.device_cache.copy import unit_view
+    from reap_swap.engine.device_cache.layer import DeviceCache, LayerStep
 
     cache = DeviceCache(E, N, "cuda")
-    step = LayerStep(cache, unit_view(layer["bytes"], E + N, layer["unit"]), fused=True, fast=fast)
+    step = LayerStep(cache, unit_view(layer["bytes"], E + N, layer["unit"]), step="triton")
     cache.set_pinned(range(0, E, 4))  # 32 pinned, as the plan core (their units stay host-backed here)
     return step
 
@@ -128,10 +127,9 @@ def _garbage_padding(gen, ti, valid):
     return torch.where(valid.cuda()[:, None], ti, junk)
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["fused-run10", "fast-default"])
-def test_eager_serving_sequence_bitwise(fm, fmm, layer, stock_rule, fast):
+def test_eager_serving_sequence_bitwise(fm, fmm, layer, stock_rule):
     gen = torch.Generator().manual_seed(11)
-    step = _step(layer, fast)
+    step = _step(layer)
     for t, (rows, valid, hot, spread) in enumerate(_sequence(gen)):
         x, tw, ti = _routing(gen, rows, hot, spread)
         ti = _garbage_padding(gen, ti, valid)
@@ -147,15 +145,14 @@ def test_eager_serving_sequence_bitwise(fm, fmm, layer, stock_rule, fast):
         if t % 16 == 0:
             assert not _slots_ok(step), f"step {t}: slots {_slots_ok(step)} do not hold their experts"
     c = step.cache.read_counters()
-    print("EAGER", "fast" if fast else "fused", c)
+    print("EAGER", c)
     assert c["admitted"] > N and c["evicted"] > 0 and c["read_through_steps"] >= 8, c
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["fused-run10", "fast-default"])
 @pytest.mark.parametrize("rows,real", [(1, 1), (8, 5)])
-def test_graph_replayed_decode_bitwise(fm, fmm, layer, stock_rule, fast, rows, real):
+def test_graph_replayed_decode_bitwise(fm, fmm, layer, stock_rule, rows, real):
     gen = torch.Generator().manual_seed(12 + rows)
-    step = _step(layer, fast)
+    step = _step(layer)
     hot = torch.randperm(E, generator=gen)[:24]
     x, tw, ti = _routing(gen, rows, hot, 1.0)
     valid = (torch.arange(rows) < real).cuda()
@@ -181,7 +178,7 @@ def test_graph_replayed_decode_bitwise(fm, fmm, layer, stock_rule, fast, rows, r
                 f"replay {t} ({rows} rows, {real} real): max diff {diff:.3e}, bad slots {_slots_ok(step)}"
             )
     c = step.cache.read_counters()
-    print("GRAPH", rows, "fast" if fast else "fused", c)
+    print("GRAPH", rows, c)
     assert c["admitted"] > N and c["evicted"] > 0, c
 
 

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("CUDA graphs need a GPU", allow_module_level=True)
 
-from reap_swap.residency.device_cache_shadow import Shadow, slots_hold_their_experts  # noqa: E402
+from reap_swap.engine.device_cache.shadow import Shadow, slots_hold_their_experts  # noqa: E402
 
 E, N, U = 8, 3, 4096  # experts, slots, bytes per unit
 

@@ -48,9 +48,9 @@ def fmm():
 
 @pytest.fixture(scope="module")
 def layer():
-    from reap_swap.residency import vmm
-    from reap_swap.residency.device_cache_range import rehome_with_slots
-    from reap_swap.residency.unit_layout import plan_unit
+    from reap_swap.engine import vmm
+    from reap_swap.engine.device_cache.range import rehome_with_slots
+    from reap_swap.sizing.unit_layout import plan_unit
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     w13 = (torch.randn(E, 2 * INTER, H, generator=gen) * 0.02).to(torch.bfloat16).cuda()
@@ -84,7 +84,7 @@ class Swapper:
         self.layer, self.where, self.free = layer, {}, list(range(64))
 
     def apply(self, step, pinned):
-        from reap_swap.residency import vmm
+        from reap_swap.engine import vmm
 
         rng, pool, unit = self.layer["rng"], self.layer["pool"], self.layer["unit"]
         torch.cuda.synchronize()  # quiesce (swap.py)
@@ -137,11 +137,11 @@ def _bad_units(layer, step):
 
 
 def test_uniform_routing_with_swaps_bitwise(fm, fmm, layer, stock_rule):
-    from reap_swap.residency.device_cache import DeviceCache, LayerStep
-    from reap_swap.residency.device_cache_copy import unit_view
+    from reap_swap.engine.device_cache.copy import unit_view
+    from reap_swap.engine.device_cache.layer import DeviceCache, LayerStep
 
     step = LayerStep(
-        DeviceCache(E, N, "cuda"), unit_view(layer["bytes"], E + N, layer["unit"]), fused=True, fast=True
+        DeviceCache(E, N, "cuda"), unit_view(layer["bytes"], E + N, layer["unit"]), step="triton"
     )
     swapper = Swapper(layer)
     swapper.apply(step, CORE)  # the plan core, pinned at load

@@ -1,6 +1,6 @@
 """Grouped residency units (issue 16, Padding) through vLLM 0.26.0's own Triton `fused_experts`.
 
-The layout of reap_swap.residency.grouped: one VMM range per re-homed tensor, units = groups of b
+The layout of reap_swap.engine.residency.grouped: one VMM range per re-homed tensor, units = groups of b
 physical experts, uniform expert stride; weights re-homed in a plan-chosen physical order, the
 per-expert kept-whole tensors (FP8 block scales) permuted in place once, routing ids mapped
 logical -> physical right before the unchanged kernel. Checked bitwise against the stock call on
@@ -37,7 +37,7 @@ WEIGHTS = ("w13_weight", "w2_weight")
 
 
 def _plan_perm(seed: int = 3):
-    from reap_swap.group_layout import Permutation, physical_order
+    from reap_swap.sizing.groups import Permutation, physical_order
 
     ids = list(range(E))
     random.Random(seed).shuffle(ids)
@@ -46,8 +46,8 @@ def _plan_perm(seed: int = 3):
 
 
 def _grouped(fmt: str, group: str):
-    from reap_swap.group_layout import choose_group_size, plan_groups
-    from reap_swap.residency.grouped import standalone_grouped
+    from reap_swap.engine.residency.grouped import standalone_grouped
+    from reap_swap.sizing.groups import choose_group_size, plan_groups
 
     tensors = make_tensors(fmt)
     stock = SimpleNamespace(**{n: t.clone() for n, t in tensors.items()})
@@ -68,7 +68,7 @@ CASES = [("bf16", "auto", 1), ("bf16", "2", 2), ("fp8-block", "auto", 2), ("fp8-
 
 @pytest.mark.parametrize("fmt,group,b", CASES)
 def test_grouped_units_serve_bitwise_across_swaps(vk, fmt, group, b):
-    from reap_swap.residency.grouped import apply_logical, release, remap_ids
+    from reap_swap.engine.residency.grouped import apply_logical, release, remap_ids
 
     st, entry, stock, served, (core, slices) = _grouped(fmt, group)
     try:
@@ -107,7 +107,7 @@ def test_grouped_units_serve_bitwise_across_swaps(vk, fmt, group, b):
 
 
 def test_cuda_graph_with_the_remap_replays_across_swaps(vk):
-    from reap_swap.residency.grouped import apply_logical, release, remap_ids
+    from reap_swap.engine.residency.grouped import apply_logical, release, remap_ids
 
     fmt = "fp8-block"
     st, entry, stock, served, (core, slices) = _grouped(fmt, "auto")

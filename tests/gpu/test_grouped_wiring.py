@@ -56,7 +56,7 @@ def _held_config_layer(vk, fmt, index):
 
 
 def _forward(layer, x, tw, ti):  # what ReapRoutedExperts.forward_modular hands the kernel
-    from reap_swap.residency.grouped import to_physical
+    from reap_swap.engine.residency.grouped import to_physical
 
     ids = to_physical(layer.reap_group_map, ti) if getattr(layer, "reap_group_map", None) is not None else ti
     return layer.quant_method.apply(layer=layer, x=x, topk_weights=tw, topk_ids=ids)
@@ -71,8 +71,8 @@ def vk():
 
 
 def _engine(vk, fmt, group_size):
-    from reap_swap.residency.engine import CudaEngine
-    from reap_swap.residency.refusals import LayerRefusals
+    from reap_swap.engine.residency.engine import CudaEngine
+    from reap_swap.engine.residency.refusals import LayerRefusals
 
     layers = {l: _held_config_layer(vk, fmt, l) for l in (0, 1)}
     stock = {
@@ -91,8 +91,8 @@ def _engine(vk, fmt, group_size):
     ("fmt", "group_size", "b"), [("fp8-block", "auto", 2), ("fp8-block", "4", 4), ("bf16", "2", 2)]
 )
 def test_grouped_engine_serves_bitwise_across_swaps(vk, fmt, group_size, b):
-    from reap_swap.residency import swap
-    from reap_swap.residency.grouped_backend import GroupedResidency
+    from reap_swap.engine.residency import swap
+    from reap_swap.engine.residency.grouped_backend import GroupedResidency
     from tests.gpu.test_quant_engine import run_experts
 
     engine, layers, stock = _engine(vk, fmt, group_size)
@@ -128,9 +128,9 @@ def test_grouped_engine_serves_bitwise_across_swaps(vk, fmt, group_size, b):
 
 
 def test_negative_control_and_fault_rollback_and_graph_replay(vk):
-    from reap_swap.residency.fault import FaultInjectingBackend
-    from reap_swap.residency.grouped_backend import GroupedResidency
-    from reap_swap.residency.swap import SwapStepFailed
+    from reap_swap.engine.residency.fault import FaultInjectingBackend
+    from reap_swap.engine.residency.grouped_backend import GroupedResidency
+    from reap_swap.engine.residency.swap import SwapStepFailed
     from tests.gpu.test_quant_engine import run_experts
 
     engine, layers, stock = _engine(vk, "fp8-block", "auto")

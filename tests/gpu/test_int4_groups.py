@@ -1,7 +1,7 @@
 """INT4 W4A16 g128 in contiguous grouped units (issue 16: int4grp, then int4perm) through vLLM 0.26.0's
 own kernels.
 
-The layout of reap_swap.contiguous_groups: each re-homed tensor in its own page-aligned VMM range,
+The layout of reap_swap.sizing.contiguous_groups: each re-homed tensor in its own page-aligned VMM range,
 experts back to back exactly as stock allocates them (stride = slab, no padding), groups of b
 experts = whole 2 MiB pages (Qwen3-30B-A3B shape: b = 8, w13 12 MiB + w2 6 MiB per group), some
 groups host-backed and some in HBM.
@@ -123,9 +123,9 @@ def _routing(vk, m, seed, used=None):
 
 def _grouped(fmt, order="identity"):
     """The grouped layer; order "identity" (the int4perm variant) or "plan" (run 12's permuted one)."""
-    from reap_swap.contiguous_groups import contiguous_group_size, plan_contiguous_groups
-    from reap_swap.group_layout import Permutation, physical_order
-    from reap_swap.residency.grouped import standalone_grouped
+    from reap_swap.engine.residency.grouped import standalone_grouped
+    from reap_swap.sizing.contiguous_groups import contiguous_group_size, plan_contiguous_groups
+    from reap_swap.sizing.groups import Permutation, physical_order
 
     tensors, names = make_int4(fmt)
     stock = SimpleNamespace(**{n: t.clone() for n, t in tensors.items()})
@@ -215,8 +215,8 @@ def test_marlin_bits_depend_on_expert_order_not_on_layout(vk, fmt):
 
 @pytest.mark.parametrize("fmt", ["gptq-marlin", "awq-marlin", "moe_wna16"])
 def test_int4_identity_groups_serve_bitwise_across_swaps(vk, fmt):
-    from reap_swap.contiguous_groups import identity_fill
-    from reap_swap.residency.grouped import apply_logical, release, remap_ids
+    from reap_swap.engine.residency.grouped import apply_logical, release, remap_ids
+    from reap_swap.sizing.contiguous_groups import identity_fill
 
     st, entry, stock, served, core = _grouped(fmt, "identity")
     try:
@@ -253,7 +253,7 @@ def test_int4_identity_groups_serve_bitwise_across_swaps(vk, fmt):
 
 
 def test_marlin_cuda_graph_with_the_remap_replays_across_swaps(vk):
-    from reap_swap.residency.grouped import apply_logical, release, remap_ids
+    from reap_swap.engine.residency.grouped import apply_logical, release, remap_ids
 
     fmt = "awq-marlin"
     st, entry, stock, served, core = _grouped(fmt, "identity")

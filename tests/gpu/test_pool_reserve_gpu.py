@@ -10,7 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from reap_swap.residency import pool_reserve, vmm  # noqa: E402
+from reap_swap.engine import vmm  # noqa: E402
+from reap_swap.engine.residency import pool_reserve  # noqa: E402
 
 
 def _free() -> int:

@@ -148,8 +148,8 @@ def _plan(layers, budget_experts, per_expert):
 
 
 def _engine(vk, fmt, budget_experts=E):
-    from reap_swap.residency.engine import CudaEngine
-    from reap_swap.residency.refusals import LayerRefusals
+    from reap_swap.engine.residency.engine import CudaEngine
+    from reap_swap.engine.residency.refusals import LayerRefusals
 
     layer = make_layer(vk, fmt, 0)
     stock = {n: p.detach().clone() for n, p in layer.named_parameters()}
@@ -168,7 +168,7 @@ def _routing(vk, m, seed):
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_engine_binds_and_serves_bitwise_across_swaps(vk, fmt):
-    from reap_swap.residency.cuda_backend import CudaResidency, misplaced_tensors
+    from reap_swap.engine.residency.cuda_backend import CudaResidency, misplaced_tensors
 
     engine, layer, stock = _engine(vk, fmt)
     try:
@@ -205,7 +205,7 @@ def vllm_apply(layer, x, tw, ti):
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "gptoss-bf16"])
 def test_cuda_graph_replayed_across_a_swap_is_bitwise(vk, fmt):
-    from reap_swap.residency.cuda_backend import CudaResidency
+    from reap_swap.engine.residency.cuda_backend import CudaResidency
 
     engine, layer, stock = _engine(vk, fmt)
     try:
@@ -230,8 +230,8 @@ def test_cuda_graph_replayed_across_a_swap_is_bitwise(vk, fmt):
 
 
 def test_contiguous_and_monolithic_layers_are_refused_by_name(vk):
-    from reap_swap.residency.engine import CudaEngine
-    from reap_swap.residency.refusals import LayerRefusals
+    from reap_swap.engine.residency.engine import CudaEngine
+    from reap_swap.engine.residency.refusals import LayerRefusals
 
     engine = CudaEngine(_plan([0, 1], E, 1), LayerRefusals())
     awq = {

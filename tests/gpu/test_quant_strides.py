@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from reap_swap.quant_padding import group_stride
+from reap_swap.sizing.quant.padding import group_stride
 
 torch = pytest.importorskip("torch")
 

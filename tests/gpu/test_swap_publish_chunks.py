@@ -31,8 +31,8 @@ def _moe(x_seed: int, w13, w2):
 
 @pytest.mark.parametrize("every", [1, 4, 8, 32, -1, -2])  # -1: PUBLISH_WHEN_IDLE, -2: PUBLISH_AHEAD
 def test_chunked_swap_lands_every_byte(layer, every):
-    from reap_swap.residency.swap import PUBLISH_AHEAD, apply_swap
-    from reap_swap.residency.vmm_store import VmmStore
+    from reap_swap.engine.residency.swap import PUBLISH_AHEAD, apply_swap
+    from reap_swap.engine.residency.vmm_store import VmmStore
 
     st, (w13, w2), (v13, v2) = layer
     apply_swap(st.table, VmmStore(st, 0), {0: list(range(0, E, 2))})  # half, then swap to the other half
@@ -47,8 +47,8 @@ def test_chunked_swap_lands_every_byte(layer, every):
 
 
 def test_masters_stay_readable_at_their_second_mapping_while_the_units_are_remapped(layer):
-    from reap_swap.residency.swap import PUBLISH_AHEAD, apply_swap
-    from reap_swap.residency.vmm_store import VmmStore
+    from reap_swap.engine.residency.swap import PUBLISH_AHEAD, apply_swap
+    from reap_swap.engine.residency.vmm_store import VmmStore
 
     st, (w13, w2), (v13, v2) = layer
     rng = st.layers[0].rng
@@ -61,16 +61,16 @@ def test_masters_stay_readable_at_their_second_mapping_while_the_units_are_remap
 
 
 def _mirror_bytes(rng):
-    from reap_swap.residency.vmm import _ArrayInterface
+    from reap_swap.engine.vmm import _ArrayInterface
 
     return torch.as_tensor(_ArrayInterface(rng.mirror_base, rng.nbytes), device="cuda")
 
 
 @pytest.mark.parametrize("every", [4, -2])
 def test_failure_after_overlapped_publishes_rolls_back(layer, every):
-    from reap_swap.residency.fault import SwapFault
-    from reap_swap.residency.swap import SwapStepFailed, apply_swap
-    from reap_swap.residency.vmm_store import VmmStore
+    from reap_swap.engine.residency.fault import SwapFault
+    from reap_swap.engine.residency.swap import SwapStepFailed, apply_swap
+    from reap_swap.engine.residency.vmm_store import VmmStore
 
     st, (w13, w2), (v13, v2) = layer
     apply_swap(st.table, VmmStore(st, 0), {0: list(range(32))})

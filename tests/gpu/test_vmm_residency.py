@@ -38,7 +38,7 @@ def _routing(kernel, m, seed):
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25, 0.0])
 @pytest.mark.parametrize("m", [1, 8, 64])
 def test_bitwise_equal_at_every_residency(kernel, layer, fraction, m):
-    from reap_swap.residency.engine import swap_state
+    from reap_swap.engine.residency.state import swap_state
 
     fused_experts, _ = kernel
     st, (w13, w2), (v13, v2) = layer
@@ -53,7 +53,7 @@ def test_bitwise_equal_at_every_residency(kernel, layer, fraction, m):
 
 
 def test_swap_moves_bytes_and_data_lands(layer):
-    from reap_swap.residency.engine import swap_state
+    from reap_swap.engine.residency.state import swap_state
 
     st, (w13, w2), (v13, v2) = layer
     swap_state(st, {0: []})
@@ -68,7 +68,7 @@ def test_swap_moves_bytes_and_data_lands(layer):
 
 
 def test_cuda_graph_survives_swaps(kernel, layer):
-    from reap_swap.residency.engine import swap_state
+    from reap_swap.engine.residency.state import swap_state
 
     fused_experts, _ = kernel
     st, (w13, w2), (v13, v2) = layer
@@ -88,8 +88,8 @@ def test_cuda_graph_survives_swaps(kernel, layer):
 
 
 def test_capacity_refused_before_anything_moves(layer):
-    from reap_swap.residency.engine import swap_state
-    from reap_swap.residency.slot_table import PoolCapacityError
+    from reap_swap.cache.slot_table import PoolCapacityError
+    from reap_swap.engine.residency.state import swap_state
 
     st, _, _ = layer
     swap_state(st, {0: [1, 2, 3]})
@@ -112,9 +112,9 @@ def test_rehome_survives_vllm_uva_reoffload():
     loader_utils = pytest.importorskip("vllm.model_executor.model_loader.utils")
     from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
-    from reap_swap.residency.cuda_backend import CudaResidency
-    from reap_swap.residency.engine import CudaEngine
-    from reap_swap.residency.refusals import LayerRefusals
+    from reap_swap.engine.residency.cuda_backend import CudaResidency
+    from reap_swap.engine.residency.engine import CudaEngine
+    from reap_swap.engine.residency.refusals import LayerRefusals
 
     class UnquantizedFusedMoEMethod:  # stand-in carrying the name and backend the engine accepts
         is_monolithic = False
@@ -155,11 +155,11 @@ def test_injected_mid_swap_failure_restores_the_previous_set(kernel, layer):
     over CudaResidency and the VMM store): the swap fails after one admission was published,
     apply_swap's rollback runs, and the kernel reads the previous set's bytes (bitwise) from the
     same addresses."""
-    from reap_swap.residency.cuda_backend import CudaResidency
-    from reap_swap.residency.engine import swap_state
-    from reap_swap.residency.fault import FaultInjectingBackend
-    from reap_swap.residency.swap import SwapStepFailed
-    from reap_swap.residency.vmm_store import VmmStore
+    from reap_swap.engine.residency.cuda_backend import CudaResidency
+    from reap_swap.engine.residency.fault import FaultInjectingBackend
+    from reap_swap.engine.residency.state import swap_state
+    from reap_swap.engine.residency.swap import SwapStepFailed
+    from reap_swap.engine.residency.vmm_store import VmmStore
 
     fused_experts, _ = kernel
     st, (w13, w2), (v13, v2) = layer

@@ -1,0 +1,1 @@
+"""`reap-swap bench` and the reports: servers per arm, measurements, markdown and plots, guards."""

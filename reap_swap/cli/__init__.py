@@ -1,0 +1,1 @@
+"""Subcommands of the ``reap-swap`` console script, one module each (see reap_swap/cli/main.py)."""

@@ -1,1 +1,0 @@
-"""Subcommands of the ``reap-swap`` console script, one module each (see reap_swap/cli.py)."""

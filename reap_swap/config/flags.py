@@ -1,0 +1,306 @@
+"""The --reap-* flags and REAP_* environment variables -> one validated Settings (settings.py).
+
+Precedence is environment, then flag, then default (deployments set the environment; a flag
+baked into a launch script must not silently win over it). An unknown REAP_* variable is an
+error listing the known names: a typo must not start a server that silently ignores it. A retired
+setting (`RETIRED`: flag or variable -> why) is accepted and ignored with a logged warning, so a
+launch script that still passes it keeps working; a retired flag never reaches vLLM. The
+`--help` text is built from `_SPEC`, the one table of names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from reap_swap.config.settings import (
+    ROUTER_MASKS_REFUSED,
+    Settings,
+    SettingsError,
+    cache_slots_conflict,
+    group_size_conflict,
+)
+
+log = logging.getLogger("reap_swap.config.flags")
+
+# field -> (environment variable, flag, argparse kwargs)
+_SPEC: dict[str, tuple[str, str, dict]] = {
+    "plan_file": ("REAP_PLAN_FILE", "--reap-plan", {"metavar": "PATH", "help": "the REAP plan JSON"}),
+    "validate_only": (
+        "REAP_SWAP_VALIDATE_ONLY",
+        "--reap-validate-only",
+        {"action": "store_const", "const": True, "help": "validate swap payloads, change nothing"},
+    ),
+    "masks_only": (
+        "REAP_SWAP_MASKS_ONLY",
+        "--reap-masks-only",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "swaps change the active set only; no expert weights move",
+        },
+    ),
+    "router_masks": (
+        "REAP_ENABLE_ROUTER_MASKS",
+        "--reap-enable-router-masks",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "not implemented (destroys output quality); refused",
+        },
+    ),
+    "max_loaded_cartridges": (
+        "REAP_MAX_LOADED_CARTRIDGES",
+        "--reap-max-loaded-cartridges",
+        {"type": int, "metavar": "N", "help": "loaded cartridges kept (LRU)"},
+    ),
+    "coactivation": (
+        "REAP_COACTIVATION",
+        "--reap-coactivation",
+        {"action": "store_const", "const": True, "help": "count expert co-activation (E*E per layer)"},
+    ),
+    "residency": (
+        "REAP_RESIDENCY",
+        "--reap-residency",
+        {"choices": ["auto", "accounting", "cuda"], "help": "residency backend"},
+    ),
+    "budget": (
+        "REAP_BUDGET",
+        "--reap-budget",
+        {"metavar": "auto|plan|GIB", "help": "HBM expert pool size (default: the plan's budget)"},
+    ),
+    "kv_tokens": (
+        "REAP_KV_TOKENS",
+        "--reap-kv-tokens",
+        {"type": int, "metavar": "N", "help": "KV target (tokens) kept for --reap-budget auto/GiB"},
+    ),
+    "cache": (
+        "REAP_CACHE",
+        "--reap-cache",
+        {
+            "choices": ["on", "off", "lfu", "lru"],
+            "help": "the per-layer expert cache (default on = lfu; on CUDA it runs on the device where "
+            "served, else in accounting mode; lru: accounting only)",
+        },
+    ),
+    "cache_slots": (
+        "REAP_CACHE_SLOTS",
+        "--reap-cache-slots",
+        {
+            "metavar": "N|auto|swaps",
+            "help": "cache slots beyond the pinned set over all layers (auto; swaps: leave per-request swaps room)",
+        },
+    ),
+    "cache_device": (
+        "REAP_CACHE_DEVICE",
+        "--reap-cache-device",
+        {
+            "choices": ["auto", "on", "off"],
+            "help": "the device expert cache (default auto: on wherever it is served on CUDA; on: also "
+            "modelled by accounting residency)",
+        },
+    ),
+    "cache_seed": (
+        "REAP_CACHE_SEED",
+        "--reap-cache-seed",
+        {
+            "choices": ["auto", "pinned", "seeded"],
+            "help": "device cache form: the plan core seeded into each layer's slots, evictable, swaps "
+            "pinned inside them (seeded; auto's choice) or pinned beside a cache tail (pinned)",
+        },
+    ),
+    "cache_record_steps": (
+        "REAP_CACHE_RECORD_STEPS",
+        "--reap-cache-record-steps",
+        {"type": int, "metavar": "N", "help": "keep the last N steps' routing for /reap/cache/trace"},
+    ),
+    "cache_shadow": (
+        "REAP_CACHE_SHADOW",
+        "--reap-cache-shadow",
+        {
+            "choices": ["off", "out", "bytes"],
+            "help": "debug: compare every cached MoE step with the uncached kernel (default off)",
+        },
+    ),
+    "group_size": (
+        "REAP_GROUP_SIZE",
+        "--reap-group-size",
+        {
+            "choices": ["auto", "1", "2", "4", "8"],
+            "help": "EXPERIMENTAL: experts per mapping unit (grouped units, CUDA; default 1 = private units)",
+        },
+    ),
+    "exact_pinning": (
+        "REAP_SWAP_EXACT_PINNING",
+        "--reap-exact-pinning",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "pin vLLM's UVA expert copies at their exact size (cudaHostRegister) instead of PyTorch's "
+            "power-of-two blocks; default auto: on where the rounded copies plus a layer in flight would hold "
+            "more than 1.2x the expert bytes; REAP_SWAP_EXACT_PINNING=0 turns it off",
+        },
+    ),
+    "swap_publish": (
+        "REAP_SWAP_PUBLISH",
+        "--reap-swap-publish",
+        {
+            "metavar": "ahead|idle|end|N",
+            "help": "CUDA swaps: when remapped units are made accessible (default ahead: every remap and one "
+            "publish while the copies are in flight; idle: publish while waiting on a copy; end: after the "
+            "last copy; N: every N landed copies)",
+        },
+    ),
+}
+ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())
+FLAG_NAMES: tuple[str, ...] = tuple(spec[1] for spec in _SPEC.values())
+
+INT4_GROUPS_DEFAULT = (
+    "identity-order INT4 groups are the default under --reap-group-size auto|2|4|8 (AWQ, GPTQ and "
+    "CT W4A16 served identical to stock: research.md); the setting is no longer needed and is ignored"
+)
+SEEDED_CACHE_SERVED = (
+    "--reap-cache-seed seeded is served on CUDA without an opt-in (the default form there; bitwise "
+    "equal to stock at every logprob: research.md); the setting is no longer needed and is ignored"
+)
+# Retired settings, the one place: flag (takes no value) or environment variable -> why it is
+# ignored. split_argv strips the flag (vLLM never sees it) and resolve does not count the variable
+# as unknown; each one given is logged once as a warning.
+RETIRED: dict[str, str] = {
+    "--reap-unverified-int4-groups": INT4_GROUPS_DEFAULT,
+    "REAP_SWAP_UNVERIFIED_INT4_GROUPS": INT4_GROUPS_DEFAULT,
+    "--reap-unverified-seeded-cache": SEEDED_CACHE_SERVED,
+    "REAP_SWAP_UNVERIFIED_SEEDED_CACHE": SEEDED_CACHE_SERVED,
+}
+
+
+def warn_retired(name: str) -> None:
+    log.warning("reap-swap: %s is retired: %s", name, RETIRED[name])
+
+
+# Settings the defaults make unnecessary: still accepted (scripts, measurements), listed in
+# docs/settings.md, named in one line of --help instead of described there.
+DEBUG_SETTINGS = ("cache_device", "cache_seed", "cache_shadow", "swap_publish")
+
+
+def help_text(prog: str) -> str:
+    """The REAP part of ``--help``: each flag, its environment variable and what it does, from the
+    one spec the parser is built from (vLLM prints its own arguments after it)."""
+    rows = []
+    for name, (env, flag, kwargs) in _SPEC.items():
+        if name in DEBUG_SETTINGS:
+            continue
+        meta = kwargs.get("metavar") or ("|".join(kwargs["choices"]) if "choices" in kwargs else "")
+        head = f"  {flag} {meta}".rstrip()
+        rows.append(f"{head}\n      {kwargs.get('help', '')} [{env}]")
+    return (
+        f"usage: {prog} MODEL [vllm serve arguments] [--reap-* flags]\n\n"
+        "Every `vllm serve` argument works as it does there (listed below). REAP settings, each also an "
+        "environment variable (the environment wins over the flag):\n"
+        + "\n".join(rows)
+        + "\nDebug settings (docs/settings.md): "
+        + ", ".join(_SPEC[n][1] for n in DEBUG_SETTINGS)
+        + "\n"
+    )
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the --reap-* flags (default None, so 'not given' is distinguishable)."""
+    for name, (_env, flag, kwargs) in _SPEC.items():
+        parser.add_argument(flag, dest=name, default=None, **kwargs)
+
+
+def split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Separate the --reap-* flags from everything else (which is vLLM's); a retired flag
+    (`RETIRED`) is dropped with a warning."""
+    argv = list(argv)
+    retired = [a for a in argv if a.startswith("--") and a in RETIRED]
+    for name in dict.fromkeys(retired):
+        warn_retired(name)
+    argv = [a for a in argv if a not in retired]
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_flags(parser)
+    ns, rest = parser.parse_known_args(argv)
+    leftover = [a for a in rest if a.split("=", 1)[0].startswith("--reap-")]
+    if leftover:
+        raise SettingsError(f"unknown reap flag(s) {leftover}; known: {', '.join(FLAG_NAMES)}")
+    return ns, rest
+
+
+@dataclass
+class Resolved:
+    settings: Settings
+    sources: dict[str, str]  # field -> "env" | "flag" | "default"
+    overrides: list[str] = field(default_factory=list)  # "REAP_X overrides --reap-x" sentences
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    return sorted(k for k in environ if k.startswith("REAP_") and k not in ENV_NAMES and k not in RETIRED)
+
+
+def resolve(
+    flags: argparse.Namespace | Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    require_plan: bool = True,
+) -> Resolved:
+    """Merge environment > flags > defaults into a validated Settings (``require_plan=False``: for
+    ``--help``, which must work without one)."""
+    environ = os.environ if environ is None else environ
+    given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
+    unknown = unknown_env(environ)
+    if unknown:
+        raise SettingsError(
+            f"unknown REAP_* environment variable(s) {', '.join(unknown)}; known: {', '.join(ENV_NAMES)}"
+        )
+    for name in sorted(k for k in environ if k in RETIRED):
+        warn_retired(name)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    overrides: list[str] = []
+    for name, (env, flag, _kw) in _SPEC.items():
+        flag_value = given.get(name)
+        if env in environ:
+            raw = environ[env]
+            values[name] = _parse_env(name, env, raw)
+            sources[name] = "env"
+            if flag_value is not None:
+                overrides.append(f"{env}={raw!r} overrides {flag} {flag_value!r}")
+        elif flag_value is not None:
+            values[name] = flag_value
+            sources[name] = "flag"
+        else:
+            sources[name] = "default"
+    try:
+        settings = Settings(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0])
+        env, flag, _ = _SPEC[name]
+        origin = env if sources.get(name) == "env" else flag
+        raise SettingsError(f"{origin}: {err['msg']} (got {err.get('input')!r})") from None
+    if settings.router_masks:
+        raise SettingsError(ROUTER_MASKS_REFUSED)
+    conflict = group_size_conflict(settings, sources) or cache_slots_conflict(settings, sources)
+    if conflict:
+        raise SettingsError(conflict)
+    if settings.plan_file is None and require_plan:
+        raise SettingsError("no plan: set REAP_PLAN_FILE or pass --reap-plan PATH")
+    return Resolved(settings=settings, sources=sources, overrides=overrides)
+
+
+def _parse_env(name: str, env: str, raw: str) -> Any:
+    """Environment strings -> the field's type (pydantic's lax parsing: 1/0, true/false, yes/no)."""
+    if Settings.model_fields[name].annotation is bool and raw.strip() == "":
+        return False
+    if name in ("cache", "cache_slots", "exact_pinning"):  # aliases / "auto": the field validator parses it
+        return raw.strip()
+    try:
+        return TypeAdapter(Settings.model_fields[name].annotation).validate_python(raw.strip())
+    except ValidationError as exc:
+        raise SettingsError(f"{env}={raw!r}: {exc.errors()[0]['msg']}") from None

@@ -1,0 +1,1 @@
+"""Per-expert residency on CUDA and in accounting mode: the re-homed layers, the HBM pool, swaps."""

@@ -1,0 +1,1 @@
+"""The plan document: its schema, data model, semantic checks, and the active sets it allows."""

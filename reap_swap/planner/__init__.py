@@ -1,0 +1,1 @@
+"""Planning from observations: corpora, observation files, the planner, and held-out evaluation."""

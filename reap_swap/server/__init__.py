@@ -1,0 +1,1 @@
+"""The server: launcher, settings, REAP routes and the API process's swap controller."""
