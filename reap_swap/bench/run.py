@@ -129,7 +129,7 @@ def _report_head(cfg: BenchConfig, argv, started: str, env, shape, plan, prompts
     argv = list(sys.argv if argv is None else argv)
     command = (
         "reap-swap " + shlex.join(argv[1:])
-        if argv and Path(argv[0]).name in ("reap-swap", "cli.py")
+        if argv and (Path(argv[0]).name == "reap-swap" or Path(argv[0]).parent.name == "cli")
         else shlex.join(argv)
     )
     return {

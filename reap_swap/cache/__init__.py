@@ -1,4 +1,6 @@
-"""Device-cache policies in simulation: replay a routing trace, count hits, misses and
+"""The expert cache, pure: policies, slot bookkeeping, routing traces, simulation and accounting.
+
+Device-cache policies in simulation: replay a routing trace, count hits, misses and
 bytes moved per policy, budget and layer. Pure (numpy; the plan and selection modules).
 
 The device mechanism modelled (one MoE layer; layers are independent):
