@@ -186,10 +186,14 @@ def test_worker_core_feeds_counter_deltas_and_records(plan):
 
 def test_cache_settings():
     r = flags.resolve({"plan_file": "p"}, {})
-    assert (r.settings.cache, r.settings.cache_slots, r.settings.cache_record_steps) == ("lfu", "auto", 0)
+    assert (r.settings.cache.policy, r.settings.cache.slots, r.settings.cache.record_steps) == (
+        "lfu",
+        "auto",
+        0,
+    )
     r = flags.resolve({"plan_file": "p", "cache": "off", "cache_slots": "12"}, {"REAP_CACHE": "lru"})
-    assert (r.settings.cache, r.settings.cache_slots) == ("lru", 12)
-    assert reap_settings.Settings.from_worker_config(r.settings.to_worker_config()).cache_slots == 12
+    assert (r.settings.cache.policy, r.settings.cache.slots) == ("lru", 12)
+    assert reap_settings.Settings.from_worker_config(r.settings.to_worker_config()).cache.slots == 12
     for bad in ({"cache_slots": "-1"}, {"cache_slots": "many"}, {"cache": "belady"}):
         with pytest.raises(reap_settings.SettingsError, match="--reap-cache"):
             flags.resolve({"plan_file": "p", **bad}, {})

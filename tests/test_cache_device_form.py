@@ -13,6 +13,7 @@ import pytest
 from reap_swap.cache.accounting import NO_DEVICE_LRU, CacheAccounting, accounting_policy
 from reap_swap.cache.replay import simulate
 from reap_swap.cache.trace import load_trace
+from reap_swap.config.settings import Settings
 from reap_swap.engine.residency.accounting import AccountingResidency
 from reap_swap.engine.worker_core import WorkerCore
 from reap_swap.plan.document import load_plan
@@ -40,7 +41,7 @@ def test_mapping_is_the_devices():
     assert accounting_policy("lru", "pinned") == ("lru-seeded", NO_DEVICE_LRU)
     assert accounting_policy("lru", "seeded") == ("lru-seeded", NO_DEVICE_LRU)
     # the device refuses lru by name: the note is true of the CUDA shell
-    lru = SimpleNamespace(cache="lru", cache_slots="auto", cache_device="on")
+    lru = Settings(cache="lru", cache_slots="auto", cache_device="on")
     assert "lfu (dlfu) only" in cache_config_for(lru, None)[1]
 
 
@@ -73,7 +74,7 @@ CASES = [
 def test_tail_slots_are_the_devices(budget, cores, setting):
     """Per layer: CacheConfig.split on the pool of the plan budget (what CUDA lends) == accounting."""
     plan = _fake_plan(budget, cores)
-    s = SimpleNamespace(cache="lfu", cache_slots=setting, cache_device="on", cache_seed="pinned")
+    s = Settings(cache="lfu", cache_slots=setting, cache_device="on", cache_seed="pinned")
     cfg, why = cache_config_for(s, plan)
     assert why is None and not cfg.seed_core
     cfg.split(budget, len(plan.layers), {l: p.core for l, p in plan.layers.items()})

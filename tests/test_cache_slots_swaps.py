@@ -36,9 +36,9 @@ def _resolved(argv: list[str], env: dict | None = None) -> Settings:
 
 
 def test_swaps_is_a_value_of_the_flag_and_the_variable():
-    assert _resolved(["--reap-cache-slots", "swaps", "--reap-cache-device", "on"]).cache_slots == "swaps"
-    assert _resolved([], {"REAP_CACHE_SLOTS": " Swaps "}).cache_slots == "swaps"
-    assert _resolved(["--reap-cache-slots", "12"]).cache_slots == 12
+    assert _resolved(["--reap-cache-slots", "swaps", "--reap-cache-device", "on"]).cache.slots == "swaps"
+    assert _resolved([], {"REAP_CACHE_SLOTS": " Swaps "}).cache.slots == "swaps"
+    assert _resolved(["--reap-cache-slots", "12"]).cache.slots == 12
     with pytest.raises(SettingsError, match=r"--reap-cache-slots: .*expected auto, swaps or an integer"):
         _resolved(["--reap-cache-slots", "swap"])
 
@@ -69,13 +69,11 @@ def test_the_launcher_resolves_swaps_to_the_bench_split_and_both_residencies_kee
     settings = resolve_cache_slots(
         Settings(plan_file=MINI, cache_slots="swaps", cache_device="on"), plan, MINI_SHAPE
     )
-    assert settings.cache_slots == split.cache_slots == 4
-    s = SimpleNamespace(cache="lfu", cache_slots=settings.cache_slots, cache_device="on", cache_seed="pinned")
+    assert settings.cache.slots == split.cache_slots == 4
+    s = Settings(cache="lfu", cache_slots=settings.cache.slots, cache_device="on", cache_seed="pinned")
     acc = accounting(plan, s)
     assert acc.reason is None and acc.swap_slots == split.kept == cuda_swap_slots(plan, s) == 28
-    auto = SimpleNamespace(
-        **{**vars(s), "cache_slots": "auto"}
-    )  # what swaps is for: auto leaves K = the core
+    auto = s.updated(cache_slots="auto")  # what swaps is for: auto leaves K = the core
     assert accounting(plan, auto).swap_slots == cuda_swap_slots(plan, auto) == 24
 
 
@@ -86,7 +84,7 @@ def test_the_tail_is_at_most_two_top_k_and_half_of_what_lies_beyond(budget, core
     plan = _fake_plan(budget, cores, experts=64)
     split = plan_swap_split(plan, top_k)
     assert split.per_layer == per_layer and split.kept == budget - per_layer * len(cores)
-    s = SimpleNamespace(cache="lfu", cache_slots=split.cache_slots, cache_device="on", cache_seed="pinned")
+    s = Settings(cache="lfu", cache_slots=split.cache_slots, cache_device="on", cache_seed="pinned")
     assert accounting(plan, s).swap_slots == cuda_swap_slots(plan, s) == split.kept
 
 
@@ -105,4 +103,4 @@ def test_other_values_pass_through(slots):
 def test_a_worker_refuses_an_unresolved_swaps():
     with pytest.raises(ValueError, match="reached a worker unresolved"):
         Settings.from_worker_config({"plan_file": MINI, "cache_slots": "swaps"})
-    assert Settings.from_worker_config({"plan_file": MINI, "cache_slots": 4}).cache_slots == 4
+    assert Settings.from_worker_config({"plan_file": MINI, "cache_slots": 4}).cache.slots == 4

@@ -19,6 +19,7 @@ from reap_fakes import FakeEngine
 
 from reap_swap.cache.accounting import CacheAccounting
 from reap_swap.cache.slot_table import PoolCapacityError, SlotTable
+from reap_swap.config.settings import Settings
 from reap_swap.engine import wire
 from reap_swap.engine.device_cache.lending import CacheConfig, swap_table
 from reap_swap.engine.residency.accounting import AccountingResidency
@@ -38,14 +39,14 @@ MINI = "plans/reap-mini-moe.plan.json"
 
 
 def settings(slots, device="on", seed="pinned", cache="lfu"):
-    return SimpleNamespace(cache=cache, cache_slots=slots, cache_device=device, cache_seed=seed)
+    return Settings(cache=cache, cache_slots=slots, cache_device=device, cache_seed=seed)
 
 
 def accounting(plan, s, layers=None):
     layers = layers or {l: p.num_experts for l, p in plan.layers.items()}
     return CacheAccounting.build(
-        plan, s.cache, s.cache_slots, layers, {}, top_k=2, seed=s.cache_seed,
-        cache_device=s.cache_device,
+        plan, s.cache.policy, s.cache.slots, layers, {}, top_k=2, seed=s.cache.seed,
+        cache_device=s.cache.device,
     )  # fmt: skip
 
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from reap_swap.cache.accounting import CacheAccounting
+from reap_swap.config.settings import Settings
 from reap_swap.engine import wire
 from reap_swap.plan.document import load_plan
 from reap_swap.sizing.cache_tail import small_tail_note
@@ -64,7 +65,7 @@ def test_no_note_outside_the_pinned_form_or_when_refused():
 
 
 def _settings(**kw):
-    return SimpleNamespace(**{"cache": "lfu", "cache_slots": "auto", "cache_device": "on", **kw})
+    return Settings(**{"cache": "lfu", "cache_slots": "auto", "cache_device": "on", **kw})
 
 
 DEVICE_PLAN = SimpleNamespace(layers={0: SimpleNamespace(core=[0, 1]), 1: SimpleNamespace(core=[2])})

@@ -14,6 +14,7 @@ import pytest
 
 from reap_swap.compat import moe as vllm_moe
 from reap_swap.compat import runner
+from reap_swap.config.settings import Settings
 from reap_swap.server import host_checks
 from reap_swap.server import launcher as server
 from reap_swap.sizing.model_shape import read_model_shape
@@ -174,15 +175,9 @@ def _launch(monkeypatch, device_total: int, pool_bytes: int = 0):
     monkeypatch.setattr(host_checks, "check_host_memory", lambda s, **kw: calls.append("host"))
     monkeypatch.setattr(vs, "device_total_bytes", lambda: device_total)
 
-    class Settings:
-        group_size, exact_pinning = "1", False
-
-        def accounting_reason(self, platform):
-            return None
-
     shape = read_model_shape(json.loads((DATA / "deepseek_v2_lite_config.json").read_text()))
     args = argparse.Namespace(quantization=None, gpu_memory_utilization=0.1)  # the families lane's
-    server.gpu_engine_args(Settings(), args, shape, pool_bytes)
+    server.gpu_engine_args(Settings(exact_pinning=False), args, shape, pool_bytes)
     return calls, shape
 
 

@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from reap_swap.config.settings import Settings  # noqa: E402
 from reap_swap.engine.device_cache.copy import copy_units_torch, unit_view  # noqa: E402
 from reap_swap.engine.device_cache.layer import DeviceCache, LayerStep  # noqa: E402
 from reap_swap.engine.device_cache.serving import DeviceCacheView, cache_config_for, on_swap  # noqa: E402
@@ -18,7 +19,7 @@ PLAN = SimpleNamespace(layers={0: SimpleNamespace(core=[0, 1]), 1: SimpleNamespa
 
 
 def _s(**kw):
-    return SimpleNamespace(**{"cache": "lfu", "cache_slots": "auto", "cache_device": "on", **kw})
+    return Settings(**{"cache": "lfu", "cache_slots": "auto", "cache_device": "on", **kw})
 
 
 def test_config_from_settings():
@@ -78,7 +79,7 @@ def test_seeded_is_served_on_cuda_without_any_opt_in(caplog):
 
     assert "cache_seed_unverified" not in Settings.model_fields
     settings = resolve({}, SEEDED_ENV).settings
-    assert settings.cache_seed == "seeded"
+    assert settings.cache.seed == "seeded"
     with caplog.at_level("DEBUG", logger="reap_swap.cache"):
         cfg, why = cache_config_for(settings, PLAN)
     assert why is None and cfg.seed_core and cfg.auto and cfg.layer_slots == {}
@@ -94,7 +95,7 @@ def test_seeded_is_served_on_cuda_without_any_opt_in(caplog):
     assert not pinned.seed_core
     assert DeviceCacheView(pinned).status()["seed"] == {"requested": "pinned", "served": "pinned"}
     default = cache_config_for(resolve({}, {**SEEDED_ENV, "REAP_CACHE_SEED": "pinned"}).settings, PLAN)[0]
-    assert not default.seed_core and resolve({}, {"REAP_PLAN_FILE": "p.json"}).settings.cache_seed == "auto"
+    assert not default.seed_core and resolve({}, {"REAP_PLAN_FILE": "p.json"}).settings.cache.seed == "auto"
 
 
 @pytest.mark.parametrize("value", ["1", "0", ""])
@@ -143,7 +144,7 @@ def test_the_retired_seeded_opt_in_flag_is_accepted_ignored_warned_and_kept_from
     cfg, why = cache_config_for(settings, PLAN)
     assert why is None and cfg.seed_core  # seeded, as without the flag
     # with the default (pinned) it is ignored too: the flag never turned seeded on by itself
-    assert resolve(split_argv(["--reap-plan", "p.json", flag])[0], {}).settings.cache_seed == "auto"
+    assert resolve(split_argv(["--reap-plan", "p.json", flag])[0], {}).settings.cache.seed == "auto"
 
 
 def test_seeded_config_splits_like_accounting_mode():

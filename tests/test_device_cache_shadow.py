@@ -64,7 +64,7 @@ def test_shadow_is_silent_when_equal_and_pinpoints_a_corrupted_slot(mode):
 def test_shadow_mode_from_the_settings():
     from reap_swap.config.settings import Settings
 
-    assert shadow_mod.shadow_mode(SimpleNamespace()) is None
+    assert shadow_mod.shadow_mode(Settings()) is None
     for raw, want in (("off", None), ("out", "out"), ("bytes", "bytes")):
         st = Settings(plan_file="p.json", cache_shadow=raw)
         assert shadow_mod.shadow_mode(st) == want

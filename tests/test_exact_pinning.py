@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from reap_swap.compat import pinning
+from reap_swap.config.settings import Settings
 from reap_swap.server import host_checks
 from reap_swap.server import launcher as server
 from reap_swap.sizing.host_memory import GIB, pow2_ceil
@@ -100,7 +101,9 @@ def test_off_by_default_vllm_pins_as_before(uva, monkeypatch):
 
 
 def test_on_large_copies_are_registered_exactly_small_ones_pinned(uva, monkeypatch):
-    monkeypatch.setattr(pinning, "current_additional_config", lambda: {"reap_swap": {"exact_pinning": True}})
+    monkeypatch.setattr(
+        pinning, "current_additional_config", lambda: {"reap_swap": {"residency": {"exact_pinning": True}}}
+    )
     off = uva.UVAOffloader()
     view_fn = uva.get_accelerator_view_from_cpu_tensor
     m = _module(BIG, SMALL)
@@ -283,7 +286,7 @@ def test_the_host_check_counts_one_block_when_the_re_home_drains(tmp_path, monke
 )
 def test_only_private_units_without_the_device_cache_drain(knobs, drains):
     base = {"exact_pinning": False, "group_size": "1", "cache_device": "off"}
-    assert host_checks.drains_in_blocks(SimpleNamespace(**{**base, **knobs})) is drains
+    assert host_checks.drains_in_blocks(Settings(**{**base, **knobs})) is drains
 
 
 def test_discard_returns_the_pages_to_the_kernel():
@@ -366,7 +369,7 @@ def test_the_setting_is_auto_by_default_and_the_environment_wins(env, flag, want
     from reap_swap.config.flags import resolve, split_argv
 
     flags, _ = split_argv(["--reap-plan", "p.json", *(["--reap-exact-pinning"] if flag else [])])
-    assert resolve(flags, env).settings.exact_pinning == want
+    assert resolve(flags, env).settings.residency.exact_pinning == want
 
 
 def test_a_bad_value_is_refused_by_name():
@@ -398,9 +401,13 @@ def _uva_launch(monkeypatch, shape, env=None, **knobs):
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     args = argparse.Namespace(quantization=None, additional_config=None)
     server.install(args, settings, SimpleNamespace(identity="x"))
-    told_before = args.additional_config[ADDITIONAL_CONFIG_KEY]["exact_pinning"]
+    told_before = args.additional_config[ADDITIONAL_CONFIG_KEY]["residency"]["exact_pinning"]
     server.gpu_engine_args(settings, args, shape)
-    return told_before, args.additional_config[ADDITIONAL_CONFIG_KEY]["exact_pinning"], checked[0]
+    return (
+        told_before,
+        args.additional_config[ADDITIONAL_CONFIG_KEY]["residency"]["exact_pinning"],
+        checked[0],
+    )
 
 
 def test_auto_turns_it_on_for_the_v3_shape_and_tells_the_workers(monkeypatch, caplog):
@@ -429,7 +436,7 @@ def test_auto_is_off_for_grouped_units_and_the_environment_can_turn_it_off(monke
 
 def test_an_unresolved_auto_in_a_config_means_off(monkeypatch):
     monkeypatch.setattr(
-        pinning, "current_additional_config", lambda: {"reap_swap": {"exact_pinning": "auto"}}
+        pinning, "current_additional_config", lambda: {"reap_swap": {"residency": {"exact_pinning": "auto"}}}
     )
     assert pinning.wanted() is False
 
@@ -450,18 +457,18 @@ def test_the_default_device_cache_yields_only_where_the_host_needs_exact_pinning
     small.write_text(f"MemAvailable: {90 * 2**20} kB\n")  # 90 GiB: 72 rounded + a 21 GiB layer do not fit
     big.write_text(f"MemAvailable: {1024 * 2**20} kB\n")
     v3 = server.resolve_cache_form(settings, args, _v3_depth6(), small)
-    assert (v3.cache_device, v3.cache_seed) == ("off", "pinned") and host_checks.drains_in_blocks(
+    assert (v3.cache.device, v3.cache.seed) == ("off", "pinned") and host_checks.drains_in_blocks(
         v3, exact=True
     )
     roomy = server.resolve_cache_form(settings, args, _v3_depth6(), big)
-    assert (roomy.cache_device, roomy.cache_seed) == ("on", "seeded")
+    assert (roomy.cache.device, roomy.cache.seed) == ("on", "seeded")
     mix = server.resolve_cache_form(settings, args, read_model_shape(DATA / "mixtral_8x7b_config.json"), big)
-    assert (mix.cache_device, mix.cache_seed) == ("on", "seeded") and not host_checks.drains_in_blocks(
+    assert (mix.cache.device, mix.cache.seed) == ("on", "seeded") and not host_checks.drains_in_blocks(
         mix, exact=True
     )
     forced = resolve({"plan_file": "p.json", "exact_pinning": True}, {}).settings
     assert (
-        server.resolve_cache_form(forced, args, _v3_depth6(), small).cache_device == "on"
+        server.resolve_cache_form(forced, args, _v3_depth6(), small).cache.device == "on"
     )  # the user's choice
 
 
@@ -474,6 +481,6 @@ def test_online_fp8_keeps_the_static_path_by_default(monkeypatch):
     args = argparse.Namespace(tensor_parallel_size=1, pipeline_parallel_size=1, quantization="fp8")
     shape = read_model_shape(DATA / "mixtral_8x7b_config.json")
     out = server.resolve_cache_form(resolve({"plan_file": "p.json"}, {}).settings, args, shape)
-    assert (out.cache_device, out.cache_seed) == ("off", "pinned")
+    assert (out.cache.device, out.cache.seed) == ("off", "pinned")
     asked = resolve({"plan_file": "p.json", "cache_device": "on"}, {}).settings
-    assert server.resolve_cache_form(asked, args, shape).cache_device == "on"  # asked for: served
+    assert server.resolve_cache_form(asked, args, shape).cache.device == "on"  # asked for: served

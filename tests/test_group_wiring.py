@@ -259,16 +259,16 @@ def _resolve(flags=None, env=None):
 
 
 def test_group_size_setting_defaults_to_private_units_and_parses_env_and_flag():
-    assert _resolve().settings.group_size == "1"
-    assert _resolve(env={"REAP_GROUP_SIZE": "auto"}).settings.group_size == "auto"
-    assert _resolve({"group_size": "2"}).settings.group_size == "2"
-    assert settings_mod.Settings(group_size=4).group_size == "4"
+    assert _resolve().settings.residency.group_size == "1"
+    assert _resolve(env={"REAP_GROUP_SIZE": "auto"}).settings.residency.group_size == "auto"
+    assert _resolve({"group_size": "2"}).settings.residency.group_size == "2"
+    assert settings_mod.Settings(group_size=4).residency.group_size == "4"
     with pytest.raises(settings_mod.SettingsError, match="REAP_GROUP_SIZE"):
         _resolve(env={"REAP_GROUP_SIZE": "3"})
     ns, rest = reap_flags.split_argv(["--reap-group-size", "auto", "--model", "m"])
     assert ns.group_size == "auto" and rest == ["--model", "m"]
     cfg = _resolve({"group_size": "auto"}).settings.to_worker_config()
-    assert settings_mod.Settings.from_worker_config(cfg).group_size == "auto"
+    assert settings_mod.Settings.from_worker_config(cfg).residency.group_size == "auto"
 
 
 def test_group_size_refuses_the_device_cache_and_budget_growth_by_name():
@@ -276,7 +276,7 @@ def test_group_size_refuses_the_device_cache_and_budget_growth_by_name():
         _resolve({"group_size": "2", "cache_device": "on"})
     with pytest.raises(settings_mod.SettingsError, match="REAP_GROUP_SIZE auto with --reap-budget auto"):
         _resolve({"budget": "auto"}, {"REAP_GROUP_SIZE": "auto"})
-    assert _resolve({"group_size": "1", "cache_device": "on"}).settings.cache_device == "on"
+    assert _resolve({"group_size": "1", "cache_device": "on"}).settings.cache.device == "on"
 
 
 # -- pool sizing in groups -------------------------------------------------------------------------

@@ -204,12 +204,12 @@ def test_the_retired_opt_in_flag_is_accepted_ignored_warned_and_kept_from_vllm(c
     assert "no longer needed" in warned[0].getMessage()
     settings = resolve(ns, {}).settings
     assert (
-        settings.group_size == "auto"
+        settings.residency.group_size == "auto"
         and settings == resolve({"plan_file": "p.json", "group_size": "auto"}, {}).settings
     )
     assert "unverified_int4_groups" not in settings.to_worker_config()
     # with the default group size 1 it is ignored too (it used to be refused as a no-op there)
-    assert resolve(split_argv(["--reap-plan", "p.json", flag])[0], {}).settings.group_size == "1"
+    assert resolve(split_argv(["--reap-plan", "p.json", flag])[0], {}).settings.residency.group_size == "1"
 
 
 @pytest.mark.parametrize("value", ["1", "0", ""])

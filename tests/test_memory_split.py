@@ -45,10 +45,10 @@ def test_parse_budget():
 
 def test_settings_flags_and_env():
     s = resolve({"plan_file": "p.json", "budget": "auto", "kv_tokens": 4096}, {}).settings
-    assert s.budget == "auto" and s.kv_tokens == 4096 and s.budget_request() == "auto"
+    assert s.budget.pool == "auto" and s.budget.kv_tokens == 4096 and s.budget.request() == "auto"
     s = resolve({"plan_file": "p.json"}, {"REAP_BUDGET": "20", "REAP_KV_TOKENS": "100"}).settings
-    assert s.budget_request() == 20.0 and s.kv_tokens == 100
-    assert resolve({"plan_file": "p.json"}, {}).settings.budget == "plan"
+    assert s.budget.request() == 20.0 and s.budget.kv_tokens == 100
+    assert resolve({"plan_file": "p.json"}, {}).settings.budget.pool == "plan"
     with pytest.raises(SettingsError, match="--reap-budget"):
         resolve({"plan_file": "p.json", "budget": "huge"}, {})
     with pytest.raises(SettingsError, match="REAP_KV_TOKENS"):

@@ -13,6 +13,7 @@ import pytest
 from quant_files import TINY as QUANT_TINY
 from script_modules import load_script
 
+from reap_swap.config.settings import Settings
 from reap_swap.plan.document import validate_plan_document
 from reap_swap.server import host_checks
 from reap_swap.server import launcher as server
@@ -119,14 +120,6 @@ def test_cli_quantization_overrides():
     assert "moe_wna16" in served_quant(awq.quant, awq.quant_method, "moe_wna16").engine_refusal
 
 
-class _Settings:
-    group_size = "1"  # --reap-group-size (default): INT4 stays refused
-    exact_pinning = False  # --reap-exact-pinning (default): vLLM pins as it does
-
-    def accounting_reason(self, platform):
-        return None
-
-
 def _launch(monkeypatch, fmt, quantization=None, group_size="1"):
     calls = []
     vs = server.vllm_serve
@@ -140,8 +133,8 @@ def _launch(monkeypatch, fmt, quantization=None, group_size="1"):
     )
     monkeypatch.setattr(vs, "device_total_bytes", lambda: 141 * 2**30)  # one H200
     shape = read_model_shape(config(fmt))
-    settings = _Settings()
-    settings.group_size = group_size
+    # --reap-exact-pinning off: vLLM pins as it does; --reap-group-size 1 (the default): INT4 stays refused
+    settings = Settings(exact_pinning=False, group_size=group_size)
     server.gpu_engine_args(settings, argparse.Namespace(quantization=quantization), shape)
     return calls, shape
 
@@ -269,4 +262,4 @@ def test_the_launcher_refuses_online_fp8_too_large_for_hbm(monkeypatch):
     tiny_hbm = shape.total_expert_bytes  # 0.9 x this < the experts
     monkeypatch.setattr(vs, "device_total_bytes", lambda: tiny_hbm)
     with pytest.raises(server.LaunchError, match="experts alone take"):
-        server.gpu_engine_args(_Settings(), argparse.Namespace(quantization="fp8"), shape)
+        server.gpu_engine_args(Settings(exact_pinning=False), argparse.Namespace(quantization="fp8"), shape)

@@ -138,8 +138,8 @@ def test_prepare_hands_the_workers_a_slot_count_for_cache_slots_swaps(tiny, monk
     shape = read_model_shape(str(tiny / "model"))
     split = plan_swap_split(load_plan(str(tiny / "plan.json"), shape), int(shape.top_k))
     assert split.why is None and split.per_layer >= 1 and split.kept > split.core
-    assert cfg["cache_slots"] == split.cache_slots  # an int: the workers never see "swaps"
-    assert Settings.from_worker_config(cfg).cache_slots == split.cache_slots
+    assert cfg["cache"]["slots"] == split.cache_slots  # an int: the workers never see "swaps"
+    assert Settings.from_worker_config(cfg).cache.slots == split.cache_slots
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])

@@ -11,7 +11,7 @@ PLAN = {"REAP_PLAN_FILE": "/plans/p.json"}
 def test_defaults_with_only_a_plan():
     r = resolve({}, PLAN)
     assert r.settings == Settings(plan_file="/plans/p.json")
-    assert r.settings.max_loaded_cartridges == 8 and r.settings.residency == "auto"
+    assert r.settings.max_loaded_cartridges == 8 and r.settings.residency.backend == "auto"
     assert r.sources["plan_file"] == "env" and r.sources["validate_only"] == "default"
     assert r.overrides == []
 
@@ -185,10 +185,10 @@ def test_swap_publish_names_a_mode_or_a_chunk_size_and_reaches_the_workers(raw, 
 
     ns, _ = split_argv(["m", "--reap-plan", "p.json", *(["--reap-swap-publish", raw] if raw else [])])
     settings = resolve(ns, {}).settings
-    assert settings.swap_publish == value
+    assert settings.residency.swap_publish == value
     worker = Settings.from_worker_config(settings.to_worker_config())
     expected = {"ahead": PUBLISH_AHEAD, "idle": PUBLISH_WHEN_IDLE, "end": 0}.get(value, value)
-    assert publish_every_of(worker.swap_publish) == expected
+    assert publish_every_of(worker.residency.swap_publish) == expected
 
 
 # -- the device cache by default (issue 42): settings.cache_form ------------------------------------
@@ -197,7 +197,7 @@ def _form(platform="cuda", parallel=1, **env):
 
     s = resolve({}, {"REAP_PLAN_FILE": "p.json", **env}).settings
     out, why = cache_form(s, platform, parallel)
-    return out.cache_device, out.cache_seed, why
+    return out.cache.device, out.cache.seed, why
 
 
 def test_device_cache_is_the_default_on_cuda_in_the_seeded_form():
@@ -234,11 +234,11 @@ def test_explicit_choices_are_kept():
 
 def test_one_cache_switch_on_or_off():
     """--reap-cache on|off is the switch (on = the default lfu policy); lfu / lru stay accepted."""
-    assert resolve({"plan_file": "p", "cache": "on"}, {}).settings.cache == "lfu"
-    assert resolve({}, {"REAP_PLAN_FILE": "p", "REAP_CACHE": "on"}).settings.cache == "lfu"
-    assert resolve({}, {"REAP_PLAN_FILE": "p", "REAP_CACHE": "off"}).settings.cache == "off"
+    assert resolve({"plan_file": "p", "cache": "on"}, {}).settings.cache.policy == "lfu"
+    assert resolve({}, {"REAP_PLAN_FILE": "p", "REAP_CACHE": "on"}).settings.cache.policy == "lfu"
+    assert resolve({}, {"REAP_PLAN_FILE": "p", "REAP_CACHE": "off"}).settings.cache.policy == "off"
     ns, rest = split_argv(["m", "--reap-cache", "on"])
-    assert resolve(ns, {"REAP_PLAN_FILE": "p"}).settings.cache == "lfu" and rest == ["m"]
+    assert resolve(ns, {"REAP_PLAN_FILE": "p"}).settings.cache.policy == "lfu" and rest == ["m"]
     with pytest.raises(SettingsError, match="REAP_CACHE"):
         resolve({}, {"REAP_PLAN_FILE": "p", "REAP_CACHE": "sometimes"})
 

@@ -73,7 +73,8 @@ def wanted() -> bool:
     cfg = current_additional_config()
     reap = cfg.get(ADDITIONAL_CONFIG_KEY) if isinstance(cfg, dict) else None
     # `is True`: an unresolved "auto" (a config not written by the launcher) means off
-    return bool(isinstance(reap, dict) and reap.get("exact_pinning") is True)
+    residency = reap.get("residency") if isinstance(reap, dict) else None
+    return bool(isinstance(residency, dict) and residency.get("exact_pinning") is True)
 
 
 def install(uva: Any = None) -> str | None:

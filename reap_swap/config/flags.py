@@ -19,23 +19,18 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from reap_swap.config.settings import (
-    ROUTER_MASKS_REFUSED,
-    Settings,
-    SettingsError,
-    cache_slots_conflict,
-    group_size_conflict,
-)
+from reap_swap.config.settings import Settings, SettingsError, field_info, flat_name
 
 log = logging.getLogger("reap_swap.config.flags")
 
-# field -> (environment variable, flag, argparse kwargs)
+# flat setting name (settings.FIELDS) -> (environment variable, flag, argparse kwargs); each flag's
+# help is its field's docstring (settings.field_info)
 _SPEC: dict[str, tuple[str, str, dict]] = {
-    "plan_file": ("REAP_PLAN_FILE", "--reap-plan", {"metavar": "PATH", "help": "the REAP plan JSON"}),
+    "plan_file": ("REAP_PLAN_FILE", "--reap-plan", {"metavar": "PATH"}),
     "validate_only": (
         "REAP_SWAP_VALIDATE_ONLY",
         "--reap-validate-only",
-        {"action": "store_const", "const": True, "help": "validate swap payloads, change nothing"},
+        {"action": "store_const", "const": True},
     ),
     "masks_only": (
         "REAP_SWAP_MASKS_ONLY",
@@ -43,7 +38,6 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         {
             "action": "store_const",
             "const": True,
-            "help": "swaps change the active set only; no expert weights move",
         },
     ),
     "router_masks": (
@@ -52,41 +46,38 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         {
             "action": "store_const",
             "const": True,
-            "help": "not implemented (destroys output quality); refused",
         },
     ),
     "max_loaded_cartridges": (
         "REAP_MAX_LOADED_CARTRIDGES",
         "--reap-max-loaded-cartridges",
-        {"type": int, "metavar": "N", "help": "loaded cartridges kept (LRU)"},
+        {"type": int, "metavar": "N"},
     ),
     "coactivation": (
         "REAP_COACTIVATION",
         "--reap-coactivation",
-        {"action": "store_const", "const": True, "help": "count expert co-activation (E*E per layer)"},
+        {"action": "store_const", "const": True},
     ),
     "residency": (
         "REAP_RESIDENCY",
         "--reap-residency",
-        {"choices": ["auto", "accounting", "cuda"], "help": "residency backend"},
+        {"choices": ["auto", "accounting", "cuda"]},
     ),
     "budget": (
         "REAP_BUDGET",
         "--reap-budget",
-        {"metavar": "auto|plan|GIB", "help": "HBM expert pool size (default: the plan's budget)"},
+        {"metavar": "auto|plan|GIB"},
     ),
     "kv_tokens": (
         "REAP_KV_TOKENS",
         "--reap-kv-tokens",
-        {"type": int, "metavar": "N", "help": "KV target (tokens) kept for --reap-budget auto/GiB"},
+        {"type": int, "metavar": "N"},
     ),
     "cache": (
         "REAP_CACHE",
         "--reap-cache",
         {
             "choices": ["on", "off", "lfu", "lru"],
-            "help": "the per-layer expert cache (default on = lfu; on CUDA it runs on the device where "
-            "served, else in accounting mode; lru: accounting only)",
         },
     ),
     "cache_slots": (
@@ -94,7 +85,6 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         "--reap-cache-slots",
         {
             "metavar": "N|auto|swaps",
-            "help": "cache slots beyond the pinned set over all layers (auto; swaps: leave per-request swaps room)",
         },
     ),
     "cache_device": (
@@ -102,8 +92,6 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         "--reap-cache-device",
         {
             "choices": ["auto", "on", "off"],
-            "help": "the device expert cache (default auto: on wherever it is served on CUDA; on: also "
-            "modelled by accounting residency)",
         },
     ),
     "cache_seed": (
@@ -111,21 +99,18 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         "--reap-cache-seed",
         {
             "choices": ["auto", "pinned", "seeded"],
-            "help": "device cache form: the plan core seeded into each layer's slots, evictable, swaps "
-            "pinned inside them (seeded; auto's choice) or pinned beside a cache tail (pinned)",
         },
     ),
     "cache_record_steps": (
         "REAP_CACHE_RECORD_STEPS",
         "--reap-cache-record-steps",
-        {"type": int, "metavar": "N", "help": "keep the last N steps' routing for /reap/cache/trace"},
+        {"type": int, "metavar": "N"},
     ),
     "cache_shadow": (
         "REAP_CACHE_SHADOW",
         "--reap-cache-shadow",
         {
             "choices": ["off", "out", "bytes"],
-            "help": "debug: compare every cached MoE step with the uncached kernel (default off)",
         },
     ),
     "group_size": (
@@ -133,7 +118,6 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         "--reap-group-size",
         {
             "choices": ["auto", "1", "2", "4", "8"],
-            "help": "EXPERIMENTAL: experts per mapping unit (grouped units, CUDA; default 1 = private units)",
         },
     ),
     "exact_pinning": (
@@ -142,9 +126,6 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         {
             "action": "store_const",
             "const": True,
-            "help": "pin vLLM's UVA expert copies at their exact size (cudaHostRegister) instead of PyTorch's "
-            "power-of-two blocks; default auto: on where the rounded copies plus a layer in flight would hold "
-            "more than 1.2x the expert bytes; REAP_SWAP_EXACT_PINNING=0 turns it off",
         },
     ),
     "swap_publish": (
@@ -152,13 +133,22 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
         "--reap-swap-publish",
         {
             "metavar": "ahead|idle|end|N",
-            "help": "CUDA swaps: when remapped units are made accessible (default ahead: every remap and one "
-            "publish while the copies are in flight; idle: publish while waiting on a copy; end: after the "
-            "last copy; N: every N landed copies)",
         },
     ),
 }
 ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())
+
+
+def env_name(name: str) -> str:
+    """The environment variable of flat setting ``name``."""
+    return _SPEC[name][0]
+
+
+def help_for(name: str) -> str:
+    """One line of help for flat setting ``name``: its field's docstring."""
+    return " ".join((field_info(name).description or "").split())
+
+
 FLAG_NAMES: tuple[str, ...] = tuple(spec[1] for spec in _SPEC.values())
 
 INT4_GROUPS_DEFAULT = (
@@ -198,7 +188,7 @@ def help_text(prog: str) -> str:
             continue
         meta = kwargs.get("metavar") or ("|".join(kwargs["choices"]) if "choices" in kwargs else "")
         head = f"  {flag} {meta}".rstrip()
-        rows.append(f"{head}\n      {kwargs.get('help', '')} [{env}]")
+        rows.append(f"{head}\n      {help_for(name)} [{env}]")
     return (
         f"usage: {prog} MODEL [vllm serve arguments] [--reap-* flags]\n\n"
         "Every `vllm serve` argument works as it does there (listed below). REAP settings, each also an "
@@ -213,7 +203,7 @@ def help_text(prog: str) -> str:
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add the --reap-* flags (default None, so 'not given' is distinguishable)."""
     for name, (_env, flag, kwargs) in _SPEC.items():
-        parser.add_argument(flag, dest=name, default=None, **kwargs)
+        parser.add_argument(flag, dest=name, default=None, help=help_for(name), **kwargs)
 
 
 def split_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -277,18 +267,15 @@ def resolve(
         else:
             sources[name] = "default"
     try:
-        settings = Settings(**values)
+        settings = Settings.model_validate(values, context={"sources": sources})
     except ValidationError as exc:
         err = exc.errors()[0]
-        name = str(err["loc"][0])
+        if not err["loc"]:  # a rule across settings (Settings._conflicts): its message names them
+            raise SettingsError(str(err["msg"]).removeprefix("Value error, ")) from None
+        name = flat_name(tuple(err["loc"]))
         env, flag, _ = _SPEC[name]
         origin = env if sources.get(name) == "env" else flag
         raise SettingsError(f"{origin}: {err['msg']} (got {err.get('input')!r})") from None
-    if settings.router_masks:
-        raise SettingsError(ROUTER_MASKS_REFUSED)
-    conflict = group_size_conflict(settings, sources) or cache_slots_conflict(settings, sources)
-    if conflict:
-        raise SettingsError(conflict)
     if settings.plan_file is None and require_plan:
         raise SettingsError("no plan: set REAP_PLAN_FILE or pass --reap-plan PATH")
     return Resolved(settings=settings, sources=sources, overrides=overrides)
@@ -296,11 +283,12 @@ def resolve(
 
 def _parse_env(name: str, env: str, raw: str) -> Any:
     """Environment strings -> the field's type (pydantic's lax parsing: 1/0, true/false, yes/no)."""
-    if Settings.model_fields[name].annotation is bool and raw.strip() == "":
+    annotation = field_info(name).annotation
+    if annotation is bool and raw.strip() == "":
         return False
     if name in ("cache", "cache_slots", "exact_pinning"):  # aliases / "auto": the field validator parses it
         return raw.strip()
     try:
-        return TypeAdapter(Settings.model_fields[name].annotation).validate_python(raw.strip())
+        return TypeAdapter(annotation).validate_python(raw.strip())
     except ValidationError as exc:
         raise SettingsError(f"{env}={raw!r}: {exc.errors()[0]['msg']}") from None

@@ -1,10 +1,11 @@
-"""REAP settings: REAP_* environment variables and --reap-* flags -> one validated Settings.
+"""REAP settings: one validated model with nested groups (residency, cache, budget), built once by
+the launcher and passed down, like vLLM's own config objects.
 
-Precedence is environment, then flag, then default (deployments set the environment; a flag
-baked into a launch script must not silently win over it). An unknown REAP_* variable is an
-error listing the known names: a typo must not start a server that silently ignores it. A retired
-setting (`RETIRED`: flag or variable -> why) is accepted and ignored with a logged warning, so a
-launch script that still passes it keeps working; a retired flag never reaches vLLM.
+Each field's help is its docstring (the `--help` text and docs/settings.md are built from it);
+every rule that spans fields is in ``Settings._conflicts``, the one validator. A setting has one
+flat name (``cache_slots``), which is its flag's and variable's name (``--reap-cache-slots``,
+``REAP_CACHE_SLOTS``; ``FIELDS`` maps it to ``cache.slots``); the model also accepts flat names as
+input, so a flag namespace or an environment reads straight in.
 
 Every setting, its variable, flag, default and meaning: docs/settings.md. How flags and variables
 become a Settings (precedence, unknown and retired names, `--help`): config/flags.py.
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from reap_swap.sizing.memory_split import parse_budget
 
@@ -41,51 +42,27 @@ class SettingsError(ValueError):
     """A setting that cannot be used; the message says which variable or flag and why."""
 
 
-class Settings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    plan_file: Path | None = None
-    validate_only: bool = False
+
+class ResidencySettings(_Group):
+    """Where expert bytes live and how a swap moves them."""
+
+    backend: Literal["auto", "accounting", "cuda"] = "auto"
+    """residency backend: cuda moves expert bytes (the default on CUDA); accounting records the resident set only"""
     masks_only: bool = False
-    router_masks: bool = False
-    max_loaded_cartridges: int = Field(default=8, ge=1)
-    coactivation: bool = False
-    residency: Literal["auto", "accounting", "cuda"] = "auto"
-    budget: str = "plan"
-    kv_tokens: int | None = Field(default=None, ge=1)
-
-    @field_validator("budget", mode="before")
-    @classmethod
-    def _budget(cls, value: Any) -> str:
-        return str(parse_budget(value))
-
-    def budget_request(self) -> str | float:
-        """'plan' | 'auto' | GiB (float): memory_split.parse_budget of the setting."""
-        return parse_budget(self.budget)
-
-    cache: Literal["lfu", "lru", "off"] = "lfu"
-
-    @field_validator("cache", mode="before")
-    @classmethod
-    def _cache(cls, v: Any) -> Any:
-        return "lfu" if str(v).strip().lower() == "on" else v  # on: the default policy
-
-    # "swaps": the launcher resolves it to an integer (server.resolve_cache_slots); workers never see it
-    cache_slots: Literal["auto", "swaps"] | int = "auto"
-    # the CUDA device cache; auto (the default): on wherever it is served (cache_form), the
-    # launcher resolves it, so workers see on or off
-    cache_device: Literal["auto", "on", "off"] = "auto"
-    # device cache form: core+dlfu (pinned) | dlfu-seeded (seeded); auto: seeded where the device
-    # cache is on (cache_form)
-    cache_seed: Literal["auto", "pinned", "seeded"] = "auto"
-    cache_record_steps: int = Field(default=0, ge=0)
-    cache_shadow: Literal["off", "out", "bytes"] = "off"  # debug shadow of the device cache
-    group_size: Literal["auto", "1", "2", "4", "8"] = "1"  # grouped units; experimental
-    # cudaHostRegister vLLM's UVA expert copies (compat/pinning.py); auto: the launcher decides
-    # (server.resolve_exact_pinning), the workers only ever see True or False
+    """swaps change the active set only; no expert weights move"""
+    group_size: Literal["auto", "1", "2", "4", "8"] = "1"
+    """EXPERIMENTAL: experts per mapping unit (grouped units, CUDA; default 1 = private units)"""
     exact_pinning: Literal["auto"] | bool = "auto"
-    # when a swap makes its remapped units accessible (residency/swap.py); ahead: the default (the fastest measured)
+    """pin vLLM's UVA expert copies at their exact size (cudaHostRegister) instead of PyTorch's power-of-two
+    blocks; default auto: on where the rounded copies plus a layer in flight would hold more than 1.2x the
+    expert bytes; REAP_SWAP_EXACT_PINNING=0 turns it off"""
     swap_publish: Literal["ahead", "idle", "end"] | int = "ahead"
+    """CUDA swaps: when remapped units are made accessible (default ahead: every remap and one publish while
+    the copies are in flight; idle: publish while waiting on a copy; end: after the last copy; N: every N
+    landed copies)"""
 
     @field_validator("group_size", mode="before")
     @classmethod
@@ -116,9 +93,35 @@ class Settings(BaseModel):
             raise ValueError("expected ahead, idle, end or an integer N >= 1 (publish every N landed copies)")
         return int(text)
 
-    @field_validator("cache_slots", mode="before")
+
+class CacheSettings(_Group):
+    """The per-layer expert cache: on the device where it is served (CUDA), else in accounting mode."""
+
+    policy: Literal["lfu", "lru", "off"] = "lfu"
+    """the per-layer expert cache (default on = lfu; on CUDA it runs on the device where served, else in
+    accounting mode; lru: accounting only)"""
+    slots: Literal["auto", "swaps"] | int = "auto"
+    """cache slots beyond the pinned set over all layers (auto; swaps: leave per-request swaps room); the
+    launcher turns swaps into a count, workers never see it"""
+    device: Literal["auto", "on", "off"] = "auto"
+    """the device expert cache (default auto: on wherever it is served on CUDA; on: also modelled by
+    accounting residency); the launcher resolves auto, workers see on or off"""
+    seed: Literal["auto", "pinned", "seeded"] = "auto"
+    """device cache form: the plan core seeded into each layer's slots, evictable, swaps pinned inside them
+    (seeded; auto's choice) or pinned beside a cache tail (pinned)"""
+    record_steps: int = Field(default=0, ge=0)
+    """keep the last N steps' routing for /reap/cache/trace"""
+    shadow: Literal["off", "out", "bytes"] = "off"
+    """debug: compare every cached MoE step with the uncached kernel (default off)"""
+
+    @field_validator("policy", mode="before")
     @classmethod
-    def _cache_slots(cls, v: Any) -> Any:
+    def _policy(cls, v: Any) -> Any:
+        return "lfu" if str(v).strip().lower() == "on" else v  # on: the default policy
+
+    @field_validator("slots", mode="before")
+    @classmethod
+    def _slots(cls, v: Any) -> Any:
         text = str(v).strip().lower()
         if text in ("auto", "swaps"):
             return text
@@ -126,8 +129,166 @@ class Settings(BaseModel):
             raise ValueError("expected auto, swaps or an integer >= 0 (cache slots beyond the pinned set)")
         return int(text)
 
+
+class BudgetSettings(_Group):
+    """How much HBM the expert pool gets."""
+
+    pool: str = "plan"
+    """HBM expert pool size: plan (the plan's budget, the default), auto (what the card holds beside the
+    KV target) or GiB"""
+    kv_tokens: int | None = Field(default=None, ge=1)
+    """KV target (tokens) kept for --reap-budget auto/GiB"""
+
+    @field_validator("pool", mode="before")
+    @classmethod
+    def _pool(cls, value: Any) -> str:
+        return str(parse_budget(value))
+
+    def request(self) -> str | float:
+        """'plan' | 'auto' | GiB (float): memory_split.parse_budget of the setting."""
+        return parse_budget(self.pool)
+
+
+# flat setting name (its flag --reap-NAME and variable, config/flags.py) -> (group, field); None: top level
+FIELDS: dict[str, tuple[str | None, str]] = {
+    "plan_file": (None, "plan_file"),
+    "validate_only": (None, "validate_only"),
+    "masks_only": ("residency", "masks_only"),
+    "router_masks": (None, "router_masks"),
+    "max_loaded_cartridges": (None, "max_loaded_cartridges"),
+    "coactivation": (None, "coactivation"),
+    "residency": ("residency", "backend"),
+    "budget": ("budget", "pool"),
+    "kv_tokens": ("budget", "kv_tokens"),
+    "cache": ("cache", "policy"),
+    "cache_slots": ("cache", "slots"),
+    "cache_device": ("cache", "device"),
+    "cache_seed": ("cache", "seed"),
+    "cache_record_steps": ("cache", "record_steps"),
+    "cache_shadow": ("cache", "shadow"),
+    "group_size": ("residency", "group_size"),
+    "exact_pinning": ("residency", "exact_pinning"),
+    "swap_publish": ("residency", "swap_publish"),
+}
+GROUPS = {"residency": ResidencySettings, "cache": CacheSettings, "budget": BudgetSettings}
+
+
+def field_info(name: str):
+    """The pydantic FieldInfo of flat setting ``name`` (its annotation, default, docstring help)."""
+    group, attr = FIELDS[name]
+    return (GROUPS[group] if group else Settings).model_fields[attr]
+
+
+def flat_name(loc: tuple) -> str:
+    """The flat setting name of a validation error's location (("cache", "slots") -> cache_slots)."""
+    for name, (group, attr) in FIELDS.items():
+        if (group, attr) == (loc[0], loc[1] if len(loc) > 1 else None) or (
+            group is None and loc[:1] == (attr,)
+        ):
+            return name
+    return str(loc[0]) if loc else ""
+
+
+def _origin(name: str, info: ValidationInfo | None) -> str:
+    """The flag or variable a conflict message names: where the value came from, when known."""
+    sources = (info.context or {}).get("sources", {}) if info is not None else {}
+    flag = "--reap-" + name.replace("_", "-")
+    return f"REAP_{name.upper()}" if sources.get(name) == "env" else flag  # group_size, cache_slots
+
+
+class Settings(BaseModel):
+    """Every REAP setting of one server, validated once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    plan_file: Path | None = None
+    """the REAP plan JSON"""
+    validate_only: bool = False
+    """validate swap payloads, change nothing"""
+    router_masks: bool = False
+    """not implemented (destroys output quality); refused"""
+    max_loaded_cartridges: int = Field(default=8, ge=1)
+    """loaded cartridges kept (LRU)"""
+    coactivation: bool = False
+    """count expert co-activation (E*E per layer)"""
+    residency: ResidencySettings = Field(default_factory=ResidencySettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    budget: BudgetSettings = Field(default_factory=BudgetSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest(cls, data: Any) -> Any:
+        """Flat setting names (a flag namespace, the environment) -> their groups."""
+        if not isinstance(data, Mapping):
+            return data
+
+        # "cache", "budget", "residency" name a group (a mapping) and a flat setting (a value)
+        def is_group(key: str, value: Any) -> bool:
+            return key in GROUPS and isinstance(value, Mapping | BaseModel)
+
+        out: dict[str, Any] = {}
+        for key, value in data.items():  # the groups first (copied), then flat names on top of them
+            if is_group(key, value):
+                out[key] = value.model_dump() if isinstance(value, BaseModel) else dict(value)
+            elif FIELDS.get(key, (None, key))[0] is None:
+                out[key] = value
+        for key, value in data.items():
+            group, attr = FIELDS.get(key, (None, key))
+            if group is not None and not is_group(key, value):
+                out.setdefault(group, {})[attr] = value
+        return out
+
+    @model_validator(mode="after")
+    def _conflicts(self, info: ValidationInfo) -> Settings:
+        """Every rule that spans settings, in one place (each message names the flag or variable)."""
+        if self.router_masks:
+            raise ValueError(ROUTER_MASKS_REFUSED)
+        res, cache, pool = self.residency, self.cache, self.budget.pool
+        if res.group_size != "1":
+            origin = _origin("group_size", info)
+            if cache.device == "on":
+                raise ValueError(
+                    f"{origin} {res.group_size} with --reap-cache-device on: the device cache maps expert "
+                    "ids to its own slots and knows no groups; use one of them"
+                )
+            if pool != "plan":
+                raise ValueError(
+                    f"{origin} {res.group_size} with --reap-budget {pool}: the pool growth "
+                    "(residency/budget.py) adds private expert slots, not groups; use --reap-budget plan"
+                )
+        if cache.slots == "swaps":
+            origin = _origin("cache_slots", info)
+            if cache.policy == "off":
+                raise ValueError(f"{origin} swaps with --reap-cache off: there is no cache tail to size")
+            if cache.seed == "seeded":  # auto resolves to pinned beside swaps (cache_form)
+                raise ValueError(
+                    f"{origin} swaps with --reap-cache-seed seeded: that form pins a swap inside the layer's "
+                    "cache slots, so it needs no room beside them; use auto or N"
+                )
+            if pool != "plan":
+                raise ValueError(
+                    f"{origin} swaps with --reap-budget {pool}: the split is computed on the plan's pool "
+                    "before the engine starts; use --reap-budget plan or give N"
+                )
+        return self
+
+    def updated(self, **flat: Any) -> Settings:
+        """A copy with settings replaced by flat name (``updated(cache_device="on")``), validated again."""
+        data = self.model_dump()
+        for name, value in flat.items():
+            group, attr = FIELDS[name]
+            (data[group] if group else data)[attr] = value
+        return Settings.model_validate(data)
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by flat name."""
+        return {
+            name: getattr(getattr(self, group), attr) if group else getattr(self, attr)
+            for name, (group, attr) in FIELDS.items()
+        }
+
     def log_line(self) -> str:
-        return "reap-swap settings: " + ", ".join(f"{k}={v}" for k, v in self.model_dump().items())
+        return "reap-swap settings: " + ", ".join(f"{k}={v}" for k, v in self.flat().items())
 
     def to_worker_config(self, **extra: Any) -> dict:
         """JSON-able dict for vllm's additional_config["reap_swap"] (plus e.g. plan identity)."""
@@ -135,8 +296,9 @@ class Settings(BaseModel):
 
     @classmethod
     def from_worker_config(cls, cfg: Mapping[str, Any]) -> Settings:
-        settings = cls(**{k: v for k, v in cfg.items() if k in cls.model_fields})
-        if settings.cache_slots == "swaps":  # needs the plan and the model's top_k: the launcher's
+        keys = set(cls.model_fields) | set(FIELDS)
+        settings = cls.model_validate({k: v for k, v in cfg.items() if k in keys})
+        if settings.cache.slots == "swaps":  # needs the plan and the model's top_k: the launcher's
             raise ValueError(
                 "cache_slots 'swaps' reached a worker unresolved: start the server with "
                 "`python -m reap_swap.server`, which turns --reap-cache-slots swaps into a slot count"
@@ -147,9 +309,9 @@ class Settings(BaseModel):
         """Why swaps on `platform` only record the resident set (accounting), or None when the
         CUDA residency engine moves the bytes. The one place launcher, model build and worker
         decide it (REAP_RESIDENCY=cuda on another platform is the worker's error to raise)."""
-        if self.masks_only:
+        if self.residency.masks_only:
             return "REAP_SWAP_MASKS_ONLY: swaps change the active set, weights stay put"
-        if self.residency == "accounting":
+        if self.residency.backend == "accounting":
             return "REAP_RESIDENCY=accounting"
         if platform != "cuda":
             return CPU_REASON if platform == "cpu" else f"no residency engine for platform {platform!r}"
@@ -157,7 +319,7 @@ class Settings(BaseModel):
 
 
 def cache_form(settings: Settings, platform: str, parallel: int = 1) -> tuple[Settings, str]:
-    """``auto`` cache_device / cache_seed -> on|off and pinned|seeded, with the one sentence the
+    """``auto`` cache device / seed -> on|off and pinned|seeded, with the one sentence the
     launcher logs. The device cache is the serving path on CUDA wherever it is served: the device
     implements lfu, at one GPU per model (tensor or pipeline parallelism: not yet), on private
     expert units (no --reap-group-size) and on the plan's pool (--reap-budget plan). There it runs
@@ -165,29 +327,30 @@ def cache_form(settings: Settings, platform: str, parallel: int = 1) -> tuple[Se
     inside them): it matched or beat the pinned form in every simulation of committed and real
     (OLMoE) traces and needs no room kept for swaps. Elsewhere the path is what it was: CPU
     accounting, or the plan's static set on CUDA. Explicit on / off / pinned / seeded are kept."""
-    device, seed = settings.cache_device, settings.cache_seed
+    cache = settings.cache
+    device, seed = cache.device, cache.seed
     why = ""
     if device == "auto":
         blocker = None
-        if settings.cache == "off":
+        if cache.policy == "off":
             blocker = "--reap-cache off"
         elif settings.accounting_reason(platform) is not None:
             blocker = f"accounting residency ({settings.accounting_reason(platform)})"
-        elif settings.cache != "lfu":
-            blocker = f"--reap-cache {settings.cache}: the device cache implements lfu only"
+        elif cache.policy != "lfu":
+            blocker = f"--reap-cache {cache.policy}: the device cache implements lfu only"
         elif parallel > 1:
             blocker = "tensor/pipeline parallelism: the device cache is served on one GPU per model only"
-        elif settings.group_size != "1":
-            blocker = f"--reap-group-size {settings.group_size}: the device cache knows no groups"
-        elif settings.budget != "plan":
-            blocker = f"--reap-budget {settings.budget}: the device cache runs on the plan's pool"
+        elif settings.residency.group_size != "1":
+            blocker = f"--reap-group-size {settings.residency.group_size}: the device cache knows no groups"
+        elif settings.budget.pool != "plan":
+            blocker = f"--reap-budget {settings.budget.pool}: the device cache runs on the plan's pool"
         device = "off" if blocker else "on"
         why = f"device cache off: {blocker}" if blocker else "device cache on (the default on CUDA)"
     if seed == "auto":
-        seed = "seeded" if device == "on" and settings.cache_slots != "swaps" else "pinned"
+        seed = "seeded" if device == "on" and cache.slots != "swaps" else "pinned"
         if device == "on":
             why += f", {seed} form"
-    return settings.model_copy(update={"cache_device": device, "cache_seed": seed}), why
+    return settings.updated(cache_device=device, cache_seed=seed), why
 
 
 ROUTER_MASKS_REFUSED = (
@@ -216,42 +379,3 @@ def load_configured_plan(cfg: Mapping[str, Any]):
             f"(identity {plan.identity[:12]} != {cfg['plan_identity'][:12]})"
         )
     return settings, plan
-
-
-def cache_slots_conflict(settings: Settings, sources: Mapping[str, str] | None = None) -> str | None:
-    """Why --reap-cache-slots swaps cannot be combined with the other settings (None: it can). The
-    split (cache_tail.plan_swap_split) is the pinned form's, on the plan's pool."""
-    if settings.cache_slots != "swaps":
-        return None
-    origin = "REAP_CACHE_SLOTS" if (sources or {}).get("cache_slots") == "env" else "--reap-cache-slots"
-    if settings.cache == "off":
-        return f"{origin} swaps with --reap-cache off: there is no cache tail to size"
-    if settings.cache_seed == "seeded":  # auto resolves to pinned beside swaps (cache_form)
-        return (
-            f"{origin} swaps with --reap-cache-seed seeded: that form pins a swap inside the layer's cache "
-            "slots, so it needs no room beside them; use auto or N"
-        )
-    if settings.budget != "plan":
-        return (
-            f"{origin} swaps with --reap-budget {settings.budget}: the split is computed on the plan's pool "
-            "before the engine starts; use --reap-budget plan or give N"
-        )
-    return None
-
-
-def group_size_conflict(settings: Settings, sources: Mapping[str, str] | None = None) -> str | None:
-    """Why --reap-group-size cannot be combined with the other settings (None: it can)."""
-    if settings.group_size == "1":
-        return None
-    origin = "REAP_GROUP_SIZE" if (sources or {}).get("group_size") == "env" else "--reap-group-size"
-    if settings.cache_device == "on":
-        return (
-            f"{origin} {settings.group_size} with --reap-cache-device on: the device cache maps expert "
-            "ids to its own slots and knows no groups; use one of them"
-        )
-    if settings.budget != "plan":
-        return (
-            f"{origin} {settings.group_size} with --reap-budget {settings.budget}: the pool growth "
-            "(residency/budget.py) adds private expert slots, not groups; use --reap-budget plan"
-        )
-    return None

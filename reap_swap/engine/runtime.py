@@ -68,7 +68,7 @@ class WorkerRuntime:
         try:
             from reap_swap.engine.residency.engine import CudaEngine
         except Exception as exc:  # noqa: BLE001
-            if self.settings.residency == "cuda":
+            if self.settings.residency.backend == "cuda":
                 raise
             self.engine_error = f"{type(exc).__name__}: {exc}"
             log.error(
@@ -85,10 +85,10 @@ class WorkerRuntime:
             self.plan,
             self.refusals,
             cache=cache,
-            group_size=self.settings.group_size,
-            publish_every=publish_every_of(self.settings.swap_publish),
+            group_size=self.settings.residency.group_size,
+            publish_every=publish_every_of(self.settings.residency.swap_publish),
         )
-        if self.settings.budget != "plan":  # --reap-budget auto | GiB (residency/budget.py)
+        if self.settings.budget.pool != "plan":  # --reap-budget auto | GiB (residency/budget.py)
             from reap_swap.engine.residency.budget import BudgetHook
 
             self.engine.on_state = BudgetHook(self.settings).on_state
@@ -99,7 +99,7 @@ class WorkerRuntime:
         KV target (kv_target.py); the CUDA engine does this in residency/budget.py instead."""
         from reap_swap.engine.kv_target import decide
 
-        self.kv_report = decide(self.settings.kv_tokens, self.settings.budget_request())
+        self.kv_report = decide(self.settings.budget.kv_tokens, self.settings.budget.request())
 
     def close(self) -> None:
         """Release what the process holds on the device (the HBM pool); called at worker shutdown."""

@@ -41,7 +41,7 @@ def make_residency_backend(
     core = {l: ids for l, ids in plan.core_sets().items() if l not in other_stage}
     reason = settings.accounting_reason(platform)
     if reason is not None:
-        if settings.residency == "cuda" and not settings.masks_only:
+        if settings.residency.backend == "cuda" and not settings.residency.masks_only:
             raise RuntimeError(f"REAP_RESIDENCY=cuda but this worker's platform is {platform!r}")
         return AccountingResidency(core, plan.per_expert_bytes, reason)
     try:
@@ -56,7 +56,7 @@ def make_residency_backend(
 
         return CudaResidency(runtime.engine)
     except Exception as exc:  # noqa: BLE001 - any failure to load the engine means no data path
-        if settings.residency == "cuda":
+        if settings.residency.backend == "cuda":
             raise
         reason = f"CUDA residency engine unavailable ({type(exc).__name__}: {exc})"
         refused = getattr(getattr(runtime.engine, "refusals", None), "reasons", None)
@@ -76,7 +76,7 @@ def build_cache(runtime: WorkerRuntime, layers: dict, uncounted: dict, backend) 
     """The expert cache of this worker: accounting state on an accounting backend, else disengaged
     with the reason (the CUDA slot-tail mechanism is built by the device-cache work, not here)."""
     settings, plan = runtime.settings, runtime.plan
-    if settings.cache == "off":
+    if settings.cache.policy == "off":
         return CacheAccounting.disengaged("--reap-cache off")
     top_k = max((int(getattr(m, "top_k", 1)) for m in layers.values()), default=1)
     cfg = getattr(runtime.engine, "cache", None) if backend.residency_mode == "cuda" else None
@@ -97,15 +97,15 @@ def build_cache(runtime: WorkerRuntime, layers: dict, uncounted: dict, backend) 
     pool = getattr(runtime.engine, "pool_tail_slots", None)  # --reap-budget auto's interface, if present
     return CacheAccounting.build(
         plan,
-        settings.cache,
-        settings.cache_slots,
+        settings.cache.policy,
+        settings.cache.slots,
         counted,
         why,
         top_k,
-        record_steps=settings.cache_record_steps,
+        record_steps=settings.cache.record_steps,
         pool_tail_slots=pool,
-        seed=getattr(settings, "cache_seed", "pinned"),
-        cache_device=getattr(settings, "cache_device", "off"),
+        seed=settings.cache.seed,
+        cache_device=settings.cache.device,
     )
 
 
@@ -191,8 +191,10 @@ class ReapWorkerExtension(MoeProbeExtension, WorkerRpc):
         runtime = worker_runtime.for_config(self.vllm_config.additional_config)
         self._reap_core()  # the backend exists (and checked the engine) before the pool grows
         st = runtime.engine.state if runtime.engine is not None else None
-        if runtime.settings.budget == "plan" or st is None or st.pool is None:
-            why = "--reap-budget plan" if runtime.settings.budget == "plan" else _no_device_budget(runtime)
+        if runtime.settings.budget.pool == "plan" or st is None or st.pool is None:
+            why = (
+                "--reap-budget plan" if runtime.settings.budget.pool == "plan" else _no_device_budget(runtime)
+            )
             reply = {"rank": self._reap_core().rank, "active": False, "reason": why}
             if runtime.kv_report is not None:  # accounting: the KV half applied (kv_target.py)
                 reply["kv"] = _kv_reply(self, runtime)
@@ -230,6 +232,7 @@ def _kv_reply(worker: Any, runtime: WorkerRuntime) -> dict:
 
 def _no_device_budget(runtime: WorkerRuntime) -> str:
     why = runtime.settings.accounting_reason(compat.platform_name()) or runtime.engine_error
-    return f"--reap-budget {runtime.settings.budget}: no HBM pool here ({why or 'no layer re-homed'}); " + (
-        "the resident set is the plan's budget"
+    return (
+        f"--reap-budget {runtime.settings.budget.pool}: no HBM pool here ({why or 'no layer re-homed'}); "
+        + ("the resident set is the plan's budget")
     )

@@ -34,8 +34,8 @@ def resolve_exact_pinning(settings, shape, tp: int) -> bool:
     """`--reap-exact-pinning` on this UVA launch: the setting when given; for auto, on where the re-home
     drains (`drains_in_blocks`) and vLLM's rounded copies plus one layer in flight would hold more than
     1.2x the experts (`host_memory.exact_pinning_pays`), with the numbers in the log either way."""
-    if settings.exact_pinning != "auto":
-        return bool(settings.exact_pinning)
+    if settings.residency.exact_pinning != "auto":
+        return bool(settings.residency.exact_pinning)
     if not drains_in_blocks(settings, exact=True):
         log.info(
             "reap-swap: --reap-exact-pinning auto: off (grouped units and the device cache give vLLM's copy "
@@ -71,8 +71,10 @@ def drains_in_blocks(settings, exact: bool | None = None) -> bool:
     """The re-home gives vLLM's exact-pinned copy back block by block (RELEASE_BLOCK_BYTES): only on the
     private-unit path (residency/engine.py `_rehome_plain`); grouped units and the device cache release a
     layer's copy after the whole layer."""
-    exact = settings.exact_pinning is True if exact is None else exact  # `exact`: the launch's resolved value
-    return exact and settings.group_size == "1" and settings.cache_device != "on"
+    exact = (
+        settings.residency.exact_pinning is True if exact is None else exact
+    )  # `exact`: the launch's resolved value
+    return exact and settings.residency.group_size == "1" and settings.cache.device != "on"
 
 
 def check_host_memory(

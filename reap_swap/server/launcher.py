@@ -143,9 +143,9 @@ def install(args: argparse.Namespace, settings: Settings, plan) -> None:
     endpoint plugin to VLLM_PLUGINS, before vLLM read its environment)."""
     args.worker_extension_cls = WORKER_EXTENSION_CLS
     extra = dict(getattr(args, "additional_config", None) or {})
-    extra[ADDITIONAL_CONFIG_KEY] = settings.to_worker_config(plan_identity=plan.identity)
     # exact pinning "auto" is off unless the UVA path below turns it on (resolve_exact_pinning)
-    extra[ADDITIONAL_CONFIG_KEY]["exact_pinning"] = settings.exact_pinning is True
+    settings = settings.updated(exact_pinning=settings.residency.exact_pinning is True)
+    extra[ADDITIONAL_CONFIG_KEY] = settings.to_worker_config(plan_identity=plan.identity)
     args.additional_config = extra
 
 
@@ -164,7 +164,7 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
     if settings.accounting_reason(vllm_serve.platform_name()) is not None:
         return
     cli = getattr(args, "quantization", None)
-    served = served_quant(shape.quant, shape.quant_method, cli, settings.group_size)
+    served = served_quant(shape.quant, shape.quant_method, cli, settings.residency.group_size)
     if not served.launcher_may_offload:
         log.info(
             "reap-swap: vLLM arguments left as given (stock path, every expert in HBM): %s; "
@@ -198,7 +198,7 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
         exact = host_checks.resolve_exact_pinning(settings, shape, tp)
         reap_config = (getattr(args, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
         if isinstance(reap_config, dict):  # what the workers read (install() wrote False for auto)
-            reap_config["exact_pinning"] = exact
+            reap_config["residency"]["exact_pinning"] = exact
         host_checks.check_host_memory(
             shape, uva_tp=tp, exact=exact, drained=host_checks.drains_in_blocks(settings, exact)
         )
@@ -289,15 +289,15 @@ def resolve_cache_form(
     )
     platform = vllm_serve.platform_name()
     if (
-        settings.cache_device == "auto"
+        settings.cache.device == "auto"
         and platform == "cuda"
         and getattr(args, "quantization", None) == "fp8"
     ):
         # online FP8 quantizes at load; one serve of it with the seeded cache moved a prompt against
         # stock and the cause is not yet separated from online FP8's own per-process numerics
         log.info("reap-swap: device cache off: --quantization fp8 (online FP8 is not yet served by default)")
-        return settings.model_copy(update={"cache_device": "off", "cache_seed": "pinned"})
-    if settings.cache_device == "auto" and settings.exact_pinning == "auto" and platform == "cuda":
+        return settings.updated(cache_device="off", cache_seed="pinned")
+    if settings.cache.device == "auto" and settings.residency.exact_pinning == "auto" and platform == "cuda":
         try:
             available = mem_available_bytes(meminfo.read_text())
         except OSError:
@@ -311,7 +311,7 @@ def resolve_cache_form(
                 need.needed_bytes / 2**30,
                 available / 2**30,
             )
-            return settings.model_copy(update={"cache_device": "off", "cache_seed": "pinned"})
+            return settings.updated(cache_device="off", cache_seed="pinned")
     resolved, why = cache_form(settings, platform, parallel)
     if why:
         log.info("reap-swap: %s", why)
@@ -323,7 +323,7 @@ def resolve_cache_slots(settings: Settings, plan, shape) -> Settings:
     min(2 x top_k, half of what lies beyond the plan core) per layer, so per-request swaps keep the
     swap table K = pool - layers x tail (cache_tail.plan_swap_split, the bench's plan-swap+cache);
     refused, with the numbers, when the plan's pool has no room for both."""
-    if settings.cache_slots != "swaps":
+    if settings.cache.slots != "swaps":
         return settings
     split = plan_swap_split(plan, int(shape.top_k))
     if split.why:
@@ -338,13 +338,13 @@ def resolve_cache_slots(settings: Settings, plan, shape) -> Settings:
         split.pool,
         split.core,
     )
-    return settings.model_copy(update={"cache_slots": split.cache_slots})
+    return settings.updated(cache_slots=split.cache_slots)
 
 
 def check_budget(settings: Settings, plan) -> None:
     """--reap-budget at launch: refuse a GiB cap below the plan's pool; say when it is inactive."""
     why_accounting = settings.accounting_reason(vllm_serve.platform_name())
-    budget = settings.budget_request()
+    budget = settings.budget.request()
     refusal = launch_check(budget, plan.swappable_budget_bytes, why_accounting)
     if refusal:
         raise LaunchError(refusal)

@@ -354,7 +354,7 @@ class ReapEndpointPlugin:
             validate_only=settings.validate_only,
             max_loaded_cartridges=settings.max_loaded_cartridges,
             metrics=PrometheusMetrics(),
-            keep_pool_full=settings.budget != "plan",  # swaps keep the pool full (pool_fill.py)
+            keep_pool_full=settings.budget.pool != "plan",  # swaps keep the pool full (pool_fill.py)
         )
         try:  # --reap-budget auto | GiB: grow and fill the pool before serving (server/budget.py)
             state.reap_budget = await fill_budget(engine_client_rpc(engine_client))

@@ -89,7 +89,7 @@ def test_main_serves_the_seeded_arm_without_any_opt_in(monkeypatch, tmp_path, fl
     ns, vllm_argv = split_argv(cmd[cmd.index("reap_swap.server") + 1 :])
     assert not [a for a in vllm_argv if a.startswith("--reap-")]
     settings = resolve(ns, {}).settings
-    assert (settings.cache, settings.cache_device, settings.cache_seed) == ("lfu", "on", "seeded")
+    assert (settings.cache.policy, settings.cache.device, settings.cache.seed) == ("lfu", "on", "seeded")
     import json
 
     r = json.loads((tmp_path / "gpu_e2e.json").read_text())["reap-cache-seeded"]

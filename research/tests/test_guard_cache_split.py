@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from harness_modules import load_script
 
+from reap_swap.config.settings import Settings
 from reap_swap.engine.device_cache.serving import cache_config_for
 from reap_swap.plan.document import load_plan
 from reap_swap.sizing.model_shape import read_model_shape
@@ -29,15 +29,12 @@ def _setup(tmp_path, slots_per_layer=2, seed="pinned"):
     argv = cmds["reap-cache"]
     shape = read_model_shape(model)
     plan = load_plan(argv[argv.index("--reap-plan") + 1], shape)
-    settings = SimpleNamespace(
+    settings = Settings(
         cache=argv[argv.index("--reap-cache") + 1],
         cache_device=argv[argv.index("--reap-cache-device") + 1],
         cache_slots=argv[argv.index("--reap-cache-slots") + 1],
         cache_seed=argv[argv.index("--reap-cache-seed") + 1] if "--reap-cache-seed" in argv else "pinned",
-        cache_shadow="off",
     )
-    if settings.cache_slots != "auto":
-        settings.cache_slots = int(settings.cache_slots)
     return shape, plan, settings
 
 
@@ -58,7 +55,7 @@ def test_pinned_tail_engages_with_every_expert_pinned(tmp_path, n):
 def test_run12_arm_would_still_refuse(tmp_path):
     """The old arm (auto on the budget-1.0 plan) refuses with run 12's reason: the check is real."""
     shape, plan, settings = _setup(tmp_path)
-    settings.cache_slots = "auto"
+    settings = settings.updated(cache_slots="auto")
     plan = load_plan(tmp_path / "plan-all-resident.json", shape)
     cfg, why = cache_config_for(settings, plan)
     assert why is None
@@ -80,7 +77,7 @@ def test_seeded_variant_makes_every_slot_a_cache_slot(tmp_path):
     ns, vllm_argv = split_argv(argv[argv.index("reap_swap.server") + 1 :])
     assert not [a for a in vllm_argv if a.startswith("--reap-")]
     launched = resolve(ns, {}).settings
-    assert launched.cache_seed == "seeded" and launched.cache_device == "on"
+    assert launched.cache.seed == "seeded" and launched.cache.device == "on"
     assert cache_config_for(launched, plan)[0].seed_core
     slots = pool_slots(plan.swappable_budget_bytes, plan.per_expert_bytes)
     kept = cfg.split(slots, len(plan.layers), {l: p.core for l, p in plan.layers.items()})

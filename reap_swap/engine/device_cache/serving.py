@@ -37,15 +37,15 @@ log = get_logger("reap_swap.cache")
 
 def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str | None]:
     """(config, None) when the device cache should engage, else (None, why not)."""
-    if settings.cache == "off":
+    if settings.cache.policy == "off":
         return None, "--reap-cache off"
-    if getattr(settings, "cache_device", "off") != "on":
+    if settings.cache.device != "on":
         return None, "device cache off (--reap-cache-device off, or not served here: the launcher logged why)"
-    if settings.cache != "lfu":
-        return None, f"--reap-cache {settings.cache}: the device cache implements lfu (dlfu) only"
+    if settings.cache.policy != "lfu":
+        return None, f"--reap-cache {settings.cache.policy}: the device cache implements lfu (dlfu) only"
     layers = max(len(plan.layers), 1)
-    auto = settings.cache_slots == "auto"
-    per_layer = 0 if auto else int(settings.cache_slots) // layers
+    auto = settings.cache.slots == "auto"
+    per_layer = 0 if auto else int(settings.cache.slots) // layers
     shadow = shadow_mode(settings)
     if shadow is not None:
         log.warning(
@@ -54,11 +54,11 @@ def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str 
             shadow,
         )
     caches = DeviceCaches(decay=LFU_DECAY, step="triton", shadow=shadow)
-    if getattr(settings, "cache_seed", "pinned") == "seeded":
-        tail = 0 if auto else int(settings.cache_slots)
+    if settings.cache.seed == "seeded":
+        tail = 0 if auto else int(settings.cache.slots)
         return CacheConfig(caches, 0, seed_core=True, auto=auto, layer_slots={}, tail_total=tail), None
     cfg = CacheConfig(caches, slots_per_layer=per_layer, seed_core=False, auto=auto)
-    cfg.slots_setting = settings.cache_slots  # split: cache_tail.pinned_tail_split, as accounting
+    cfg.slots_setting = settings.cache.slots  # split: cache_tail.pinned_tail_split, as accounting
     return cfg, None
 
 

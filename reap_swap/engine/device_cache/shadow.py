@@ -31,7 +31,7 @@ _STAT = ("steps", "mismatched_steps", "first_step", "first_rows", "bad_slot_step
 
 def shadow_mode(settings) -> str | None:
     """None (off), "out" (compare outputs) or "bytes" (also check slot bytes): --reap-cache-shadow."""
-    raw = getattr(settings, "cache_shadow", "off")
+    raw = settings.cache.shadow
     return None if raw == "off" else raw
 
 

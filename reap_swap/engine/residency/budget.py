@@ -44,8 +44,8 @@ logger = logging.getLogger("reap_swap.engine.residency")
 
 class BudgetHook:
     def __init__(self, settings: Any) -> None:
-        self.budget = settings.budget_request()
-        self.kv_tokens = settings.kv_tokens
+        self.budget = settings.budget.request()
+        self.kv_tokens = settings.budget.kv_tokens
 
     def on_state(self, st: Any, layer: Any = None, moe_layers: int = 1) -> None:
         """Tell vLLM the KV bytes of the KV target (kv_target.py); refuse, with the numbers, a
