@@ -1,4 +1,4 @@
-"""The learned reuse-score policy (cache_policy/learned.py): integer features, the fit, the rules."""
+"""The learned reuse-score policy (cache/learned.py): integer features, the fit, the rules."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""The plan-aware device policies (cache_policy/prior.py): admission control and the transition prior."""
+"""The plan-aware device policies (cache/prior.py): admission control and the transition prior."""
 
 import numpy as np
 import pytest

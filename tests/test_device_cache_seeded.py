@@ -1,4 +1,4 @@
-"""--reap-cache-seed seeded (residency/device_cache_seeded.py): a per-request swap pinned inside the
+"""--reap-cache-seed seeded (engine/device_cache/seeded.py): a per-request swap pinned inside the
 seeded device cache's slots, on CPU tensors with a fake range, against accounting mode's
 LayerCache (dlfu-seeded + pin) step by step; bytes checked in every slot and every pinned unit."""
 

@@ -1,4 +1,4 @@
-"""The device cache's debug shadow (residency/device_cache_shadow.py, --reap-cache-shadow) on a fake
+"""The device cache's debug shadow (engine/device_cache/shadow.py, --reap-cache-shadow) on a fake
 layer with a toy kernel (CPU tensors): silent while cached == uncached, and when a slot is
 corrupted behind the cache's back it records the first mismatching step, its ids, the remapped
 ids and the slots whose bytes are wrong -- what the lead reads from /reap/status on the H200."""

@@ -1,4 +1,4 @@
-"""Slot rows for per-expert side tensors (residency/device_cache_side.py, compat.moe_cache
+"""Slot rows for per-expert side tensors (engine/device_cache/side.py, compat.moe_cache
 slot_row_places / point_slot_rows, device_cache_api.bind_slot_rows): the device cache on block-quantized experts, on CPU tensors.
 
 The fake kernel reads its scales the way vLLM's TritonExperts does (``quant_config._w1.scale``,

@@ -208,7 +208,7 @@ def test_config_saved_by_the_installed_transformers(name, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_config_as_transformers_resolves_it(name, tmp_path):
-    """observe.py's path: AutoConfig.from_pretrained(...).to_dict(), and the object itself."""
+    """engine/observer.py's path: AutoConfig.from_pretrained(...).to_dict(), and the object itself."""
     from transformers import AutoConfig
 
     _build(name).save_pretrained(tmp_path)

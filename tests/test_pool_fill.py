@@ -38,7 +38,7 @@ def engine_for(plan, tp_size=2, pool_slots=None):
     engine = FakeEngine(tp_size)
     for w in engine.workers:
         w.core = make_core(w.rank, tp_size, plan)
-        if pool_slots is not None:  # a CUDA worker's status: the pool it has (residency/budget.py)
+        if pool_slots is not None:  # a CUDA worker's status: the pool it has (engine/residency/budget.py)
             backend, status = w.core.backend, w.core.backend.status
             backend.status = lambda status=status: {**status(), "pool_slots": pool_slots}
     return engine

@@ -1,7 +1,7 @@
 """Quantized checkpoints through the launcher (issue 16): model_shape reads the configs that
 scripts/make_quant_checkpoint.py writes, the expert bytes match the tensors it writes, the launcher
 leaves vLLM's arguments alone for formats the engine refuses, and a plan's budget maps to pool
-slots by the rule of quant_budget.py."""
+slots by the rule of sizing/quant/budget.py."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ class BenchConfig(BaseModel):
     prefix_caching: bool = False
     measure_lock: Path | None = None  # bench_env.MeasureLock: benches side by side, one measuring
     # the cache arms on CUDA: --reap-cache-device on (without it the server's cache does not engage
-    # on CUDA: residency/device_cache_serving.py); off keeps the server's default (accounting only)
+    # on CUDA: engine/device_cache/serving.py); off keeps the server's default (accounting only)
     cache_device: Literal["on", "off"] = "on"
     progress: bool = True
     engine_args: list[str] = Field(default_factory=list)

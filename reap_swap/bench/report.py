@@ -1,7 +1,7 @@
 """Turn a bench run's raw numbers into medians, ratios, a markdown table and a PNG plot.
 
 Why separate from bench.py: this part is pure (no servers, no HTTP), so the statistics, the
-ratios and the rendering (bench_markdown.py, bench_plot.py) are unit-tested from synthetic numbers; bench.py only measures.
+ratios and the rendering (bench/markdown.py, bench/plot.py) are unit-tested from synthetic numbers; bench.py only measures.
 
 Conventions: every timed quantity is a list of raw samples (one per repeat) summarised as
 median with min-max; a ratio between two runs is the ratio of their medians from the same

@@ -1,4 +1,4 @@
-"""vLLM's memory surface for `--reap-budget auto | GiB` (residency/budget.py), per version.
+"""vLLM's memory surface for `--reap-budget auto | GiB` (engine/residency/budget.py), per version.
 
 Read in the vLLM 0.26.0 source (v1/worker/gpu_worker.py, v1/worker/gpu_model_runner.py,
 config/cache.py, config/vllm.py); run on the H200 through research/gpu/gpu_budget_auto.py (research.md:

@@ -251,7 +251,7 @@ def run_extended(
 def run_stock(layer: Any, x: Any, topk_weights: Any, topk_ids: Any) -> Any:
     """The uncached kernel call: forward_native's exact arguments (the layer's own [E, ...] weight
     views, the router's ids, global_num_experts = E). The device cache's debug shadow
-    (residency/device_cache_shadow.py) compares it with run_extended. Verified: 0.26.0 (source)."""
+    (engine/device_cache/shadow.py) compares it with run_extended. Verified: 0.26.0 (source)."""
     return layer.quant_method.moe_kernel.apply(
         hidden_states=x,
         w1=layer.w13_weight,

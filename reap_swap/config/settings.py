@@ -254,7 +254,7 @@ class Settings(BaseModel):
             if pool != "plan":
                 raise ValueError(
                     f"{origin} {res.group_size} with --reap-budget {pool}: the pool growth "
-                    "(residency/budget.py) adds private expert slots, not groups; use --reap-budget plan"
+                    "(engine/residency/budget.py) adds private expert slots, not groups; use --reap-budget plan"
                 )
         if cache.slots == "swaps":
             origin = _origin("cache_slots", info)

@@ -2,7 +2,7 @@
 
 Runs in the worker at the first MoE layer's post-load attach (inside `Worker.load_model`, where
 `get_current_vllm_config()` is the worker's resolved config, before vLLM sizes its KV cache):
-- on CUDA from residency/budget.py `BudgetHook.on_state`, which then checks it against the
+- on CUDA from engine/residency/budget.py `BudgetHook.on_state`, which then checks it against the
   device memory beside the plan's pool;
 - on accounting residency (the CPU build) from routed_experts.py (`hook_kv_target`): there is no
   HBM pool to size, but the KV target is still what vLLM allocates, so the split line and

@@ -12,7 +12,7 @@ refused: nothing runs.
 Why it counts what it counts: every record is prefilled with max_tokens=1, so the routed tokens
 are exactly the corpus tokens; prefix caching is forced off so a shared prefix is routed (and
 counted) once per record. After every batch the device counters of the worker extension
-(reap_swap.engine.worker, counting/counters.py) are read and reset, and each layer's count must equal
+(reap_swap.engine.worker, engine/counting/counters.py) are read and reset, and each layer's count must equal
 tokens x top_k -- otherwise the run stops rather than write wrong numbers. Records run one tag
 at a time, so the per-tag counts are exact; --per-request runs one record at a time and also
 writes per-record counts (what ``reap-swap evaluate`` needs for per-request coverage).

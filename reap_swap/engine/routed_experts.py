@@ -11,7 +11,7 @@ loads in every process before building the model. This module sits above the wor
 
 Counting happens in `forward_modular`, where the router's (topk_weights, topk_ids) arrive
 (physical ids; identical to logical ids unless EPLB is on). With grouped units
-(--reap-group-size, residency/grouped_engine.py) the ids are mapped to the engine's physical
+(--reap-group-size, engine/residency/grouped_engine.py) the ids are mapped to the engine's physical
 order right after counting, so counters, /router_misses and forensics keep the model's own ids;
 vLLM's router capture (--enable-return-routed-experts) runs in the router, before this. Monolithic kernels (e.g. FlashInfer
 TRTLLM on some GPUs) route inside the kernel: those layers cannot be counted and say so in status.

@@ -88,7 +88,7 @@ class WorkerRuntime:
             group_size=self.settings.residency.group_size,
             publish_every=publish_every_of(self.settings.residency.swap_publish),
         )
-        if self.settings.budget.pool != "plan":  # --reap-budget auto | GiB (residency/budget.py)
+        if self.settings.budget.pool != "plan":  # --reap-budget auto | GiB (engine/residency/budget.py)
             from reap_swap.engine.residency.budget import BudgetHook
 
             self.engine.on_state = BudgetHook(self.settings).on_state
@@ -96,7 +96,7 @@ class WorkerRuntime:
 
     def decide_kv(self) -> None:
         """Accounting residency, at the first MoE layer's post-load: size vLLM's KV cache to the
-        KV target (kv_target.py); the CUDA engine does this in residency/budget.py instead."""
+        KV target (kv_target.py); the CUDA engine does this in engine/residency/budget.py instead."""
         from reap_swap.engine.kv_target import decide
 
         self.kv_report = decide(self.settings.budget.kv_tokens, self.settings.budget.request())

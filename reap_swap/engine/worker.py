@@ -186,7 +186,7 @@ class ReapWorkerExtension(MoeProbeExtension, WorkerRpc):
         return core
 
     def reap_fill_budget(self, extra_slots: int | None = None) -> dict:
-        """--reap-budget auto | GiB (residency/budget.py): without `extra_slots`, measure and answer
+        """--reap-budget auto | GiB (engine/residency/budget.py): without `extra_slots`, measure and answer
         how many slots this rank could add; with it, grow the pool by that many and fill them."""
         runtime = worker_runtime.for_config(self.vllm_config.additional_config)
         self._reap_core()  # the backend exists (and checked the engine) before the pool grows

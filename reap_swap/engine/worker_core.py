@@ -206,7 +206,7 @@ class WorkerCore:
         ).model_dump(exclude_none=True)
 
     def arm_swap_fault(self, request: Mapping[str, Any]) -> dict:
-        """Test seam: the next non-dry-run apply on worker `rank` fails once (residency/fault.py).
+        """Test seam: the next non-dry-run apply on worker `rank` fails once (engine/residency/fault.py).
         Other ranks ignore it. Arguments may arrive as strings (vLLM's dev route)."""
         try:
             req = wire.ArmSwapFault.model_validate(request)
@@ -279,7 +279,7 @@ class WorkerRpc:
         return self._reap_core().apply(request)
 
     def reap_arm_swap_fault(self, rank: Any, after_admissions: Any = 1) -> dict:
-        """Test seam (residency/fault.py): wire.ArmSwapFault -> wire.ArmReply. Positional
+        """Test seam (engine/residency/fault.py): wire.ArmSwapFault -> wire.ArmReply. Positional
         arguments are kept for vLLM's dev route POST /collective_rpc (research/gpu/gpu_e2e.py)."""
         return self._reap_core().arm_swap_fault({"rank": rank, "after_admissions": after_admissions})
 

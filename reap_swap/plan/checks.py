@@ -208,7 +208,7 @@ def _weight_size(shape: ModelShape) -> str:
 
 def _replan_hint(shape: ModelShape, pe: int) -> str:
     """A plan made on the bf16 sibling of a quantized checkpoint: say so (plans count experts in
-    the served checkpoint's bytes; quant_budget.py)."""
+    the served checkpoint's bytes; sizing/quant/budget.py)."""
     unquantized = 3 * shape.hidden_size * shape.moe_intermediate_size * shape.dtype_bytes
     if shape.quant.kind != "unquantized" and pe == unquantized:
         return (

@@ -1,7 +1,7 @@
 """A swap keeps the HBM pool full (`--reap-budget auto | GiB`).
 
 Why: with `auto` the pool grows after startup and is filled with the core plus the best prefix of
-the plan's fill order (residency/budget.py). A swap that made exactly core ∪ active set resident
+the plan's fill order (engine/residency/budget.py). A swap that made exactly core ∪ active set resident
 would evict that prefix again. So the controller resolves a swap to
 
     resident = core ∪ active set ∪ the longest prefix of the plan's fill order that fits the pool,

@@ -1,6 +1,6 @@
 """What the observation files say, as the planner and evaluation read them: pure dataclasses.
 
-observations.py turns ``torch.save`` files into these (numpy arrays, no torch); planner_inputs.py
+observations.py turns ``torch.save`` files into these (numpy arrays, no torch); planner/inputs.py
 merges several files' statistics.
 """
 

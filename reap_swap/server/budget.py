@@ -1,7 +1,7 @@
 """The API process's half of `--reap-budget auto | GiB`: once, before serving, every worker
 measures what it could add to its HBM pool; all then grow by the smallest answer (TP ranks keep
 identical resident sets) and fill from the plan's ranked order. A refusal on any rank stops the
-server before it serves, with that rank's numbers (residency/budget.py, memory_split.py)."""
+server before it serves, with that rank's numbers (engine/residency/budget.py, memory_split.py)."""
 
 from __future__ import annotations
 

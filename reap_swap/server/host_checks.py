@@ -69,7 +69,7 @@ def vllm_pinned_bytes(shape, tp: int, exact: bool) -> int:
 
 def drains_in_blocks(settings, exact: bool | None = None) -> bool:
     """The re-home gives vLLM's exact-pinned copy back block by block (RELEASE_BLOCK_BYTES): only on the
-    private-unit path (residency/engine.py `_rehome_plain`); grouped units and the device cache release a
+    private-unit path (engine/residency/engine.py `_rehome_plain`); grouped units and the device cache release a
     layer's copy after the whole layer."""
     exact = (
         settings.residency.exact_pinning is True if exact is None else exact

@@ -154,7 +154,7 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
 
     The engine re-homes vLLM's Triton expert weights, so `--moe-backend` defaults to triton. For a
     quantized format the engine refuses on every layer (INT4 Marlin / moe_wna16 under
-    --reap-group-size 1, MXFP4: quant_budget.py) nothing is changed: stock vLLM, every expert in
+    --reap-group-size 1, MXFP4: sizing/quant/budget.py) nothing is changed: stock vLLM, every expert in
     HBM (INT4 in groups keeps Marlin and loads into HBM: no triton, no UVA). Otherwise, unless
     the user chose an offload budget, experts load straight into pinned host memory through stock
     UVA offload (`--cpu-offload-params w13_weight w2_weight`), so peak VRAM during loading stays

@@ -7,7 +7,7 @@ once, plus one layer in flight, plus the process itself (Python, CUDA context, c
 GiB at full size; research.md has the measurements).
 Quantized checkpoints: the expert bytes are as the checkpoint stores them
 (`ModelShape.expert_bytes`: FP8 one byte per weight); the launcher does not offload (so does not
-check) formats the engine refuses (quant_budget.py). Online `--quantization fp8` of a bf16
+check) formats the engine refuses (sizing/quant/budget.py). Online `--quantization fp8` of a bf16
 checkpoint is checked at its bf16 bytes, an upper bound (vLLM loads bf16 and quantizes after).
 PyTorch's caching host allocator rounds every `pin_memory()` up to a power of two (torch 2.11:
 research-notes/pinned-round), and vLLM's UVA offload

@@ -1,6 +1,6 @@
 """`--reap-budget auto | GiB`: how device memory is split between weights, KV cache and the expert pool.
 
-Pure arithmetic (no torch, no vLLM): the CUDA shell (residency/budget.py) measures, this decides.
+Pure arithmetic (no torch, no vLLM): the CUDA shell (engine/residency/budget.py) measures, this decides.
 
 Mechanism (why, in research.md "--reap-budget auto"): the plan's budget is reserved as today at the
 first layer's post-load attach, before vLLM profiles memory. With a budget other than "plan" the

@@ -11,7 +11,7 @@ per-request swap pins its set inside them (device_cache_seeded.py); /reap/status
 layer's slots as ``pin_capacity``, which the API process cuts wider sets to. The pinned form
 (``core+dlfu``, ``--reap-cache-seed pinned`` or ``--reap-cache-slots swaps``): the plan core pinned
 in its own units by the engine, the cache on the tail. ``--reap-cache lru`` has no device form.
-CPU accounting mode (state only, no bytes) runs the same integer policies (cache_accounting.py).
+CPU accounting mode (state only, no bytes) runs the same integer policies (cache/accounting.py).
 
 The pinned form with fewer than 2 x top_k tail slots per layer logs one WARNING and shows
 ``tail_note`` in /reap/status (cache_tail.small_tail_note, as accounting mode; the engine's split

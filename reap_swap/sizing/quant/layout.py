@@ -10,7 +10,7 @@ the weights. (vLLM PR #50562 broke exactly this: it moved weights into *slots* a
 routed ids to slot ids, but kept indexing the FP8 scales by expert, so slot s read expert s's
 scales -- silently wrong. With no remapping there is no second index to get out of step. The
 device cache does remap ids to slot units; it gives every kept-whole side tensor N slot
-rows that follow the slots each step: residency/device_cache_side.py.)
+rows that follow the slots each step: engine/device_cache/side.py.)
 
 A tensor is re-homed when it is large and per-expert (the weights, packed int4 included); kept
 whole when it is small or not per-expert; refused -- by name, with the reason -- when the stride
