@@ -11,9 +11,10 @@ import pytest
 from reap_swap.cache.slot_table import PoolCapacityError, SlotTable
 from reap_swap.config.flags import resolve
 from reap_swap.config.settings import SettingsError
+from reap_swap.engine.refusal import BudgetRefused
 from reap_swap.plan.document import validate_plan_document
 from reap_swap.planner.build import PlannerConfig, build_plan
-from reap_swap.server.budget import BudgetRefused, fill_budget
+from reap_swap.server.budget import fill_budget
 from reap_swap.sizing.cache_tail import pinned_tail_split, slots_beyond_pinned
 from reap_swap.sizing.memory_split import (
     GIB,

@@ -35,18 +35,12 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
     "masks_only": (
         "REAP_SWAP_MASKS_ONLY",
         "--reap-masks-only",
-        {
-            "action": "store_const",
-            "const": True,
-        },
+        {"action": "store_const", "const": True},
     ),
     "router_masks": (
         "REAP_ENABLE_ROUTER_MASKS",
         "--reap-enable-router-masks",
-        {
-            "action": "store_const",
-            "const": True,
-        },
+        {"action": "store_const", "const": True},
     ),
     "max_loaded_cartridges": (
         "REAP_MAX_LOADED_CARTRIDGES",
@@ -76,30 +70,22 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
     "cache": (
         "REAP_CACHE",
         "--reap-cache",
-        {
-            "choices": ["on", "off", "lfu", "lru"],
-        },
+        {"choices": ["on", "off", "lfu", "lru"]},
     ),
     "cache_slots": (
         "REAP_CACHE_SLOTS",
         "--reap-cache-slots",
-        {
-            "metavar": "N|auto|swaps",
-        },
+        {"metavar": "N|auto|swaps"},
     ),
     "cache_device": (
         "REAP_CACHE_DEVICE",
         "--reap-cache-device",
-        {
-            "choices": ["auto", "on", "off"],
-        },
+        {"choices": ["auto", "on", "off"]},
     ),
     "cache_seed": (
         "REAP_CACHE_SEED",
         "--reap-cache-seed",
-        {
-            "choices": ["auto", "pinned", "seeded"],
-        },
+        {"choices": ["auto", "pinned", "seeded"]},
     ),
     "cache_record_steps": (
         "REAP_CACHE_RECORD_STEPS",
@@ -109,39 +95,25 @@ _SPEC: dict[str, tuple[str, str, dict]] = {
     "cache_shadow": (
         "REAP_CACHE_SHADOW",
         "--reap-cache-shadow",
-        {
-            "choices": ["off", "out", "bytes"],
-        },
+        {"choices": ["off", "out", "bytes"]},
     ),
     "group_size": (
         "REAP_GROUP_SIZE",
         "--reap-group-size",
-        {
-            "choices": ["auto", "1", "2", "4", "8"],
-        },
+        {"choices": ["auto", "1", "2", "4", "8"]},
     ),
     "exact_pinning": (
         "REAP_SWAP_EXACT_PINNING",
         "--reap-exact-pinning",
-        {
-            "action": "store_const",
-            "const": True,
-        },
+        {"action": "store_const", "const": True},
     ),
     "swap_publish": (
         "REAP_SWAP_PUBLISH",
         "--reap-swap-publish",
-        {
-            "metavar": "ahead|idle|end|N",
-        },
+        {"metavar": "ahead|idle|end|N"},
     ),
 }
 ENV_NAMES: tuple[str, ...] = tuple(spec[0] for spec in _SPEC.values())
-
-
-def env_name(name: str) -> str:
-    """The environment variable of flat setting ``name``."""
-    return _SPEC[name][0]
 
 
 def help_for(name: str) -> str:

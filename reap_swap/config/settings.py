@@ -1,7 +1,7 @@
 """REAP settings: one validated model with nested groups (residency, cache, budget), built once by
 the launcher and passed down, like vLLM's own config objects.
 
-Each field's help is its docstring (the `--help` text and docs/settings.md are built from it);
+Each field's help is its docstring (the `--help` text is built from it);
 every rule that spans fields is in ``Settings._conflicts``, the one validator. A setting has one
 flat name (``cache_slots``), which is its flag's and variable's name (``--reap-cache-slots``,
 ``REAP_CACHE_SLOTS``; ``FIELDS`` maps it to ``cache.slots``); the model also accepts flat names as
@@ -18,7 +18,6 @@ runtime: reap_swap.engine.runtime).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -26,10 +25,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from reap_swap.sizing.memory_split import parse_budget
-
-# the launcher's reap_swap handler (logs.get_logger, set up by reap_swap.server.launcher) prints it; a
-# warning reaches stderr without one too (logging's last resort)
-log = logging.getLogger("reap_swap.config.settings")
 
 ADDITIONAL_CONFIG_KEY = "reap_swap"
 CPU_REASON = (
@@ -179,21 +174,17 @@ def field_info(name: str):
     return (GROUPS[group] if group else Settings).model_fields[attr]
 
 
+_BY_LOCATION = {(group, attr) if group else (attr,): name for name, (group, attr) in FIELDS.items()}
+
+
 def flat_name(loc: tuple) -> str:
     """The flat setting name of a validation error's location (("cache", "slots") -> cache_slots)."""
-    for name, (group, attr) in FIELDS.items():
-        if (group, attr) == (loc[0], loc[1] if len(loc) > 1 else None) or (
-            group is None and loc[:1] == (attr,)
-        ):
-            return name
-    return str(loc[0]) if loc else ""
+    return _BY_LOCATION.get(tuple(loc[:2])) or _BY_LOCATION.get(tuple(loc[:1])) or str(loc[0] if loc else "")
 
 
-def _origin(name: str, info: ValidationInfo | None) -> str:
-    """The flag or variable a conflict message names: where the value came from, when known."""
-    sources = (info.context or {}).get("sources", {}) if info is not None else {}
-    flag = "--reap-" + name.replace("_", "-")
-    return f"REAP_{name.upper()}" if sources.get(name) == "env" else flag  # group_size, cache_slots
+def _origin(info: ValidationInfo, name: str, env: str, flag: str) -> str:
+    """The variable or flag of setting ``name`` that a conflict message names: where it came from."""
+    return env if (info.context or {}).get("sources", {}).get(name) == "env" else flag
 
 
 class Settings(BaseModel):
@@ -245,7 +236,7 @@ class Settings(BaseModel):
             raise ValueError(ROUTER_MASKS_REFUSED)
         res, cache, pool = self.residency, self.cache, self.budget.pool
         if res.group_size != "1":
-            origin = _origin("group_size", info)
+            origin = _origin(info, "group_size", "REAP_GROUP_SIZE", "--reap-group-size")
             if cache.device == "on":
                 raise ValueError(
                     f"{origin} {res.group_size} with --reap-cache-device on: the device cache maps expert "
@@ -257,7 +248,7 @@ class Settings(BaseModel):
                     "(engine/residency/budget.py) adds private expert slots, not groups; use --reap-budget plan"
                 )
         if cache.slots == "swaps":
-            origin = _origin("cache_slots", info)
+            origin = _origin(info, "cache_slots", "REAP_CACHE_SLOTS", "--reap-cache-slots")
             if cache.policy == "off":
                 raise ValueError(f"{origin} swaps with --reap-cache off: there is no cache tail to size")
             if cache.seed == "seeded":  # auto resolves to pinned beside swaps (cache_form)

@@ -23,7 +23,7 @@ from reap_swap.sizing.host_memory import (
     uva_pinned_bytes,
 )
 
-log = get_logger("reap_swap.server.launcher")
+log = get_logger("reap_swap.server.host_checks")
 
 
 class LaunchError(RuntimeError):

@@ -42,9 +42,10 @@ from reap_swap import get_logger
 from reap_swap.compat.serve import engine_client_rpc, engine_client_vllm_config
 from reap_swap.config.settings import load_configured_plan, reap_config
 from reap_swap.engine.plugins import ENDPOINT_PLUGIN
+from reap_swap.engine.refusal import BudgetRefused
 from reap_swap.plan.active_set import ActiveSetError, BudgetExceeded, RefreshLimitExceeded, SwapRequest
 from reap_swap.plan.document import json_path
-from reap_swap.server.budget import BudgetRefused, fill_budget
+from reap_swap.server.budget import fill_budget
 from reap_swap.server.cache_status import CacheMetrics, refresh
 from reap_swap.server.controller import Metrics, SwapController, UnknownCartridge, WorkerSwapFailed
 from reap_swap.server.swap_failure import CapacityExceeded
