@@ -5,6 +5,16 @@
 # (idempotent). With arguments, only `pytest ARGS` on .venv runs (a developer's targeted run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Both environments take ~10 GB (the 0.26.0 one holds PyTorch's CUDA build, see setup_vllm026.sh);
+# say so up front instead of letting pip die half-way with "No space left on device".
+need_gb=11
+if [ ! -x .venv/bin/python ] || [ ! -x .venv-vllm026/bin/python ]; then
+  free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "$free_gb" -lt "$need_gb" ]; then
+    echo "scripts/test.sh: $free_gb GB free on $(df -P . | awk 'NR == 2 {print $6}'); setting up the two test environments needs about $need_gb GB" >&2
+    exit 1
+  fi
+fi
 bash scripts/setup.sh
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest -q -rs "$@"
