@@ -5,7 +5,7 @@ transformers >= 5.19 saves a Qwen3-MoE config's expert count as ``num_local_expe
 that as Mixtral naming and took the expert width from ``intermediate_size``, refusing valid plans.
 These tests build configs with the installed transformers, save them, and read the shape back
 through reap-swap's entry points (``read_model_shape``, ``reap-swap validate --model``, the
-launcher's ``load_validated_plan``).
+``server.plan_source.load_validated_plan``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_plan_made_before_a_resave_validates_and_launches_on_the_resaved_checkpo
     checkpoint re-saved by transformers >= 5.19 (num_local_experts)."""
     from reap_swap.cli.main import main
     from reap_swap.config.settings import Settings
-    from reap_swap.server import launcher as server
+    from reap_swap.server import plan_source
 
     plan = _plan(tmp_path, read_model_shape(_legacy(QWEN3_MOE_5_19)))
     model = tmp_path / "model"
@@ -80,7 +80,7 @@ def test_plan_made_before_a_resave_validates_and_launches_on_the_resaved_checkpo
     assert rc == 0, out
     assert "valid: 0 error(s)" in out
     args = argparse.Namespace(model=str(model), hf_config_path=None)
-    shape, _plan_obj, _cartridges = server.load_validated_plan(Settings(plan_file=plan), args)
+    shape, _plan_obj, _cartridges = plan_source.load_validated_plan(Settings(plan_file=plan), args)
     assert shape.expert_bytes == EXPERT_BYTES
 
 

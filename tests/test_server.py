@@ -5,13 +5,17 @@ import argparse
 import json
 import os
 import re
+import tempfile
 
 import pytest
 from reap_fakes import tiny_plan_doc
 
 from reap_swap.config.settings import ADDITIONAL_CONFIG_KEY, Settings
 from reap_swap.engine import plugins
+from reap_swap.plan.document import load_plan
 from reap_swap.server import launcher as server
+from reap_swap.server import plan_source
+from reap_swap.sizing.model_shape import read_model_shape
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +97,7 @@ def test_invalid_plan_is_a_launch_error_with_the_report(tiny, tmp_path):
     bad.write_text(json.dumps(doc))
     args = argparse.Namespace(model=str(tiny / "model"), hf_config_path=None)
     with pytest.raises(server.LaunchError) as exc:
-        server.load_validated_plan(Settings(plan_file=bad), args)
+        plan_source.load_validated_plan(Settings(plan_file=bad), args)
     assert "invalid plan" in str(exc.value) and "31" in str(exc.value)
 
 
@@ -105,7 +109,7 @@ def test_plan_for_another_model_shape_is_refused(tiny, tmp_path):
     (other / "config.json").write_text(json.dumps(cfg))
     args = argparse.Namespace(model=str(other), hf_config_path=None)
     with pytest.raises(server.LaunchError, match="invalid plan"):
-        server.load_validated_plan(Settings(plan_file=tiny / "plan.json"), args)
+        plan_source.load_validated_plan(Settings(plan_file=tiny / "plan.json"), args)
 
 
 def test_main_exit_codes_for_refusals(tiny, monkeypatch, capsys):
@@ -160,8 +164,33 @@ def test_help_works_without_a_plan(flag, monkeypatch, capsys):
     assert not re.search(r"\bruns? \d+|research\.md|20\d\d-\d\d", ours)  # help without history
 
 
-def test_no_plan_without_help_is_still_refused(monkeypatch, capsys):
+def test_no_plan_serves_a_bare_plan_written_for_the_model(tiny, monkeypatch, tmp_path, caplog):
+    """No --reap-plan: the launcher writes a bare plan of the model (no core, no slices, half the
+    experts' bytes as the pool) and the workers read it like any plan."""
     for k in [k for k in os.environ if k.startswith("REAP_")]:
         monkeypatch.delenv(k)
-    assert server.main(["some-model"]) == 2
-    assert "no plan" in capsys.readouterr().err
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with caplog.at_level("INFO", logger="reap_swap.server.launcher"):
+        args, _cmd = server.prepare([str(tiny / "model"), "--enforce-eager"])
+    cfg = args.additional_config[ADDITIONAL_CONFIG_KEY]
+    settings = Settings.from_worker_config(cfg)
+    assert settings.plan_file.parent == tmp_path and settings.plan_file.name.startswith("reap-swap-no-plan-")
+    shape = read_model_shape(str(tiny / "model"))
+    plan = load_plan(str(settings.plan_file), shape)
+    assert plan.bare and not any(lp.core or lp.slices for lp in plan.layers.values())
+    assert plan.swappable_budget_bytes == shape.total_expert_bytes // 2
+    assert cfg["plan_identity"] == plan.identity
+    assert "no plan:" in caplog.text
+
+
+def test_no_plan_with_a_gib_budget_sizes_the_pool(tiny, monkeypatch, tmp_path):
+    for k in [k for k in os.environ if k.startswith("REAP_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shape = read_model_shape(str(tiny / "model"))
+    gib = 3 * shape.expert_bytes / 2**30
+    args, _cmd = server.prepare([str(tiny / "model"), "--enforce-eager", "--reap-budget", repr(gib)])
+    plan_file = Settings.from_worker_config(args.additional_config[ADDITIONAL_CONFIG_KEY]).plan_file
+    assert load_plan(str(plan_file), shape).swappable_budget_bytes == 3 * shape.expert_bytes

@@ -1,5 +1,7 @@
 """REAP settings: precedence env > flag > default, refusals, the flag/argv split."""
 
+from pathlib import Path
+
 import pytest
 
 from reap_swap.config.flags import ENV_NAMES, resolve, split_argv
@@ -96,9 +98,9 @@ def test_router_masks_are_refused_by_env_or_flag():
     assert resolve({}, {**PLAN, "REAP_ENABLE_ROUTER_MASKS": "0"}).settings.router_masks is False
 
 
-def test_a_plan_is_required():
-    with pytest.raises(SettingsError, match="REAP_PLAN_FILE"):
-        resolve({}, {})
+def test_a_plan_is_optional():
+    """Without one the launcher writes a bare plan of the model (plan/bare.py; tests/test_server.py)."""
+    assert resolve({}, {}).settings.plan_file is None
 
 
 def test_split_argv_keeps_vllm_arguments_in_order():
@@ -243,11 +245,13 @@ def test_one_cache_switch_on_or_off():
         resolve({}, {"REAP_PLAN_FILE": "p", "REAP_CACHE": "sometimes"})
 
 
-def test_help_names_the_debug_settings_without_describing_them():
+def test_help_leaves_the_debug_settings_to_the_docs():
     from reap_swap.config.flags import DEBUG_SETTINGS, help_text
 
     text = help_text("prog")
     assert "--reap-cache on|off|lfu|lru" in text and "--reap-plan PATH" in text
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "settings.md").read_text()
     for flag in ("--reap-cache-device", "--reap-cache-seed", "--reap-cache-shadow", "--reap-swap-publish"):
-        assert f"  {flag} " not in text and flag in text.splitlines()[-1]
+        assert flag not in text and flag in docs
+    assert "docs/settings.md" in text.splitlines()[-1]
     assert len(DEBUG_SETTINGS) == 4

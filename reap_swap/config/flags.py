@@ -146,8 +146,8 @@ def warn_retired(name: str) -> None:
     log.warning("reap-swap: %s is retired: %s", name, RETIRED[name])
 
 
-# Settings the defaults make unnecessary: still accepted (scripts, measurements), listed in
-# docs/settings.md, named in one line of --help instead of described there.
+# Settings the defaults make unnecessary: still accepted (scripts, measurements), described in
+# docs/settings.md and left out of --help.
 DEBUG_SETTINGS = ("cache_device", "cache_seed", "cache_shadow", "swap_publish")
 
 
@@ -166,9 +166,7 @@ def help_text(prog: str) -> str:
         "Every `vllm serve` argument works as it does there (listed below). REAP settings, each also an "
         "environment variable (the environment wins over the flag):\n"
         + "\n".join(rows)
-        + "\nDebug settings (docs/settings.md): "
-        + ", ".join(_SPEC[n][1] for n in DEBUG_SETTINGS)
-        + "\n"
+        + "\nDebug settings for measurements (the defaults make them unnecessary): docs/settings.md\n"
     )
 
 
@@ -209,10 +207,9 @@ def unknown_env(environ: Mapping[str, str]) -> list[str]:
 def resolve(
     flags: argparse.Namespace | Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
-    require_plan: bool = True,
 ) -> Resolved:
-    """Merge environment > flags > defaults into a validated Settings (``require_plan=False``: for
-    ``--help``, which must work without one)."""
+    """Merge environment > flags > defaults into a validated Settings (a plan is optional: the
+    launcher makes a bare one without it, plan/bare.py)."""
     environ = os.environ if environ is None else environ
     given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
     unknown = unknown_env(environ)
@@ -248,8 +245,6 @@ def resolve(
         env, flag, _ = _SPEC[name]
         origin = env if sources.get(name) == "env" else flag
         raise SettingsError(f"{origin}: {err['msg']} (got {err.get('input')!r})") from None
-    if settings.plan_file is None and require_plan:
-        raise SettingsError("no plan: set REAP_PLAN_FILE or pass --reap-plan PATH")
     return Resolved(settings=settings, sources=sources, overrides=overrides)
 
 

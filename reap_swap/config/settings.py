@@ -193,7 +193,8 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     plan_file: Path | None = None
-    """the REAP plan JSON"""
+    """the REAP plan JSON; without one, no core and no slices: the device cache learns each layer's
+    experts from the routing"""
     validate_only: bool = False
     """validate swap payloads, change nothing"""
     router_masks: bool = False

@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from reap_swap.plan.bare import NO_PLAN_HINT
 from reap_swap.plan.bounded_map import DEFAULT_MAX_ENTRIES, LRUDict
 from reap_swap.plan.model import Plan, canonical_json, format_ranges
 
@@ -103,6 +104,8 @@ def normalize_active_set(
         for i, item in enumerate(items):
             where = f"active_set.{key}[{i}]"
             if isinstance(item, str):
+                if plan.bare:
+                    raise ActiveSetError(where, f"sliceId {item!r}: slices come from a plan; {NO_PLAN_HINT}")
                 if item not in layer.slice_by_id:
                     raise ActiveSetError(where, f"unknown sliceId {item!r} in layer {index}")
                 chosen.update(layer.slice_by_id[item].experts)

@@ -33,7 +33,8 @@ class LayerPlan:
     core: frozenset[int]
     slices: tuple[Slice, ...]
     slice_by_id: Mapping[str, Slice]
-    candidates: frozenset[int]  # core | every slice's experts: all a request may make resident
+    # core | every slice's experts (a bare plan: every expert): what a request may name
+    candidates: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Plan:
         default_factory=lambda: MappingProxyType({})
     )  # named active sets
     group_size: int = 1  # groupSize: the grouped engine's b the plan was made for (absent: 1)
+    bare: bool = False  # made by the server for a launch without a plan (plan/bare.py)
 
     def core_sets(self) -> dict[int, frozenset[int]]:
         return {index: layer.core for index, layer in self.layers.items()}
@@ -151,6 +153,12 @@ def plan_from_document(doc: Mapping, identity: str) -> Plan:
         )
         core = frozenset(raw["coreExperts"])
         index = int(key.removeprefix("layer_"))
+        # a bare plan names no candidates: every expert may be requested by id
+        candidates = (
+            frozenset(range(raw["numExperts"]))
+            if doc.get("bare")
+            else core.union(*(s.experts for s in slices))
+        )
         layers[index] = LayerPlan(
             index=index,
             key=key,
@@ -158,7 +166,7 @@ def plan_from_document(doc: Mapping, identity: str) -> Plan:
             core=core,
             slices=slices,
             slice_by_id=MappingProxyType({s.slice_id: s for s in slices}),
-            candidates=core.union(*(s.experts for s in slices)),
+            candidates=candidates,
         )
     core_bytes = sum(len(layer.core) for layer in layers.values()) * pe
     candidate_bytes = sum(len(layer.candidates) for layer in layers.values()) * pe
@@ -173,4 +181,5 @@ def plan_from_document(doc: Mapping, identity: str) -> Plan:
         max_refreshes_per_request=budget.get("max_refreshes_per_request", 1),
         cartridges=_freeze(doc.get("cartridges", {})),
         group_size=int(doc.get("groupSize", 1)),
+        bare=bool(doc.get("bare", False)),
     )

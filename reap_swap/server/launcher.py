@@ -33,6 +33,7 @@ from reap_swap.engine.plugins import WORKER_EXTENSION_CLS, vllm_plugins_allowlis
 from reap_swap.engine.refusal import BudgetRefused, arm_refusal_file, read_refusal
 from reap_swap.server import host_checks
 from reap_swap.server.host_checks import LaunchError
+from reap_swap.server.plan_source import load_validated_plan, plan_path
 from reap_swap.sizing.cache_tail import plan_swap_split
 from reap_swap.sizing.host_memory import (
     HostMemoryNeed,
@@ -44,24 +45,6 @@ from reap_swap.sizing.quant.budget import device_load_refusal, hbm_first_load_re
 log = get_logger("reap_swap.server.launcher")
 
 PROG = "python -m reap_swap.server"
-
-
-def model_config_source(args: argparse.Namespace) -> str | Path:
-    """Local path of the served model's config.json (downloads only config.json for hub ids)."""
-    candidate = getattr(args, "hf_config_path", None) or args.model
-    path = Path(candidate).expanduser()
-    if path.is_dir() or path.is_file():
-        return path
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return hf_hub_download(
-            repo_id=str(candidate), filename="config.json", revision=getattr(args, "revision", None)
-        )
-    except Exception as exc:  # noqa: BLE001 - any failure: we cannot validate the plan
-        raise LaunchError(
-            f"cannot read the config of model {candidate!r} to validate the plan: {type(exc).__name__}: {exc}"
-        ) from None
 
 
 def check_topology(args: argparse.Namespace) -> None:
@@ -88,30 +71,6 @@ def check_topology(args: argparse.Namespace) -> None:
             f"--worker-extension-cls {ext} conflicts with reap-swap's {WORKER_EXTENSION_CLS} "
             "(vLLM takes one extension class)"
         )
-
-
-def load_validated_plan(settings: Settings, args: argparse.Namespace):
-    """(model shape, plan checked against it, the plan's cartridges); LaunchError if not valid."""
-    from reap_swap.plan.cartridges import load_cartridges
-    from reap_swap.plan.document import PlanError, load_plan
-    from reap_swap.sizing.model_shape import ModelShapeError, read_model_shape
-
-    plan_file = settings.plan_file
-    try:
-        shape = read_model_shape(model_config_source(args))
-    except ModelShapeError as exc:
-        raise LaunchError(f"model {args.model}: {exc}") from None
-    try:
-        plan = load_plan(str(plan_file), shape)
-    except PlanError as exc:
-        raise LaunchError(
-            f"invalid plan {plan_file} for model {args.model}:\n{exc.report.format_text()}"
-        ) from None
-    try:
-        cartridges = load_cartridges(plan, plan_file)
-    except (ValueError, OSError) as exc:
-        raise LaunchError(f"invalid cartridges for plan {plan_file}: {exc}") from None
-    return shape, plan, cartridges
 
 
 def arrange_torchvision(args: argparse.Namespace, architecture: str) -> None:
@@ -240,7 +199,7 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     """Everything before the engine: settings, vLLM args, plan validation, installation."""
     reap_flags, vllm_argv = split_argv(argv)
     help_asked = wants_help(vllm_argv)
-    resolved = resolve(reap_flags, os.environ, require_plan=not help_asked)
+    resolved = resolve(reap_flags, os.environ)
     why = vllm_serve.check_supported_version()
     if why:
         raise LaunchError(why)
@@ -251,25 +210,35 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     if help_asked:  # ours first, then vLLM's parser prints its arguments and exits 0
         print(help_text(PROG), flush=True)
     args = parser.parse_args(["serve", *vllm_argv])
-    settings = resolved.settings.model_copy(update={"plan_file": resolved.settings.plan_file.resolve()})
+    settings = resolved.settings
     if getattr(args, "model_tag", None) is not None:
         args.model = args.model_tag  # as `vllm serve` does
     vllm_serve.configure_logging_from_args(args)
     cmd.validate(args)
     check_topology(args)
+    settings = settings.model_copy(update={"plan_file": plan_path(settings, args)})
     shape, plan, cartridges = load_validated_plan(settings, args)
     arrange_torchvision(args, shape.architecture)
     settings = resolve_cache_form(settings, args, shape)
     settings = resolve_cache_slots(settings, plan, shape)
     log_settings(Resolved(settings, resolved.sources, resolved.overrides))
-    log.info(
-        "reap-swap plan %s: %s, %d layers, %d cartridge(s), identity %s",
-        settings.plan_file,
-        plan.mode,
-        len(plan.layers),
-        len(cartridges),
-        plan.identity[:12],
-    )
+    if plan.bare:
+        log.info(
+            "reap-swap: no plan: %d MoE layers, no core, no slices; a pool of %.2f GiB (%d experts) that "
+            "the device cache fills from the routing; swaps name expert ids (a plan adds slices and a core)",
+            len(plan.layers),
+            plan.swappable_budget_bytes / 2**30,
+            plan.swappable_budget_bytes // plan.per_expert_bytes,
+        )
+    else:
+        log.info(
+            "reap-swap plan %s: %s, %d layers, %d cartridge(s), identity %s",
+            settings.plan_file,
+            plan.mode,
+            len(plan.layers),
+            len(cartridges),
+            plan.identity[:12],
+        )
     install(args, settings, plan)
     gpu_engine_args(settings, args, shape, plan.swappable_budget_bytes)
     check_budget(settings, plan)

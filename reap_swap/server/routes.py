@@ -44,6 +44,7 @@ from reap_swap.config.settings import load_configured_plan, reap_config
 from reap_swap.engine.plugins import ENDPOINT_PLUGIN
 from reap_swap.engine.refusal import BudgetRefused
 from reap_swap.plan.active_set import ActiveSetError, BudgetExceeded, RefreshLimitExceeded, SwapRequest
+from reap_swap.plan.bare import NO_PLAN_HINT
 from reap_swap.plan.document import json_path
 from reap_swap.server.budget import fill_budget
 from reap_swap.server.cache_status import CacheMetrics, refresh
@@ -246,7 +247,12 @@ async def swap_cartridge(cartridge_id: str, request: Request):
         raise ReapError(
             404,
             "not_found",
-            f"cartridge_id: unknown cartridge {cartridge_id!r}; defined: {sorted(controller.cartridge_defs)}",
+            f"cartridge_id: unknown cartridge {cartridge_id!r}; "
+            + (
+                f"cartridges come from a plan; {NO_PLAN_HINT}"
+                if controller.plan.bare
+                else f"defined: {sorted(controller.cartridge_defs)}"
+            ),
             "cartridge_id",
         ) from None
 
@@ -370,7 +376,7 @@ class ReapEndpointPlugin:
         log.info(
             "reap-swap ready: plan %s (%s), %d worker(s), residency %s, signature %s, REAP routes %s",
             plan.identity[:12],
-            settings.plan_file,
+            "none given: every expert cached on demand" if plan.bare else settings.plan_file,
             started["workers"],
             started["mode"],
             started["signature"],

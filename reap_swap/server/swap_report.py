@@ -86,6 +86,7 @@ def status_report(ctl: Any, statuses: list[wire.StatusReply]) -> dict:
     return {
         "plan_identity": ctl.plan.identity,
         "plan_file": ctl.plan_file,
+        "plan_given": not ctl.plan.bare,  # False: started without a plan (plan/bare.py)
         "model": ctl.plan.model,
         "mode": ctl.residency_mode,
         "validate_only": ctl.validate_only,

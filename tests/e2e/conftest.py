@@ -68,23 +68,25 @@ class ServerPool:
         self.model_dir, self.plan, self.log_dir = model_dir, plan, log_dir
         self.current: Server | None = None
 
-    def get(self, key: str, extra_args: list[str] = (), env: dict[str, str] | None = None) -> Server:
+    def get(
+        self, key: str, extra_args: list[str] = (), env: dict[str, str] | None = None, plan: bool = True
+    ) -> Server:
+        """The server of configuration ``key``; ``plan=False`` starts it without --reap-plan."""
         if self.current is not None and self.current.key == key:
             if self.current.running():
                 return self.current
             pytest.fail(f"server {key} died:\n{self.current.log_tail()}")
         self.stop()
-        self.current = self._start(key, list(extra_args), env or {})
+        self.current = self._start(key, list(extra_args), env or {}, plan)
         return self.current
 
-    def _start(self, key: str, extra_args: list[str], env: dict[str, str]) -> Server:
+    def _start(self, key: str, extra_args: list[str], env: dict[str, str], plan: bool = True) -> Server:
         argv = [
             sys.executable,
             "-m",
             "reap_swap.server",
             str(self.model_dir),
-            "--reap-plan",
-            str(self.plan),
+            *(["--reap-plan", str(self.plan)] if plan else []),
             "--served-model-name",
             MODEL_NAME,
             "--dtype",
