@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +16,11 @@ from reap_swap.client.http import (
     ChatResult,
     ChunkAssembler,
     Messages,
+    cartridge_body,
     chat_body,
     elapsed_ms,
     probe_body,
+    swap_body,
     swap_summary,
 )
 from reap_swap.client.selection import (
@@ -59,11 +61,16 @@ class ClientFlows:
         self.known_signature: str | None = None  # what the server last said is resident
         self.pin_capacity: dict[int, int] = {}  # layer -> what the server can pin (read with the plan)
 
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    def _http_options(self, timeout: Any, transport: Any) -> dict[str, Any]:
+        """What the httpx client (sync or async) is made with."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return {"base_url": self.base_url, "headers": headers, "timeout": timeout, "transport": transport}
 
-    def _note(self, response: Any) -> Any:
-        """Remember the resident signature a swap reported (a validate-only swap changes nothing)."""
+    # -- flows (generators yielding Call, receiving the decoded JSON answer) ---------------------
+    def _posted(self, path: str, body: dict) -> Generator[Call, Any, dict]:
+        """A swap-like POST; remembers the resident signature it reports (a validate-only swap
+        changes nothing)."""
+        response = yield Call("POST", path, body)
         if (
             isinstance(response, Mapping)
             and isinstance(response.get("signature"), str)
@@ -73,13 +80,41 @@ class ClientFlows:
             self.known_signature = response["signature"]
         return response
 
-    # -- flows (generators yielding Call, receiving the decoded JSON answer) ---------------------
+    def _swap_flow(
+        self,
+        path: str,
+        active_set: Mapping[str, Sequence[int | str]] | Selection,
+        request_id: str,
+        phase: str,
+        budget_bytes: int | None,
+        reset_router_stats: bool,
+    ) -> Generator[Call, Any, dict]:
+        body = swap_body(active_set, request_id, phase, budget_bytes, reset_router_stats)
+        return (yield from self._posted(path, body))
+
+    def _cartridge_flow(
+        self, cartridge_id: str, request_id: str | None, phase: str, budget_bytes: int | None
+    ) -> Generator[Call, Any, dict]:
+        body = cartridge_body(request_id, phase, budget_bytes)
+        return (yield from self._posted(f"/swap_cartridge/{cartridge_id}", body))
+
+    def _misses_flow(self, request_id: str, reset: bool = False) -> Generator[Call, Any, dict]:
+        params = {"reset": "true"} if reset else None
+        return (yield Call("GET", f"/router_misses/{request_id}", params=params))
+
+    def _forensics_flow(self, request_id: str) -> Generator[Call, Any, dict]:
+        return (yield Call("GET", f"/forensics/{request_id}"))
+
+    def _status_flow(self) -> Generator[Call, Any, dict]:
+        status = yield Call("GET", "/reap/status")
+        self.known_signature = status.get("signature")
+        return status
+
     def _plan_flow(self) -> Generator[Call, Any, Plan]:
         """Load the plan once and check that the server serves the same one."""
         if self._plan is not None and self._plan_checked:
             return self._plan
-        status = yield Call("GET", "/reap/status")
-        self.known_signature = status.get("signature")
+        status = yield from self._status_flow()
         # what the server can pin per layer (the seeded device cache): selections fit within it
         cap = ((status.get("cache") or {}).get("pin_capacity")) or {}
         self.pin_capacity = {int(layer): int(n) for layer, n in cap.items()}
@@ -117,7 +152,7 @@ class ClientFlows:
         already = sig == self.known_signature and payload.get("phase", "prefill") == "prefill"
         path = "/warm_active_set" if already else "/swap_active_set"
         t0 = time.perf_counter()
-        response = self._note((yield Call("POST", path, payload)))
+        response = yield from self._posted(path, payload)
         summary = swap_summary(response, "warm (signature already active)" if already else "swap")
         summary["client_ms"] = elapsed_ms(t0)
         return summary
@@ -144,7 +179,7 @@ class ClientFlows:
             t1 = time.perf_counter()
             yield Call("POST", "/v1/chat/completions", probe_body(completion_body))
             t2 = time.perf_counter()
-            probe_misses = yield Call("GET", f"/router_misses/{probe_id}")
+            probe_misses = yield from self._misses_flow(probe_id)
             misses = missed_mass(probe_misses)
             probe_info = {
                 "request_id": probe_id,
@@ -218,7 +253,7 @@ class ClientFlows:
             completion = yield Call("POST", "/v1/chat/completions", body)
         timings["completion_ms"] = elapsed_ms(t0)
         t0 = time.perf_counter()
-        misses = yield Call("GET", f"/router_misses/{rid}")
+        misses = yield from self._misses_flow(rid)
         timings["misses_ms"] = elapsed_ms(t0)
         timings["total_ms"] = elapsed_ms(t_all)
         if probe is not None:
@@ -260,7 +295,7 @@ class ClientFlows:
             since = 0
             t1 = time.perf_counter()
             # the running request's misses so far, measured against what is resident now
-            running = yield Call("GET", f"/router_misses/{rid}")
+            running = yield from self._misses_flow(rid)
             new = refresh(
                 self._plan, current, missed_mass(running), used, messages, routed=routed_share(running)
             )

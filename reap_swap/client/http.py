@@ -1,10 +1,15 @@
 """The client's HTTP pieces: the calls a flow yields, request bodies, response decoding, SSE chunks,
-the error a non-2xx answer raises, and ChatResult, what one chat returns."""
+the error a non-2xx answer raises, and ChatResult, what one chat returns.
+
+``io_steps`` runs a flow down to the I/O it needs; a driver (ReapClient with httpx.Client,
+AsyncReapClient with httpx.AsyncClient) does only that I/O, so decoding, error mapping and the
+stream are the same for both.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +43,12 @@ class Call:
     path: str
     json: Any = None
     params: Mapping[str, Any] | None = None
-    stream: bool = False  # the driver answers with OPENED, then sends ("chunk", obj) ... ("end", None)
+    stream: bool = False  # io_steps answers with OPENED, then sends ("chunk", obj) ... ("end", None)
+
+    @property
+    def request(self) -> dict[str, Any]:
+        """The keyword arguments of httpx's request() and stream()."""
+        return {"method": self.method, "url": self.path, "json": self.json, "params": self.params}
 
 
 OPENED = object()  # sent into the flow when a streamed call's response headers arrived
@@ -187,6 +197,11 @@ def swap_body(
     return body
 
 
+def cartridge_body(request_id: str | None, phase: str, budget_bytes: int | None) -> dict:
+    given = {"request_id": request_id, "phase": phase, "budget_bytes": budget_bytes}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def decode_response(method: str, path: str, response: httpx.Response) -> Any:
     try:
         body = orjson.loads(response.content) if response.content else None
@@ -208,3 +223,48 @@ def sse_data(line: str) -> Any:
 
 
 SSE_DONE = object()
+
+
+# The I/O io_steps asks of a driver, as (kind, argument), and what the driver answers. A stream
+# that an error ends before its CLOSE step is the driver's to close.
+SEND = "send"  # Call -> its httpx.Response, body read
+OPEN = "open"  # streamed Call -> (its httpx.Response, that response's line iterator)
+READ = "read"  # streamed httpx.Response -> its body, read (an error answer)
+LINE = "line"  # line iterator -> its next line, None at the end
+CLOSE = "close"  # streamed httpx.Response -> None, once closed
+
+
+def _answer(call: Call) -> Generator[tuple[str, Any], Any, Any]:
+    return decode_response(call.method, call.path, (yield SEND, call))
+
+
+def io_steps(flow: Generator) -> Generator[tuple[str, Any], Any, Any]:
+    """Runs a flow (flow.py) to its result: yields the I/O it needs as (kind, argument) and takes
+    the driver's answers. A streamed call's SSE chunks go into the flow one by one, and the calls
+    the flow makes between two chunks (a refresh) are answered while the stream stays open."""
+    try:
+        op = next(flow)
+        while True:
+            if not isinstance(op, Call):
+                raise RuntimeError(f"flow yielded {op!r} outside a stream")
+            if not op.stream:
+                op = flow.send((yield from _answer(op)))
+                continue
+            response, lines = yield OPEN, op
+            if response.status_code >= 400:
+                yield READ, response
+                decode_response(op.method, op.path, response)  # raises ReapHTTPError
+            flow.send(OPENED)
+            while (line := (yield LINE, lines)) is not None:
+                chunk = sse_data(line)
+                if chunk is None:
+                    continue
+                if chunk is SSE_DONE:
+                    break
+                call = flow.send(("chunk", chunk))
+                while isinstance(call, Call):  # a refresh between chunks
+                    call = flow.send((yield from _answer(call)))
+            yield CLOSE, response
+            op = flow.send(("end", None))
+    except StopIteration as stop:
+        return stop.value

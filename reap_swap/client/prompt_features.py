@@ -16,110 +16,88 @@ from reap_swap.plan.document import Plan
 GLOBAL = "global"
 
 
+def _detector(*rules: tuple[str, int, float]) -> tuple[tuple[re.Pattern[str], float], ...]:
+    """(pattern, re flags, weight) rules -> (compiled pattern, weight)."""
+    return tuple((re.compile(p, f), w) for p, f, w in rules)
+
+
 # Keyword detectors: (pattern, weight). Scores are weighted hits per whitespace token, so a long
 # document with a few incidental matches does not outvote a short, dense one. Weights were set on
 # data/corpus/calibration.jsonl (never on the held-out split the measurements use).
 _M = re.MULTILINE
 _DETECTORS: dict[str, tuple[tuple[re.Pattern[str], float], ...]] = {
-    "python": tuple(
-        (re.compile(p, f), w)
-        for p, f, w in (
-            (r"^\s*def \w+\(", _M, 3.0),
-            (r"^\s*class \w+[(:]", _M, 3.0),
-            (r"^\s*(?:from [\w.]+ )?import \w+", _M, 2.0),
-            (r"\bself\.", 0, 1.0),
-            (r"\b__\w+__\b", 0, 1.0),
-            (r"^\s*(?:elif|except|try:|with |raise |return\b|yield\b)", _M, 1.0),
-            (r"\b(?:None|True|False|lambda|isinstance|kwargs)\b", 0, 1.0),
-            (r":\s*$", _M, 0.5),
-            (r'"""|\'\'\'', 0, 1.0),
-            (r"\bpython\b|\.py\b", re.IGNORECASE, 1.0),
-            (r"'\\[xu][0-9a-fA-F]{2,4}'", 0, 1.0),
-            (r"^\s*#(?!\s*(?:include|define|if|endif|undef|pragma)\b|!)", _M, 0.3),
-        )
+    "python": _detector(
+        (r"^\s*def \w+\(", _M, 3.0),
+        (r"^\s*class \w+[(:]", _M, 3.0),
+        (r"^\s*(?:from [\w.]+ )?import \w+", _M, 2.0),
+        (r"\bself\.", 0, 1.0),
+        (r"\b__\w+__\b", 0, 1.0),
+        (r"^\s*(?:elif|except|try:|with |raise |return\b|yield\b)", _M, 1.0),
+        (r"\b(?:None|True|False|lambda|isinstance|kwargs)\b", 0, 1.0),
+        (r":\s*$", _M, 0.5),
+        (r'"""|\'\'\'', 0, 1.0),
+        (r"\bpython\b|\.py\b", re.IGNORECASE, 1.0),
+        (r"'\\[xu][0-9a-fA-F]{2,4}'", 0, 1.0),
+        (r"^\s*#(?!\s*(?:include|define|if|endif|undef|pragma)\b|!)", _M, 0.3),
     ),
-    "c": tuple(
-        (re.compile(p, f), w)
-        for p, f, w in (
-            (r"^\s*#\s*(?:include|define|ifn?def|endif|if|undef|pragma)\b", _M, 2.0),
-            (r"\b(?:struct|typedef|unsigned|const|static|extern|enum|union|sizeof|void)\b", 0, 1.0),
-            (r"\b(?:int|char|long|size_t|uint\d+_t|int\d+_t)\b\s*\**\s*\w+", 0, 1.0),
-            (r"\bNULL\b|/\*|\*/", 0, 1.0),
-            (r"->", 0, 0.3),
-            (r";\s*$", _M, 0.5),
-            (r"\b\w+\.h\b", 0, 1.0),
-            (r"^\s\*(?:\s|$)", _M, 0.5),
-        )
+    "c": _detector(
+        (r"^\s*#\s*(?:include|define|ifn?def|endif|if|undef|pragma)\b", _M, 2.0),
+        (r"\b(?:struct|typedef|unsigned|const|static|extern|enum|union|sizeof|void)\b", 0, 1.0),
+        (r"\b(?:int|char|long|size_t|uint\d+_t|int\d+_t)\b\s*\**\s*\w+", 0, 1.0),
+        (r"\bNULL\b|/\*|\*/", 0, 1.0),
+        (r"->", 0, 0.3),
+        (r";\s*$", _M, 0.5),
+        (r"\b\w+\.h\b", 0, 1.0),
+        (r"^\s\*(?:\s|$)", _M, 0.5),
     ),
-    "shell": tuple(
-        (re.compile(p, f), w)
-        for p, f, w in (
-            (r"^#!\s*/(?:usr/)?bin/(?:env\s+)?(?:ba|da|k|z)?sh\b", _M, 5.0),
-            (r"\$\{?\w+|\$\(|\$@|\$#|\$\?", 0, 1.0),
-            (r"\b(?:fi|esac|done|then|elif|echo|export|local|shift|exit|case|in)\b", 0, 0.6),
-            (r"\[\[? -[a-z] |2>&1|>\s*/dev/null|\|\s*(?:grep|sed|awk|sort|cut|tr|xargs)\b", 0, 2.0),
-            (r"\b(?:bash|shell|sudo|apt(?:-get)?|chmod|mkdir|systemctl)\b", 0, 1.0),
-        )
+    "shell": _detector(
+        (r"^#!\s*/(?:usr/)?bin/(?:env\s+)?(?:ba|da|k|z)?sh\b", _M, 5.0),
+        (r"\$\{?\w+|\$\(|\$@|\$#|\$\?", 0, 1.0),
+        (r"\b(?:fi|esac|done|then|elif|echo|export|local|shift|exit|case|in)\b", 0, 0.6),
+        (r"\[\[? -[a-z] |2>&1|>\s*/dev/null|\|\s*(?:grep|sed|awk|sort|cut|tr|xargs)\b", 0, 2.0),
+        (r"\b(?:bash|shell|sudo|apt(?:-get)?|chmod|mkdir|systemctl)\b", 0, 1.0),
     ),
-    "prose": tuple(
-        (re.compile(p, f), w)
-        for p, f, w in (
-            (
-                r"\b(?:the|and|of|to|is|are|was|for|that|with|this|which|be|it|or|by|an|as|on|can|not|you|your)\b",
-                0,
-                0.35,
-            ),
-            (r"^(?:NAME|SYNOPSIS|DESCRIPTION|OPTIONS|SEE ALSO|EXAMPLES?|AUTHORS?|BUGS)\s*$", _M, 3.0),
-            (r"[a-z]{3,}[.!?]\s+[A-Z]", 0, 1.0),
-        )
+    "prose": _detector(
+        (
+            r"\b(?:the|and|of|to|is|are|was|for|that|with|this|which|be|it|or|by|an|as|on|can|not|you|your)\b",
+            0,
+            0.35,
+        ),
+        (r"^(?:NAME|SYNOPSIS|DESCRIPTION|OPTIONS|SEE ALSO|EXAMPLES?|AUTHORS?|BUGS)\s*$", _M, 3.0),
+        (r"[a-z]{3,}[.!?]\s+[A-Z]", 0, 1.0),
     ),
-    "math": tuple(
-        (re.compile(p, f), w)
-        for p, f, w in (
-            (
-                r"\b(?:solve|equation|integral|derivative|prove|theorem|lemma|matrix|probability|sum of)\b",
-                re.IGNORECASE,
-                2.0,
-            ),
-            (r"\d\s*[-+*/^=]\s*\d", 0, 1.0),
-            (r"\\(?:frac|sum|int|sqrt)\b", 0, 2.0),
-        )
+    "math": _detector(
+        (
+            r"\b(?:solve|equation|integral|derivative|prove|theorem|lemma|matrix|probability|sum of)\b",
+            re.IGNORECASE,
+            2.0,
+        ),
+        (r"\d\s*[-+*/^=]\s*\d", 0, 1.0),
+        (r"\\(?:frac|sum|int|sqrt)\b", 0, 2.0),
     ),
-    "writing": tuple(
-        (re.compile(p, f), w)
-        for p, f, w in (
-            (
-                r"\b(?:write|rewrite|essay|story|poem|email|letter|draft|summari[sz]e|paragraph|tone)\b",
-                re.IGNORECASE,
-                2.0,
-            ),
-        )
+    "writing": _detector(
+        (
+            r"\b(?:write|rewrite|essay|story|poem|email|letter|draft|summari[sz]e|paragraph|tone)\b",
+            re.IGNORECASE,
+            2.0,
+        ),
     ),
-    "research": tuple(
-        (re.compile(p, f), w)
-        for p, f, w in (
-            (
-                r"\b(?:paper|study|survey|literature|citation|hypothesis|experiment|findings|arxiv)\b",
-                re.IGNORECASE,
-                2.0,
-            ),
-        )
+    "research": _detector(
+        (
+            r"\b(?:paper|study|survey|literature|citation|hypothesis|experiment|findings|arxiv)\b",
+            re.IGNORECASE,
+            2.0,
+        ),
     ),
-    "ops": tuple(
-        (re.compile(p, f), w)
-        for p, f, w in (
-            (
-                r"\b(?:docker|kubectl|kubernetes|deploy|nginx|systemd|systemctl|terraform|ansible|cron|logs?)\b",
-                re.IGNORECASE,
-                2.0,
-            ),
-        )
+    "ops": _detector(
+        (
+            r"\b(?:docker|kubectl|kubernetes|deploy|nginx|systemd|systemctl|terraform|ansible|cron|logs?)\b",
+            re.IGNORECASE,
+            2.0,
+        ),
     ),
-    "code": tuple(
-        (re.compile(p, f), w)
-        for p, f, w in (
-            (r"```|\b(?:function|compile|bug|stack trace|refactor|variable|api)\b", re.IGNORECASE, 2.0),
-        )
+    "code": _detector(
+        (r"```|\b(?:function|compile|bug|stack trace|refactor|variable|api)\b", re.IGNORECASE, 2.0),
     ),
 }
 # plan family name -> detectors whose best score it takes; a name not listed is matched literally

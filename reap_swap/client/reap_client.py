@@ -1,8 +1,9 @@
 """The active-set client: choose the slices for a prompt, make them resident, send the chat.
 
 ``ReapClient`` (sync) and ``AsyncReapClient`` (asyncio) share one request flow written as a
-generator that yields HTTP calls and receives their answers, so the two cannot drift apart;
-each class only drives it with its own httpx client.
+generator that yields HTTP calls and receives their answers, so the two cannot drift apart: each
+public method runs its flow (flow.py), http.io_steps turns that into I/O steps, and each class only
+does those steps with its own httpx client.
 
 ``chat(messages, **openai_kwargs)`` is one request end to end:
 
@@ -24,6 +25,7 @@ when this machine can read it; either way its identity must match the server's.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
@@ -32,15 +34,14 @@ import httpx
 from reap_swap.client.flow import ClientFlows
 from reap_swap.client.http import (
     DEFAULT_TIMEOUT,
-    OPENED,
-    SSE_DONE,
-    Call,
+    LINE,
+    OPEN,
+    READ,
+    SEND,
     ChatResult,
     Messages,
     ReapHTTPError,
-    decode_response,
-    sse_data,
-    swap_body,
+    io_steps,
     swap_summary,
 )
 from reap_swap.client.selection import Selection
@@ -62,9 +63,7 @@ class ReapClient(ClientFlows):
         **options: Any,
     ):
         super().__init__(base_url, api_key, **options)
-        self._http = httpx.Client(
-            base_url=self.base_url, headers=self._headers(), timeout=timeout, transport=transport
-        )
+        self._http = httpx.Client(**self._http_options(timeout, transport))
 
     def close(self) -> None:
         self._http.close()
@@ -75,36 +74,26 @@ class ReapClient(ClientFlows):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _call(self, call: Call) -> Any:
-        response = self._http.request(call.method, call.path, json=call.json, params=call.params)
-        return decode_response(call.method, call.path, response)
-
     def _drive(self, flow: Generator) -> Any:
-        try:
-            op = next(flow)
+        """Runs a flow to its result, doing the I/O that io_steps asks for."""
+        steps, answer = io_steps(flow), None
+        with contextlib.ExitStack() as streams:  # closes a stream that an error ended early
             while True:
-                if isinstance(op, Call) and op.stream:
-                    with self._http.stream(op.method, op.path, json=op.json) as response:
-                        if response.status_code >= 400:
-                            response.read()
-                            decode_response(op.method, op.path, response)  # raises ReapHTTPError
-                        op = flow.send(OPENED)
-                        for line in response.iter_lines():
-                            chunk = sse_data(line)
-                            if chunk is None:
-                                continue
-                            if chunk is SSE_DONE:
-                                break
-                            op = flow.send(("chunk", chunk))
-                            while isinstance(op, Call):  # a refresh between chunks
-                                op = flow.send(self._call(op))
-                    op = flow.send(("end", None))
-                elif isinstance(op, Call):
-                    op = flow.send(self._call(op))
-                else:
-                    raise RuntimeError(f"flow yielded {op!r} outside a stream")
-        except StopIteration as stop:
-            return stop.value
+                try:
+                    kind, arg = steps.send(answer)
+                except StopIteration as stop:
+                    return stop.value
+                if kind == SEND:
+                    answer = self._http.request(**arg.request)
+                elif kind == OPEN:
+                    response = streams.enter_context(self._http.stream(**arg.request))
+                    answer = response, response.iter_lines()
+                elif kind == READ:
+                    answer = arg.read()
+                elif kind == LINE:
+                    answer = next(arg, None)
+                else:  # CLOSE
+                    answer = arg.close()
 
     # -- endpoints ---------------------------------------------------------------------------
     def swap(
@@ -117,8 +106,10 @@ class ReapClient(ClientFlows):
         reset_router_stats: bool = False,
     ) -> dict:
         """POST /swap_active_set. ``active_set``: {"layer_N": [ids or sliceIds]} or a Selection."""
-        body = swap_body(active_set, request_id, phase, budget_bytes, reset_router_stats)
-        return self._note(self._call(Call("POST", "/swap_active_set", body)))
+        flow = self._swap_flow(
+            "/swap_active_set", active_set, request_id, phase, budget_bytes, reset_router_stats
+        )
+        return self._drive(flow)
 
     def warm(
         self,
@@ -130,8 +121,10 @@ class ReapClient(ClientFlows):
         reset_router_stats: bool = False,
     ) -> dict:
         """POST /warm_active_set."""
-        body = swap_body(active_set, request_id, phase, budget_bytes, reset_router_stats)
-        return self._note(self._call(Call("POST", "/warm_active_set", body)))
+        flow = self._swap_flow(
+            "/warm_active_set", active_set, request_id, phase, budget_bytes, reset_router_stats
+        )
+        return self._drive(flow)
 
     def open(self, selection: Selection, request_id: str) -> dict:
         """Open ``request_id`` with a selection: a swap, or a warm when its signature is already
@@ -146,24 +139,16 @@ class ReapClient(ClientFlows):
         phase: str = "prefill",
         budget_bytes: int | None = None,
     ) -> dict:
-        body = {
-            k: v
-            for k, v in {"request_id": request_id, "phase": phase, "budget_bytes": budget_bytes}.items()
-            if v is not None
-        }
-        return self._note(self._call(Call("POST", f"/swap_cartridge/{cartridge_id}", body)))
+        return self._drive(self._cartridge_flow(cartridge_id, request_id, phase, budget_bytes))
 
     def router_misses(self, request_id: str, reset: bool = False) -> dict:
-        params = {"reset": "true"} if reset else None
-        return self._call(Call("GET", f"/router_misses/{request_id}", params=params))
+        return self._drive(self._misses_flow(request_id, reset))
 
     def forensics(self, request_id: str) -> dict:
-        return self._call(Call("GET", f"/forensics/{request_id}"))
+        return self._drive(self._forensics_flow(request_id))
 
     def status(self) -> dict:
-        status = self._call(Call("GET", "/reap/status"))
-        self.known_signature = status.get("signature")
-        return status
+        return self._drive(self._status_flow())
 
     def plan(self) -> Plan:
         return self._drive(self._plan_flow())
@@ -223,9 +208,7 @@ class AsyncReapClient(ClientFlows):
         **options: Any,
     ):
         super().__init__(base_url, api_key, **options)
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=self._headers(), timeout=timeout, transport=transport
-        )
+        self._http = httpx.AsyncClient(**self._http_options(timeout, transport))
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -236,37 +219,28 @@ class AsyncReapClient(ClientFlows):
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
 
-    async def _call(self, call: Call) -> Any:
-        response = await self._http.request(call.method, call.path, json=call.json, params=call.params)
-        return decode_response(call.method, call.path, response)
-
     async def _drive(self, flow: Generator) -> Any:
-        try:
-            op = next(flow)
+        """ReapClient._drive with httpx.AsyncClient."""
+        steps, answer = io_steps(flow), None
+        async with contextlib.AsyncExitStack() as streams:
             while True:
-                if isinstance(op, Call) and op.stream:
-                    async with self._http.stream(op.method, op.path, json=op.json) as response:
-                        if response.status_code >= 400:
-                            await response.aread()
-                            decode_response(op.method, op.path, response)
-                        op = flow.send(OPENED)
-                        async for line in response.aiter_lines():
-                            chunk = sse_data(line)
-                            if chunk is None:
-                                continue
-                            if chunk is SSE_DONE:
-                                break
-                            op = flow.send(("chunk", chunk))
-                            while isinstance(op, Call):
-                                op = flow.send(await self._call(op))
-                    op = flow.send(("end", None))
-                elif isinstance(op, Call):
-                    op = flow.send(await self._call(op))
-                else:
-                    raise RuntimeError(f"flow yielded {op!r} outside a stream")
-        except StopIteration as stop:
-            return stop.value
+                try:
+                    kind, arg = steps.send(answer)
+                except StopIteration as stop:
+                    return stop.value
+                if kind == SEND:
+                    answer = await self._http.request(**arg.request)
+                elif kind == OPEN:
+                    response = await streams.enter_async_context(self._http.stream(**arg.request))
+                    answer = response, response.aiter_lines()
+                elif kind == READ:
+                    answer = await arg.aread()
+                elif kind == LINE:
+                    answer = await anext(arg, None)
+                else:  # CLOSE
+                    answer = await arg.aclose()
 
+    # -- endpoints (ReapClient's, awaitable) ------------------------------------------------------
     async def swap(
         self,
         active_set: Mapping[str, Sequence[int | str]] | Selection,
@@ -276,8 +250,10 @@ class AsyncReapClient(ClientFlows):
         budget_bytes: int | None = None,
         reset_router_stats: bool = False,
     ) -> dict:
-        body = swap_body(active_set, request_id, phase, budget_bytes, reset_router_stats)
-        return self._note(await self._call(Call("POST", "/swap_active_set", body)))
+        flow = self._swap_flow(
+            "/swap_active_set", active_set, request_id, phase, budget_bytes, reset_router_stats
+        )
+        return await self._drive(flow)
 
     async def warm(
         self,
@@ -288,8 +264,10 @@ class AsyncReapClient(ClientFlows):
         budget_bytes: int | None = None,
         reset_router_stats: bool = False,
     ) -> dict:
-        body = swap_body(active_set, request_id, phase, budget_bytes, reset_router_stats)
-        return self._note(await self._call(Call("POST", "/warm_active_set", body)))
+        flow = self._swap_flow(
+            "/warm_active_set", active_set, request_id, phase, budget_bytes, reset_router_stats
+        )
+        return await self._drive(flow)
 
     async def open(self, selection: Selection, request_id: str) -> dict:
         return await self._drive(self._open_flow(selection.payload(request_id), selection.signature))
@@ -302,24 +280,16 @@ class AsyncReapClient(ClientFlows):
         phase: str = "prefill",
         budget_bytes: int | None = None,
     ) -> dict:
-        body = {
-            k: v
-            for k, v in {"request_id": request_id, "phase": phase, "budget_bytes": budget_bytes}.items()
-            if v is not None
-        }
-        return self._note(await self._call(Call("POST", f"/swap_cartridge/{cartridge_id}", body)))
+        return await self._drive(self._cartridge_flow(cartridge_id, request_id, phase, budget_bytes))
 
     async def router_misses(self, request_id: str, reset: bool = False) -> dict:
-        params = {"reset": "true"} if reset else None
-        return await self._call(Call("GET", f"/router_misses/{request_id}", params=params))
+        return await self._drive(self._misses_flow(request_id, reset))
 
     async def forensics(self, request_id: str) -> dict:
-        return await self._call(Call("GET", f"/forensics/{request_id}"))
+        return await self._drive(self._forensics_flow(request_id))
 
     async def status(self) -> dict:
-        status = await self._call(Call("GET", "/reap/status"))
-        self.known_signature = status.get("signature")
-        return status
+        return await self._drive(self._status_flow())
 
     async def plan(self) -> Plan:
         return await self._drive(self._plan_flow())
