@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from reap_swap.cache.accounting import CacheAccounting
-from reap_swap.cache.capacity import device_tail, tail_slots
 from reap_swap.cache.mechanism import LayerSteps, replay_layer
 from reap_swap.cache.replay import _policy, simulate
 from reap_swap.cache.stepper import LayerCache, StepperError
@@ -128,30 +127,6 @@ def test_disengaged_layers_and_reasons(plan):
     off = CacheAccounting.disengaged("--reap-cache off").status()
     assert off == {"engaged": False, "reason": "--reap-cache off"}
     wire.CacheStatus.model_validate(st)
-
-
-def test_tail_slots_auto_and_fallback(plan):
-    budget = plan.swappable_budget_bytes // plan.per_expert_bytes
-    core = sum(len(p.core) for p in plan.layers.values())
-    assert tail_slots(plan, "auto", None)[0] == max(0, budget - core)
-    assert tail_slots(plan, "auto", lambda: None)[0] == max(0, budget - core)
-    assert tail_slots(plan, "auto", lambda: 5) == (5, "the pool's slots beyond the pinned set")
-    assert tail_slots(plan, 3, None) == (3, "--reap-cache-slots")
-    # the device's pinned form: per layer, the remainder not lent (pool 32 slots, core 24, 4 layers)
-    # (per layer, refusal, K = the slots the swap table keeps, the pool)
-    pick = (0, 2, 3, 4)
-    assert [device_tail(plan, "auto")[i] for i in pick] == [(budget - core) // 4, None, 24, 32]
-    assert (budget - core) // 4 == 2
-    assert [device_tail(plan, 7)[i] for i in pick] == [1, None, 28, 32]
-    assert device_tail(plan, 3)[2] == "--reap-cache-slots 3 < one per layer (4 layers)"
-    assert device_tail(plan, 3)[3] == 32  # refused: nothing lent, the table keeps the whole pool
-    assert device_tail(plan, 40)[2] == "4 layers x 10 cache slots = 40 > the pool's 32"
-    # 12 slots fit the pool but leave the table 20 < the core's 24 (CUDA could not pin the core)
-    assert device_tail(plan, 12)[2] == (
-        "4 layers x 3 cache slots = 12 leave 20 of the pool's 32 for swaps, fewer than the pinned set's 24"
-    )
-    # an engine's own pool count: 13 beyond the core, 3 per layer lent
-    assert [device_tail(plan, "auto", lambda: 13)[i] for i in pick] == [3, None, 25, 37]
 
 
 class _Layer(torch.nn.Module):

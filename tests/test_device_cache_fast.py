@@ -137,10 +137,10 @@ def test_fast_refuses_more_than_512_experts():
 def test_fast_equals_torch_and_simulator_on_the_heldout_trace():
     """The committed mini trace (every step, one layer, core+dlfu at 25 %, padded to 8 rows):
     compare_layer checks the counters against the simulator, the twin step every state tensor."""
-    from reap_swap.cache.replay import layer_slots
     from reap_swap.cache.trace import load_trace
     from reap_swap.engine.device_cache.replay import Variant, compare_layer, make_cache
     from reap_swap.plan.document import load_plan
+    from reap_swap.sizing.cache_tail import layer_slots
 
     trace, layer = load_trace("data/traces/mini-moe-heldout.npz"), 2
     plan = load_plan("research-notes/cache-sim/plan-0.25.json")

@@ -148,9 +148,9 @@ def test_the_retired_seeded_opt_in_flag_is_accepted_ignored_warned_and_kept_from
 
 
 def test_seeded_config_splits_like_accounting_mode():
-    """--reap-cache-seed seeded: per-layer C_l = accounting's replay.layer_slots(core + tail,
+    """--reap-cache-seed seeded: per-layer C_l = accounting's cache_tail.layer_slots(core + tail,
     "core+tail"); auto lends the whole pool (K = 0); N is the tail beyond the core; too big refused."""
-    from reap_swap.cache.replay import layer_slots
+    from reap_swap.sizing.cache_tail import layer_slots
 
     core = {0: [0, 1], 1: [2]}
     auto = cache_config_for(_seeded(), PLAN)[0]

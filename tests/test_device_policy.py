@@ -9,11 +9,12 @@ torch = pytest.importorskip("torch")
 
 from reap_swap.cache import simulate  # noqa: E402
 from reap_swap.cache.device import DLFU, SCORE_MAX, decay_numerator, update_scores  # noqa: E402
-from reap_swap.cache.replay import POLICIES, layer_slots  # noqa: E402
+from reap_swap.cache.replay import POLICIES  # noqa: E402
 from reap_swap.cache.trace import load_trace  # noqa: E402
 from reap_swap.engine.device_cache.layer import DeviceCache, remap_ids, step_counts  # noqa: E402
 from reap_swap.engine.device_cache.replay import Variant, compare_layer  # noqa: E402
 from reap_swap.plan.document import load_plan  # noqa: E402
+from reap_swap.sizing.cache_tail import layer_slots  # noqa: E402
 
 HELDOUT = "data/traces/mini-moe-heldout.npz"
 CALIB = "data/traces/mini-moe-calibration.npz"

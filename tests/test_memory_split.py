@@ -15,7 +15,6 @@ from reap_swap.engine.refusal import BudgetRefused
 from reap_swap.plan.document import validate_plan_document
 from reap_swap.planner.build import PlannerConfig, build_plan
 from reap_swap.server.budget import fill_budget
-from reap_swap.sizing.cache_tail import pinned_tail_split, slots_beyond_pinned
 from reap_swap.sizing.memory_split import (
     GIB,
     BudgetError,
@@ -146,20 +145,6 @@ def test_ranked_fill_keeps_the_base_and_takes_the_prefix():
     fill = ranked_fill(order, {0: {0}, 1: {1}}, 4, layers=[0, 1])
     assert fill == {0: frozenset({0, 3}), 1: frozenset({0, 1})}
     assert ranked_fill(order, {0: {0}}, 1, layers=[0, 1]) == {0: frozenset({0})}
-
-
-def test_pinned_tail_split():
-    core = {0: {1, 2}, 1: {3}}
-    assert pinned_tail_split(10, 2, core, "auto") == (3, None)  # (10 - 3) // 2, the remainder not lent
-    assert pinned_tail_split(10, 2, core, 5) == (2, None)
-    assert pinned_tail_split(10, 2, core, 0) == (0, "--reap-cache-slots is 0")
-    assert pinned_tail_split(10, 2, core, 1)[1] == "--reap-cache-slots 1 < one per layer (2 layers)"
-    assert pinned_tail_split(10, 2, core, 12)[1] == "2 layers x 6 cache slots = 12 > the pool's 10"
-    assert pinned_tail_split(4, 2, core, "auto")[1].startswith("--reap-cache-slots auto: 1 pool slot(s)")
-
-
-def test_slots_beyond_pinned():
-    assert slots_beyond_pinned(10, {0: {1, 2}, 1: {3}}) == 7 and slots_beyond_pinned(2, {0: {1, 2, 3}}) == 0
 
 
 def test_launch_check_and_cpu_behaviour():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from reap_swap.cache.belady import Belady, BeladyAdmit
 from reap_swap.cache.mechanism import PolicyError, replay_layer
 from reap_swap.cache.online import LFRU, LFU, LRU, PerRequest, Static
-from reap_swap.cache.replay import POLICIES, SimulationError, layer_slots, parse_budget, simulate
+from reap_swap.cache.replay import POLICIES, SimulationError, parse_budget, simulate
 from reap_swap.cache.report import default_policy, layer_table, markdown_table
 from reap_swap.cache.trace import from_requests
 from reap_swap.plan.document import load_plan
@@ -254,18 +254,16 @@ def mini_trace(requests=4, seed=0):
     )
 
 
-def test_parse_budget_and_slots():
+def test_parse_budget_and_allocation():
     total = 64 * 73728
     assert parse_budget("0.25", total).bytes == 16 * 73728
     assert parse_budget("1MiB", total).bytes == 1 << 20
     for bad in ("0", "1.5", "lots", "2TB"):
         with pytest.raises(SimulationError, match="--budget"):
             parse_budget(bad, total)
-    assert layer_slots(10, [0, 1, 2, 3], None, "uniform", 16) == ({0: 3, 1: 3, 2: 2, 3: 2}, "uniform")
-    core = {0: frozenset(range(8)), 1: frozenset(range(7)), 2: frozenset(range(5)), 3: frozenset(range(4))}
-    assert layer_slots(32, [0, 1, 2, 3], core, "core+tail", 16) == ({0: 10, 1: 9, 2: 7, 3: 6}, "core+tail")
-    slots, how = layer_slots(8, [0, 1, 2, 3], core, "core+tail", 16)
-    assert slots == {0: 2, 1: 2, 2: 2, 3: 2} and how == "uniform (the core does not fit)"
+    # per-layer slots are sizing/cache_tail.py's (tests/test_cache_tail.py); the flag is checked here
+    with pytest.raises(SimulationError, match="--layer-slots even: choose one of core\\+tail, uniform"):
+        simulate(mini_trace(), None, ["0.5"], ["lru"], allocation="even")
 
 
 def test_simulate_all_policies_on_the_mini_plan():

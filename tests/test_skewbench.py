@@ -25,11 +25,11 @@ def _reap_spec(tmp_path, arm, plat, cache_device="on", budget=100, core=10, laye
     cfg = bench_config.BenchConfig(
         model="m", plan=tmp_path / "p.json", prompts=tmp_path / "q", out=tmp_path, cache_device=cache_device
     )
-    plan = SimpleNamespace(
+    plan = SimpleNamespace(  # per_expert_bytes 1: the core's bytes are its experts, spread evenly
         core_bytes=lambda: core,
         swappable_budget_bytes=budget,
         per_expert_bytes=1,
-        layers=dict.fromkeys(range(layers)),
+        layers={i: SimpleNamespace(core=frozenset(range(core // layers))) for i in range(layers)},
     )
     spec = bench_arms.RunSpec(arm=arm, label=arm, budget_bytes=None, budget_dependent=False)
     bench_arms._reap_arm(

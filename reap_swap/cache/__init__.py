@@ -5,7 +5,7 @@ bytes moved per policy, budget and layer. Pure (numpy; the plan and selection mo
 
 The device mechanism modelled (one MoE layer; layers are independent):
 
-- The layer has a fixed number of HBM slots C (``replay.layer_slots``: the budget in experts,
+- The layer has a fixed number of HBM slots C (``sizing.cache_tail.layer_slots``: the budget in experts,
   ``budget bytes // per-expert bytes``, spread over the layers; by default each layer's plan core
   plus an even share of the rest, the "tail beside the pinned set" of the device design).
 - Steps run in trace order (requests one at a time; a prefill is one step, each decode token one

@@ -23,7 +23,7 @@ count); where the device would refuse (0 per layer, more than the pool) the cach
 with the device's reason. A swap pins its set beside the N-slot tail as the device does
 (LayerCache ``device_tail``). ``reap-swap simulate --budget <(core + layers x N//layers) x
 per_expert_bytes>B --policy core+dlfu`` replays the same cache. ``--reap-cache-seed seeded``: lfu
-is ``dlfu-seeded`` (the device's seeded form) on ``replay.layer_slots(core + tail, ...,
+is ``dlfu-seeded`` (the device's seeded form) on ``cache_tail.layer_slots(core + tail, ...,
 "core+tail")`` slots, the tail N (or auto: the plan budget minus the core, as split_seeded).
 ``lru``: the simulator's ``lru-seeded`` on the seeded slots; the device has no LRU (NO_DEVICE_LRU,
 in /reap/status ``cache.note`` and the log). core+dlfu with fewer than 2 x top_k tail slots per
@@ -31,7 +31,7 @@ layer logs one WARNING and shows it as /reap/status ``cache.tail_note`` (cache_t
 the numbers and the remedy, ``reap-swap plan --cache-tail auto``).
 
 Swap capacity (``check_swap``, before WorkerCore lets the backend apply): the CUDA server's with
-the same flags (capacity.swap_capacity). With ``--reap-cache-device on`` the pinned form's swap
+the same flags (cache_tail.swap_capacity). With ``--reap-cache-device on`` the pinned form's swap
 table is K = the pool less the lent tail (cache_tail.swap_slots_after_lending, CacheConfig.split's rule):
 a wider resident set is refused with CUDA's PoolCapacityError and its very sentence
 (cache_tail.swap_table_refusal: K, the pool, layers x N lent, the remedy); with
@@ -50,13 +50,21 @@ from typing import Any
 import numpy as np
 
 from reap_swap import get_logger
-from reap_swap.cache.capacity import DEVICE_FORM, device_tail, swap_capacity, tail_slots
 from reap_swap.cache.mechanism import LayerCounts
 from reap_swap.cache.online import LFU_DECAY
-from reap_swap.cache.replay import _policy, layer_slots
+from reap_swap.cache.replay import _policy
 from reap_swap.cache.slot_table import PoolCapacityError, SeededCapacityError
 from reap_swap.cache.stepper import LayerCache
-from reap_swap.sizing.cache_tail import small_tail_note, swap_table_refusal
+from reap_swap.sizing.cache_tail import (
+    DEVICE_FORM,
+    core_slots,
+    device_tail,
+    layer_slots,
+    small_tail_note,
+    swap_capacity,
+    swap_table_refusal,
+    tail_slots,
+)
 
 log = get_logger("reap_swap.cache")
 
@@ -133,8 +141,7 @@ class CacheAccounting:
             if refusal:
                 return cls.disengaged(f"{refusal} (the CUDA device cache refuses it too; policy {name})")
             tail = per_layer * len(plan.layers)
-            pinned = sum(len(p.core) for p in plan.layers.values())
-            tail_note = small_tail_note(per_layer, top_k, pool, pinned, len(plan.layers))
+            tail_note = small_tail_note(per_layer, top_k, pool, core_slots(plan), len(plan.layers))
         else:
             tail, source = tail_slots(plan, slots_setting, pool_tail_slots)
         core = {l: plan.layers[l].core for l in plan.layers}

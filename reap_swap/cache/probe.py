@@ -2,7 +2,7 @@
 ``plan-swap+cache`` split they are selected within. The ``probe`` policies pin, at each request's
 prefill, the plan core plus the slices reap_swap.client.selection's ``probe`` takes; the servable
 form (``probe+core+dlfu-split``) must also leave those swaps the swap table the bench's arm leaves
-beside the cache tail (sizing/cache_tail.py's swap_cache_split), or the simulator would count a
+beside the cache tail (sizing/cache_tail.py's plan_swap_split), or the simulator would count a
 cache no server runs. replay.py runs the policies on these sets.
 """
 
@@ -15,7 +15,7 @@ from reap_swap.cache.hybrid import SPLIT
 from reap_swap.cache.trace import Trace
 from reap_swap.client.selection import select_probe
 from reap_swap.plan.document import Plan
-from reap_swap.sizing.cache_tail import swap_cache_split
+from reap_swap.sizing.cache_tail import plan_swap_split
 
 
 def _probe_sets(
@@ -67,22 +67,19 @@ class SplitLayout:
 
 
 def servable_split(plan: Plan, trace: Trace, budget_bytes: int) -> tuple[SplitLayout | None, str | None]:
-    """(the layout, None) or (None, why not): cache_tail.swap_cache_split on the budget's pool,
-    the plan core and the model's top_k, as the bench computes it for ``plan-swap+cache``. The bench
+    """(the layout, None) or (None, why not): cache_tail.plan_swap_split on the budget's pool, the
+    plan core and the model's top_k, as the bench computes it for ``plan-swap+cache``. The bench
     splits over every plan layer: a trace that leaves plan layers out is refused, not guessed."""
     if set(plan.layers) != set(trace.layers):
         return None, (
             f"{SPLIT}: the plan has layers {sorted(plan.layers)}, the trace {list(trace.layers)}; the "
             "bench splits the pool over every plan layer"
         )
-    pool = budget_bytes // trace.per_expert_bytes
-    core = {l: plan.layers[l].core for l in trace.layers}
-    n_core = sum(len(c) for c in core.values())
-    per_layer, kept, why = swap_cache_split(pool, n_core, len(trace.layers), trace.top_k)
-    if why:
-        return None, f"plan-swap+cache (the bench skips the arm): {why}"
-    slots = {l: min(trace.num_experts, len(core[l]) + per_layer) for l in trace.layers}
-    return SplitLayout(pool, n_core, per_layer, kept, slots), None
+    split = plan_swap_split(plan, trace.top_k, budget_bytes)
+    if split.why:
+        return None, f"plan-swap+cache (the bench skips the arm): {split.why}"
+    slots = {l: min(trace.num_experts, len(plan.layers[l].core) + split.per_layer) for l in trace.layers}
+    return SplitLayout(split.pool, split.core, split.per_layer, split.kept, slots), None
 
 
 def split_probe_sets(plan: Plan, trace: Trace, counts: Mapping[int, object], layout: SplitLayout):

@@ -1,10 +1,11 @@
-"""Replay a trace under every (budget, policy): budgets, per-layer slots, the policies by name
-(the client's probe sets and the plan-swap+cache split they replay: probe.py)."""
+"""Replay a trace under every (budget, policy): budgets, the policies by name (per-layer slots:
+sizing/cache_tail.py's layer_slots; the client's probe sets and the plan-swap+cache split they
+replay: probe.py)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -19,6 +20,7 @@ from reap_swap.cache.probe import _probe_sets, servable_split, split_probe_sets
 from reap_swap.cache.trace import Trace
 from reap_swap.client.selection import SelectionError
 from reap_swap.plan.document import Plan
+from reap_swap.sizing.cache_tail import layer_slots
 
 POLICIES = (
     "static",
@@ -82,52 +84,6 @@ def parse_budget(text: str, total_expert_bytes: int) -> Budget:
             raise
         raise SimulationError(f"--budget {text}: not a fraction (0.25) or a size (1.5GiB)") from exc
     return Budget(text.strip(), size, size / total_expert_bytes)
-
-
-def _spread(total: int, layers: Sequence[int]) -> dict[int, int]:
-    """``total`` slots over the layers, evenly; the remainder to the lowest layer indices."""
-    base, extra = divmod(max(0, total), len(layers))
-    return {layer: base + (1 if i < extra else 0) for i, layer in enumerate(sorted(layers))}
-
-
-def layer_slots(
-    total: int,
-    layers: Sequence[int],
-    core: Mapping[int, frozenset[int]] | None,
-    allocation: str,
-    num_experts: int,
-) -> tuple[dict[int, int], str]:
-    """Per-layer slots and how they were chosen. ``core+tail``: each layer's core plus an even share
-    of what the budget leaves after the whole core (the device design: a tail beside the pinned
-    set); without a plan, or when the core does not fit the budget, it falls back to ``uniform``."""
-    if allocation not in ALLOCATIONS:
-        raise SimulationError(f"--layer-slots {allocation}: choose one of {', '.join(ALLOCATIONS)}")
-    core_total = sum(len(core[l]) for l in layers) if core else 0
-    if allocation == "core+tail" and core and core_total <= total:
-        tail = _spread(total - core_total, layers)
-        slots, how = {l: len(core[l]) + tail[l] for l in layers}, "core+tail"
-    else:
-        why = "" if allocation == "uniform" else (" (no plan)" if not core else " (the core does not fit)")
-        slots, how = _spread(total, layers), "uniform" + why
-    return {l: min(num_experts, s) for l, s in slots.items()}, how
-
-
-def seeded_split(
-    pool_slots: int, core: Mapping[int, frozenset[int]], tail: int | str
-) -> tuple[dict[int, int], str | None]:
-    """``--reap-cache-seed seeded``'s cache slots per layer, C_l = layer_slots(core + tail, ...,
-    "core+tail") uncapped (``tail`` "auto": the whole pool), and why the device refuses them (None:
-    it lends them): the core does not fit, or core + tail exceeds the pool. The CUDA device's split
-    (device_cache_engine.CacheConfig.split_seeded) and accounting mode's swap capacity
-    (capacity.swap_capacity) both run it."""
-    total = pool_slots if tail == "auto" else sum(len(c) for c in core.values()) + int(tail)
-    slots, how = layer_slots(total, sorted(core), core, "core+tail", 1 << 30)
-    want = sum(slots.values())
-    if not core or how != "core+tail":
-        return slots, f"--reap-cache-seed seeded: the plan core does not fit the {total} slots ({how})"
-    if want > pool_slots:
-        return slots, f"--reap-cache-seed seeded: core + tail = {want} slots > the pool's {pool_slots}"
-    return slots, None
 
 
 def _factory(name: str, core: frozenset[int], lfu_decay: float) -> Callable[[], object]:
@@ -235,6 +191,8 @@ def simulate(
     for text in budgets:
         budget = parse_budget(text, total_bytes)
         total_slots = budget.bytes // trace.per_expert_bytes
+        if allocation not in ALLOCATIONS:
+            raise SimulationError(f"--layer-slots {allocation}: choose one of {', '.join(ALLOCATIONS)}")
         slots, how = layer_slots(total_slots, trace.layers, core, allocation, trace.num_experts)
         probe_sets, probe_error = None, None
         for name in policies:

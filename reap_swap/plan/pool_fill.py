@@ -30,6 +30,7 @@ from reap_swap.plan.active_set import (
     resident_sets,
 )
 from reap_swap.plan.model import Plan
+from reap_swap.sizing.cache_tail import plan_pool_slots
 from reap_swap.sizing.memory_split import ranked_fill
 
 
@@ -47,7 +48,7 @@ class Pool:
 
 def plan_pool(plan: Plan) -> Pool:
     """The pool of accounting residency: the plan's budget over every plan layer."""
-    slots = plan.swappable_budget_bytes // max(plan.per_expert_bytes, 1)
+    slots = plan_pool_slots(plan)
     return Pool(slots, frozenset(plan.layers), "the plan's budget (no HBM pool on the workers)")
 
 
@@ -99,7 +100,7 @@ def resolve_swap(
         "budget_source": "request" if budget_bytes is not None else ("plan" if pool is None else "pool"),
     }
     if pool is not None:
-        resident, added = fill_pool(resident, order, pool, budget // max(plan.per_expert_bytes, 1))
+        resident, added = fill_pool(resident, order, pool, plan_pool_slots(plan, budget))
         details.update(pool_slots=pool.slots, pool_source=pool.source, fill_experts=added)
     if unpinned:
         details["unpinned"] = {plan.layers[l].key: v for l, v in sorted(unpinned.items())}

@@ -56,14 +56,14 @@ def _slice_size(specialist: int, n_layers: int, config: PlannerConfig) -> int:
 
 def tail_core_limit(total_slots: int, n_layers: int, tail: int) -> int:
     """The most core experts that leave ``tail`` slots per layer beside the core: the device cache's
-    pinned form lends (pool - core) // layers tail slots to every layer (memory_split.
+    pinned form lends (pool - core) // layers tail slots to every layer (cache_tail.
     pinned_tail_split), so that is >= tail exactly when core <= pool - layers x tail."""
     return max(0, int(total_slots) - int(n_layers) * int(tail))
 
 
 def core_caps(layers: Sequence[int], tail: int, num_experts: int) -> dict[int, int]:
     """Per layer, the most core experts that leave ``tail`` of its experts outside the core (a
-    layer's slots, core + tail, cannot exceed its experts: accounting's replay.layer_slots)."""
+    layer's slots, core + tail, cannot exceed its experts: accounting's cache_tail.layer_slots)."""
     return {layer: max(0, int(num_experts) - int(tail)) for layer in sorted(layers)}
 
 

@@ -46,7 +46,7 @@ from reap_swap.cache.report import CLIENT_SWAP_POLICIES
 from reap_swap.cache.trace import load_trace
 from reap_swap.plan.document import load_plan, validate_plan_document
 from reap_swap.planner.build import PlannerConfig, build_plan, plan_bytes
-from reap_swap.sizing.cache_tail import pinned_tail_split
+from reap_swap.sizing.cache_tail import pinned_tail_split, plan_pool_slots
 from reap_swap.sizing.model_shape import read_model_shape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,8 +165,7 @@ def _differs(a, b, path: str = "") -> list[str]:
 
 
 def pinned_tail(plan) -> int:
-    pool = plan.swappable_budget_bytes // plan.per_expert_bytes
-    return pinned_tail_split(pool, len(plan.layers), plan.core_sets(), "auto")[0]
+    return pinned_tail_split(plan_pool_slots(plan), len(plan.layers), plan.core_sets(), "auto")[0]
 
 
 def rates(report: dict) -> dict[str, dict[str, float]]:

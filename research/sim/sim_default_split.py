@@ -28,8 +28,9 @@ import orjson
 from reap_swap.cache.mechanism import LayerSteps
 from reap_swap.cache.online import LFU_DECAY
 from reap_swap.cache.probe import _probe_sets, servable_split
-from reap_swap.cache.replay import _run_policy, seeded_split, simulate
+from reap_swap.cache.replay import _run_policy, simulate
 from reap_swap.plan.document import load_plan
+from reap_swap.sizing.cache_tail import seeded_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_probecache import OUT, traces  # noqa: E402
@@ -59,7 +60,7 @@ def plain_rows(trace, plan, budget: str) -> dict[str, dict]:
 def seeded_refusals(trace, plan, budget_bytes: int) -> dict:
     """How many of the trace's requests a reap-swap client (``probe`` within the whole pool, no
     per-layer cut: the client has none) would send a set the seeded form refuses: wider than some
-    layer's share C_l (replay.seeded_split, what the CUDA device lends)."""
+    layer's share C_l (cache_tail.seeded_split, what the CUDA device lends)."""
     pool = budget_bytes // trace.per_expert_bytes
     core = {l: plan.layers[l].core for l in trace.layers}
     shares, why = seeded_split(pool, core, "auto")

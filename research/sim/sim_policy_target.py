@@ -18,9 +18,10 @@ import orjson
 from reap_swap.cache import report as rep
 from reap_swap.cache.belady import Belady
 from reap_swap.cache.mechanism import LayerCounts, LayerSteps, replay_layer
-from reap_swap.cache.replay import layer_slots, parse_budget, simulate
+from reap_swap.cache.replay import parse_budget, simulate
 from reap_swap.cache.trace import load_trace
 from reap_swap.plan.document import load_plan
+from reap_swap.sizing.cache_tail import layer_slots
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_mini_report import PLANS, ROOT, shuffled  # noqa: E402

@@ -10,9 +10,10 @@ lending refuses the cache on every layer, by reason, and keeps the plain engine.
 ``seed_core``: True = the simulator's ``dlfu-seeded`` (the plan core goes into the cache slots,
 evictable); False = ``core+dlfu`` (the engine pins the core in its own units as before; the cache
 runs on the N-slot tail). With ``seed_core`` and ``layer_slots`` (``--reap-cache-seed seeded``)
-each layer lends its own count C_l = accounting mode's ``replay.layer_slots(core + tail, ...,
+each layer lends its own count C_l = accounting mode's ``cache_tail.layer_slots(core + tail, ...,
 "core+tail")`` (auto: the whole pool is core + tail), so K is only the pool's remainder and a
-per-request swap is pinned inside the layer's slots (device_cache_seeded.py).
+per-request swap is pinned inside the layer's slots (device_cache_seeded.py). The arithmetic (the
+tails, C_l, K, the refusals) is sizing/cache_tail.py's; this module applies it to the pool.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from reap_swap.cache.replay import seeded_split
 from reap_swap.cache.slot_table import SlotTable
 from reap_swap.compat import moe_cache
 from reap_swap.engine.device_cache.api import DeviceCaches
 from reap_swap.engine.device_cache.range import rehome_with_slots
-from reap_swap.sizing.cache_tail import pinned_tail_split, swap_slots_after_lending
+from reap_swap.sizing.cache_tail import (
+    pinned_count,
+    pinned_tail_split,
+    seeded_split,
+    swap_slots_after_lending,
+)
 
 
 @dataclass
@@ -49,14 +54,14 @@ class CacheConfig:
         return self.slots_per_layer
 
     def split_seeded(self, pool_slots: int, core) -> int:
-        """--reap-cache-seed seeded: C_l per layer as accounting mode computes it (replay.seeded_split,
+        """--reap-cache-seed seeded: C_l per layer as accounting mode computes it (cache_tail.seeded_split,
         which accounting's swap capacity runs too); K = the rest."""
         core = {l: frozenset(c) for l, c in (core or {}).items()}
         self.layer_slots, refusal = seeded_split(pool_slots, core, "auto" if self.auto else self.tail_total)
         self.slots_per_layer = min(self.layer_slots.values(), default=0)
         if refusal:
             self.refusal = refusal
-        return pool_slots if self.refusal else pool_slots - sum(self.layer_slots.values())
+        return swap_slots_after_lending(pool_slots, sum(self.layer_slots.values()), self.refusal)
 
     def split(self, pool_slots: int, num_layers: int, pinned=None) -> int:
         """Slots kept for swaps (K); records a refusal when the lending does not fit. ``pinned``:
@@ -70,8 +75,8 @@ class CacheConfig:
         self.slots_per_layer, refusal = pinned_tail_split(pool_slots, num_layers, pinned or {}, setting)
         self.refusal = self.refusal or refusal
         self.pool_slots = pool_slots  # recorded only (cache_tail.small_tail_note); the split is as before
-        self.pinned_slots = sum(len(set(v)) for v in (pinned or {}).values())
-        return swap_slots_after_lending(pool_slots, num_layers, self.slots_per_layer, self.refusal)
+        self.pinned_slots = pinned_count(pinned or {})
+        return swap_slots_after_lending(pool_slots, self.slots_per_layer * num_layers, self.refusal)
 
 
 def swap_table(cache: CacheConfig | None, num_slots: int, plan: Any) -> SlotTable:

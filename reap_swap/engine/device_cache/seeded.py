@@ -2,7 +2,7 @@
 default form on CUDA: device_cache_serving).
 
 With ``seed_core`` the plan core is not pinned by the engine: each cached layer gets its whole
-share C of the pool (core + tail, accounting's ``replay.layer_slots(..., "core+tail")``) as cache
+share C of the pool (core + tail, accounting's ``cache_tail.layer_slots(..., "core+tail")``) as cache
 slots, seeded with the core, evictable (the simulator's ``dlfu-seeded``). The swap SlotTable keeps
 only the pool's remainder. A per-request swap's set P of a cached layer is therefore pinned
 *inside the layer's own slots*, not in the SlotTable:

@@ -30,7 +30,7 @@ from reap_swap.cache.online import LFU_DECAY
 from reap_swap.engine.device_cache.api import DeviceCaches
 from reap_swap.engine.device_cache.lending import CacheConfig
 from reap_swap.engine.device_cache.shadow import shadow_mode
-from reap_swap.sizing.cache_tail import small_tail_note
+from reap_swap.sizing.cache_tail import cache_slots_per_layer, small_tail_note
 
 log = get_logger("reap_swap.cache")
 
@@ -43,9 +43,8 @@ def cache_config_for(settings: Any, plan: Any) -> tuple[CacheConfig | None, str 
         return None, "device cache off (--reap-cache-device off, or not served here: the launcher logged why)"
     if settings.cache.policy != "lfu":
         return None, f"--reap-cache {settings.cache.policy}: the device cache implements lfu (dlfu) only"
-    layers = max(len(plan.layers), 1)
     auto = settings.cache.slots == "auto"
-    per_layer = 0 if auto else int(settings.cache.slots) // layers
+    per_layer = 0 if auto else cache_slots_per_layer(settings.cache.slots, len(plan.layers))
     shadow = shadow_mode(settings)
     if shadow is not None:
         log.warning(
