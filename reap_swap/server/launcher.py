@@ -34,7 +34,7 @@ from reap_swap.engine.refusal import BudgetRefused, arm_refusal_file, read_refus
 from reap_swap.server import host_checks
 from reap_swap.server.host_checks import LaunchError
 from reap_swap.server.plan_source import load_validated_plan, plan_path
-from reap_swap.sizing.cache_tail import plan_swap_split
+from reap_swap.sizing.cache_tail import plan_pool_slots, plan_swap_split
 from reap_swap.sizing.host_memory import (
     HostMemoryNeed,
     mem_available_bytes,
@@ -228,7 +228,7 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
             "the device cache fills from the routing; swaps name expert ids (a plan adds slices and a core)",
             len(plan.layers),
             plan.swappable_budget_bytes / 2**30,
-            plan.swappable_budget_bytes // plan.per_expert_bytes,
+            plan_pool_slots(plan),
         )
     else:
         log.info(
