@@ -24,6 +24,10 @@ from reap_swap import __version__
 
 # name -> (module, one-line help). Keep alphabetical; one line per subcommand.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "accept": (
+        "reap_swap.cli.accept",
+        "acceptance run on this card: reap-swap's output against stock vLLM, bit for bit, under swaps",
+    ),
     "bench": (
         "reap_swap.cli.bench",
         "stock vLLM vs UVA offload vs the plan, one server per arm: speed, hit rate, outputs",
