@@ -67,9 +67,12 @@ def test_router_masks_are_refused(tiny_moe):
     assert code != 0 and "destroy output quality" in out
 
 
-def test_missing_plan_is_refused(tiny_moe):
-    code, out = launch([str(tiny_moe / "model")])
-    assert code != 0 and "REAP_PLAN_FILE" in out
+def test_without_a_plan_a_model_without_a_config_is_refused_before_any_engine(tmp_path):
+    """No plan: the launcher builds a bare plan from the model's config (plan/bare.py), so a model
+    folder without one is refused with the reason, before vLLM starts an engine."""
+    code, out = launch([str(tmp_path)], timeout=120)
+    assert code == 1 and "startup refused" in out and str(tmp_path) in out
+    assert "EngineCore" not in out
 
 
 def test_conflicting_worker_extension_is_refused(tiny_moe):
