@@ -192,5 +192,6 @@ def test_no_plan_with_a_gib_budget_sizes_the_pool(tiny, monkeypatch, tmp_path):
     shape = read_model_shape(str(tiny / "model"))
     gib = 3 * shape.expert_bytes / 2**30
     args, _cmd = server.prepare([str(tiny / "model"), "--enforce-eager", "--reap-budget", repr(gib)])
-    plan_file = Settings.from_worker_config(args.additional_config[ADDITIONAL_CONFIG_KEY]).plan_file
-    assert load_plan(str(plan_file), shape).swappable_budget_bytes == 3 * shape.expert_bytes
+    settings = Settings.from_worker_config(args.additional_config[ADDITIONAL_CONFIG_KEY])
+    assert load_plan(str(settings.plan_file), shape).swappable_budget_bytes == 3 * shape.expert_bytes
+    assert settings.budget.pool == "plan"  # that pool is the plan's: the device cache may run on it

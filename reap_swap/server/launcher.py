@@ -218,6 +218,10 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     check_topology(args)
     settings = settings.model_copy(update={"plan_file": plan_path(settings, args)})
     shape, plan, cartridges = load_validated_plan(settings, args)
+    if plan.bare and isinstance(settings.budget.request(), float):
+        # the bare plan's pool already has the GiB asked for: serve it as the plan's pool, where
+        # the device cache runs (a GiB budget means "grow to it" only on top of an operator's plan)
+        settings = settings.updated(budget="plan")
     arrange_torchvision(args, shape.architecture)
     settings = resolve_cache_form(settings, args, shape)
     settings = resolve_cache_slots(settings, plan, shape)
