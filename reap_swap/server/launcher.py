@@ -33,7 +33,7 @@ from reap_swap.engine.plugins import WORKER_EXTENSION_CLS, vllm_plugins_allowlis
 from reap_swap.engine.refusal import BudgetRefused, arm_refusal_file, read_refusal
 from reap_swap.server import host_checks
 from reap_swap.server.host_checks import LaunchError
-from reap_swap.server.plan_source import load_validated_plan, plan_path
+from reap_swap.server.plan_source import load_validated_plan, read_shape, with_plan
 from reap_swap.sizing.cache_tail import plan_pool_slots, plan_swap_split
 from reap_swap.sizing.host_memory import (
     HostMemoryNeed,
@@ -216,12 +216,9 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     vllm_serve.configure_logging_from_args(args)
     cmd.validate(args)
     check_topology(args)
-    settings = settings.model_copy(update={"plan_file": plan_path(settings, args)})
-    shape, plan, cartridges = load_validated_plan(settings, args)
-    if plan.bare and isinstance(settings.budget.request(), float):
-        # the bare plan's pool already has the GiB asked for: serve it as the plan's pool, where
-        # the device cache runs (a GiB budget means "grow to it" only on top of an operator's plan)
-        settings = settings.updated(budget="plan")
+    shape = read_shape(args)
+    settings = with_plan(settings, args, shape)
+    shape, plan, cartridges = load_validated_plan(settings, args, shape)
     arrange_torchvision(args, shape.architecture)
     settings = resolve_cache_form(settings, args, shape)
     settings = resolve_cache_slots(settings, plan, shape)

@@ -30,33 +30,40 @@ def model_config_source(args: argparse.Namespace) -> str | Path:
         ) from None
 
 
-def plan_path(settings: Settings, args: argparse.Namespace) -> Path:
-    """The plan file the workers read: the operator's, else a bare plan written for this model
-    (plan/bare.py: no core, no slices, the pool from --reap-budget GIB or a fixed share)."""
-    if settings.plan_file is not None:
-        return settings.plan_file.resolve()
-    from reap_swap.plan.bare import bare_plan_document, bare_pool_bytes, write_bare_plan
+def read_shape(args: argparse.Namespace):
+    """The served model's shape from its config.json; LaunchError naming the model if unreadable."""
     from reap_swap.sizing.model_shape import ModelShapeError, read_model_shape
 
     try:
-        shape = read_model_shape(model_config_source(args))
+        return read_model_shape(model_config_source(args))
     except ModelShapeError as exc:
         raise LaunchError(f"model {args.model}: {exc}") from None
-    doc = bare_plan_document(shape, str(args.model), bare_pool_bytes(shape, settings.budget.request()))
-    return write_bare_plan(doc, tempfile.gettempdir())
 
 
-def load_validated_plan(settings: Settings, args: argparse.Namespace):
-    """(model shape, plan checked against it, the plan's cartridges); LaunchError if not valid."""
+def with_plan(settings: Settings, args: argparse.Namespace, shape) -> Settings:
+    """``settings`` with the plan file the workers read: the operator's, else a bare plan written
+    for this model (plan/bare.py: no core, no slices, the pool from --reap-budget GIB or a fixed
+    share). A bare plan's pool already has the GiB asked for, so it is served as the plan's pool,
+    where the device cache runs (a GiB budget means "grow to it" only on top of an operator's plan)."""
+    if settings.plan_file is not None:
+        return settings.model_copy(update={"plan_file": settings.plan_file.resolve()})
+    from reap_swap.plan.bare import bare_plan_document, bare_pool_bytes, write_bare_plan
+
+    budget = settings.budget.request()
+    doc = bare_plan_document(shape, str(args.model), bare_pool_bytes(shape, budget))
+    settings = settings.model_copy(update={"plan_file": write_bare_plan(doc, tempfile.gettempdir())})
+    return settings.updated(budget="plan") if isinstance(budget, float) else settings
+
+
+def load_validated_plan(settings: Settings, args: argparse.Namespace, shape=None):
+    """(model shape, plan checked against it, the plan's cartridges); LaunchError if not valid.
+    ``shape``: the model's, when the caller has read it already."""
     from reap_swap.plan.cartridges import load_cartridges
     from reap_swap.plan.document import PlanError, load_plan
-    from reap_swap.sizing.model_shape import ModelShapeError, read_model_shape
 
     plan_file = settings.plan_file
-    try:
-        shape = read_model_shape(model_config_source(args))
-    except ModelShapeError as exc:
-        raise LaunchError(f"model {args.model}: {exc}") from None
+    if shape is None:
+        shape = read_shape(args)
     try:
         plan = load_plan(str(plan_file), shape)
     except PlanError as exc:
