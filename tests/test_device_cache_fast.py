@@ -159,3 +159,13 @@ def test_fast_equals_torch_and_simulator_on_the_heldout_trace():
 
     got = compare_layer(trace, layer, v, slots[layer], step_fn=step, pad_to=8)
     assert got["steps"] == trace.num_steps and got["admitted"] > 0 and got["evicted"] > 0
+
+
+def test_warm_runs_every_variant_on_a_throwaway_state():
+    cache = DeviceCache(8, 4, "cpu")
+    cache.seed([1, 5])
+    before = {k: v.clone() for k, v in vars(cache).items() if isinstance(v, torch.Tensor)}
+    launches = fast.warm(cache)
+    assert launches == 2 * len(fast.warm_sizes(8, 4))
+    for name, value in before.items():
+        assert torch.equal(getattr(cache, name), value), f"warm changed the layer's {name}"

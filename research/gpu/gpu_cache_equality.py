@@ -54,7 +54,9 @@ ARMS = {
     "reap-seeded": ["--reap-cache", "lfu", "--reap-cache-device", "on", "--reap-cache-seed", "seeded"],
     "reap-default": [],  # the plan alone: the server's defaults
     "reap-static": ["--reap-cache-device", "off"],  # the plan's static set: the default before issue 42
+    "reap-noplan": [],  # no --reap-plan at all: the bare plan, swaps of expert ids
 }
+NO_PLAN = ("reap-noplan",)
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -99,16 +101,22 @@ def equal(ref: list[dict], got: list[dict]) -> dict:
 class Swapper(threading.Thread):
     """Posts /swap_active_set with 0-2 random slices per layer every ``period_s`` until stopped."""
 
-    def __init__(self, url: str, plan: dict, seed: int, period_s: float = 0.02) -> None:
+    def __init__(self, url: str, plan: dict, seed: int, period_s: float = 0.02, by_id: bool = False) -> None:
         super().__init__(daemon=True)
         self.url, self.period_s, self.rng = url, period_s, random.Random(seed)
         self.layers = {k: [s["sliceId"] for s in v["sliceCatalog"]] for k, v in plan["perLayer"].items()}
+        if by_id:  # a server without a plan: slices are refused, expert ids are what a swap names
+            self.layers = {k: _expert_ids(v) for k, v in plan["perLayer"].items()}
+        self.by_id = by_id
         self.halt = threading.Event()
         self.codes: dict[int, int] = {}
         self.bytes = 0
         self.n = 0
 
     def body(self) -> dict:
+        if self.by_id:  # 0-16 experts per layer: a slice's 0-2 x 8
+            active = {k: self.rng.sample(v, 8 * self.rng.randint(0, 2)) for k, v in self.layers.items()}
+            return {"request_id": f"sw-{self.n}", "phase": "prefill", "active_set": active}
         active = {k: self.rng.sample(v, self.rng.randint(0, 2)) for k, v in self.layers.items()}
         return {"request_id": f"sw-{self.n}", "phase": "prefill", "active_set": active}
 
@@ -123,6 +131,13 @@ class Swapper(threading.Thread):
                 time.sleep(self.period_s)
 
 
+def _expert_ids(layer: dict) -> list[int]:
+    ids = set(layer.get("coreExperts") or [])
+    for sl in layer["sliceCatalog"]:
+        ids.update(sl["experts"])
+    return sorted(ids)
+
+
 MALFORMED = [
     b"{not json",
     json.dumps({"request_id": "bad1", "active_set": {"layer_0": ["nope"]}}).encode(),
@@ -134,9 +149,9 @@ MALFORMED = [
 ]
 
 
-def storm(url: str, plan: dict, n: int = 240) -> dict:
+def storm(url: str, plan: dict, n: int = 240, by_id: bool = False) -> dict:
     """n requests, 8 at a time: chats, swaps and malformed payloads; status codes counted."""
-    sw = Swapper(url, plan, seed=7)
+    sw = Swapper(url, plan, seed=7, by_id=by_id)
     rng = random.Random(3)
     unpinned: list[int] = []
 
@@ -188,7 +203,8 @@ def arm_reap(
         if quiet_only:
             r["equal"] = {"quiet": equal(ref, r["quiet"])} if ref else {}
             return
-        sw = Swapper(srv.url, plan, seed=1)
+        by_id = name.partition("+")[0] in NO_PLAN
+        sw = Swapper(srv.url, plan, seed=1, by_id=by_id)
         sw.start()
         time.sleep(0.5)
         r["during"] = run_all(srv.url, ps)
@@ -197,7 +213,7 @@ def arm_reap(
         r["swaps"] = {"posted": sw.n, "codes": sw.codes, "bytes": sw.bytes}
         r["after"] = run_all(srv.url, ps)
         r["status_after"] = httpx.get(srv.url + "/reap/status", timeout=60).json()
-        r["storm_codes"] = storm(srv.url, plan, STORM)
+        r["storm_codes"] = storm(srv.url, plan, STORM, by_id=by_id)
         r["after_storm"] = run_all(srv.url, ps)
         r["status"] = httpx.get(srv.url + "/reap/status", timeout=60).json()
     if ref:
@@ -277,8 +293,7 @@ def main() -> None:
                     "reap_swap.server",
                     str(model),
                     *ENGINE,
-                    "--reap-plan",
-                    str(plan_path),
+                    *([] if base in NO_PLAN else ["--reap-plan", str(plan_path)]),
                     *flags,
                 ]
                 # +shared: the stock arm's compile cache, as two servers on one host share

@@ -136,6 +136,9 @@ def run_step(name: str, argv: list[str], log: Path, cap: float) -> bool:
 
 
 def build_model(a) -> bool:
+    if a.skew == a.src and (a.src / "config.json").is_file():
+        say(f"[model] the kit model itself (near-uniform routing): {a.src}")
+        return True
     if (a.skew / "skew_construction.json").is_file():
         say(f"[model] reusing {a.skew}")
         return True
@@ -274,6 +277,9 @@ def parse(argv=None):
     ap.add_argument("--out", type=Path, default=Path("/tmp/run/skewbench"))
     ap.add_argument("--src", type=Path, default=Path("/tmp/model"))
     ap.add_argument("--skew", type=Path, default=Path("/tmp/skew"))
+    ap.add_argument(
+        "--plan50", type=Path, default=PLAN50, help="the 50 %% plan (default: runs 3-4's skew plan)"
+    )
     ap.add_argument("--deadline", type=float, default=660.0, help="seconds from start to SIGTERM everything")
     ap.add_argument("--startup-cap", type=float, default=300.0)
     ap.add_argument("--repeats", type=int, default=3)
@@ -309,7 +315,7 @@ def main(argv=None) -> int:
         from reap_swap.sizing.model_shape import read_model_shape
 
         total_gib = read_model_shape(str(a.skew)).total_expert_bytes / 2**30
-        shutil.copy(PLAN50, paths["p50"])
+        shutil.copy(a.plan50, paths["p50"])
     jobs = plan_jobs(a, paths, total_gib, a.with_25)
     if a.only:
         jobs = [j for j in jobs if j.name in a.only.split(",")]

@@ -62,6 +62,7 @@ from reap_swap.compat import moe_cache
 from reap_swap.engine.counting import counters
 from reap_swap.engine.device_cache.copy import unit_view
 from reap_swap.engine.device_cache.fast import fits as triton_fits
+from reap_swap.engine.device_cache.fast import warm as warm_triton_step
 from reap_swap.engine.device_cache.layer import DeviceCache, LayerStep
 from reap_swap.engine.device_cache.shadow import Shadow, slots_hold_their_experts
 from reap_swap.engine.device_cache.side import SlotRows
@@ -103,11 +104,14 @@ class DeviceCaches:
             self.refuse(index, reason)
             return False
         e, n = rng.num_experts, rng.num_slots
+        step_name = self.step if self.step != "triton" or triton_fits(e, n) else "torch"
         step = LayerStep(
             DeviceCache(e, n, range_bytes.device, self.decay),
             unit_view(range_bytes, e + n, rng.unit_bytes),
-            step=self.step if self.step != "triton" or triton_fits(e, n) else "torch",
+            step=step_name,
         )
+        if step_name == "triton" and range_bytes.is_cuda:
+            warm_triton_step(step.cache)  # before capture: no compilation inside a request
         self.side[index] = bind_slot_rows(layer, e, n)  # before the seed: its rows follow the slots
         step.seed(seed)
         moe_cache.install_config_alias()

@@ -76,6 +76,52 @@ def _build():
     return dlfu_step_fast
 
 
+def variant(num_experts: int, num_slots: int, n_sel: int) -> dict[str, int | bool]:
+    """The kernel's compile-time parameters for a step of ``n_sel`` selections: each distinct value
+    is one Triton compilation (n_sel and top_k themselves are not specialised)."""
+    be, bn = _pow2(num_experts), _pow2(max(num_slots, 1))
+    br_all = max(16, _pow2(n_sel))
+    onehot = be * br_all <= ONEHOT_MAX
+    hist = be >= HIST_MIN_BINS
+    return {
+        "E": num_experts, "N": num_slots, "BE": be, "BN": bn,
+        "BR": br_all if onehot else HIST_BR if hist else max(16, 8192 // be), "BJ": max(16, 4096 // be),
+        "ONEHOT": onehot, "HIST": hist, "MATRIX": bn * be <= MATRIX_MAX,
+    }  # fmt: skip
+
+
+def warm_sizes(num_experts: int, num_slots: int) -> list[int]:
+    """One step size (selections) per distinct variant a step can meet: the one-hot sizes double up
+    to ONEHOT_MAX, and every wider step shares the one variant beyond it."""
+    seen, sizes, n_sel = set(), [], 1
+    while True:
+        v = variant(num_experts, num_slots, n_sel)
+        key = tuple(v.items())
+        if key not in seen:
+            seen.add(key)
+            sizes.append(n_sel)
+        if not v["ONEHOT"]:
+            return sizes
+        n_sel *= 2
+
+
+def warm(cache: Any, dtype: torch.dtype = torch.int32) -> int:
+    """Compile every variant serving can meet before the first request, on a throwaway state of the
+    same shape (the layer's own state is not touched): vLLM's warm-up runs only its capture sizes
+    and one profile step, so a prefill of another size compiled the kernel mid-request (a
+    first-request latency spike). Both forms of ``valid_rows`` (given under CUDA graphs' padding,
+    absent otherwise). Returns the launches made (compilations are cached per variant)."""
+    scratch = type(cache)(cache.num_experts, cache.num_slots, cache.score.device)
+    n = 0
+    for n_sel in warm_sizes(cache.num_experts, cache.num_slots):
+        # top_k is a run-time argument: one selection per row reaches the same variants
+        ids = torch.zeros((n_sel, 1), dtype=dtype, device=cache.score.device)
+        for valid in (None, torch.ones(n_sel, dtype=torch.bool, device=ids.device)):
+            fast_policy(scratch, ids, valid)
+            n += 1
+    return n
+
+
 def fast_policy(cache: Any, topk_ids: torch.Tensor, valid_rows: torch.Tensor | None) -> torch.Tensor:
     """device_cache._policy in one launch (this module's docstring): updates ``cache`` and returns
     the remapped ids."""
@@ -85,18 +131,13 @@ def fast_policy(cache: Any, topk_ids: torch.Tensor, valid_rows: torch.Tensor | N
     ids = topk_ids.contiguous()
     out = torch.empty_like(ids)
     scratch = scratch_for(cache)  # also refuses E or N over 512
-    e, n, n_sel = cache.num_experts, cache.num_slots, ids.numel()
-    be, bn = _pow2(e), _pow2(max(n, 1))
-    br_all = max(16, _pow2(n_sel))
-    onehot = be * br_all <= ONEHOT_MAX
     valid = valid_rows.contiguous() if valid_rows is not None else ids
     _kernel[(1,)](
-        ids, valid, out, n_sel, max(1, ids.shape[-1] if ids.dim() > 1 else 1),
+        ids, valid, out, ids.numel(), max(1, ids.shape[-1] if ids.dim() > 1 else 1),
         cache.score, cache.slot_expert, cache.expert_slot, cache.pinned.view(torch.int8), cache.active,
         cache.copy_expert, cache.table, cache.counters, scratch,
         cache.decay_num, cache.id_bits,
-        E=e, N=n, BE=be, BN=bn, BR=br_all if onehot else HIST_BR if be >= HIST_MIN_BINS else max(16, 8192 // be), BJ=max(16, 4096 // be),
-        ONEHOT=onehot, HIST=be >= HIST_MIN_BINS, MATRIX=bn * be <= MATRIX_MAX, HAS_VALID=valid_rows is not None,
+        **variant(cache.num_experts, cache.num_slots, ids.numel()), HAS_VALID=valid_rows is not None,
         SIZE=scratch.shape[0] // 2, ROUNDS=ROUNDS,
         FRAC=SCORE_FRAC, SHIFT=DECAY_SHIFT, SMAX=SCORE_MAX, num_warps=NUM_WARPS,
     )  # fmt: skip
