@@ -281,7 +281,7 @@ def main() -> None:
                     res[arm]["equal"] = equal(res["stock"]["quiet"], res[arm]["quiet"])
                     log(arm, json.dumps(res[arm]["equal"]))
             else:
-                base, _, variant = arm.partition("+")
+                base, *variants = arm.split("+")
                 flags = list(ARMS[base]) + (
                     ["--reap-cache-shadow", args.shadow]
                     if args.shadow != "off" and base != "reap-off"
@@ -298,11 +298,11 @@ def main() -> None:
                 ]
                 # +shared: the stock arm's compile cache, as two servers on one host share
                 # ~/.cache/vllm by default (the reporter's setup is not known to have isolated them)
-                root = "/tmp/vcache-stock" if variant == "shared" else f"/tmp/vcache-{arm}"
+                root = "/tmp/vcache-stock" if "shared" in variants else f"/tmp/vcache-{arm}"
                 e = dict(env, VLLM_CACHE_ROOT=root)
-                e = dict(e, TORCHINDUCTOR_DETERMINISTIC="1") if variant == "det" else e
+                e = dict(e, TORCHINDUCTOR_DETERMINISTIC="1") if "det" in variants else e
                 ref = (res.get("stock") or {}).get("quiet")
-                arm_reap(arm, argv, out, plan, ps, ref, res, e, quiet_only=variant == "quiet")
+                arm_reap(arm, argv, out, plan, ps, ref, res, e, quiet_only="quiet" in variants)
         except Exception as exc:  # keep going with the next arm
             log(arm, "FAILED", repr(exc)[:3000])
             res.setdefault(arm, {})["error"] = repr(exc)[:5000]

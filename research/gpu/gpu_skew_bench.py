@@ -297,6 +297,10 @@ def parse(argv=None):
         "--measure-during-startup", action="store_true",
         help="let an arm measure while another group's servers start (run 12's schedule)",
     )  # fmt: skip
+    ap.add_argument(
+        "--all-at-once", action="store_true",
+        help="start every job with group A (a short lease; host memory for all of them at once)",
+    )  # fmt: skip
     ap.add_argument("--only", help="comma-separated job names to keep (e.g. cache50,resident,static50)")
     ap.add_argument("--dry-run", action="store_true")
     return ap.parse_args(argv)
@@ -319,6 +323,9 @@ def main(argv=None) -> int:
     jobs = plan_jobs(a, paths, total_gib, a.with_25)
     if a.only:
         jobs = [j for j in jobs if j.name in a.only.split(",")]
+    if a.all_at_once:
+        for j in jobs:
+            j.group = "A"
     if a.dry_run:
         for j in jobs:
             print(j.order, j.group, j.name, " ".join(j.argv))
