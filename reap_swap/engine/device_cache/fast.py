@@ -78,13 +78,13 @@ def _build():
 
 def variant(num_experts: int, num_slots: int, n_sel: int) -> dict[str, int | bool]:
     """The kernel's compile-time parameters for a step of ``n_sel`` selections: each distinct value
-    is one Triton compilation (n_sel and top_k themselves are not specialised)."""
+    is one Triton compilation (n_sel, top_k and the slot count itself are run-time values)."""
     be, bn = _pow2(num_experts), _pow2(max(num_slots, 1))
     br_all = max(16, _pow2(n_sel))
     onehot = be * br_all <= ONEHOT_MAX
     hist = be >= HIST_MIN_BINS
     return {
-        "E": num_experts, "N": num_slots, "BE": be, "BN": bn,
+        "E": num_experts, "BE": be, "BN": bn,
         "BR": br_all if onehot else HIST_BR if hist else max(16, 8192 // be), "BJ": max(16, 4096 // be),
         "ONEHOT": onehot, "HIST": hist, "MATRIX": bn * be <= MATRIX_MAX,
     }  # fmt: skip
@@ -136,7 +136,7 @@ def fast_policy(cache: Any, topk_ids: torch.Tensor, valid_rows: torch.Tensor | N
         ids, valid, out, ids.numel(), max(1, ids.shape[-1] if ids.dim() > 1 else 1),
         cache.score, cache.slot_expert, cache.expert_slot, cache.pinned.view(torch.int8), cache.active,
         cache.copy_expert, cache.table, cache.counters, scratch,
-        cache.decay_num, cache.id_bits,
+        cache.decay_num, cache.id_bits, cache.num_slots,
         **variant(cache.num_experts, cache.num_slots, ids.numel()), HAS_VALID=valid_rows is not None,
         SIZE=scratch.shape[0] // 2, ROUNDS=ROUNDS,
         FRAC=SCORE_FRAC, SHIFT=DECAY_SHIFT, SMAX=SCORE_MAX, num_warps=NUM_WARPS,

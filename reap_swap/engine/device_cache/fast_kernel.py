@@ -99,13 +99,15 @@ def _load_ids(ids_ptr, valid_ptr, r, n_sel, top_k, E: tl.constexpr, HAS_VALID: t
     return ids, rm, inr, ok
 
 
-@triton.jit(do_not_specialize=["n_sel", "top_k"])
+# n_sel, top_k and N are run-time values, not specialised: layers whose slot counts differ (the seeded
+# form spreads the pool unevenly) share one compilation per block size.
+@triton.jit(do_not_specialize=["n_sel", "top_k", "N"])
 def dlfu_step_fast(
     ids_ptr, valid_ptr, out_ptr, n_sel, top_k,
     score_ptr, slot_expert_ptr, expert_slot_ptr, pinned_ptr, active_ptr,
     copy_ptr, table_ptr, counters_ptr, scratch_ptr,
-    decay_num, id_bits,
-    E: tl.constexpr, N: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BJ: tl.constexpr,
+    decay_num, id_bits, N,
+    E: tl.constexpr, BE: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BJ: tl.constexpr,
     ONEHOT: tl.constexpr, HIST: tl.constexpr, MATRIX: tl.constexpr, HAS_VALID: tl.constexpr, SIZE: tl.constexpr,
     ROUNDS: tl.constexpr, FRAC: tl.constexpr, SHIFT: tl.constexpr, SMAX: tl.constexpr,
 ):  # fmt: skip
