@@ -28,8 +28,8 @@ import torch
 
 from reap_swap.cache.slot_table import SlotTable
 from reap_swap.engine import vmm
-from reap_swap.engine.residency import swap
 from reap_swap.engine.residency.swap import SwapResult, apply_swap
+from reap_swap.engine.residency.vmm_store import StoreBase
 from reap_swap.sizing.groups import GroupLayout, Permutation, group_target, layer_status, set_cost
 
 
@@ -109,19 +109,12 @@ def remap_ids(layer: GroupedLayer, topk_ids: torch.Tensor) -> torch.Tensor:
     return to_physical(layer.id_map, topk_ids)
 
 
-class GroupedStore:
+class GroupedStore(StoreBase):
     """swap.ExpertStore over groups: `expert` is a physical group id, a slot holds one group."""
 
     def __init__(self, st: GroupedState, publish_every: int | None = None) -> None:
-        self.st = st
-        # swap.py: overlapped publishes (0: only at the end); None: the state's, else swap.PUBLISH_EVERY
-        self.publish_every = swap.publish_mode(publish_every, st)
-        self.copies_read_masters = swap.reads_masters(self.publish_every)
         first = next(iter(st.layers.values()), None)
-        self.bytes_per_expert = first.layout.group_payload_bytes if first else 0  # per group
-
-    def quiesce(self) -> None:
-        torch.cuda.synchronize(self.st.device)
+        super().__init__(st, publish_every, first.layout.group_payload_bytes if first else 0)  # per group
 
     def map_host(self, layer: int, group: int) -> None:
         for rng in self.st.layers[layer].ranges.values():
@@ -134,15 +127,7 @@ class GroupedStore:
             src = rng.master_address(group) if self.copies_read_masters else rng.unit_address(group)
             dst = self.st.pools[name].unit_address(slot)
             vmm.copy_async(dst, src, entry.layout.payload(i), stream.cuda_stream)
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
-    def wait_copy(self, token: Any) -> None:
-        token.synchronize()
-
-    def copy_landed(self, token: Any) -> bool:
-        return bool(token.query())
+        return self._landed_event()
 
     def map_slot(self, layer: int, group: int, slot: int) -> None:
         for name, rng in self.st.layers[layer].ranges.items():
