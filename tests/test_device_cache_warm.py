@@ -23,3 +23,25 @@ def test_a_step_wider_than_the_one_hot_limit_is_one_variant():
     wide = {tuple(fast.variant(128, 64, n).items()) for n in (129, 1000, 16384, 65536)}
     assert len(wide) == 1
     assert fast.variant(128, 64, 128)["ONEHOT"] and not fast.variant(128, 64, 129)["ONEHOT"]
+
+
+def test_a_triton_step_that_cannot_compile_leaves_the_layer_on_the_torch_step(monkeypatch):
+    import torch
+
+    from reap_swap.engine.device_cache import api
+    from reap_swap.engine.device_cache.layer import DeviceCache
+
+    caches = api.DeviceCaches(step="triton")
+    cache = DeviceCache(128, 64, "cpu")
+
+    def broken(_cache):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(api, "warm_triton_step", broken)
+    said = []
+    monkeypatch.setattr(api.log, "warning", lambda fmt, *args: said.append(fmt % args))
+    assert caches._warm(cache, 3) == "torch"
+    assert any("layer 3 runs the torch policy step" in m and "PassManager" in m for m in said), said
+    monkeypatch.setattr(api, "warm_triton_step", lambda c: 10)
+    assert caches._warm(cache, 3) == "triton"
+    assert torch.equal(cache.slot_expert, torch.full((64,), -1))  # the layer's own state untouched

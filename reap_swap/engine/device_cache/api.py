@@ -104,14 +104,11 @@ class DeviceCaches:
             self.refuse(index, reason)
             return False
         e, n = rng.num_experts, rng.num_slots
+        cache = DeviceCache(e, n, range_bytes.device, self.decay)
         step_name = self.step if self.step != "triton" or triton_fits(e, n) else "torch"
-        step = LayerStep(
-            DeviceCache(e, n, range_bytes.device, self.decay),
-            unit_view(range_bytes, e + n, rng.unit_bytes),
-            step=step_name,
-        )
         if step_name == "triton" and range_bytes.is_cuda:
-            warm_triton_step(step.cache)  # before capture: no compilation inside a request
+            step_name = self._warm(cache, index)
+        step = LayerStep(cache, unit_view(range_bytes, e + n, rng.unit_bytes), step=step_name)
         self.side[index] = bind_slot_rows(layer, e, n)  # before the seed: its rows follow the slots
         step.seed(seed)
         moe_cache.install_config_alias()
@@ -126,6 +123,19 @@ class DeviceCaches:
             f", slot rows for {', '.join(side)}" if side else "",
         )  # fmt: skip
         return True
+
+    def _warm(self, cache: DeviceCache, index: int) -> str:
+        """Compile the Triton step's variants before capture (no compilation inside a request); a
+        Triton build that cannot compile it leaves the layer on the torch reference step (the same
+        result, slower), with the reason in the log, rather than failing the server's start."""
+        try:
+            warm_triton_step(cache)
+        except Exception as exc:  # noqa: BLE001 - any compile or launch error of the kernel
+            log.warning(
+                "reap-swap: layer %d runs the torch policy step: the Triton step failed: %r", index, exc
+            )
+            return "torch"
+        return "triton"
 
     def forward(self, layer, index, x, topk_weights, topk_ids, padding, shared_experts, shared_experts_input):
         """The step (captured): cache update, slot copies, remapped ids, kernel over E + N units."""
