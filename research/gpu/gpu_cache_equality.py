@@ -104,9 +104,11 @@ class Swapper(threading.Thread):
     def __init__(self, url: str, plan: dict, seed: int, period_s: float = 0.02, by_id: bool = False) -> None:
         super().__init__(daemon=True)
         self.url, self.period_s, self.rng = url, period_s, random.Random(seed)
-        self.layers = {k: [s["sliceId"] for s in v["sliceCatalog"]] for k, v in plan["perLayer"].items()}
-        if by_id:  # a server without a plan: slices are refused, expert ids are what a swap names
-            self.layers = {k: _expert_ids(v) for k, v in plan["perLayer"].items()}
+        # a server without a plan refuses slices: there a swap names expert ids
+        self.layers = {
+            k: _expert_ids(v) if by_id else [s["sliceId"] for s in v["sliceCatalog"]]
+            for k, v in plan["perLayer"].items()
+        }
         self.by_id = by_id
         self.halt = threading.Event()
         self.codes: dict[int, int] = {}

@@ -5,13 +5,7 @@
 #      the static plan set (quiet phase: the near-uniform speed reference)
 #   2. the skew bench at 50 %: plan-cache (= the default form), resident, plan-static, plan-swap+cache
 #   3. the swap guard, then the all-resident decode guard (one serve)
-set -u
-cd "$(dirname "$0")/../.."
-R=${R:-/tmp/run}
-mkdir -p "$R"
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
-say() { echo "$(date +%T) $*" >> "$R/lease.log"; }
-nvidia-smi -L > "$R/card.txt" 2>&1
+source "$(dirname "$0")/lease_env.sh"
 say "eq start"
 python3 research/gpu/gpu_cache_equality.py --model /tmp/model --out "$R/eq" \
   --arms "${EQ_ARMS:-stock,reap-default,reap-default+shared,reap-static+quiet}" > "$R/eq.log" 2>&1
@@ -19,9 +13,5 @@ say "eq rc $?"
 timeout 660 python3 research/gpu/gpu_skew_bench.py --out "$R/skew" --no-25 --deadline 600 \
   --only cache50,resident,static50,swapcache50 > "$R/skew.log" 2>&1
 say "skew rc $?"
-timeout 150 python3 research/gpu/gpu_swap_guard.py --out "$R/guards" > "$R/swapguard.log" 2>&1
-say "swapguard rc $?"
-timeout --kill-after=30 300 python3 research/gpu/gpu_guards.py --model /tmp/model --out "$R/guards" \
-  --serves 1 --rounds 8 --tokens 256 --deadline 260 > "$R/guards.log" 2>&1
-say "guards rc $?"
+run_guards
 say "all done"

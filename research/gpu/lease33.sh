@@ -7,13 +7,7 @@
 #   2. the skew bench at 50 %: plan-cache (= the default form), resident, plan-static, plan-swap+cache
 #   3. the kit model (near-uniform routing) at 50 %: plan-cache vs plan-static vs resident, same bench
 #   4. the swap guard, then the all-resident decode guard, if the lease lasts
-set -u
-cd "$(dirname "$0")/../.."
-R=${R:-/tmp/run}
-mkdir -p "$R"
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
-say() { echo "$(date +%T) $*" >> "$R/lease.log"; }
-nvidia-smi -L > "$R/card.txt" 2>&1
+source "$(dirname "$0")/lease_env.sh"
 say "eq start"
 python3 research/gpu/gpu_cache_equality.py --model /tmp/model --out "$R/eqB" --arms reap-noplan > "$R/eqB.log" 2>&1 &
 B=$!
@@ -28,9 +22,5 @@ say "skew rc $?"
 timeout 480 python3 research/gpu/gpu_skew_bench.py --out "$R/uniform" --skew /tmp/model --plan50 "$R/eqA/plan.json" \
   --no-25 --deadline 420 --only cache50,resident,static50 > "$R/uniform.log" 2>&1
 say "uniform rc $?"
-timeout 150 python3 research/gpu/gpu_swap_guard.py --out "$R/guards" > "$R/swapguard.log" 2>&1
-say "swapguard rc $?"
-timeout --kill-after=30 300 python3 research/gpu/gpu_guards.py --model /tmp/model --out "$R/guards" \
-  --serves 1 --rounds 8 --tokens 256 --deadline 260 > "$R/guards.log" 2>&1
-say "guards rc $?"
+run_guards
 say "all done"

@@ -2,13 +2,7 @@
 # Run 33, second lease (the first machine was taken back mid-run, its results lost): the benches
 # first, every server of a bench started at once (short lease), then the shared-compile-cache
 # equality arm, quiet phase, if the lease lasts. Poll calls tar /tmp/run into $OUT each time.
-set -u
-cd "$(dirname "$0")/../.."
-R=${R:-/tmp/run}
-mkdir -p "$R"
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
-say() { echo "$(date +%T) $*" >> "$R/lease.log"; }
-nvidia-smi -L > "$R/card.txt" 2>&1
+source "$(dirname "$0")/lease_env.sh"
 say "skew start"
 timeout 560 python3 research/gpu/gpu_skew_bench.py --out "$R/skew" --no-25 --deadline 520 --all-at-once \
   --only cache50,resident,static50,swapcache50 > "$R/skew.log" 2>&1
