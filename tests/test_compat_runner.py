@@ -171,7 +171,7 @@ def _launch(monkeypatch, device_total: int, pool_bytes: int = 0):
     monkeypatch.setattr(vs, "moe_backend_is_default", lambda a: True)
     monkeypatch.setattr(vs, "use_triton_moe_backend", lambda a: calls.append("triton"))
     monkeypatch.setattr(vs, "cpu_offload_chosen", lambda a: False)
-    monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib: calls.append("uva"))
+    monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib, names: calls.append("uva"))
     monkeypatch.setattr(host_checks, "check_host_memory", lambda s, **kw: calls.append("host"))
     monkeypatch.setattr(vs, "device_total_bytes", lambda: device_total)
 

@@ -125,6 +125,44 @@ def test_on_large_copies_are_registered_exactly_small_ones_pinned(uva, monkeypat
     assert pinning.release(ptrs, unregister=lambda p: 1 / 0) == 0  # already gone: nothing to do
 
 
+def test_a_copy_left_behind_by_a_repack_is_found_through_the_pointers_recorded_before_processing(
+    uva, monkeypatch
+):
+    """INT4 Marlin: process_weights_after_loading replaces the loaded parameter with a repacked one,
+    so the layer's current pointers no longer name the exact-pinned copy; the post-load hook records
+    them before processing, and the engine releases the copy through them."""
+    from reap_swap.compat import moe as compat_moe
+
+    monkeypatch.setattr(
+        pinning, "current_additional_config", lambda: {"reap_swap": {"residency": {"exact_pinning": True}}}
+    )
+    m = _module(BIG)
+    uva.UVAOffloader()._maybe_offload_to_cpu(m)
+    loaded = m.params[0].cpu.ptr
+    assert pinning.registered_bytes() == BIG
+
+    class Layer:
+        def __init__(self):
+            self.quant_method = types.SimpleNamespace(process_weights_after_loading=self.repack)
+            self.loaded = types.SimpleNamespace(data=types.SimpleNamespace(data_ptr=lambda: loaded))
+            self.current = self.loaded
+
+        def parameters(self):
+            return [self.current]
+
+        def repack(self, module):  # a new tensor at another address, as gptq_marlin_moe_repack writes
+            self.current = types.SimpleNamespace(data=types.SimpleNamespace(data_ptr=lambda: 0xBEEF000))
+
+    layer, seen = Layer(), []
+    compat_moe.install_post_load_hook(
+        layer, lambda mod: seen.append(pinning.layer_copies(mod, mod.parameters()))
+    )
+    layer.quant_method.process_weights_after_loading(layer)
+    assert pinning.pointers(layer.parameters()) == []  # the repacked tensor is no copy of ours
+    assert seen == [[loaded]]  # found through the pointer recorded before processing
+    assert pinning.release(seen[0], unregister=lambda p: 0) == BIG and pinning.registered_bytes() == 0
+
+
 def test_a_failed_register_falls_back_to_pin_memory_and_a_failed_unregister_keeps_the_copy(uva, monkeypatch):
     monkeypatch.setattr(pinning, "wanted", lambda: True)
     monkeypatch.setattr(pinning, "_cuda_register", lambda ptr, n: 1)  # cudaErrorInvalidValue
@@ -393,7 +431,7 @@ def _uva_launch(monkeypatch, shape, env=None, **knobs):
     monkeypatch.setattr(vs, "platform_name", lambda: "cuda")
     monkeypatch.setattr(vs, "moe_backend_is_default", lambda a: False)
     monkeypatch.setattr(vs, "cpu_offload_chosen", lambda a: False)
-    monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib: None)
+    monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib, names: None)
     monkeypatch.setattr(server.vllm_runner, "offload_ignored_reason", lambda *a: None)
     checked = []
     monkeypatch.setattr(host_checks, "check_host_memory", lambda s, **kw: checked.append(kw))

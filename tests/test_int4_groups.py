@@ -306,7 +306,8 @@ def test_the_launcher_binds_int4_only_in_groups_by_default_and_keeps_vllms_marli
         for group_size in ("auto", "2", "4", "8"):  # no opt-in: grouped is the default
             grouped = served_quant_of(cfg, cli, group_size)
             assert grouped.engine_refusal is None and grouped.launcher_may_offload
-            assert not grouped.triton and "HBM" in grouped.uva_refusal  # Marlin stays; no UVA offload
+            assert not grouped.triton and grouped.uva_refusal is None  # Marlin stays; UVA offload
+            assert grouped.offload_params == ("w13_qweight", "w2_qweight")  # the names INT4 registers
     assert "gptq_marlin" in served_quant_of(GPTQ_CFG, "gptq_marlin", "auto").engine_refusal  # unchecked
     assert served_quant_of({"quant_method": "mxfp4"}, None, "auto").engine_refusal  # not INT4: refused
     assert served_quant_of({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "auto").triton

@@ -18,7 +18,13 @@ from reap_swap.plan.document import validate_plan_document
 from reap_swap.server import host_checks
 from reap_swap.server import launcher as server
 from reap_swap.sizing.model_shape import ModelShapeError, read_model_shape
-from reap_swap.sizing.quant.budget import pool_hbm_bytes, pool_slots, served_quant, served_quant_of
+from reap_swap.sizing.quant.budget import (
+    UNQUANTIZED_OFFLOAD_PARAMS,
+    pool_hbm_bytes,
+    pool_slots,
+    served_quant,
+    served_quant_of,
+)
 from reap_swap.sizing.unit_layout import plan_unit
 
 mqc = load_script("make_quant_checkpoint")
@@ -127,7 +133,9 @@ def _launch(monkeypatch, fmt, quantization=None, group_size="1"):
     monkeypatch.setattr(vs, "moe_backend_is_default", lambda a: True)
     monkeypatch.setattr(vs, "use_triton_moe_backend", lambda a: calls.append("triton"))
     monkeypatch.setattr(vs, "cpu_offload_chosen", lambda a: False)
-    monkeypatch.setattr(vs, "offload_experts_to_uva", lambda a, gib: calls.append(("uva", gib)))
+    monkeypatch.setattr(
+        vs, "offload_experts_to_uva", lambda a, gib, names: calls.append(("uva", gib, tuple(names)))
+    )
     monkeypatch.setattr(
         host_checks, "check_host_memory", lambda s, **kw: calls.append(("host", s.total_expert_bytes))
     )
@@ -146,21 +154,51 @@ def test_gpu_engine_args_per_format(monkeypatch, fmt):
         assert calls == []  # no --moe-backend triton (0.26 raises for WNA16), no UVA offload
     else:
         gib = shape.total_expert_bytes / 2**30 + 0.5  # the stored (quantized) bytes are offloaded
-        assert calls == ["triton", ("host", shape.total_expert_bytes), ("uva", gib)]
+        assert calls == [
+            "triton",
+            ("host", shape.total_expert_bytes),
+            ("uva", gib, ("w13_weight", "w2_weight")),
+        ]
     calls, _ = _launch(monkeypatch, "awq", quantization="moe_wna16")
     assert calls == []
 
 
+INT4_NAMES = {"awq": ("w13_qweight", "w2_qweight"), "gptq": ("w13_qweight", "w2_qweight")}
+INT4_NAMES["ct-w4a16"] = ("w13_weight_packed", "w2_weight_packed")  # compressed-tensors' WNA16
+
+
 @pytest.mark.parametrize("fmt,cli", [("awq", None), ("gptq", None), ("ct-w4a16", None), ("awq", "moe_wna16")])
-def test_int4_in_contiguous_groups_keeps_marlin_loads_into_hbm_and_checks_host_memory(monkeypatch, fmt, cli):
+def test_int4_in_contiguous_groups_keeps_marlin_and_loads_into_host_memory_under_its_own_names(
+    monkeypatch, fmt, cli
+):
     """--reap-group-size auto|8 (research.md int4grp, int4perm): bound in identity-order groups by
-    default (run 16), but no --moe-backend triton (0.26's WNA16 oracle raises on it) and no UVA
-    offload (Marlin repacks after loading); host memory checked. Group size 1: stock, untouched."""
+    default, no --moe-backend triton (0.26's WNA16 oracle raises on it); the packed weights load into
+    pinned host memory under the names the method registers (vLLM's UVA offloader matches whole name
+    segments: `w13_weight` matches no INT4 parameter), host memory checked. Group size 1: untouched."""
+    checkpoint = read_model_shape(config(fmt))
+    names = INT4_NAMES[fmt]
+    assert served_quant(checkpoint.quant, checkpoint.quant_method, cli, "auto").offload_params == names
     for group_size in ("auto", "8"):
         calls, shape = _launch(monkeypatch, fmt, quantization=cli, group_size=group_size)
-        assert calls == [("host", shape.total_expert_bytes)]
+        gib = shape.total_expert_bytes / 2**30 + 0.5
+        assert calls == [("host", shape.total_expert_bytes), ("uva", gib, names)]
     calls, _ = _launch(monkeypatch, fmt, quantization=cli, group_size="1")
     assert calls == []  # private units would be read at the wrong address: vLLM's arguments as given
+
+
+def test_int4_offload_names_are_the_parameters_vllm_registers():
+    """Each INT4 method's packed weights, as the layer fakes of the engine tests register them, are
+    matched by the names the launcher passes (segment match, as vLLM 0.26.0's offloader/uva.py)."""
+
+    def matched(param_name, names):
+        return any(f".{n}." in f".{param_name}." for n in names)
+
+    awq = served_quant_of({"quant_method": "awq", "bits": 4, "group_size": 128}, None, "auto")
+    assert matched("mlp.experts.w13_qweight", awq.offload_params)
+    assert not matched("mlp.experts.w13_scales", awq.offload_params)  # scales stay in HBM
+    assert not matched("mlp.experts.w13_qweight", UNQUANTIZED_OFFLOAD_PARAMS)  # the old names: nothing
+    ct = served_quant_of(config("ct-w4a16")["quantization_config"], None, "auto")
+    assert matched("mlp.experts.w2_weight_packed", ct.offload_params)
 
 
 def test_online_fp8_is_bound_but_never_uva_offloaded(monkeypatch):

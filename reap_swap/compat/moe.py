@@ -16,6 +16,7 @@ from typing import Any
 from reap_swap.compat.padding import padding_source, token_slot_layer  # noqa: F401
 
 UVA_FLAG = "_vllm_is_uva_offloaded"
+LOADED_PTRS_ATTR = "_reap_loaded_ptrs"  # a layer's parameter pointers before vLLM processed them
 
 
 def routed_experts_class():
@@ -93,6 +94,9 @@ def install_post_load_hook(layer: Any, after: Callable[[Any], None]) -> None:
     original = quant_method.process_weights_after_loading
 
     def process_then_attach(module: Any) -> None:
+        # a method that replaces a parameter (the INT4 Marlin repack) leaves the loaded copy behind:
+        # its pointer is how the engine finds an exact-pinned copy to give back (compat/pinning.py)
+        setattr(module, LOADED_PTRS_ATTR, tuple(p.data.data_ptr() for p in module.parameters()))
         original(module)
         after(module)
 

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from reap_swap.compat.moe import current_additional_config
+from reap_swap.compat.moe import LOADED_PTRS_ATTR, current_additional_config
 from reap_swap.sizing.host_memory import EXACT_PINNING_MIN_BYTES
 
 logger = logging.getLogger("reap_swap.compat")
@@ -134,6 +134,15 @@ def pointers(params: Iterable[Any]) -> list[int]:
     """Host pointers of these parameters' current data where it is a copy registered here (UVA: the
     device pointer of registered memory is its host pointer; checked on the H200)."""
     return [p.data.data_ptr() for p in params if p.data.data_ptr() in _registered]
+
+
+def layer_copies(layer: Any, params: Iterable[Any]) -> list[int]:
+    """`pointers` of these parameters, plus the copies of the layer's parameters as loaded (recorded
+    before vLLM's process_weights_after_loading: a repack that replaced a parameter left its loaded
+    copy here, which nothing reads any more), each once."""
+    loaded = getattr(layer, LOADED_PTRS_ATTR, ())
+    ptrs = dict.fromkeys([*pointers(params), *(p for p in loaded if p in _registered)])
+    return list(ptrs)
 
 
 def release(ptrs: Iterable[int], unregister: Callable[[int], int] | None = None) -> int:

@@ -166,10 +166,12 @@ def cpu_offload_chosen(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "cpu_offload_gb", 0))
 
 
-def offload_experts_to_uva(args: argparse.Namespace, gib: float) -> None:
-    """`--offload-backend uva --cpu-offload-gb GIB --cpu-offload-params w13_weight w2_weight`:
-    experts load straight into pinned host memory (the three flags and the parameter names:
-    0.26.0 GPU; parsed by cpu 0.26.0 and 0.32.0; the UVA backend itself runs on CUDA only)."""
+def offload_experts_to_uva(args: argparse.Namespace, gib: float, names: tuple[str, ...]) -> None:
+    """`--offload-backend uva --cpu-offload-gb GIB --cpu-offload-params NAMES`: the named expert
+    parameters load straight into pinned host memory (the three flags: 0.26.0 GPU; parsed by cpu 0.26.0
+    and 0.32.0; the UVA backend itself runs on CUDA only). vLLM matches each name against whole
+    dot-separated segments of a layer's parameter names (offloader/uva.py, 0.26.0), so a name a
+    method does not register matches nothing."""
     args.offload_backend = "uva"
     args.cpu_offload_gb = round(gib, 3)
-    args.cpu_offload_params = {"w13_weight", "w2_weight"}
+    args.cpu_offload_params = set(names)

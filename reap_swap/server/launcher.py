@@ -114,10 +114,11 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
     The engine re-homes vLLM's Triton expert weights, so `--moe-backend` defaults to triton. For a
     quantized format the engine refuses on every layer (INT4 Marlin / moe_wna16 under
     --reap-group-size 1, MXFP4: sizing/quant/budget.py) nothing is changed: stock vLLM, every expert in
-    HBM (INT4 in groups keeps Marlin and loads into HBM: no triton, no UVA). Otherwise, unless
+    HBM (INT4 in groups keeps Marlin: no triton). Otherwise, unless
     the user chose an offload budget, experts load straight into pinned host memory through stock
-    UVA offload (`--cpu-offload-params w13_weight w2_weight`), so peak VRAM during loading stays
-    low; the engine then moves them into its own host-backed ranges and fills the HBM pool.
+    UVA offload (`--cpu-offload-params` with the format's names: `ServedQuant.offload_params`), so
+    peak VRAM during loading stays low (INT4: one layer's Marlin repack); the engine then moves them
+    into its own host-backed ranges and fills the HBM pool.
     No-op on the CPU build (and whenever swaps are accounting-only).
     """
     if settings.accounting_reason(vllm_serve.platform_name()) is not None:
@@ -162,11 +163,12 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
             shape, uva_tp=tp, exact=exact, drained=host_checks.drains_in_blocks(settings, exact)
         )
         gib = shape.total_expert_bytes / 2**30 + 0.5
-        vllm_serve.offload_experts_to_uva(args, gib)
+        vllm_serve.offload_experts_to_uva(args, gib, served.offload_params)
         log.info(
             "reap-swap: experts load into pinned host memory (--offload-backend uva "
-            "--cpu-offload-gb %.3f --cpu-offload-params w13_weight w2_weight)",
+            "--cpu-offload-gb %.3f --cpu-offload-params %s)",
             gib,
+            " ".join(served.offload_params),
         )
 
 

@@ -32,6 +32,9 @@ from reap_swap.sizing.quant.scheme import QuantScheme, scheme_from_config
 # vLLM `--quantization` values that pick a method the engine refuses, whatever the checkpoint
 # (0.26.0: MoeWNA16Method; the Marlin names route AWQ/GPTQ to MarlinExperts).
 REFUSED_CLI_METHODS = frozenset({"moe_wna16", "awq_marlin", "gptq_marlin", "marlin", "mxfp4"})
+# The expert weights as the unquantized and FP8 methods register them: what the launcher names to
+# vLLM's UVA offloader (`--cpu-offload-params`) unless a format registers others (INT4 below).
+UNQUANTIZED_OFFLOAD_PARAMS = ("w13_weight", "w2_weight")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class ServedQuant:
     # why vLLM's UVA offloader must not be asked to load the experts into host memory (None: it may)
     uva_refusal: str | None = None
     triton: bool = True  # whether the launcher sets --moe-backend triton (INT4: Marlin stays)
+    # the parameter names the launcher asks vLLM's UVA offloader to load into pinned host memory
+    offload_params: tuple[str, ...] = UNQUANTIZED_OFFLOAD_PARAMS
 
     @property
     def launcher_may_offload(self) -> bool:
@@ -67,21 +72,26 @@ ONLINE_UVA_REFUSAL = (
 # and moe_wna16 layers in identity-order contiguous groups of whole pages (consecutive expert ids:
 # the kernel sees stock's ids; served identical to stock on the H200; the permuted order was not
 # bitwise on Marlin, and is never used for INT4). vLLM's default WNA16 backend (Marlin) stays
-# (0.26.0 raises on --moe-backend triton for it) and the experts load into HBM as stock: the repack
-# in process_weights_after_loading (gptq/awq_marlin_moe_repack) writes new tensors, and the UVA
-# offload names w13_weight/w2_weight, which INT4 methods register as w13_qweight/w13_weight_packed.
-# The engine moves each layer into its host-backed groups right after that layer is processed.
-INT4_GROUPED_UVA_REFUSAL = (
-    "INT4 experts in contiguous groups: loaded into HBM on vLLM's own WNA16 path (Marlin repacks them "
-    "after loading), then the engine re-homes each layer into host-backed groups"
-)
+# (0.26.0 raises on --moe-backend triton for it). The experts still load into pinned host memory
+# through vLLM's UVA offload, under the names the INT4 methods register (INT4_OFFLOAD_PARAMS): vLLM's
+# device_loading_context runs the Marlin repack of one layer at a time (reading the host copy, writing
+# HBM), the engine re-homes that layer into host-backed groups right after, so only one layer's
+# repacked weights are ever in HBM at load.
+# The packed INT4 weights as each method registers them (vLLM 0.26.0: AutoAWQMoEMethod,
+# AutoGPTQMoEMethod and MoeWNA16Method `w13_qweight`; compressed-tensors' WNA16 `w13_weight_packed`).
+# Scales, zeros and g_idx stay in HBM (a few % of the bytes; the engine keeps or groups them).
+INT4_OFFLOAD_PARAMS = {
+    "compressed-tensors": ("w13_weight_packed", "w2_weight_packed"),
+    "": ("w13_qweight", "w2_qweight"),  # awq, gptq, moe_wna16 and any other INT4 method
+}
 GROUPED_INT4_CLI = frozenset({"moe_wna16"})
 
 
 def _grouped_int4(scheme: QuantScheme, method: str, cli: str, group_size: str) -> ServedQuant | None:
     if group_size == "1" or scheme.kind != "int" or scheme.bits != 4 or cli not in ("", *GROUPED_INT4_CLI):
         return None
-    return ServedQuant(cli or method, scheme, None, INT4_GROUPED_UVA_REFUSAL, triton=False)
+    names = INT4_OFFLOAD_PARAMS.get(cli or method, INT4_OFFLOAD_PARAMS[""])
+    return ServedQuant(cli or method, scheme, None, None, triton=False, offload_params=names)
 
 
 def _refusal(method: str, scheme: QuantScheme) -> str | None:
@@ -136,7 +146,7 @@ def device_load_refusal(
     expert_bytes: int, tensor_parallel: int, utilization: float, device_total: int | None, why: str
 ) -> str | None:
     """Where the experts load into HBM before the engine re-homes them (`ServedQuant.uva_refusal`:
-    online FP8, INT4 in groups), a refusal before loading when each GPU's share of them alone is
+    online FP8), a refusal before loading when each GPU's share of them alone is
     over vLLM's memory cap (utilization x total); None when it fits or the total is unknown."""
     if not device_total:
         return None
