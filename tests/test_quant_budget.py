@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from pathlib import Path
 
 import pytest
 from quant_files import TINY as QUANT_TINY
@@ -301,3 +302,25 @@ def test_the_launcher_refuses_online_fp8_too_large_for_hbm(monkeypatch):
     monkeypatch.setattr(vs, "device_total_bytes", lambda: tiny_hbm)
     with pytest.raises(server.LaunchError, match="experts alone take"):
         server.gpu_engine_args(Settings(exact_pinning=False), argparse.Namespace(quantization="fp8"), shape)
+
+
+def test_an_awq_model_larger_than_the_card_loads_into_pinned_host_memory(monkeypatch):
+    """Qwen3-235B-A22B in AWQ at 72 layers: 81 GiB of packed experts, more than an 80 GiB card. In
+    groups the launcher asks vLLM's UVA offloader for the INT4 names (no HBM-first refusal, no
+    --moe-backend triton); vLLM's own offload arguments are what it reads."""
+    cfg = json.loads((Path(__file__).parent / "data" / "qwen3_235b_a22b_awq_config.json").read_text())
+    cfg["num_hidden_layers"] = 72
+    shape = read_model_shape(cfg)
+    assert shape.total_expert_bytes > 80 * 2**30 and shape.quant_method == "awq"
+    vs = server.vllm_serve
+    monkeypatch.setattr(vs, "platform_name", lambda: "cuda")
+    monkeypatch.setattr(vs, "device_total_bytes", lambda: 80 * 2**30)
+    monkeypatch.setattr(host_checks, "check_host_memory", lambda s, **kw: None)  # a 128 GiB host
+    args = argparse.Namespace(quantization=None, additional_config=None)
+    server.gpu_engine_args(Settings(exact_pinning=True, group_size="auto"), args, shape)
+    assert args.offload_backend == "uva" and args.cpu_offload_params == {"w13_qweight", "w2_qweight"}
+    assert args.cpu_offload_gb >= shape.total_expert_bytes / 2**30
+    assert not hasattr(args, "moe_backend")  # Marlin stays: 0.26.0 raises on triton for WNA16
+    untouched = argparse.Namespace(quantization=None, additional_config=None)
+    server.gpu_engine_args(Settings(group_size="1"), untouched, shape)  # refused: stock path, as given
+    assert vars(untouched) == {"quantization": None, "additional_config": None}
