@@ -32,14 +32,16 @@ class LaunchError(RuntimeError):
 
 def resolve_exact_pinning(settings, shape, tp: int) -> bool:
     """`--reap-exact-pinning` on this UVA launch: the setting when given; for auto, on where the re-home
-    drains (`drains_in_blocks`) and vLLM's rounded copies plus one layer in flight would hold more than
-    1.2x the experts (`host_memory.exact_pinning_pays`), with the numbers in the log either way."""
+    drains (`drains_in_blocks`) or runs in groups (INT4: a whole layer in flight, the rounding is what
+    is saved), and vLLM's rounded copies plus one layer in flight would hold more than 1.2x the
+    experts (`host_memory.exact_pinning_pays`), with the numbers in the log either way."""
     if settings.residency.exact_pinning != "auto":
         return bool(settings.residency.exact_pinning)
-    if not drains_in_blocks(settings, exact=True):
+    grouped = settings.residency.group_size != "1" and settings.cache.device != "on"
+    if not drains_in_blocks(settings, exact=True) and not grouped:
         log.info(
-            "reap-swap: --reap-exact-pinning auto: off (grouped units and the device cache give vLLM's copy "
-            "back after the whole layer, so exact pinning would save only the rounding)"
+            "reap-swap: --reap-exact-pinning auto: off (the device cache gives vLLM's copy back after the "
+            "whole layer, so exact pinning would save only the rounding)"
         )
         return False
     pinned = vllm_pinned_bytes(shape, tp, exact=False)

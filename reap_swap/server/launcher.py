@@ -222,6 +222,7 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     settings = with_plan(settings, args, shape)
     shape, plan, cartridges = load_validated_plan(settings, args, shape)
     arrange_torchvision(args, shape.architecture)
+    settings = resolve_int4_groups(settings, args, shape, resolved.sources.get("group_size", "default"))
     settings = resolve_cache_form(settings, args, shape)
     settings = resolve_cache_slots(settings, plan, shape)
     log_settings(Resolved(settings, resolved.sources, resolved.overrides))
@@ -246,6 +247,37 @@ def prepare(argv: list[str]) -> tuple[argparse.Namespace, object]:
     gpu_engine_args(settings, args, shape, plan.swappable_budget_bytes)
     check_budget(settings, plan)
     return args, cmd
+
+
+def resolve_int4_groups(settings: Settings, args: argparse.Namespace, shape, source: str) -> Settings:
+    """INT4 experts (AWQ, GPTQ, compressed-tensors W4A16) run on kernels that read expert e at
+    e x payload (Marlin, moe_wna16): only identity-order contiguous groups bind them. So on CUDA, when
+    the operator left `--reap-group-size` at its default, such a model is served in groups
+    (`auto`), said once at startup; the device cache, which maps single experts, then steps aside
+    for the plan's set (settings.cache_form). An explicit `--reap-group-size 1` keeps the refusal."""
+    if (
+        source != "default"
+        or settings.residency.group_size != "1"
+        or settings.cache.device != "auto"  # an explicit --reap-cache-device on knows no groups: refused
+        or settings.budget.pool != "plan"  # the pool growth adds private slots, not groups
+        or vllm_serve.platform_name() != "cuda"
+    ):
+        return settings
+    grouped = served_quant(shape.quant, shape.quant_method, getattr(args, "quantization", None), "auto")
+    if (
+        grouped.engine_refusal is not None
+        or served_quant(
+            shape.quant, shape.quant_method, getattr(args, "quantization", None), "1"
+        ).engine_refusal
+        is None
+    ):
+        return settings  # not a format that binds only in groups
+    log.info(
+        "reap-swap: --reap-group-size auto: %s experts run on kernels that read contiguous experts "
+        "(Marlin / moe_wna16), so they are served in identity-order groups of whole pages",
+        grouped.method or "INT4",
+    )
+    return settings.updated(group_size="auto")
 
 
 def resolve_cache_form(

@@ -3,7 +3,7 @@
 # step="triton" tests and the folded VMM stores); issue 44: INT4 in groups loaded through vLLM's UVA
 # offload under its own names (w13_qweight / w13_weight_packed) against stock on seeded checkpoints,
 # then an AWQ model with more expert bytes than the card (Qwen3-235B-A22B layer shape, 72 layers,
-# dummy weights, exact pinning); issue 42: the skew bench (the step kernel's run-time slot count:
+# dummy weights, reap-swap defaults: groups and exact pinning chosen by the launcher); issue 42: the skew bench (the step kernel's run-time slot count:
 # startup, no torch fallback), the equality driver at 25 % and on the skewed model, the guards.
 # Poll calls tar /tmp/run into $OUT.
 source "$(dirname "$0")/lease_env.sh"
@@ -24,7 +24,7 @@ ENG="$ENG --load-format dummy --no-enable-prefix-caching --kv-cache-memory-bytes
 MEMPID=$!
 timeout 900 python3 research/gpu/gpu_families.py --config tests/data/qwen3_235b_a22b_awq_config.json --name awq235 \
   --layers 72 --arms reap --plan-core 0.125 --plan-budget 0.25 --out "$R/fam" --engine "$ENG" \
-  --reap-extra "--reap-group-size auto --reap-exact-pinning on" --prompts 2 --greedy-tokens 8 \
+  --prompts 2 --greedy-tokens 8 \
   --startup-timeout 700 --models /tmp/families > "$R/awq235.log" 2>&1
 say "int4 beyond the card rc $?"
 kill $MEMPID
