@@ -49,7 +49,8 @@ class ResidencySettings(_Group):
     masks_only: bool = False
     """swaps change the active set only; no expert weights move"""
     group_size: Literal["auto", "1", "2", "4", "8"] = "1"
-    """EXPERIMENTAL: experts per mapping unit (grouped units, CUDA; default 1 = private units)"""
+    """experts per mapping unit (CUDA; default 1 = private units, except INT4 models, whose kernels read
+    contiguous experts: served in groups as with auto)"""
     exact_pinning: Literal["auto"] | bool = "auto"
     """pin vLLM's UVA expert copies at their exact size (cudaHostRegister) instead of PyTorch's power-of-two
     blocks; default auto: on where the rounded copies plus a layer in flight would hold more than 1.2x the
