@@ -145,10 +145,14 @@ def test_a_copy_left_behind_by_a_repack_is_found_through_the_pointers_recorded_b
         def __init__(self):
             self.quant_method = types.SimpleNamespace(process_weights_after_loading=self.repack)
             self.loaded = types.SimpleNamespace(data=types.SimpleNamespace(data_ptr=lambda: loaded))
+            setattr(self.loaded, compat_moe.UVA_FLAG, True)  # vLLM's UVA offloader flagged it
             self.current = self.loaded
 
+        def named_parameters(self):
+            return [("w13_qweight", self.current)]
+
         def parameters(self):
-            return [self.current]
+            return [p for _, p in self.named_parameters()]
 
         def repack(self, module):  # a new tensor at another address, as gptq_marlin_moe_repack writes
             self.current = types.SimpleNamespace(data=types.SimpleNamespace(data_ptr=lambda: 0xBEEF000))
@@ -160,6 +164,11 @@ def test_a_copy_left_behind_by_a_repack_is_found_through_the_pointers_recorded_b
     layer.quant_method.process_weights_after_loading(layer)
     assert pinning.pointers(layer.parameters()) == []  # the repacked tensor is no copy of ours
     assert seen == [[loaded]]  # found through the pointer recorded before processing
+    # had the engine refused the layer: the repack stays on the device (flagged, so vLLM's loading
+    # context does not copy it into fresh pinned memory), and the loaded copy is the one to give back
+    assert compat_moe.keep_replaced_on_device(layer, on_device=lambda p: True) == [loaded]
+    assert compat_moe.is_uva_offloaded(layer.current)
+    assert compat_moe.keep_replaced_on_device(layer, on_device=lambda p: True) == []  # once
     assert pinning.release(seen[0], unregister=lambda p: 0) == BIG and pinning.registered_bytes() == 0
 
 
@@ -556,5 +565,19 @@ def test_int4_is_served_in_groups_by_default_with_exact_pinning_where_the_roundi
     assert server.resolve_int4_groups(cache_on, args, awq, "default").residency.group_size == "1"
     bf16 = read_model_shape(DATA / "mixtral_8x7b_config.json")
     assert server.resolve_int4_groups(default.settings, args, bf16, "default").residency.group_size == "1"
+    tp2 = argparse.Namespace(tensor_parallel_size=2, pipeline_parallel_size=1, quantization=None)
+    assert server.resolve_int4_groups(default.settings, tp2, awq, "default").residency.group_size == "1"
     monkeypatch.setattr(server.vllm_serve, "platform_name", lambda: "cpu")
     assert server.resolve_int4_groups(default.settings, args, awq, "default").residency.group_size == "1"
+
+
+def test_a_refused_layer_whose_parameters_were_not_replaced_keeps_its_host_copy():
+    """bf16 / FP8 refused layers read their UVA copy through the view for good: nothing is flagged or
+    given back."""
+    from reap_swap.compat import moe as compat_moe
+
+    p = types.SimpleNamespace(data=types.SimpleNamespace(data_ptr=lambda: 0x1000))
+    setattr(p, compat_moe.UVA_FLAG, True)
+    layer = types.SimpleNamespace(named_parameters=lambda: [("w13_weight", p)])
+    setattr(layer, compat_moe.LOADED_PTRS_ATTR, {"w13_weight": 0x1000})
+    assert compat_moe.keep_replaced_on_device(layer, on_device=lambda t: True) == []

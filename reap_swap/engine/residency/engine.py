@@ -242,6 +242,11 @@ class CudaEngine:
         """Leave the layer on vLLM's stock path; record whether its experts sit in HBM or host (UVA)."""
         w13 = getattr(layer, "w13_weight", None)
         on_hbm = isinstance(w13, torch.Tensor) and not vllm_moe.is_uva_offloaded(w13)
+        replaced = vllm_moe.keep_replaced_on_device(layer)  # an INT4 repack in HBM stays there, as stock
+        if replaced:
+            freed = vllm_pinning.release(replaced)
+            logger.info("reap-swap: refused layer %s keeps its repacked experts in HBM (%d B of host copies given back)",
+                        getattr(layer, "layer_name", "?"), freed)  # fmt: skip
         self.refusals.refuse(getattr(layer, "layer_name", "?"), index, reason, on_hbm)
 
     def _rehome(self, st: EngineState, layer: torch.nn.Module, index: int, bound: BoundLayer):
