@@ -2,6 +2,8 @@
 driver refuses (the free-memory check bypassed), ends as PoolRefused with nothing left reserved
 (run 26's traceback, H100, 2026-12-06). Run on the lent GPU:
     PYTHONPATH=/tmp/site python3 -m pytest -q tests/gpu/test_pool_reserve_gpu.py
+It measures the device's free memory, so it needs the card to itself: another process allocating or
+freeing beside it moves the numbers (research.md, run 34).
 """
 
 from __future__ import annotations
