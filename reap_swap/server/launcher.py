@@ -254,7 +254,8 @@ def resolve_int4_groups(settings: Settings, args: argparse.Namespace, shape, sou
     e x payload (Marlin, moe_wna16): only identity-order contiguous groups bind them. So on CUDA, when
     the operator left `--reap-group-size` at its default, such a model is served in groups
     (`auto`), said once at startup; the device cache, which maps single experts, then steps aside
-    for the plan's set (settings.cache_form). An explicit `--reap-group-size 1` keeps the refusal."""
+    for the plan's set (settings.cache_form). An explicit `--reap-group-size 1` keeps the refusal, as
+    do tensor parallelism and accounting residency (the CPU build)."""
     if (
         source != "default"
         or settings.residency.group_size != "1"
@@ -266,14 +267,10 @@ def resolve_int4_groups(settings: Settings, args: argparse.Namespace, shape, sou
         or int(getattr(args, "tensor_parallel_size", None) or 1) != 1
     ):
         return settings
-    grouped = served_quant(shape.quant, shape.quant_method, getattr(args, "quantization", None), "auto")
-    if (
-        grouped.engine_refusal is not None
-        or served_quant(
-            shape.quant, shape.quant_method, getattr(args, "quantization", None), "1"
-        ).engine_refusal
-        is None
-    ):
+    cli = getattr(args, "quantization", None)
+    grouped = served_quant(shape.quant, shape.quant_method, cli, "auto")
+    private = served_quant(shape.quant, shape.quant_method, cli, "1")
+    if grouped.engine_refusal is not None or private.engine_refusal is None:
         return settings  # not a format that binds only in groups
     log.info(
         "reap-swap: --reap-group-size auto: %s experts run on kernels that read contiguous experts "

@@ -203,9 +203,8 @@ class CudaEngine:
             return  # re-homed in groups, or refused by name (b = 1 continues on the private path)
         t0 = time.perf_counter()
         _ensure_pool(st, bound.layout.unit_bytes, self.cache)
-        exact = vllm_pinning.layer_copies(
-            layer, bound.rehome.values()
-        )  # --reap-exact-pinning copies, released below
+        # --reap-exact-pinning copies (those a repack replaced too), released below
+        exact = vllm_pinning.layer_copies(layer, bound.rehome.values())
         rng, range_bytes, views, cached = self._rehome(st, layer, index, bound)
         _point_params(layer, bound, views)
         st.exact_pinned_released += vllm_pinning.release(exact)

@@ -202,9 +202,8 @@ def attach(engine: Any, st: Any, layer: torch.nn.Module, index: int, bound: Any)
 
 def _convert(st, layer, index, bound, layout, perm, why) -> None:
     gs = st.grouped
-    exact = vllm_pinning.layer_copies(
-        layer, bound.rehome.values()
-    )  # --reap-exact-pinning copies, released below
+    # --reap-exact-pinning copies (those a repack replaced too), released below
+    exact = vllm_pinning.layer_copies(layer, bound.rehome.values())
     tensors = {n: t.data for n, t in bound.rehome.items()}
     ranges, views = grouped.rehome_grouped(tensors, layout, perm, st.device)  # releases on failure
     id_map = torch.tensor(perm.to_physical, dtype=torch.int32, device=views[layout.names[0]].device)
