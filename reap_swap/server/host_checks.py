@@ -37,8 +37,9 @@ def resolve_exact_pinning(settings, shape, tp: int) -> bool:
     experts (`host_memory.exact_pinning_pays`), with the numbers in the log either way."""
     if settings.residency.exact_pinning != "auto":
         return bool(settings.residency.exact_pinning)
-    grouped = settings.residency.group_size != "1" and settings.cache.device != "on"
-    if not drains_in_blocks(settings, exact=True) and not grouped:
+    # private units drain block by block, grouped units hold a whole layer in flight: both save the
+    # rounding; only the device cache (resolved by now) is left out
+    if settings.cache.device == "on":
         log.info(
             "reap-swap: --reap-exact-pinning auto: off (the device cache gives vLLM's copy back after the "
             "whole layer, so exact pinning would save only the rounding)"
