@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from reap_swap.bench.accept import AcceptConfig, AcceptError, check_inputs, server_commands
-from reap_swap.bench.accept_load import Stream, swap_choices, token_prompts
+from reap_swap.bench.accept_load import Stream, stamped_lines, swap_choices, token_prompts
 from reap_swap.bench.accept_verdict import (
     compare_phase,
     compare_prompt,
@@ -293,3 +293,17 @@ def test_no_plan_swaps_name_the_models_experts(tiny_config, tmp_path):
     inputs = check_inputs(AcceptConfig(model=str(tiny_config), out=tmp_path))
     assert inputs.plan_doc is None and inputs.picks == {f"layer_{i}": list(range(8)) for i in (0, 1)}
     assert len(inputs.prompts) == 4
+
+
+def test_lines_carry_the_time_of_the_read_that_completed_them():
+    def reads():
+        yield b"data: a\r\ndata: "
+        time.sleep(0.01)
+        yield b"b\n\ndata: c\n"
+        yield b"tail"
+
+    got = list(stamped_lines(reads()))
+    assert [line for _, line in got] == ["data: a", "data: b", "", "data: c", "tail"]
+    (a, _), (b, _), (empty, _), (c, _), _ = got
+    assert b - a >= 0.01  # a line split over two reads is stamped by the second
+    assert b == empty == c  # lines of one read share its stamp: no parse time between them

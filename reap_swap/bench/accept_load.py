@@ -6,9 +6,11 @@ first chunk over the time from the first to the last chunk), and their logprobs 
 the completion's tokens and logprobs, the same numbers a non-streamed request returns. Chunks
 timed apart time the decode; chunks that arrive together do not: a server that falls behind sends
 several tokens per chunk, and a stream held back and flushed at the end delivers every chunk in
-the last instant. So the decode rate is left out (None) with fewer chunks than half the tokens,
-or when the chunks came less than ``FLUSHED_S`` apart on average (``held_back``: no decode step is
-that fast for one stream); the end-to-end rate (tokens over the request's seconds, prefill
+the last instant. Each chunk is stamped with the time of the network read that delivered it (not
+the time it was parsed, which a loaded client stretches), so chunks read from one buffer share a
+stamp. The decode rate is left out (None) with fewer chunks than half the tokens, or when the
+chunks came less than ``FLUSHED_S`` apart on average (``held_back``: no decode step is that fast for
+one stream); the end-to-end rate (tokens over the request's seconds, prefill
 included) is always kept. Token ids (``return_tokens_as_token_ids``) are compared, not their
 text: two ids can decode to one string.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,7 +34,7 @@ import orjson
 
 from reap_swap.bench.accept_verdict import NO_ANSWER
 
-FLUSHED_S = 50e-6  # mean gap between chunks below which they were read from one buffer, not timed apart
+FLUSHED_S = 50e-6  # mean gap between chunks' reads below which they were flushed together, not timed apart
 # malformed /swap_active_set bodies: each must get a 4xx, never a 5xx
 MALFORMED = [
     b"{not json",
@@ -71,6 +73,18 @@ def swap_choices(plan_doc: Mapping | None, shape: Any | None) -> tuple[dict[str,
     return every, every
 
 
+def stamped_lines(reads: Iterable[bytes]) -> Iterator[tuple[float, str]]:
+    """(time of the read that completed it, line) for every line of a byte stream."""
+    pending = b""
+    for data in reads:
+        now = time.perf_counter()
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            yield now, line.rstrip(b"\r").decode()
+    if pending:
+        yield time.perf_counter(), pending.rstrip(b"\r").decode()
+
+
 class Stream:
     """One greedy completion of a token-id prompt, streamed and timed."""
 
@@ -100,14 +114,13 @@ class Stream:
             if r.status_code != 200:
                 r.read()
                 raise RuntimeError(f"/v1/completions answered {r.status_code}: {r.text[:500]}")
-            for line in r.iter_lines():
+            for now, line in stamped_lines(r.iter_bytes()):
                 if not line.startswith("data: ") or line.strip() == "data: [DONE]":
                     continue
                 choices = orjson.loads(line[6:]).get("choices") or []
                 lp = (choices[0].get("logprobs") or {}) if choices else {}
                 if not lp.get("tokens"):
                     continue
-                now = time.perf_counter()
                 if t_first is None:
                     t_first, first_count = now, len(lp["tokens"])
                 t_last, chunks = now, chunks + 1
