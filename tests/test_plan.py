@@ -3,7 +3,6 @@
 import copy
 import dataclasses
 import hashlib
-import time
 from pathlib import Path
 
 import orjson
@@ -81,17 +80,20 @@ def test_fixture_validates_against_the_model_config(strict30):
 
 
 @needs_fixture
-def test_fixture_validates_well_under_a_second():
-    load_plan(FIXTURE)  # warm the compiled validator
+def test_the_schema_is_checked_and_compiled_once_not_per_load(monkeypatch):
+    # What keeps a 1 MB plan's load well under a second (a speed goal, so measured in research.md,
+    # not timed here): the schema is checked and its validator built once per process.
+    from reap_swap.plan import document
+
+    load_plan(FIXTURE)
     assert FIXTURE.stat().st_size > 1_000_000
-    best = min(_timed(lambda: load_plan(FIXTURE)) for _ in range(3))
-    assert best < 0.8, f"1 MB plan took {best:.3f} s to load and validate"
 
+    def rebuilt(*args, **kwargs):
+        raise AssertionError("the plan schema was checked again")
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    monkeypatch.setattr(document.jsonschema.Draft202012Validator, "check_schema", rebuilt)
+    load_plan(FIXTURE)
+    load_plan(FIXTURE)
 
 
 def test_packaged_schema_is_the_published_schema():
