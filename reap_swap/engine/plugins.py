@@ -68,8 +68,15 @@ def register() -> None:
     from reap_swap.engine import routed_experts as experts
 
     experts.register()
+    from reap_swap.compat import runner
+
     why = pinning.install()  # acts only where the config being built sets exact_pinning
     if why is not None:
         import logging
 
         logging.getLogger("reap_swap.compat").info("reap-swap: exact pinning not available: %s", why)
+    why = runner.install_v2_offloader()  # Model Runner V2 of 0.26.x: load experts into host memory
+    if why is not None:
+        import logging
+
+        logging.getLogger("reap_swap.compat").warning("reap-swap: Model Runner V2 offload hook: %s", why)

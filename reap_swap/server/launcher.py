@@ -143,6 +143,12 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
     ignored = vllm_runner.offload_ignored_reason(
         [shape.architecture], bool(getattr(args, "enable_return_routed_experts", False))
     )
+    if ignored is not None and vllm_runner.v2_offloader_hook_missing() is None:
+        log.info(
+            "reap-swap: the model runs on Model Runner V2, which creates no weight offloader in this "
+            "vLLM; reap-swap's workers set vLLM's UVA offloader there, as the V1 runner does"
+        )
+        ignored = None
     if ignored is not None and not vllm_serve.cpu_offload_chosen(args):
         tp = int(getattr(args, "tensor_parallel_size", None) or 1)  # the experts and the pool in HBM at once
         why = hbm_first_load_refusal(

@@ -5,10 +5,11 @@ count.json ({"reap": {"worker_status", "counters", "count_cases", "host_startup"
 reap.server.log -- and checks, per family:
 
 - `runner`: every worker's /reap/status `runner` (compat/runner.py; absent before branch mrv2);
-- on Model Runner V2 (vLLM 0.26.0): the launcher asked for no UVA offload (no `cpu_offload_gb` in
-  vLLM's non-default args, its "no UVA expert offload: ... Model Runner V2" line present), vLLM set
-  no offloader, the worker's notes are empty, and the router counters are exact (`counters.equal`,
-  every `count_cases[].equal`: the is_padding fix of 46f013b);
+- on Model Runner V2 (vLLM 0.26.0), since compat/runner.install_v2_offloader: the launcher asked for
+  UVA offload and vLLM's "Offloader set to UVAOffloader" line is there (reap-swap's hook set it), the
+  worker's notes are empty, and the router counters are exact (`counters.equal`, every
+  `count_cases[].equal`: the is_padding fix of 46f013b); `--before-hook` checks the older
+  expectation (no UVA args, the launcher's "no UVA expert offload: ... Model Runner V2" line);
 - on V1: the notes are empty, and UVA args and vLLM's "Offloader set to UVAOffloader" agree.
 
     python research/gpu/check_mrv2.py RUN/fam RUN/mlacount [--out RUN/mrv2_check.json]
@@ -57,11 +58,10 @@ def check_family(d: Path) -> dict | None:
         "count_cases_equal": [c.get("equal") for c in cases],
         "hbm_peak_gib": (reap.get("host_startup") or {}).get("hbm_peak_gib"),
     }
-    out["failures"] = failures(out)
     return out
 
 
-def failures(v: dict) -> list[str]:
+def failures(v: dict, before_hook: bool = False) -> list[str]:
     bad = []
     if v["model_runner"] not in (["v1"], ["v2"]):
         bad.append(f"model_runner {v['model_runner']} (expected one of v1 / v2 on every worker)")
@@ -71,7 +71,13 @@ def failures(v: dict) -> list[str]:
         bad.append(f"counters.equal is {v['counters_equal']}")
     if not all(v["count_cases_equal"]):
         bad.append(f"count_cases equal: {v['count_cases_equal']}")
-    if v["model_runner"] == ["v2"]:
+    if v["model_runner"] == ["v2"] and not before_hook:
+        if not (v["uva_args"] and v["vllm_offloader"]):
+            bad.append(
+                f"V2: UVA args {v['uva_args']}, vLLM's offloader line {v['vllm_offloader']} "
+                "(reap-swap's hook should set the offloader the launcher asks for)"
+            )
+    if v["model_runner"] == ["v2"] and before_hook:
         if v["uva_args"] or v["vllm_offloader"]:
             bad.append("V2: UVA offload was requested or set up (0.26.0's V2 runner creates no offloader)")
         if not (v["launcher_no_uva_line"] and "Model Runner V2" in v["launcher_no_uva_line"]):
@@ -85,12 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+", type=Path, help="families-lane output dirs (DIR/<family>/...)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--before-hook", action="store_true", help="a run from before install_v2_offloader")
     a = ap.parse_args(argv)
     verdicts = []
     for top in a.dirs:
         for d in sorted(p for p in top.iterdir() if p.is_dir()) if top.is_dir() else []:
             v = check_family(d)
             if v is not None:
+                v["failures"] = failures(v, a.before_hook)
                 verdicts.append(v)
     report = {"families": verdicts, "ok": bool(verdicts) and not any(v["failures"] for v in verdicts)}
     text = json.dumps(report, indent=1)

@@ -32,22 +32,31 @@ V1_LOG = "non-default args: {'cpu_offload_gb': 9.0}\n[base.py:123] Offloader set
 
 
 def test_a_run_that_holds(tmp_path):
-    _family(tmp_path, "deepseek_v2_lite", "v2", V2_LOG)
+    _family(tmp_path, "deepseek_v2_lite", "v2", V1_LOG)  # the hook set vLLM's UVA offloader on V2
     _family(tmp_path, "mixtral_8x7b", "v1", V1_LOG)
     assert chk.main([str(tmp_path), "--out", str(tmp_path / "out.json")]) == 0
     report = json.loads((tmp_path / "out.json").read_text())
     assert report["ok"] and [v["failures"] for v in report["families"]] == [[], []]
 
 
+def test_a_run_from_before_the_hook_that_holds(tmp_path):
+    _family(tmp_path, "deepseek_v2_lite", "v2", V2_LOG)
+    _family(tmp_path, "mixtral_8x7b", "v1", V1_LOG)
+    assert chk.main([str(tmp_path), "--before-hook"]) == 0
+    assert chk.main([str(tmp_path)]) == 1  # today: V2 must offload
+
+
 def test_what_fails(tmp_path):
-    _family(tmp_path, "a_v2_uva", "v2", V2_LOG + V1_LOG)  # UVA asked for on V2
-    _family(tmp_path, "b_v2_uncounted", "v2", V2_LOG, equal=False)
+    _family(tmp_path, "a_v2_no_uva", "v2", V2_LOG)  # the hook did not act
+    _family(tmp_path, "b_v2_uncounted", "v2", V1_LOG, equal=False)
     _family(tmp_path, "c_v1_noted", "v1", V1_LOG, notes=["x"])
     assert chk.main([str(tmp_path)]) == 1
-    got = {v["family"]: v["failures"] for v in (chk.check_family(p) for p in sorted(tmp_path.iterdir()))}
-    assert any("UVA offload was requested" in f for f in got["a_v2_uva"])
+    got = {v["family"]: chk.failures(v) for v in (chk.check_family(p) for p in sorted(tmp_path.iterdir()))}
+    assert any("hook should set the offloader" in f for f in got["a_v2_no_uva"])
     assert got["b_v2_uncounted"] == ["counters.equal is False"]
     assert got["c_v1_noted"] == ["worker notes: ['x']"]
+    before = chk.failures(chk.check_family(tmp_path / "b_v2_uncounted"), before_hook=True)
+    assert any("UVA offload was requested" in f for f in before)
 
 
 def test_run13_shows_v2_ignored_the_uva_flags():
