@@ -195,18 +195,30 @@ def test_plan_unit_offsets_are_aligned_and_padded():
         plan_unit([("a", 1)], 3000)
 
 
-def test_compat_refuses_monolithic_and_non_triton_unquantized():
-    from reap_swap.compat import moe
+def test_compat_refuses_monolithic_and_non_triton_unquantized(monkeypatch):
+    from reap_swap.compat import moe, mxfp4
 
     class GptOssMxfp4MoEMethod:
         is_monolithic = True
         moe_kernel = SimpleNamespace(fused_experts=type("OAITritonMxfp4ExpertsMonolithic", (), {})())
 
     layer = SimpleNamespace(quant_method=GptOssMxfp4MoEMethod())
+    monkeypatch.delenv(mxfp4.GATE_ENV, raising=False)
     assert moe.unsupported_moe_method(layer) == (
-        "monolithic MoE kernel (OAITritonMxfp4ExpertsMonolithic) routes inside the kernel"
+        "MXFP4 on OAITritonMxfp4ExpertsMonolithic: binding implemented but not yet verified on a GPU "
+        "(REAPSWAP_MXFP4=1 turns it on; docs/models.md)"
     )
+    monkeypatch.setenv(mxfp4.GATE_ENV, "1")
+    assert moe.unsupported_moe_method(layer) is None  # compat.mxfp4.unwrap and the rules decide
     assert moe.moe_kernel_names(layer) == ("GptOssMxfp4MoEMethod", "OAITritonMxfp4ExpertsMonolithic")
+
+    class GptOssMxfp4MoEMethodOnTrtLlm:
+        is_monolithic = True
+        moe_kernel = SimpleNamespace(fused_experts=type("TrtLlmMxfp4ExpertsMonolithic", (), {})())
+
+    assert moe.unsupported_moe_method(SimpleNamespace(quant_method=GptOssMxfp4MoEMethodOnTrtLlm())) == (
+        "monolithic MoE kernel (TrtLlmMxfp4ExpertsMonolithic) routes inside the kernel"
+    )
 
     class UnquantizedFusedMoEMethod:
         is_monolithic = False

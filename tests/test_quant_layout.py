@@ -317,7 +317,8 @@ def test_roles_and_schemes():
 def test_stride_modes_of_the_vllm_026_methods():
     assert stride_mode_for("Fp8MoEMethod") is StrideMode.STRIDED
     assert stride_mode_for("AutoAWQMoEMethod", "MarlinExperts") is StrideMode.CONTIGUOUS
-    assert stride_mode_for("GptOssMxfp4MoEMethod", "OAITritonMxfp4ExpertsMonolithic") is StrideMode.OPAQUE
+    # matmul_ogs takes the swizzled base's expert stride (compat/mxfp4.py)
+    assert stride_mode_for("GptOssMxfp4MoEMethod", "OAITritonMxfp4ExpertsMonolithic") is StrideMode.STRIDED
     assert stride_mode_for("SomethingNew") is StrideMode.OPAQUE
     # moe_wna16's CUDA decode kernel computes expert_offset = size_n * size_k * expert_id
     assert stride_mode_for("MoeWNA16Method") is StrideMode.CONTIGUOUS

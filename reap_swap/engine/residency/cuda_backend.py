@@ -176,9 +176,10 @@ class CudaResidency(ResidencyBase):
 
 
 def _time_layer(m: torch.nn.Module, experts: list[int], iters: int) -> float | None:
-    """Microseconds of one token routed to the first top-k of `experts` (None: fewer than top-k)."""
+    """Microseconds of one token routed to the first top-k of `experts` (None: fewer than top-k,
+    or a kernel that routes inside itself)."""
     k = int(getattr(m, "top_k", 8))
-    if len(experts) < k:
+    if len(experts) < k or vllm_moe.is_monolithic(m):  # a monolithic kernel takes logits, not ids
         return None
     w13 = m.w13_weight
     dtype = vllm_moe.activation_dtype(m, w13.dtype if w13.dtype in (torch.bfloat16, torch.float16) else None)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from reap_swap.compat import moe as vllm_moe
+from reap_swap.compat import mxfp4 as vllm_mxfp4
 from reap_swap.compat import pinning as vllm_pinning
 from reap_swap.engine import vmm
 from reap_swap.engine.device_cache import lending as device_cache_engine
@@ -146,6 +147,16 @@ class CudaEngine:
             if method != "UnquantizedFusedMoEMethod":
                 return f"{method}: the model's quantization config is unknown (no vLLM config current)"
             quant_config = {}
+        unwrapped = None
+        if vllm_mxfp4.is_oai_mxfp4(layer):  # its weights are triton_kernels tensors, not Parameters
+            unwrapped = vllm_mxfp4.unwrap(layer)
+            if isinstance(unwrapped, str):
+                return unwrapped
+            if self.group_size != "1":
+                return (
+                    f"--reap-group-size {self.group_size}: {vllm_mxfp4.KERNEL} routes inside itself, "
+                    "so expert ids cannot be mapped to a grouped order (MXFP4 is served per expert)"
+                )
         bound = bind_module(
             layer,
             sizes,
@@ -154,6 +165,7 @@ class CudaEngine:
             granularity,
             vllm_moe.is_uva_offloaded,
             contiguous_ok=self.group_size != "1",
+            unwrapped=unwrapped,
         )
         return bound.refusal or bound
 
@@ -163,7 +175,8 @@ class CudaEngine:
         reason = unsupported_layer(layer)
         if reason is None and index is None:
             reason = f"cannot read the layer index from {getattr(layer, 'layer_name', '?')!r}"
-        if reason is None and not has_w13_tensor(layer):  # w13_weight, or MoeWNA16Method's w13_qweight
+        if reason is None and not (has_w13_tensor(layer) or vllm_mxfp4.is_oai_mxfp4(layer)):
+            # w13_weight, or MoeWNA16Method's w13_qweight; MXFP4's is a triton_kernels tensor
             reason = "no w13_weight tensor on the layer"
         if reason is not None:
             return None, None, reason
@@ -241,6 +254,7 @@ class CudaEngine:
         """Leave the layer on vLLM's stock path; record whether its experts sit in HBM or host (UVA)."""
         w13 = getattr(layer, "w13_weight", None)
         on_hbm = isinstance(w13, torch.Tensor) and not vllm_moe.is_uva_offloaded(w13)
+        on_hbm = on_hbm or vllm_mxfp4.is_oai_mxfp4(layer)  # its swizzle always writes new HBM tensors
         replaced = vllm_moe.keep_replaced_on_device(layer)  # an INT4 repack in HBM stays there, as stock
         if replaced:
             freed = vllm_pinning.release(replaced)
@@ -278,7 +292,13 @@ class CudaEngine:
 
 
 def _point_params(layer: torch.nn.Module, bound: BoundLayer, views: Mapping[str, torch.Tensor]) -> None:
-    """Point the re-homed parameters (aliases too) at the range's views, flagged as offloaded."""
+    """Point the re-homed parameters (aliases too) at the range's views, flagged as offloaded;
+    tensors held outside Parameters (MXFP4's wrappers) through the binding's `repoint`."""
+    if bound.repoint is not None:
+        for name in bound.rehome:
+            bound.repoint(name, views[name])
+        layer._reap_vmm = True
+        return
     for name in (*bound.rehome, *bound.aliases):
         param = getattr(layer, name)
         param.data = views[bound.aliases.get(name, name)]

@@ -116,11 +116,16 @@ def served_quant(
     method: str = "",
     cli_quantization: str | None = None,
     group_size: str = "1",
+    oai_mxfp4: bool = False,
 ) -> ServedQuant:
     """The checkpoint's scheme (``ModelShape.quant``), its ``quant_method``, ``--quantization`` and
     ``--reap-group-size`` (INT4 binds only in contiguous groups, identity order: research.md
-    int4perm)."""
+    int4perm). ``oai_mxfp4``: a GPT-OSS MXFP4 checkpoint with the engine's MXFP4 path on
+    (compat/mxfp4.py): served on vLLM's Triton backend, per expert, the checkpoint's weights loaded
+    into pinned host memory (vLLM swizzles one layer at a time in HBM, the engine re-homes it)."""
     cli = (cli_quantization or "").lower()
+    if oai_mxfp4 and scheme.kind == "mxfp4" and not cli and str(group_size) == "1":
+        return ServedQuant(method or "mxfp4", scheme, None)
     grouped = _grouped_int4(scheme, method, cli, str(group_size))
     if grouped is not None:
         return grouped
@@ -136,10 +141,11 @@ def served_quant_of(
     quant_config: Mapping[str, Any] | None,
     cli_quantization: str | None = None,
     group_size: str = "1",
+    oai_mxfp4: bool = False,
 ) -> ServedQuant:
     """As `served_quant`, from an HF ``quantization_config`` (or None)."""
     method = str((quant_config or {}).get("quant_method", "")).lower()
-    return served_quant(scheme_from_config(quant_config), method, cli_quantization, group_size)
+    return served_quant(scheme_from_config(quant_config), method, cli_quantization, group_size, oai_mxfp4)
 
 
 def device_load_refusal(

@@ -61,6 +61,7 @@ class ParamSpec:
     elem_bytes: float  # bytes per element of the storage dtype (int32-packed int4: 4)
     dtype: str = ""
     strides: tuple[int, ...] | None = None  # in elements; None = row-major contiguous
+    layout: str = ""  # a swizzle whose padding the shape rules know ("hopper_mx_scale"), else ""
 
     @property
     def row_major_strides(self) -> tuple[int, ...]:
@@ -194,7 +195,7 @@ def _features(proj: str, spec: LayerSpec) -> tuple[set[int], int]:
 
 def _shape_problem(p: ParamSpec, role: str, spec: LayerSpec, scheme: QuantScheme) -> str | None:
     outs, k_in = _features(projection_of(p.name), spec)
-    expected = expected_numels(role, outs, k_in, scheme)
+    expected = expected_numels(role, outs, k_in, scheme, p.layout)
     if expected is None or scheme.kind == "unknown":
         return None
     per_expert = p.numel / spec.num_experts

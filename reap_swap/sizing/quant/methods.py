@@ -107,10 +107,12 @@ METHOD_KERNELS: tuple[MethodKernel, ...] = (
         "GptOssMxfp4MoEMethod",
         "OAITritonMxfp4ExpertsMonolithic",
         "triton_kernels matmul_ogs (routing inside, HopperMXValueLayout swizzle)",
-        StrideMode.OPAQUE,
+        StrideMode.STRIDED,
         "triton",
         "GPT-OSS MXFP4 (GptOssMxfp4Config overrides mxfp4 for gpt_oss models): process_weights_after_loading deletes w13_weight/w2_weight and keeps "
-        "triton_kernels Tensors plus PrecisionConfig scales on the method; monolithic routing",
+        "triton_kernels Tensors plus PrecisionConfig scales on the method; monolithic routing. "
+        "matmul_ogs reads each expert at base + e * storage stride (W += expt_id * stride_w_e), so "
+        "the swizzled bases re-home as strided tensors (compat/mxfp4.py; behind REAPSWAP_MXFP4)",
     ),
     MethodKernel(
         "GptOssMxfp4MoEMethod",

@@ -67,9 +67,24 @@ def scheme_from_config(cfg: Mapping[str, Any] | None) -> QuantScheme:
     return QuantScheme("unknown", 0, "unknown")
 
 
-def expected_numels(role: str, outs: set[int], k_in: int, scheme: QuantScheme) -> set[float] | None:
+# triton_kernels' Hopper MX scale swizzle pads rows to 2 * num_warps(8) * 2 * 8 and vLLM pads the
+# scale groups to a multiple of 4 before it (mxfp4_utils.py _swizzle_mxfp4, hopper_scale.py)
+HOPPER_SCALE_ROWS, HOPPER_SCALE_GROUPS = 256, 4
+
+
+def _roundup(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def expected_numels(
+    role: str, outs: set[int], k_in: int, scheme: QuantScheme, layout: str = ""
+) -> set[float] | None:
     """Per-expert element (or, for weights and zero points, byte) counts the config allows for a
-    projection with out features `outs` (either allowed) and in features `k_in`; None: no check."""
+    projection with out features `outs` (either allowed) and in features `k_in`; None: no check.
+    `layout` "hopper_mx_scale": a scale swizzled for Hopper, padded as that swizzle pads it."""
+    if role == "scale" and layout == "hopper_mx_scale" and scheme.group_size:
+        groups = _roundup(math.ceil(k_in / scheme.group_size), HOPPER_SCALE_GROUPS)
+        return {_roundup(o, HOPPER_SCALE_ROWS) * groups for o in outs}
     if role == "weight":
         return {o * k_in * scheme.bits / 8 for o in outs}  # bytes
     if role == "scale":
