@@ -287,6 +287,21 @@ def test_the_v2_hook_finds_its_seams_in_this_vllm(monkeypatch):
     assert runner.install_v2_offloader() is None and cls.load_model is original  # nothing to patch there
 
 
+def test_a_v2_runner_that_fails_to_import_is_a_reason_not_a_crash(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def failing(name, *args, **kwargs):
+        if name == "vllm.v1.worker.gpu.model_runner":
+            raise RuntimeError("no triton here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", failing)
+    why = runner._v2_seams()
+    assert isinstance(why, str) and "RuntimeError: no triton here" in why
+
+
 def test_the_v2_hook_on_the_real_runner_class_and_offloader(monkeypatch):
     """vLLM's own V2 class and offloader module: inside load_model the global offloader is a UVA one
     with the arguments' byte cap and names."""

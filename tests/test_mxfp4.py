@@ -129,6 +129,7 @@ def test_repoint_moves_the_wrapper_the_kernel_reads_to_the_engines_view():
     u.repoint("w13_weight", view)
     data = layer.w13_weight.storage.data
     assert data.data_ptr() == rng.data_ptr() and data.stride() == (unit, 1, base.stride(1))  # .mT of the view
+    assert "w13_weight" not in u.bases  # the swizzled copy is not kept alive past the re-home
     with pytest.raises(ValueError, match="not the base"):
         u.repoint("w2_weight", view)
 
@@ -141,6 +142,15 @@ def test_point_params_uses_the_repoint_and_marks_the_layer():
     assert layer.w13_weight.storage.data.data_ptr() == views["w13_weight"].data_ptr()
     assert layer.w2_weight.storage.data.data_ptr() == views["w2_weight"].data_ptr()
     assert layer._reap_vmm and not hasattr(layer.w13_bias, vllm_moe.UVA_FLAG)
+    assert all(bound.rehome[n] is views[n] for n in views)  # the old bases are no longer referenced
+
+
+def test_a_refused_layer_gives_back_the_loaded_copies_of_the_weights_the_method_deleted():
+    layer = oai_layer()
+    # the UVA-offloaded parameters as loaded (only the weights are offloaded: launcher's names)
+    setattr(layer, vllm_moe.LOADED_PTRS_ATTR, {"w13_weight": 111, "w2_weight": 222})
+    # neither is a Parameter any more: the swizzle deleted them and keeps triton_kernels tensors
+    assert vllm_moe.keep_replaced_on_device(layer, on_device=lambda p: True) == [111, 222]
 
 
 @pytest.mark.parametrize(
@@ -251,8 +261,11 @@ def test_served_quant_loads_gpt_oss_mxfp4_into_host_memory_only_with_the_path_on
     assert served_quant(shape.quant, shape.quant_method, None, "auto", oai_mxfp4=True).engine_refusal
 
 
-@pytest.mark.parametrize("gate, expected", [("1", ["triton", "host", "uva"]), ("", [])])
-def test_the_launcher_offloads_gpt_oss_120b_with_the_path_on(monkeypatch, gate, expected):
+@pytest.mark.parametrize(
+    "gate, capability, expected",
+    [("1", (9, 0), ["triton", "host", "uva"]), ("", (9, 0), []), ("1", (10, 0), [])],
+)
+def test_the_launcher_offloads_gpt_oss_120b_with_the_path_on_hopper(monkeypatch, gate, capability, expected):
     calls = []
     vs = server.vllm_serve
     monkeypatch.setenv(mxfp4.GATE_ENV, gate)
@@ -264,6 +277,7 @@ def test_the_launcher_offloads_gpt_oss_120b_with_the_path_on(monkeypatch, gate, 
     monkeypatch.setattr(host_checks, "check_host_memory", lambda s, **kw: calls.append("host"))
     monkeypatch.setattr(server.vllm_runner, "offload_ignored_reason", lambda *a: None)
     monkeypatch.setattr(vs, "device_total_bytes", lambda: 80 * 2**30)
+    monkeypatch.setattr(vs, "device_capability", lambda: capability)  # Blackwell: another swizzle
     shape = read_model_shape(json.loads((DATA / "gpt_oss_120b_config.json").read_text()))
     args = argparse.Namespace(quantization=None, gpu_memory_utilization=0.9)
     server.gpu_engine_args(Settings(exact_pinning=False), args, shape, 0)

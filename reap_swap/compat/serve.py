@@ -149,6 +149,18 @@ def use_triton_moe_backend(args: argparse.Namespace) -> None:
     args.moe_backend = "triton"
 
 
+def device_capability(device_id: int = 0) -> tuple[int, int] | None:
+    """The first device's compute capability through vLLM's platform (CUDA: NVML, no CUDA context;
+    `get_device_capability` in 0.26.0 and 0.32.0), or None where the platform cannot say."""
+    from vllm.platforms import current_platform
+
+    try:
+        cap = current_platform.get_device_capability(device_id)
+    except Exception:  # noqa: BLE001 - NotImplementedError on some platforms, NVML errors
+        return None
+    return None if cap is None else (int(cap.major), int(cap.minor))
+
+
 def device_total_bytes(device_id: int = 0) -> int | None:
     """The first device's total memory through vLLM's platform (CUDA: NVML, so the API process
     creates no CUDA context; `NvmlCudaPlatform.get_device_total_memory` in 0.26.0 and 0.32.0);

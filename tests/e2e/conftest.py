@@ -137,6 +137,13 @@ def server_pool(tiny_moe, tmp_path_factory):
     pool.stop()
 
 
+# Servers other than the main one ("tp1", default torch.compile mode: counting inside the compiled
+# graph, checked against transformers' recount) run with --enforce-eager where what they check does
+# not depend on compilation: vLLM hashes `additional_config` into its compile cache key, so every
+# distinct reap configuration compiles anew, a minute per server per vLLM on the 2-core CI machine.
+EAGER = "--enforce-eager"
+
+
 @pytest.fixture
 def server(server_pool) -> Server:
     """The main configuration: one worker, default (torch.compile) mode, --api-key (started once)."""

@@ -41,7 +41,7 @@ from reap_swap.plan.document import load_plan
 from reap_swap.sizing.cache_tail import small_tail_note
 from reap_swap.sizing.quant.budget import pool_slots
 
-from .conftest import MODEL_NAME
+from .conftest import EAGER, MODEL_NAME
 from .helpers import status, unique_prompt
 
 TAIL = 10  # not a multiple of the 4 layers: the pinned form must drop the remainder, as CUDA does
@@ -59,6 +59,7 @@ ARGS = [
     "accounting",  # the CPU build is accounting anyway; on CUDA it runs the policy as state only
     "--reap-cache-device",
     "on",  # accounting holds swaps to the swap table CUDA keeps when it lends the tail (acctail)
+    EAGER,  # what is checked here does not depend on torch.compile (conftest)
 ]
 SWAP_SLOTS = 62 - 4 * (TAIL // 4)  # the tiny plan's pool less the lent tail
 

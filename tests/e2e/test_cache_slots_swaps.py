@@ -10,11 +10,13 @@ from reap_swap.plan.document import load_plan
 from reap_swap.sizing.cache_tail import plan_swap_split
 from reap_swap.sizing.model_shape import read_model_shape
 
+from .conftest import EAGER
 from .helpers import status
 
 ARGS = [
     "--reap-cache", "lfu", "--reap-cache-slots", "swaps", "--reap-residency", "accounting",
     "--reap-cache-device", "on", "--no-enable-prefix-caching",
+    EAGER,  # the split does not depend on torch.compile (conftest)
 ]  # fmt: skip
 
 

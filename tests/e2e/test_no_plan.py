@@ -11,13 +11,14 @@ import pytest
 
 from reap_swap.sizing.model_shape import read_model_shape
 
-from .conftest import MODEL_NAME
+from .conftest import EAGER, MODEL_NAME
 from .helpers import misses, prefill, status, swap, unique_prompt
 
 
 @pytest.fixture(scope="module")
 def api(server_pool):
-    server = server_pool.get("noplan", ["--no-enable-prefix-caching"], plan=False)
+    # the bare plan's routes do not depend on torch.compile (conftest)
+    server = server_pool.get("noplan", ["--no-enable-prefix-caching", EAGER], plan=False)
     with server.client() as c:
         yield c
 

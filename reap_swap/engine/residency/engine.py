@@ -157,6 +157,7 @@ class CudaEngine:
                     f"--reap-group-size {self.group_size}: {vllm_mxfp4.KERNEL} routes inside itself, "
                     "so expert ids cannot be mapped to a grouped order (MXFP4 is served per expert)"
                 )
+            wrapped = set(unwrapped.bases)
         bound = bind_module(
             layer,
             sizes,
@@ -167,6 +168,8 @@ class CudaEngine:
             contiguous_ok=self.group_size != "1",
             unwrapped=unwrapped,
         )
+        if unwrapped is not None and bound.refusal is None and set(bound.rehome) != wrapped:
+            return f"re-homed {sorted(bound.rehome)}, but only {sorted(wrapped)} can be re-pointed"
         return bound.refusal or bound
 
     def _check_layer(
@@ -256,6 +259,8 @@ class CudaEngine:
         on_hbm = isinstance(w13, torch.Tensor) and not vllm_moe.is_uva_offloaded(w13)
         on_hbm = on_hbm or vllm_mxfp4.is_oai_mxfp4(layer)  # its swizzle always writes new HBM tensors
         replaced = vllm_moe.keep_replaced_on_device(layer)  # an INT4 repack in HBM stays there, as stock
+        if vllm_mxfp4.is_oai_mxfp4(layer):  # its loaded weights were deleted: their pinned blocks are free
+            vllm_moe.release_cached_pinned_memory()
         if replaced:
             freed = vllm_pinning.release(replaced)
             logger.info("reap-swap: refused layer %s keeps its repacked experts in HBM (%d B of host copies given back)",
@@ -295,8 +300,9 @@ def _point_params(layer: torch.nn.Module, bound: BoundLayer, views: Mapping[str,
     """Point the re-homed parameters (aliases too) at the range's views, flagged as offloaded;
     tensors held outside Parameters (MXFP4's wrappers) through the binding's `repoint`."""
     if bound.repoint is not None:
-        for name in bound.rehome:
+        for name in list(bound.rehome):
             bound.repoint(name, views[name])
+            bound.rehome[name] = views[name]  # drop the swizzled copy: _settle frees it with this layer
         layer._reap_vmm = True
         return
     for name in (*bound.rehome, *bound.aliases):
