@@ -4,7 +4,8 @@
 # the GPT-OSS shape, beside DeepSeek-V2-Lite on Model Runner V2 offloaded at load by reap-swap's hook
 # (compat/runner.install_v2_offloader; research/gpu/check_mrv2.py reads it); then the AWQ model larger
 # than the card (Qwen3-235B-A22B shape, 72 layers, lease34's step 3) and GPT-OSS-120B MXFP4 at full
-# depth if the 2-layer case was equal to stock; issue 42's skew bench and guards last.
+# depth if the 2-layer case was equal to stock; online FP8's load-time HBM peak at 12 layers; issue
+# 42's skew bench and guards last.
 # Poll calls tar /tmp/run into $OUT.
 source "$(dirname "$0")/lease_env.sh"
 free -g >> "$R/lease.log"
@@ -46,6 +47,13 @@ if python3 -c "import json, sys; r = json.load(open('$R/mx/quant_e2e.json'))['ro
     --prompts 2 --greedy-tokens 8 --startup-timeout 500 --models /tmp/families > "$R/gptoss120.log" 2>&1
   say "gpt-oss-120b rc $?"
 fi
+# online --quantization fp8 (issue 44): is the load's HBM peak one layer in conversion (vLLM 0.26.0's
+# reload/layerwise.py materializes, loads and quantizes one layer at a time; the engine re-homes it
+# right after) or every expert (what launcher.check_device_load assumes)? mem.log has the answer.
+say "online fp8 at 12 layers start"
+timeout 400 python3 research/gpu/gpu_quant_e2e.py --out "$R/fp8online" --cases fp8-online --layers 12 --jobs 1 \
+  --stock-twice none --eager-pair none --case-timeout 360 > "$R/fp8online.log" 2>&1
+say "online fp8 rc $?"
 kill $MEMPID
 timeout 560 python3 research/gpu/gpu_skew_bench.py --out "$R/skew" --no-25 --deadline 500 --all-at-once \
   --only cache50,resident,static50 > "$R/skew.log" 2>&1
