@@ -17,7 +17,7 @@ import pytest
 
 from reap_swap.plan.document import load_plan
 
-from .conftest import ROOT, launcher_env
+from .conftest import EAGER, ROOT, launcher_env
 
 pytestmark = pytest.mark.e2e
 
@@ -68,6 +68,7 @@ def bench_run(tiny_moe, server_pool, tmp_path_factory):
         "512",
         "--kv-cache-memory-bytes",
         str(256 << 20),
+        EAGER,  # the bench's servers compile anew each (conftest); the counters are what is checked
     ]
     proc = subprocess.run(argv, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=2400)
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
