@@ -314,6 +314,7 @@ def child_argv(a: argparse.Namespace, name: str) -> list[str]:
         str(a.decode_tokens),
     ]
     argv += (["--tiny"] if a.tiny else []) + (["--serial-arms"] if a.serial_arms else [])
+    argv += ["--gpt-oss-shape"] if a.gpt_oss_shape else []
     argv += ["--reap-group-size", a.reap_group_size] if a.reap_group_size else []
     return argv
 
