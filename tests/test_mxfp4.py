@@ -28,7 +28,7 @@ from reap_swap.server import launcher as server
 from reap_swap.sizing.model_shape import read_model_shape
 from reap_swap.sizing.quant.budget import served_quant
 from reap_swap.sizing.quant.layout import Decision, LayerSpec, ParamSpec, bind_tensor
-from reap_swap.sizing.quant.scheme import expected_numels, scheme_from_config
+from reap_swap.sizing.quant.scheme import HOPPER_MX_SCALE, expected_numels, scheme_from_config
 
 DATA = Path(__file__).resolve().parent / "data"
 MXFP4 = {"quant_method": "mxfp4"}
@@ -102,7 +102,7 @@ def test_unwrap_reads_the_swizzled_bases_and_the_scales_on_the_method():
     assert u.bases["w13_weight"].shape == (E, 2 * I // 4, H // 2 * 4)
     assert u.bases["w13_weight"].data_ptr() == layer.w13_weight.storage.data.data_ptr()
     assert set(u.scales) == {"w13_weight_scale", "w2_weight_scale"}
-    assert set(u.layouts.values()) == {mxfp4.SCALE_LAYOUT_TAG}
+    assert set(u.layouts.values()) == {HOPPER_MX_SCALE}
 
 
 def test_the_weights_rehome_and_the_scales_and_biases_stay_whole():

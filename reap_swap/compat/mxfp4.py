@@ -26,12 +26,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from reap_swap.sizing.quant.scheme import HOPPER_MX_SCALE
+
 GATE_ENV = "REAPSWAP_MXFP4"
 METHOD = "GptOssMxfp4MoEMethod"
 KERNEL = "OAITritonMxfp4ExpertsMonolithic"
 VALUE_LAYOUT = "HOPPER_VALUE"  # triton_kernels HopperMXValueLayout.name
 SCALE_LAYOUT = "HOPPER_SCALE"  # HopperMXScaleLayout.name
-SCALE_LAYOUT_TAG = "hopper_mx_scale"  # how the binding rules are told a scale carries that padding
 # the expert tensors the wrappers hold (re-homed) and their scales (kept whole in HBM)
 WEIGHTS = ("w13_weight", "w2_weight")
 SCALES = {"w13_weight_scale": "w13_precision_config", "w2_weight_scale": "w2_precision_config"}
@@ -40,6 +41,14 @@ SCALES = {"w13_weight_scale": "w13_precision_config", "w2_weight_scale": "w2_pre
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Is the MXFP4 path turned on (`REAPSWAP_MXFP4=1`)? Off by default until verified on a GPU."""
     return environ.get(GATE_ENV, "") == "1"
+
+
+def served_here(architecture: str) -> bool:
+    """Does the launcher serve this model's MXFP4 experts per expert: the path on, GPT-OSS (its
+    GptOssMxfp4Config picks the method read here), and a Hopper card (the only swizzle read)?"""
+    from reap_swap.compat import serve
+
+    return enabled() and architecture == "GptOssForCausalLM" and serve.device_capability() == (9, 0)
 
 
 def is_oai_mxfp4(layer: Any) -> bool:
@@ -109,7 +118,7 @@ def unwrap(layer: Any) -> Unwrapped | str:
         base = _base(scale, SCALE_LAYOUT, f"{config}.weight_scale")
         if isinstance(base, str):
             return base
-        out.scales[name], out.layouts[name] = base, SCALE_LAYOUT_TAG
+        out.scales[name], out.layouts[name] = base, HOPPER_MX_SCALE
     return out
 
 

@@ -64,19 +64,16 @@ def register() -> None:
     torchvision_stub.install_if_requested()
     if not layers_plugin_enabled():
         return
-    from reap_swap.compat import pinning
+    import logging
+
+    from reap_swap.compat import pinning, runner
     from reap_swap.engine import routed_experts as experts
 
     experts.register()
-    from reap_swap.compat import runner
-
+    log = logging.getLogger("reap_swap.compat")
     why = pinning.install()  # acts only where the config being built sets exact_pinning
     if why is not None:
-        import logging
-
-        logging.getLogger("reap_swap.compat").info("reap-swap: exact pinning not available: %s", why)
+        log.info("reap-swap: exact pinning not available: %s", why)
     why = runner.install_v2_offloader()  # Model Runner V2 of 0.26.x: load experts into host memory
     if why is not None:
-        import logging
-
-        logging.getLogger("reap_swap.compat").warning("reap-swap: Model Runner V2 offload hook: %s", why)
+        log.warning("reap-swap: Model Runner V2 offload hook: %s", why)

@@ -125,12 +125,7 @@ def gpu_engine_args(settings: Settings, args: argparse.Namespace, shape, pool_by
     if settings.accounting_reason(vllm_serve.platform_name()) is not None:
         return
     cli = getattr(args, "quantization", None)
-    # Hopper only: the swizzle the engine reads is HopperMXValueLayout (compat/mxfp4.py)
-    oai_mxfp4 = (
-        vllm_mxfp4.enabled()
-        and shape.architecture == "GptOssForCausalLM"
-        and vllm_serve.device_capability() == (9, 0)
-    )
+    oai_mxfp4 = vllm_mxfp4.served_here(shape.architecture)
     served = served_quant(shape.quant, shape.quant_method, cli, settings.residency.group_size, oai_mxfp4)
     if not served.launcher_may_offload:
         log.info(

@@ -44,7 +44,8 @@ class UnitLayout:
         return self.offsets[self.names.index(name)]
 
 
-def _round_up(x: int, to: int) -> int:
+def round_up(x: int, to: int) -> int:
+    """`x` rounded up to a multiple of `to`."""
     return -(-x // to) * to
 
 
@@ -60,9 +61,9 @@ def plan_unit(slabs: Sequence[tuple[str, int]], granularity: int, align: int = S
             raise ValueError(f"{name}: slab of {nbytes} B")
         if name in names:
             raise ValueError(f"{name}: listed twice")
-        start = _round_up(end, align)
+        start = round_up(end, align)
         names.append(name)
         sizes.append(int(nbytes))
         offsets.append(start)
         end = start + int(nbytes)
-    return UnitLayout(tuple(names), tuple(sizes), tuple(offsets), end, _round_up(end, granularity))
+    return UnitLayout(tuple(names), tuple(sizes), tuple(offsets), end, round_up(end, granularity))

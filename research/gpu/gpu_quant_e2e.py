@@ -128,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def writer_argv(a: argparse.Namespace, fmt: str) -> list[str]:
     """make_quant_checkpoint.py's arguments for one format under DIR/checkpoints/."""
-    shape = TINY if a.tiny else (GPT_OSS_SHAPE if getattr(a, "gpt_oss_shape", False) else [])
+    shape = TINY if a.tiny else (GPT_OSS_SHAPE if a.gpt_oss_shape else [])
     out = str(a.out / "checkpoints")
     return ["--out", out, "--format", fmt, "--layers", str(a.layers), "--plain-attention", "1", *shape]
 
@@ -147,9 +147,7 @@ def case_info(name: str, model: Path, group_size: str | None = None) -> dict:
     cli = extra[extra.index("--quantization") + 1] if "--quantization" in extra else None
     qc = quantization_config(cfg.get("text_config") or cfg, cfg)
     s = read_model_shape(cfg)
-    oai_mxfp4 = (
-        mxfp4.enabled() and s.architecture == "GptOssForCausalLM"
-    )  # REAPSWAP_MXFP4=1: the launcher's rule
+    oai_mxfp4 = mxfp4.served_here(s.architecture)  # the launcher's rule
     served = served_quant_of(qc, cli, group_size or "1", oai_mxfp4)
     fmt = expert_format(served.scheme, s.hidden_size, s.moe_intermediate_size, s.dtype_bytes, s.expert_bias)
     return {

@@ -157,7 +157,6 @@ class CudaEngine:
                     f"--reap-group-size {self.group_size}: {vllm_mxfp4.KERNEL} routes inside itself, "
                     "so expert ids cannot be mapped to a grouped order (MXFP4 is served per expert)"
                 )
-            wrapped = set(unwrapped.bases)
         bound = bind_module(
             layer,
             sizes,
@@ -168,8 +167,8 @@ class CudaEngine:
             contiguous_ok=self.group_size != "1",
             unwrapped=unwrapped,
         )
-        if unwrapped is not None and bound.refusal is None and set(bound.rehome) != wrapped:
-            return f"re-homed {sorted(bound.rehome)}, but only {sorted(wrapped)} can be re-pointed"
+        if unwrapped is not None and bound.refusal is None and set(bound.rehome) != set(unwrapped.bases):
+            return f"re-homed {sorted(bound.rehome)}, but only {sorted(unwrapped.bases)} can be re-pointed"
         return bound.refusal or bound
 
     def _check_layer(
@@ -256,10 +255,10 @@ class CudaEngine:
     def _refuse(self, layer: torch.nn.Module, index: int | None, reason: str) -> None:
         """Leave the layer on vLLM's stock path; record whether its experts sit in HBM or host (UVA)."""
         w13 = getattr(layer, "w13_weight", None)
-        on_hbm = isinstance(w13, torch.Tensor) and not vllm_moe.is_uva_offloaded(w13)
-        on_hbm = on_hbm or vllm_mxfp4.is_oai_mxfp4(layer)  # its swizzle always writes new HBM tensors
+        mxfp4 = vllm_mxfp4.is_oai_mxfp4(layer)  # its swizzle always writes new HBM tensors
+        on_hbm = mxfp4 or (isinstance(w13, torch.Tensor) and not vllm_moe.is_uva_offloaded(w13))
         replaced = vllm_moe.keep_replaced_on_device(layer)  # an INT4 repack in HBM stays there, as stock
-        if vllm_mxfp4.is_oai_mxfp4(layer):  # its loaded weights were deleted: their pinned blocks are free
+        if mxfp4:  # its loaded weights were deleted: their pinned blocks are free
             vllm_moe.release_cached_pinned_memory()
         if replaced:
             freed = vllm_pinning.release(replaced)

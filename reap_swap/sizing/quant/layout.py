@@ -61,7 +61,7 @@ class ParamSpec:
     elem_bytes: float  # bytes per element of the storage dtype (int32-packed int4: 4)
     dtype: str = ""
     strides: tuple[int, ...] | None = None  # in elements; None = row-major contiguous
-    layout: str = ""  # a swizzle whose padding the shape rules know ("hopper_mx_scale"), else ""
+    layout: str = ""  # a swizzle whose padding the shape rules know (scheme.HOPPER_MX_SCALE), else ""
 
     @property
     def row_major_strides(self) -> tuple[int, ...]:

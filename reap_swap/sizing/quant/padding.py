@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from reap_swap.sizing.quant.scheme import QuantScheme
+from reap_swap.sizing.unit_layout import round_up
 
 MiB = 2**20
 GRANULE = 2 * MiB
@@ -105,7 +106,7 @@ def qwen3_30b_formats(hidden: int = 2048, inter: int = 768) -> list[ExpertFormat
 
 def private_bytes(fmt: ExpertFormat, g: int = GRANULE) -> int:
     """Today's unit: w13 + w2 of one expert padded to the granularity (strided kernels only)."""
-    return -(-fmt.ideal // g) * g
+    return round_up(fmt.ideal, g)
 
 
 def per_expert_bytes(fmt: ExpertFormat, g: int = GRANULE) -> float:

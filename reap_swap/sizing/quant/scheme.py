@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from reap_swap.sizing.unit_layout import round_up
+
 
 @dataclass(frozen=True)
 class QuantScheme:
@@ -70,10 +72,7 @@ def scheme_from_config(cfg: Mapping[str, Any] | None) -> QuantScheme:
 # triton_kernels' Hopper MX scale swizzle pads rows to 2 * num_warps(8) * 2 * 8 and vLLM pads the
 # scale groups to a multiple of 4 before it (mxfp4_utils.py _swizzle_mxfp4, hopper_scale.py)
 HOPPER_SCALE_ROWS, HOPPER_SCALE_GROUPS = 256, 4
-
-
-def _roundup(x: int, m: int) -> int:
-    return -(-x // m) * m
+HOPPER_MX_SCALE = "hopper_mx_scale"  # the ParamSpec.layout tag of a scale with that padding
 
 
 def expected_numels(
@@ -81,10 +80,10 @@ def expected_numels(
 ) -> set[float] | None:
     """Per-expert element (or, for weights and zero points, byte) counts the config allows for a
     projection with out features `outs` (either allowed) and in features `k_in`; None: no check.
-    `layout` "hopper_mx_scale": a scale swizzled for Hopper, padded as that swizzle pads it."""
-    if role == "scale" and layout == "hopper_mx_scale" and scheme.group_size:
-        groups = _roundup(math.ceil(k_in / scheme.group_size), HOPPER_SCALE_GROUPS)
-        return {_roundup(o, HOPPER_SCALE_ROWS) * groups for o in outs}
+    `layout` HOPPER_MX_SCALE: a scale swizzled for Hopper, padded as that swizzle pads it."""
+    if role == "scale" and layout == HOPPER_MX_SCALE and scheme.group_size:
+        groups = round_up(math.ceil(k_in / scheme.group_size), HOPPER_SCALE_GROUPS)
+        return {round_up(o, HOPPER_SCALE_ROWS) * groups for o in outs}
     if role == "weight":
         return {o * k_in * scheme.bits / 8 for o in outs}  # bytes
     if role == "scale":
